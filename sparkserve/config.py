@@ -1,0 +1,93 @@
+"""ModelConfig: one normalised view of a model's architecture, whether it came from an HF
+config.json or from GGUF metadata, so models and pools never parse raw configs themselves."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    # Per-layer sliding window (None = full attention), length num_hidden_layers.
+    layer_windows: list[int | None] = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(d.get("model_type", ""))
+        n_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        n_layers = d["num_hidden_layers"]
+        eos = d.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=arch,
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            vocab_size=d["vocab_size"],
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            qk_norm=arch.startswith("Qwen3"),
+            layer_windows=_layer_windows(d, n_layers),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            raw=d,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> "ModelConfig":
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    @property
+    def context_length(self) -> int:
+        return self.max_position_embeddings
+
+
+def _arch_from_model_type(model_type: str) -> str:
+    return {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM"}.get(model_type, model_type)
+
+
+def _layer_windows(d: dict[str, Any], n_layers: int) -> list[int | None]:
+    """Which layers use a sliding window. Mistral: every layer when `sliding_window` is set;
+    Qwen3/Gemma style: `layer_types` names each layer."""
+    window = d.get("sliding_window")
+    layer_types = d.get("layer_types")
+    if layer_types:
+        use = d.get("use_sliding_window", True)
+        return [window if (t == "sliding_attention" and use and window) else None for t in layer_types]
+    if d.get("model_type") == "qwen3" or d.get("use_sliding_window") is False:
+        return [None] * n_layers
+    return [window] * n_layers if window else [None] * n_layers

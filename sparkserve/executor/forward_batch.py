@@ -1,0 +1,86 @@
+"""ForwardBatch: what one model forward needs, as tensors. Built by the ModelRunner from a
+scheduled batch; attention reads its padded views (built once, shared by every layer)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from sparkserve.mem.kv_pool import KVPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"      # prefill new tokens over a cached prefix
+    DECODE = "decode"      # one token per request
+    VERIFY = "verify"      # target scores anchor + draft tokens
+    DRAFT = "draft"        # draft model block pass
+    IDLE = "idle"          # a rank with no work joins collectives
+    PREBUILT = "prebuilt"  # PD decode: KV arrived from a prefill server
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor         # [T] flat tokens of all requests, request after request
+    positions: torch.Tensor         # [T]
+    out_cache_loc: torch.Tensor     # [T] KV slots the new tokens write to
+    extend_lens: list[int]          # new tokens per request
+    seq_lens: list[int]             # KV length per request after this forward
+    kv_indices: torch.Tensor        # [B, max(seq_lens)] slot of every position, padded with 0
+    kv_pool: "KVPool"
+    logits_rows: torch.Tensor | None = None   # flat rows whose logits are wanted
+    aux_hidden: list[torch.Tensor] = field(default_factory=list)
+    _meta: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def query_layout(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(q_index [B, Qmax] flat row per padded query slot, flat_index [T] or None) — None when
+        every request has the same number of query tokens and no reshuffle is needed."""
+        if "q" not in self._meta:
+            lens = self.extend_lens
+            qmax = max(lens)
+            if all(n == qmax for n in lens):
+                q_index = torch.arange(self.num_tokens).view(len(lens), qmax)
+                flat = None
+            else:
+                starts = torch.tensor([0] + lens[:-1]).cumsum(0)
+                ar = torch.arange(qmax)
+                lens_t = torch.tensor(lens)
+                valid = ar[None, :] < lens_t[:, None]
+                q_index = torch.where(valid, starts[:, None] + ar[None, :], torch.zeros((), dtype=torch.long))
+                flat = (torch.arange(len(lens))[:, None] * qmax + ar[None, :])[valid]
+            self._meta["q"] = (q_index, flat)
+        return self._meta["q"]
+
+    def attn_mask(self, window: int | None) -> torch.Tensor | None:
+        """Bool [B, 1, Qmax, Lmax]: causal over absolute positions, within seq_len, inside the
+        sliding window. None when everything is visible (batch-1 decode, equal lengths)."""
+        key = ("mask", window)
+        if key not in self._meta:
+            self._meta[key] = self._build_mask(window)
+        return self._meta[key]
+
+    def _build_mask(self, window: int | None) -> torch.Tensor | None:
+        lmax = self.kv_indices.shape[1]
+        all_decode = all(n == 1 for n in self.extend_lens)
+        same_len = all(s == lmax for s in self.seq_lens)
+        if all_decode and same_len and (window is None or lmax <= window):
+            return None
+        q_index, _ = self.query_layout()
+        qpos = self.positions[q_index]                    # [B, Qmax]; padded rows see key 0
+        kpos = torch.arange(lmax)
+        seq = torch.tensor(self.seq_lens)
+        mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < seq[:, None, None])
+        if window is not None:
+            mask &= qpos[:, :, None] - kpos[None, None, :] < window
+        return mask.unsqueeze(1)

@@ -1,0 +1,37 @@
+"""Paged attention on CPU with torch SDPA: write the new K/V into the pool, gather each
+request's K/V through its slot table into a padded batch, attend under one mask."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparkserve.executor.forward_batch import ForwardBatch
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 window: int | None = None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.window = window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H*D]."""
+        k_buf, v_buf = batch.kv_pool.layer(self.layer_id)
+        k_buf[batch.out_cache_loc] = k
+        v_buf[batch.out_cache_loc] = v
+        q_index, flat_index = batch.query_layout()
+        B, qmax = q_index.shape
+        qp = q[q_index].transpose(1, 2)                                  # [B, H, Qmax, D]
+        kp = k_buf[batch.kv_indices].transpose(1, 2)                     # [B, Hkv, L, D]
+        vp = v_buf[batch.kv_indices].transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=batch.attn_mask(self.window), scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        out = out.transpose(1, 2).reshape(B * qmax, self.num_heads * self.head_dim)
+        return out if flat_index is None else out[flat_index]

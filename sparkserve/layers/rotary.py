@@ -1,0 +1,57 @@
+"""Rotary position embedding (neox / HF `rotate_half` layout) with a precomputed cos/sin table
+indexed by absolute positions, so a flat batch of mixed requests needs one gather."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None = None):
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        if not self.cos.is_meta:
+            self.build()
+
+    def build(self) -> None:
+        """Fill the tables (again after a meta-device construction left them empty)."""
+        inv = _inv_freq(self.head_dim, self.theta, self.scaling).float()
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] positions -> cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

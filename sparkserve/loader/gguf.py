@@ -1,0 +1,92 @@
+"""GGUF checkpoints: config from metadata, tensors dequantized to fp32 under HF names.
+llama.cpp stores llama q/k rows permuted for its rope; we undo that so one model code path
+serves GGUF and HF checkpoints alike."""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator
+
+import gguf
+import numpy as np
+import torch
+
+from sparkserve.config import ModelConfig
+from sparkserve.loader.gguf_file import gguf_metadata, open_gguf
+
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_config(path: str) -> ModelConfig:
+    meta = gguf_metadata(open_gguf(path))
+    arch = meta["general.architecture"]
+    if arch not in _ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHS)})")
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    reader = open_gguf(path)
+    names = {t.name for t in reader.tensors}
+    n_heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    window = get("attention.sliding_window")
+    hf: dict[str, Any] = {
+        "architectures": [_ARCHS[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": get("attention.head_count_kv", n_heads),
+        "head_dim": get("attention.key_length", hidden // n_heads),
+        "vocab_size": vocab,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "max_position_embeddings": get("context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in names,
+        "sliding_window": window,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    return ModelConfig.from_hf_dict(hf)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    reader = open_gguf(path)
+    permuted = gguf_metadata(reader)["general.architecture"] == "llama"
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if permuted and name.endswith("q_proj.weight"):
+            w = _unpermute(w, cfg.num_attention_heads)
+        elif permuted and name.endswith("k_proj.weight"):
+            w = _unpermute(w, cfg.num_key_value_heads)
+        yield name, torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
+
+
+def _hf_name(name: str) -> str:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            raise ValueError(f"unknown GGUF tensor {name}")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    base, kind = name.rsplit(".", 1)
+    if base not in _TOP_NAMES:
+        raise ValueError(f"unknown GGUF tensor {name}")
+    return f"{_TOP_NAMES[base]}.{kind}"

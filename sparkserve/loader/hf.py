@@ -1,0 +1,37 @@
+"""HF checkpoint directories: config.json + *.safetensors (sharded or not)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from sparkserve.config import ModelConfig
+
+
+def hf_config(path: str) -> ModelConfig:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path} has no config.json (expected an HF model directory or a .gguf file)")
+    return ModelConfig.from_hf_dir(path)
+
+
+def safetensor_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, f) for f in files]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{path} holds no *.safetensors files")
+    return files
+
+
+def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensor_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).float()

@@ -1,0 +1,38 @@
+"""Token-indexed KV pool: per layer one K and one V buffer of [slots, kv_heads, head_dim].
+Slot 0 is a dummy that padding reads from and never holds a real token."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PoolComponent:
+    """How a pool's storage is laid out, for transfer / retraction / rollback code that must
+    not know pool internals (DESIGN.md contract 3)."""
+    name: str
+    kind: str                     # token_page | window_page | request_row
+    tensors: list[torch.Tensor]   # one per layer
+    bytes_per_item: int
+
+
+class KVPool:
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32):
+        self.num_slots = num_slots
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer_id], self.v[layer_id]
+
+    def components(self) -> list[PoolComponent]:
+        item = self.k[0][0].numel() * self.k[0].element_size()
+        return [PoolComponent("k", "token_page", self.k, item),
+                PoolComponent("v", "token_page", self.v, item)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

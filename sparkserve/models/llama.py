@@ -1,0 +1,152 @@
+"""Llama-family decoder (Llama, Qwen3 with q/k norm, Mistral with sliding windows, SmolLM2).
+
+Contract (DESIGN.md): `forward(input_ids, positions, batch)` returns final normed hidden states;
+logits come from `compute_logits(hidden)` so callers choose the rows; `set_aux_layers(ids)`
+makes the forward record the output of those decoder layers into `batch.aux_hidden`."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from sparkserve.config import ModelConfig
+from sparkserve.executor.forward_batch import ForwardBatch
+from sparkserve.layers.activation import silu_and_mul
+from sparkserve.layers.attention import PagedAttention
+from sparkserve.layers.linear import FusedLinear
+from sparkserve.layers.norm import RMSNorm
+from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
+from sparkserve.models.aux_capture import AuxCaptureMixin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": self.h * self.d, "k": self.hkv * self.d,
+                                                      "v": self.hkv * self.d}, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.attn = PagedAttention(layer_id, self.h, self.hkv, self.d, cfg.layer_windows[layer_id])
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = q.view(-1, self.h, self.d)
+        k = k.view(-1, self.hkv, self.d)
+        v = v.view(-1, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
+                                                          "up": cfg.intermediate_size})
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, cos_sin, batch):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
+
+
+class LlamaForCausalLM(AuxCaptureMixin, nn.Module):
+    # checkpoint name fragment -> (fused parameter fragment, shard)
+    stacked_params = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"),
+                      ".v_proj.": (".qkv_proj.", "v"), ".gate_proj.": (".gate_up_proj.", "gate"),
+                      ".up_proj.": (".gate_up_proj.", "up")}
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_aux_capture(cfg.num_hidden_layers)
+
+    def post_materialize(self) -> None:
+        """After `to_empty`: re-tie the LM head and refill the rope tables."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.rotary.build()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary.cos_sin(positions)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos_sin, batch)
+            if i in self.aux_layer_set:
+                batch.aux_hidden.append(x)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            for frag, (fused, shard) in self.stacked_params.items():
+                if frag in name:
+                    target = name.replace(frag, fused)
+                    mod_name, kind = target.rsplit(".", 1)
+                    modules[mod_name].load(shard, tensor, kind)
+                    loaded.add(f"{target}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name} has no matching parameter")
+                p = params[name]
+                if p.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(p.shape)}")
+                p.data.copy_(tensor)
+                loaded.add(name)
+        missing = sorted(self._expected_tensors() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _expected_tensors(self) -> set[str]:
+        expected = set()
+        for mod_name, mod in self.named_modules():
+            for pname, _ in mod.named_parameters(recurse=False):
+                full = f"{mod_name}.{pname}"
+                if isinstance(mod, FusedLinear):
+                    expected |= {f"{full}#{shard}" for shard in mod.shard_offsets}
+                elif not (full == "lm_head.weight" and self.config.tie_word_embeddings):
+                    expected.add(full)
+        return expected

@@ -1,0 +1,51 @@
+"""Architecture name -> model class, and one `load_model` for GGUF files and HF directories."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from sparkserve.config import ModelConfig
+from sparkserve.models.llama import LlamaForCausalLM
+
+MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    if cfg.architecture not in MODELS:
+        raise ValueError(f"architecture {cfg.architecture!r} is not supported; supported: "
+                         f"{', '.join(sorted(MODELS))}")
+    return MODELS[cfg.architecture]
+
+
+def load_config(model_path: str) -> ModelConfig:
+    if model_path.endswith(".gguf"):
+        from sparkserve.loader.gguf import gguf_config
+        return gguf_config(model_path)
+    from sparkserve.loader.hf import hf_config
+    return hf_config(model_path)
+
+
+def load_model(model_path: str, cfg: ModelConfig | None = None) -> nn.Module:
+    if not os.path.exists(model_path):
+        raise FileNotFoundError(f"model path {model_path} does not exist")
+    cfg = cfg or load_config(model_path)
+    cls = model_class(cfg)
+    # Build on the meta device: no time spent on random init of weights about to be overwritten.
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device="cpu")
+    if model_path.endswith(".gguf"):
+        from sparkserve.loader.gguf import gguf_weights
+        weights = gguf_weights(model_path, cfg)
+    else:
+        from sparkserve.loader.hf import hf_weights
+        weights = hf_weights(model_path)
+    model.post_materialize()
+    model.load_weights(weights)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,140 @@
+"""Per-request sampling parameters, named and defaulted as in SGLang so its clients work unchanged.
+
+`validate` is the single gate between untrusted request JSON and the sampler: every error is a
+`ValueError` whose message starts with the parameter name, so the HTTP layer can turn it into a 400.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+# Below this temperature the distribution is numerically a one-hot; SGLang treats it as greedy too.
+GREEDY_EPS = 1e-6
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+_ALIASES = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob")
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingParams:
+    """What one request asks of the sampler and of the stop checker."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from request JSON; unknown keys are errors (a typo must not silently do nothing)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+        names = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            name = _ALIASES.get(key, key)
+            if name not in names:
+                raise ValueError(f"{key} is not a known sampling parameter")
+            if name in kwargs:
+                raise ValueError(f"{name} given twice (as {key} and its alias)")
+            kwargs[name] = value
+        params = cls(**kwargs)
+        params.validate()
+        return params
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= GREEDY_EPS or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Raise ValueError on any bad value; normalises top_k=0 to -1. Returns self for chaining."""
+        for name in _BOOL_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be a bool, got {v!r}")
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise ValueError(f"{name} must be an int, got {v!r}")
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0:
+            self.top_k = -1
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+            )
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        self._validate_stop(vocab_size)
+        return self
+
+    def _validate_stop(self, vocab_size: int | None) -> None:
+        stop = self.stop
+        if stop is not None and not isinstance(stop, (str, list)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        strings = self.stop_strings
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(strings)}")
+        for s in strings:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        ids = self.stop_token_ids
+        if ids is None:
+            return
+        if not isinstance(ids, list):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {type(ids).__name__}")
+        for t in ids:
+            if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise ValueError(f"stop_token_ids entries must be ints in {bound}, got {t!r}")

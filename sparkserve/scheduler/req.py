@@ -1,0 +1,56 @@
+"""Req: one generation request as the scheduler sees it (tokens, KV bookkeeping, finish)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkserve.executor.sampler import RequestSamplingState
+from sparkserve.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    sampling: RequestSamplingState
+    output_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping (KVCacheManager): table row, tokens with KV, leading tokens owned by the cache.
+    row: int | None = None
+    kv_len: int = 0
+    cached_len: int = 0
+    last_node: Any = None
+    cached_tokens: int = 0          # prompt tokens served from the prefix cache (usage)
+    finished_reason: dict[str, Any] | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_retractions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def check_finished(self, eos_ids: set[int], tail_text: "callable[[int], str] | None") -> None:
+        """Set finished_reason after a new token: stop ids / EOS, stop strings, length.
+        `tail_text(n)` decodes the last n output tokens (stop strings need text)."""
+        p = self.params
+        tok = self.output_ids[-1]
+        if p.stop_token_ids and tok in p.stop_token_ids:
+            self.finished_reason = {"type": "stop", "matched": tok}
+        elif not p.ignore_eos and tok in eos_ids and len(self.output_ids) >= p.min_new_tokens:
+            self.finished_reason = {"type": "stop", "matched": tok}
+        elif p.stop_strings and tail_text is not None:
+            width = max(len(s) for s in p.stop_strings) + 8
+            text = tail_text(width)
+            for s in p.stop_strings:
+                if s in text:
+                    self.finished_reason = {"type": "stop", "matched": s}
+                    break
+        if self.finished_reason is None and len(self.output_ids) >= p.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": len(self.output_ids)}
