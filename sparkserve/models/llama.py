@@ -14,7 +14,7 @@ from sparkserve.config import ModelConfig
 from sparkserve.executor.forward_batch import ForwardBatch
 from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.attention import PagedAttention
-from sparkserve.layers.linear import FusedLinear
+from sparkserve.layers.linear import FusedLinear, Linear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.models.aux_capture import AuxCaptureMixin
@@ -26,7 +26,7 @@ class LlamaAttention(nn.Module):
         self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": self.h * self.d, "k": self.hkv * self.d,
                                                       "v": self.hkv * self.d}, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(layer_id, self.h, self.hkv, self.d, cfg.layer_windows[layer_id])
@@ -49,7 +49,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
                                                           "up": cfg.intermediate_size})
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -88,7 +88,7 @@ class LlamaForCausalLM(AuxCaptureMixin, nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.init_aux_capture(cfg.num_hidden_layers)

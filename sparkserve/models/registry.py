@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
+from sparkserve.layers.linear import pack_linears
 from sparkserve.models.llama import LlamaForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
@@ -31,7 +32,7 @@ def load_config(model_path: str) -> ModelConfig:
     return hf_config(model_path)
 
 
-def load_model(model_path: str, cfg: ModelConfig | None = None) -> nn.Module:
+def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = True) -> nn.Module:
     if not os.path.exists(model_path):
         raise FileNotFoundError(f"model path {model_path} does not exist")
     cfg = cfg or load_config(model_path)
@@ -48,4 +49,7 @@ def load_model(model_path: str, cfg: ModelConfig | None = None) -> nn.Module:
         weights = hf_weights(model_path)
     model.post_materialize()
     model.load_weights(weights)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if pack:
+        pack_linears(model)
+    return model

@@ -1,0 +1,75 @@
+"""Command line: `sparkserve serve | generate`. Flags follow SGLang's names (see --help)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from sparkserve.args import ServerArgs
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparkserve", description="LLM serving engine on PyTorch")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser("serve", help="start the OpenAI- and SGLang-compatible HTTP server")
+    ServerArgs.add_cli_args(serve)
+
+    gen = sub.add_parser("generate", help="generate an answer for one prompt and print it")
+    gen.add_argument("prompt", help="the user message (chat template applied unless --raw)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--system", default=None, help="system message")
+    gen.add_argument("--json", action="store_true", help="print the full result as JSON")
+    ServerArgs.add_cli_args(gen)
+    return p
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from sparkserve.entrypoints.engine import Engine
+    args = ServerArgs.from_cli_args(ns)
+    engine = Engine(**args.to_dict())
+    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature,
+              "top_p": ns.top_p, "top_k": ns.top_k, "seed": ns.seed}
+    if ns.raw:
+        stream = engine.generate(ns.prompt, params, stream=True)
+    else:
+        msgs = ([{"role": "system", "content": ns.system}] if ns.system else []) + \
+               [{"role": "user", "content": ns.prompt}]
+        stream = engine.generate(messages=msgs, sampling_params=params, stream=True)
+    last = None
+    for chunk in stream:
+        if not ns.json:
+            sys.stdout.write(chunk["text"])
+            sys.stdout.flush()
+        last = chunk
+    if ns.json:
+        print(json.dumps(last["meta_info"]))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    logging.basicConfig(level=getattr(ns, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if ns.command == "generate":
+            return _generate(ns)
+        if ns.command == "serve":
+            from sparkserve.entrypoints.http_server import launch_server
+            return launch_server(ServerArgs.from_cli_args(ns).validate())
+    except ValueError as e:          # bad flags or inputs: a message, not a traceback
+        print(f"sparkserve: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
