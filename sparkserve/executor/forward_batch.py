@@ -43,15 +43,14 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def query_layout(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(q_index [B, Qmax] flat row per padded query slot, flat_index [T] or None) — None when
-        every request has the same number of query tokens and no reshuffle is needed."""
+    def query_layout(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(q_index [B, Qmax] flat row per padded query slot, flat_index [T]); both None when
+        every request has the same number of query tokens, so [T] is a view of [B, Qmax]."""
         if "q" not in self._meta:
             lens = self.extend_lens
             qmax = max(lens)
             if all(n == qmax for n in lens):
-                q_index = torch.arange(self.num_tokens).view(len(lens), qmax)
-                flat = None
+                q_index = flat = None
             else:
                 starts = torch.tensor([0] + lens[:-1]).cumsum(0)
                 ar = torch.arange(qmax)
@@ -77,7 +76,9 @@ class ForwardBatch:
         if all_decode and same_len and (window is None or lmax <= window):
             return None
         q_index, _ = self.query_layout()
-        qpos = self.positions[q_index]                    # [B, Qmax]; padded rows see key 0
+        B = len(self.seq_lens)
+        qpos = self.positions.view(B, -1) if q_index is None else self.positions[q_index]
+        # padded query rows reuse flat row 0's position; their outputs are dropped
         kpos = torch.arange(lmax)
         seq = torch.tensor(self.seq_lens)
         mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < seq[:, None, None])

@@ -26,8 +26,10 @@ class PagedAttention(nn.Module):
         k_buf[batch.out_cache_loc] = k
         v_buf[batch.out_cache_loc] = v
         q_index, flat_index = batch.query_layout()
-        B, qmax = q_index.shape
-        qp = q[q_index].transpose(1, 2)                                  # [B, H, Qmax, D]
+        B = batch.batch_size
+        qp = q.view(B, -1, *q.shape[1:]) if q_index is None else q[q_index]
+        qmax = qp.shape[1]
+        qp = qp.transpose(1, 2)                                          # [B, H, Qmax, D]
         kp = k_buf[batch.kv_indices].transpose(1, 2)                     # [B, Hkv, L, D]
         vp = v_buf[batch.kv_indices].transpose(1, 2)
         out = torch.nn.functional.scaled_dot_product_attention(

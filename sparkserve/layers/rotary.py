@@ -42,8 +42,9 @@ class RotaryEmbedding(nn.Module):
         """Fill the tables (again after a meta-device construction left them empty)."""
         inv = _inv_freq(self.head_dim, self.theta, self.scaling).float()
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        # sin with rotate_half's sign folded in: x*cos + roll(x, half)*sin_signed == HF's formula.
+        self.cos = torch.cat([freqs, freqs], dim=-1).cos()
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
@@ -51,7 +52,5 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """x: [T, heads, head_dim]; sin is sign-folded (see RotaryEmbedding.build)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)

@@ -33,14 +33,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
+        h, hkv, d = self.h, self.hkv, self.d
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = q.view(-1, self.h, self.d)
-        k = k.view(-1, self.hkv, self.d)
-        v = v.view(-1, self.hkv, self.d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        v = qkv[:, (h + hkv) * d:].view(-1, hkv, d)
+        if self.q_norm is None:   # one rotary call for q and k together
+            qk = apply_rotary(qkv[:, :(h + hkv) * d].view(-1, h + hkv, d), *cos_sin)
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, :h * d].view(-1, h, d)), *cos_sin)
+            k = apply_rotary(self.k_norm(qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d)), *cos_sin)
         return self.o_proj(self.attn(q, k, v, batch))
 
 
