@@ -35,6 +35,13 @@ class ServerArgs:
     port: int = field(default=30000, metadata={"help": "HTTP port"})
     api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' on every endpoint but /health"})
     log_level: str = field(default="info", metadata={"help": "logging level"})
+    # speculative decoding
+    speculative_algorithm: str | None = field(default=None, metadata={"help": "DSPARK to enable DSpark speculative decoding"})
+    speculative_draft_model_path: str | None = field(default=None, metadata={"help": "DSpark draft checkpoint (DeepSpec format); default: the draft shipped for the embedded model"})
+    speculative_dspark_block_size: int | None = field(default=None, metadata={"help": "draft block size gamma (default: the checkpoint's block_size)"})
+    speculative_dspark_verify_mode: str | None = field(default=None, metadata={"help": "full | threshold | adaptive (default: threshold if a threshold is given, else full)"})
+    speculative_dspark_confidence_threshold: float | None = field(default=None, metadata={"help": "verify the leading drafts whose confidence is >= this"})
+    speculative_dspark_sps_table_path: str | None = field(default=None, metadata={"help": "step-cost table (JSON) for adaptive verify; measured at start-up if unset"})
     # parallelism (one process for now; the flags exist so that refusals are explicit)
     tp_size: int = field(default=1, metadata={"help": "tensor parallel size"})
     pp_size: int = field(default=1, metadata={"help": "pipeline parallel size"})
@@ -60,6 +67,23 @@ class ServerArgs:
         need(self.chunked_prefill_size != 0, "--chunked-prefill-size must be positive, or -1 to disable chunking")
         need(self.max_queued_requests is None or self.max_queued_requests >= 0,
              "--max-queued-requests must be >= 0")
+        if self.speculative_algorithm is not None:
+            need(self.speculative_algorithm.upper() == "DSPARK",
+                 f"--speculative-algorithm {self.speculative_algorithm}: only DSPARK is supported")
+            self.speculative_algorithm = "DSPARK"
+            mode = self.speculative_dspark_verify_mode
+            need(mode in (None, "full", "threshold", "adaptive"),
+                 f"--speculative-dspark-verify-mode {mode}: use full, threshold or adaptive")
+            thr = self.speculative_dspark_confidence_threshold
+            need(thr is None or 0.0 <= thr <= 1.0,
+                 f"--speculative-dspark-confidence-threshold must be in [0, 1], got {thr}")
+            need(not (mode == "threshold" and thr is None),
+                 "--speculative-dspark-verify-mode threshold needs --speculative-dspark-confidence-threshold")
+            need(self.speculative_dspark_block_size is None or self.speculative_dspark_block_size >= 1,
+                 "--speculative-dspark-block-size must be >= 1")
+        else:
+            need(self.speculative_draft_model_path is None,
+                 "--speculative-draft-model-path needs --speculative-algorithm DSPARK")
         for name in ("tp_size", "pp_size", "dp_size"):
             need(getattr(self, name) == 1,
                  f"--{name.replace('_', '-')} {getattr(self, name)}: multi-process parallelism is not built yet; "

@@ -13,12 +13,13 @@ from sparkserve.mem.kv_pool import KVPool
 
 @dataclass
 class ScheduledReq:
-    """One request's part of a forward: `tokens` at positions start.. written to `slots`."""
+    """One request's part of a forward: `tokens` at positions start.. written to `slots`;
+    logits are wanted for its last `logit_rows` tokens."""
     row: int
     start: int
     tokens: list[int]
     slots: torch.Tensor
-    want_logits: bool
+    logit_rows: int = 1
 
 
 class ModelRunner:
@@ -34,8 +35,7 @@ class ModelRunner:
             ids.extend(r.tokens)
             pos.extend(range(r.start, r.start + len(r.tokens)))
             offset += len(r.tokens)
-            if r.want_logits:
-                rows_wanted.append(offset - 1)
+            rows_wanted.extend(range(offset - r.logit_rows, offset))
         seq_lens = [r.start + len(r.tokens) for r in reqs]
         rows = torch.tensor([r.row for r in reqs])
         kv_indices = self.req_to_token[rows, :max(seq_lens)]

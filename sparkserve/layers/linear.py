@@ -23,7 +23,7 @@ class Linear(nn.Module):
 
     def pack(self) -> None:
         """Keep a oneDNN-packed copy of the weight for inference (CPU fp32 only)."""
-        if _mkldnn_ok() and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
+        if self._packed is None and _mkldnn_ok() and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,17 @@ class KVCacheManager:
             self.req_to_token.table[req.row, req.kv_len:req.kv_len + n] = slots
         return slots
 
+    def truncate(self, req: "Req", alloc_end: int) -> None:
+        """Free the slots of positions req.kv_len..alloc_end-1 (rejected drafts), page-wise: a
+        page still holding a kept token stays with the request."""
+        if alloc_end <= req.kv_len:
+            return
+        row = self.req_to_token.table[req.row]
+        p = self.allocator.page_size
+        first_free = -(-req.kv_len // p) * p          # first position of the next page
+        if first_free < alloc_end:
+            self.allocator.free(row[first_free:alloc_end])
+
     def cache_prefix(self, req: "Req") -> None:
         """After a prefill chunk: share the computed prefix with later requests now."""
         if self.radix.disabled:

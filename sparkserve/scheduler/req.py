@@ -26,6 +26,8 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_retractions: int = 0
+    spec_verify_ct: int = 0          # DSpark verify cycles
+    spec_accepted_tokens: int = 0    # tokens committed by those cycles (accepted drafts + bonus)
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property

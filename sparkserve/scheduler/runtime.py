@@ -10,17 +10,13 @@ import torch
 from sparkserve.args import ServerArgs
 from sparkserve.config import ModelConfig
 from sparkserve.executor.model_runner import ModelRunner
-from sparkserve.frontend.tokenizer import Tokenizer
+from sparkserve.frontend.tokenizer import Tokenizer, load_tokenizer  # noqa: F401 (re-exported)
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.registry import load_config, load_model
 from sparkserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
-
-
-def load_tokenizer(path: str) -> Tokenizer:
-    return Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_pretrained(path)
 
 
 def context_length(args: ServerArgs, cfg: ModelConfig) -> int:
@@ -51,10 +47,46 @@ def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Sche
     cache = KVCacheManager(num_slots, args.page_size, args.max_running_requests + 1, ctx + 1,
                            args.disable_radix_cache)
     runner = ModelRunner(model, pool, cache.req_to_token.table)
+    spec = build_dspark_worker(args, runner, num_slots, cache) if args.speculative_algorithm else None
     eos = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
     decode_tail = (lambda ids: tokenizer.decode(ids)) if tokenizer else None
     sched_cfg = SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens)
     log.info("KV pool: %d tokens (%.1f MiB), context %d", num_slots,
              num_slots * KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                 cfg.head_dim, torch.float32) / 2**20, ctx)
-    return Scheduler(runner, cache, sched_cfg, eos, decode_tail), cfg
+    return Scheduler(runner, cache, sched_cfg, eos, decode_tail, spec), cfg
+
+
+def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, cache: KVCacheManager):
+    from sparkserve.models.dspark_draft import load_dspark_draft
+    from sparkserve.speculative.dspark_worker import DSparkWorker
+    from sparkserve.speculative.planner import StepCostTable, VerifyPlanner
+    from sparkserve.speculative.profile import measure_step_costs
+    path = args.speculative_draft_model_path or shipped_draft_path(args.model_path)
+    draft = load_dspark_draft(path, runner.model)   # also sets the target's aux taps
+    if args.speculative_dspark_block_size:
+        draft.config.block_size = args.speculative_dspark_block_size
+    thr = args.speculative_dspark_confidence_threshold
+    mode = args.speculative_dspark_verify_mode or ("threshold" if thr is not None else "full")
+    if mode != "full" and draft.confidence_head is None:
+        raise ValueError(f"--speculative-dspark-verify-mode {mode} needs a draft with a confidence head "
+                         f"(enable_confidence_head); {path} has none")
+    costs = None
+    if mode == "adaptive":
+        costs = (StepCostTable.load(args.speculative_dspark_sps_table_path)
+                 if args.speculative_dspark_sps_table_path
+                 else measure_step_costs(runner, cache, max_tokens=args.max_running_requests * (draft.block_size + 1)))
+    planner = VerifyPlanner(mode, thr or 0.0, costs)
+    log.info("DSpark: draft %s, %d layers, gamma %d, verify mode %s", path, draft.config.num_hidden_layers,
+             draft.block_size, mode)
+    return DSparkWorker(draft, draft.new_kv_pool(num_slots), planner, cache.req_to_token.table)
+
+
+def shipped_draft_path(model_path: str) -> str:
+    """The DSpark draft this project ships for the embedded default model."""
+    from sparkserve.loader.gguf_file import default_model_path
+    here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafts", "smollm2-135m-instruct")
+    if os.path.abspath(model_path) != os.path.abspath(default_model_path()) or not os.path.isdir(here):
+        raise ValueError("--speculative-algorithm DSPARK needs --speculative-draft-model-path "
+                         "(a draft is shipped only for the embedded default model)")
+    return here

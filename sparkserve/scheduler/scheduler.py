@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -17,6 +17,10 @@ from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
 from sparkserve.executor.sampler import Sampler
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.scheduler.req import Req
+from sparkserve.speculative.verify import accept_greedy, accept_sampling
+
+if TYPE_CHECKING:
+    from sparkserve.speculative.dspark_worker import DSparkWorker
 
 
 @dataclass
@@ -41,7 +45,8 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: KVCacheManager, cfg: SchedulerConfig,
-                 eos_ids: set[int], decode_tail: Callable[[list[int]], str] | None = None):
+                 eos_ids: set[int], decode_tail: Callable[[list[int]], str] | None = None,
+                 spec: "DSparkWorker | None" = None):
         self.runner = runner
         self.cache = cache
         self.cfg = cfg
@@ -53,6 +58,8 @@ class Scheduler:
         self.chunked: Req | None = None
         self.num_retractions = 0
         self.forward_count = {m: 0 for m in ForwardMode}
+        self.spec = spec
+        self.accept_hist: dict[int, int] = {}     # accepted drafts per verify -> count
 
     # ---- queue ------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -128,10 +135,12 @@ class Scheduler:
 
     def _run_prefill(self, batch: list[tuple[Req, torch.Tensor, int]]) -> list[StepOutput]:
         sched = [ScheduledReq(r.row, r.kv_len, r.fill_ids[r.kv_len:r.kv_len + n], slots,
-                              want_logits=r.kv_len + n == len(r.fill_ids)) for r, slots, n in batch]
+                              logit_rows=int(r.kv_len + n == len(r.fill_ids))) for r, slots, n in batch]
         fb = self.runner.build_batch(ForwardMode.EXTEND, sched)
         logits = self.runner.forward(fb)
         self.forward_count[ForwardMode.EXTEND] += 1
+        if self.spec is not None:       # every prompt row becomes draft context
+            self.spec.inject(fb.aux_hidden, torch.arange(fb.num_tokens), fb.positions, fb.out_cache_loc)
         done = []
         for (req, _, n) in batch:
             req.kv_len += n
@@ -147,27 +156,114 @@ class Scheduler:
         return outputs
 
     def _run_decode(self) -> list[StepOutput]:
-        self._ensure_decode_memory()
+        """One DECODE step; with DSpark, one VERIFY step: speculating requests score their
+        anchor + drafts, the others their next token, in the same forward."""
+        spec_reqs = [r for r in self.running if self._speculates(r)]
+        self._ensure_decode_memory(set(map(id, spec_reqs)))
+        spec_reqs = [r for r in spec_reqs if r in self.running]
+        props = {}
+        if spec_reqs:
+            plain = len(self.running) - len(spec_reqs)
+            props = dict(zip(map(id, spec_reqs), self.spec.propose(spec_reqs, plain)))
         sched = []
         for req in self.running:
-            slots = self.cache.alloc(req, 1)
+            p = props.get(id(req))
+            toks = [req.fill_ids[-1]] + (p.tokens[:p.verify_len] if p else [])
+            slots = self.cache.alloc(req, len(toks))
             assert slots is not None, "decode memory was reserved"
-            sched.append(ScheduledReq(req.row, req.kv_len, [req.fill_ids[-1]], slots, True))
-        fb = self.runner.build_batch(ForwardMode.DECODE, sched)
+            sched.append(ScheduledReq(req.row, req.kv_len, toks, slots, logit_rows=len(toks)))
+        mode = ForwardMode.VERIFY if props else ForwardMode.DECODE
+        fb = self.runner.build_batch(mode, sched)
         logits = self.runner.forward(fb)
-        self.forward_count[ForwardMode.DECODE] += 1
-        for req in self.running:
-            req.kv_len += 1
+        self.forward_count[mode] += 1
         reqs = list(self.running)
-        outputs = self._sample_and_commit(reqs, logits)
+        if not props:
+            self._inject_rows(fb, torch.arange(fb.num_tokens))
+            for req in reqs:
+                req.kv_len += 1
+            outputs = self._sample_and_commit(reqs, logits)
+        else:
+            outputs = self._verify_and_commit(reqs, sched, props, fb, logits)
         self.running = [r for r in self.running if not r.finished]
         return outputs
 
-    def _ensure_decode_memory(self) -> None:
-        """Retract the newest requests until every running one can take one more token."""
+    def _speculates(self, req: Req) -> bool:
+        # Penalties change the target distribution with every drafted token: plain decode.
+        return (self.spec is not None and not req.sampling.has_penalty
+                and len(req.output_ids) + 1 < req.params.max_new_tokens)
+
+    def _inject_rows(self, fb, rows: torch.Tensor) -> None:
+        if self.spec is not None:
+            self.spec.inject(fb.aux_hidden, rows, fb.positions, fb.out_cache_loc)
+
+    def _verify_and_commit(self, reqs: list[Req], sched: list[ScheduledReq], props: dict,
+                           fb, logits: torch.Tensor) -> list[StepOutput]:
+        starts, off = [], 0
+        for sr in sched:
+            starts.append(off)
+            off += len(sr.tokens)
+        plain = [i for i, r in enumerate(reqs) if id(r) not in props]
+        plain_out = (self.sampler.sample(logits[[starts[i] for i in plain]],
+                                         [reqs[i].sampling for i in plain]) if plain else None)
+        committed_rows: list[int] = []
+        results: list[tuple[Req, list[int], list[float], list]] = []
+        for i, req in enumerate(reqs):
+            rows = logits[starts[i]:starts[i] + len(sched[i].tokens)]
+            p = props.get(id(req))
+            if p is None:
+                j = plain.index(i)
+                toks, n_acc = [plain_out.next_token_ids[j]], 0
+                lps = [plain_out.logprobs[j]] if req.params.return_logprob else []
+                tops = [plain_out.top_logprobs[j] or []] if req.params.return_logprob else []
+            else:
+                drafts = p.tokens[:p.verify_len]
+                if req.params.is_greedy:
+                    n_acc, bonus = accept_greedy(drafts, rows)
+                else:
+                    n_acc, bonus = accept_sampling(drafts, p.q_probs[:p.verify_len], rows, req.params,
+                                                   req.sampling.generator(rows.device))
+                toks = drafts[:n_acc] + [bonus]
+                lps, tops = _raw_logprobs(rows[:n_acc + 1], toks, req.params)
+                req.spec_verify_ct += 1
+                self.accept_hist[n_acc] = self.accept_hist.get(n_acc, 0) + 1
+            committed_rows.extend(range(starts[i], starts[i] + n_acc + 1))
+            alloc_end = req.kv_len + len(sched[i].tokens)
+            req.kv_len += n_acc + 1
+            self.cache.truncate(req, alloc_end)
+            results.append((req, toks, lps, tops))
+        self._inject_rows(fb, torch.tensor(committed_rows))
+        return [self._commit(req, toks, lps, tops, spec=id(req) in props) for req, toks, lps, tops in results]
+
+    def _commit(self, req: Req, toks: list[int], lps: list[float], tops: list,
+                spec: bool = False) -> StepOutput:
+        """Append tokens one by one, stopping exactly where the request finishes."""
+        taken = []
+        for n, tok in enumerate(toks):
+            req.output_ids.append(tok)
+            req.sampling.observe(tok)
+            taken.append(tok)
+            if req.params.return_logprob:
+                req.output_logprobs.append(lps[n])
+                req.output_top_logprobs.append(tops[n])
+            tail = (lambda k, r=req: self.decode_tail(r.output_ids[-k:])) if self.decode_tail else None
+            req.check_finished(self.eos_ids, tail)
+            if req.finished:
+                break
+        if spec:
+            req.spec_accepted_tokens += len(taken)
+        if req.finished:
+            self.cache.release(req)
+        k = len(taken)
+        return self._output(req, taken, lps[:k] if req.params.return_logprob else [],
+                            tops[:k] if req.params.return_logprob else [])
+
+    def _ensure_decode_memory(self, spec_ids: set[int] = frozenset()) -> None:
+        """Retract the newest requests until every running one can take its next tokens."""
         page = self.cache.allocator.page_size
+        extra = self.spec.num_drafts if self.spec is not None else 0
         while True:
-            need = sum(self.cache.pages_needed(r, 1) for r in self.running) * page
+            need = sum(self.cache.pages_needed(r, 1 + (extra if id(r) in spec_ids else 0))
+                       for r in self.running) * page
             if need <= self.cache.available_tokens or len(self.running) <= 1:
                 return
             victim = self.running.pop()
@@ -178,23 +274,9 @@ class Scheduler:
 
     def _sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> list[StepOutput]:
         out = self.sampler.sample(logits, [r.sampling for r in reqs])
-        results = []
-        for i, req in enumerate(reqs):
-            tok = out.next_token_ids[i]
-            req.output_ids.append(tok)
-            req.sampling.observe(tok)
-            lps, tops = [], []
-            if req.params.return_logprob:
-                lps = [out.logprobs[i]]
-                tops = [out.top_logprobs[i] or []]
-                req.output_logprobs += lps
-                req.output_top_logprobs += tops
-            tail = (lambda n, r=req: self.decode_tail(r.output_ids[-n:])) if self.decode_tail else None
-            req.check_finished(self.eos_ids, tail)
-            if req.finished:
-                self.cache.release(req)
-            results.append(self._output(req, [tok], lps, tops))
-        return results
+        lp = [r.params.return_logprob for r in reqs]
+        return [self._commit(r, [out.next_token_ids[i]], [out.logprobs[i]] if lp[i] else [],
+                             [out.top_logprobs[i] or []] if lp[i] else []) for i, r in enumerate(reqs)]
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.finished_reason = reason
@@ -204,3 +286,20 @@ class Scheduler:
     def _output(req: Req, toks: list[int], lps: list[float], tops: list) -> StepOutput:
         return StepOutput(req.rid, toks, req.finished_reason, len(req.input_ids),
                           len(req.output_ids), req.cached_tokens, lps, tops)
+
+
+def _raw_logprobs(rows: torch.Tensor, toks: list[int], params) -> tuple[list[float], list]:
+    """Logprobs of committed tokens under the raw target distribution (as plain decoding reports)."""
+    if not params.return_logprob:
+        return [], []
+    lsm = torch.log_softmax(rows.float(), dim=-1)
+    lps = lsm[torch.arange(len(toks)), torch.tensor(toks)].tolist()
+    k = params.top_logprobs_num
+    tops = []
+    for r in range(len(toks)):
+        if k:
+            v, ids = lsm[r].topk(k)
+            tops.append(list(zip(ids.tolist(), v.tolist())))
+        else:
+            tops.append([])
+    return lps, tops

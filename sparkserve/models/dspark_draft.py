@@ -1,0 +1,355 @@
+"""DSpark draft model (DeepSpec checkpoint format): a small non-causal backbone over a block
+[anchor, mask x (gamma-1)] whose attention also sees per-layer K/V rows made from tapped
+target hidden states (KV injection), plus the Markov head and the confidence head.
+
+Context rows live in the draft's own KV pool at the same slots as the target's tokens, so the
+target's allocator, prefix cache and retraction cover the draft's cache too."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from sparkserve.layers.activation import silu_and_mul
+from sparkserve.layers.linear import FusedLinear, Linear
+from sparkserve.layers.norm import RMSNorm
+from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
+from sparkserve.mem.kv_pool import KVPool
+
+
+@dataclass
+class DSparkConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    markov_rank: int
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    attention_bias: bool = False
+    sample_from_anchor: bool = False      # speculators-format exports: slot j predicts anchor+j
+    raw: dict | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DSparkConfig":
+        if d.get("speculators_model_type") == "dspark":      # speculators layout
+            inner = dict(d.get("transformer_layer_config") or {})
+            inner.update({k: v for k, v in d.items() if k != "transformer_layer_config"})
+            inner.setdefault("target_layer_ids", d.get("aux_hidden_state_layer_ids"))
+            d = inner
+        missing = [k for k in ("block_size", "target_layer_ids", "mask_token_id", "markov_rank")
+                   if d.get(k) is None]
+        if missing:
+            raise ValueError(f"DSpark draft config lacks {missing} (is this a DeepSpec DSpark checkpoint?)")
+        heads = d["num_attention_heads"]
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        kind = str(d.get("markov_head_type", "vanilla")).lower()
+        if kind not in ("vanilla", "gated"):
+            raise ValueError(f"markov_head_type {kind!r} is not supported (vanilla, gated)")
+        if int(d["markov_rank"]) <= 0:
+            raise ValueError(f"DSpark needs markov_rank > 0, got {d['markov_rank']}")
+        return cls(
+            hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            block_size=int(d["block_size"]), target_layer_ids=list(d["target_layer_ids"]),
+            mask_token_id=int(d["mask_token_id"]), markov_rank=int(d["markov_rank"]),
+            markov_head_type=kind,
+            enable_confidence_head=bool(d.get("enable_confidence_head", True)),
+            confidence_head_with_markov=bool(d.get("confidence_head_with_markov", True)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            sample_from_anchor=bool(d.get("sample_from_anchor", False)), raw=d)
+
+
+class DSparkAttention(nn.Module):
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, bias=cfg.attention_bias)
+        self.kv_proj = FusedLinear(cfg.hidden_size, {"k": self.hkv * self.d, "v": self.hkv * self.d},
+                                   bias=cfg.attention_bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated) and V rows [T, Hkv, D] of hidden rows x [T, d]."""
+        k, v = self.kv_proj(x).split(self.hkv * self.d, dim=-1)
+        k = apply_rotary(self.k_norm(k.reshape(-1, self.hkv, self.d)), *cos_sin)
+        return k, v.reshape(-1, self.hkv, self.d)
+
+    def forward(self, x: torch.Tensor, cos_sin, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                mask: torch.Tensor | None, B: int) -> torch.Tensor:
+        """x: [B*G, d] block rows; ctx_k/v: [B, L, Hkv, D] injected context."""
+        q = apply_rotary(self.q_norm(self.q_proj(x).view(-1, self.h, self.d)), *cos_sin)
+        k, v = self.kv(x, cos_sin)
+        k = torch.cat([ctx_k, k.view(B, -1, self.hkv, self.d)], dim=1).transpose(1, 2)
+        v = torch.cat([ctx_v, v.view(B, -1, self.hkv, self.d)], dim=1).transpose(1, 2)
+        q = q.view(B, -1, self.h, self.d).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.h != self.hkv)
+        return self.o_proj(out.transpose(1, 2).reshape(-1, self.h * self.d))
+
+
+class DSparkLayer(nn.Module):
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DSparkAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
+                                                          "up": cfg.intermediate_size})
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x, cos_sin, ctx_k, ctx_v, mask, B):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx_k, ctx_v, mask, B)
+        return x + self.down_proj(silu_and_mul(self.gate_up_proj(self.post_attention_layernorm(x))))
+
+
+class MarkovHead(nn.Module):
+    """First-order low-rank bias W2 W1[x_prev] on the slot logits (gated: sigma(gate([h; W1 x])))."""
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
+        self.markov_w2 = Linear(cfg.markov_rank, cfg.vocab_size)
+        self.gate_proj = (Linear(cfg.hidden_size + cfg.markov_rank, cfg.markov_rank, bias=True)
+                          if cfg.markov_head_type == "gated" else None)
+
+    def prev_embedding(self, prev: torch.Tensor) -> torch.Tensor:
+        return self.markov_w1(prev)
+
+    def bias(self, prev_emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is not None:
+            prev_emb = torch.sigmoid(self.gate_proj(torch.cat([hidden, prev_emb], -1))) * prev_emb
+        return self.markov_w2(prev_emb)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.with_markov = cfg.confidence_head_with_markov
+        self.proj = Linear(cfg.hidden_size + (cfg.markov_rank if self.with_markov else 0), 1, bias=True)
+
+    def forward(self, hidden: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
+        """P(slot accepted | prefix accepted), in [0, 1]."""
+        x = torch.cat([hidden, prev_emb], -1) if self.with_markov else hidden
+        return torch.sigmoid(self.proj(x).squeeze(-1).float())
+
+
+class DSparkDraft(nn.Module):
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.config = cfg
+        n_taps = len(cfg.target_layer_ids)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.fc = Linear(n_taps * cfg.hidden_size, cfg.hidden_size)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DSparkLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.markov_head = MarkovHead(cfg)
+        self.confidence_head = ConfidenceHead(cfg) if cfg.enable_confidence_head else None
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def new_kv_pool(self, num_slots: int, dtype: torch.dtype = torch.float32) -> KVPool:
+        c = self.config
+        return KVPool(num_slots, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
+
+    # ---- KV injection -----------------------------------------------------------------------
+    def context_hidden(self, taps: list[torch.Tensor]) -> torch.Tensor:
+        """Fuse the tapped target hidden rows [T, d] each -> [T, d] draft context."""
+        return self.hidden_norm(self.fc(torch.cat(taps, dim=-1)))
+
+    def inject(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
+               pool: KVPool) -> None:
+        """Write the context K/V of target tokens at `positions` into `pool` at `slots`."""
+        ctx = self.context_hidden(taps)
+        cos_sin = self.rotary.cos_sin(positions)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, cos_sin)
+            k_buf, v_buf = pool.layer(i)
+            k_buf[slots] = k
+            v_buf[slots] = v
+
+    # ---- one parallel block pass ------------------------------------------------------------
+    def block_hidden(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, kv_indices: torch.Tensor,
+                     ctx_lens: list[int], pool: KVPool) -> torch.Tensor:
+        """Normed hidden states [B, G, d] of the block [anchor, mask x (G-1)] at positions
+        anchor_pos.. for B requests whose injected context is kv_indices[b, :ctx_lens[b]]."""
+        B, G = anchors.shape[0], self.block_size
+        ids = torch.full((B, G), self.config.mask_token_id, dtype=torch.long)
+        ids[:, 0] = anchors
+        x = self.embed_tokens(ids).view(B * G, -1)
+        pos = (anchor_pos[:, None] + torch.arange(G)[None, :]).view(-1)
+        cos_sin = self.rotary.cos_sin(pos)
+        L = kv_indices.shape[1]
+        mask = None
+        if any(n != L for n in ctx_lens):
+            ctx_ok = torch.arange(L)[None, :] < torch.tensor(ctx_lens)[:, None]        # [B, L]
+            mask = torch.cat([ctx_ok, torch.ones(B, G, dtype=torch.bool)], 1)[:, None, None, :]
+        for i, layer in enumerate(self.layers):
+            k_buf, v_buf = pool.layer(i)
+            x = layer(x, cos_sin, k_buf[kv_indices], v_buf[kv_indices], mask, B)
+        return self.norm(x).view(B, G, -1)
+
+    # ---- loading ----------------------------------------------------------------------------
+    _renames = {".k_proj.": (".kv_proj.", "k"), ".v_proj.": (".kv_proj.", "v"),
+                ".mlp.gate_proj.": (".gate_up_proj.", "gate"), ".mlp.up_proj.": (".gate_up_proj.", "up")}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     target: nn.Module | None = None) -> None:
+        """DeepSpec names (no prefix; `model.` tolerated). embed_tokens / lm_head may be absent:
+        then they are shared with the target's."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        seen: set[str] = set()
+        for name, t in weights:
+            name = name.removeprefix("model.").replace(".mlp.down_proj.", ".down_proj.")
+            for frag, (fused, shard) in self._renames.items():
+                if frag in name:
+                    mod, kind = name.replace(frag, fused).rsplit(".", 1)
+                    modules[mod].load(shard, t, kind)
+                    seen.add(f"{mod}.{kind}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"DSpark checkpoint tensor {name} has no matching parameter")
+                if params[name].shape != t.shape:
+                    raise ValueError(f"{name}: shape {tuple(t.shape)} != {tuple(params[name].shape)}")
+                params[name].data.copy_(t)
+                seen.add(name)
+        for shared in ("embed_tokens", "lm_head"):
+            if f"{shared}.weight" not in seen:
+                if target is None:
+                    raise ValueError(f"DSpark checkpoint lacks {shared}.weight and no target to share it from")
+                src = target.model.embed_tokens if shared == "embed_tokens" else target.lm_head
+                if src.weight.shape != params[f"{shared}.weight"].shape:
+                    raise ValueError(f"{shared}: target shape {tuple(src.weight.shape)} != draft "
+                                     f"{tuple(params[shared + '.weight'].shape)}")
+                setattr(self, shared, src)        # share the module (and its packed weight)
+                seen.add(f"{shared}.weight")
+        expected = set()
+        for mod_name, mod in self.named_modules():
+            for pname, _ in mod.named_parameters(recurse=False):
+                full = f"{mod_name}.{pname}"
+                expected |= ({f"{full}#{s}" for s in mod.shard_offsets} if isinstance(mod, FusedLinear)
+                             else {full})
+        missing = sorted(expected - seen)
+        if missing:
+            raise ValueError(f"DSpark checkpoint is missing tensors: {missing[:6]}")
+
+
+def load_dspark_draft(path: str, target: nn.Module | None = None) -> DSparkDraft:
+    from sparkserve.layers.linear import pack_linears
+    from sparkserve.loader.hf import hf_weights
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = DSparkConfig.from_dict(json.load(f))
+    _check_against_target(cfg, target)
+    with torch.device("meta"):
+        draft = DSparkDraft(cfg)
+    draft = draft.to_empty(device="cpu")
+    draft.rotary.build()
+    draft.load_weights(hf_weights(path), target)
+    draft.eval().requires_grad_(False)
+    pack_linears(draft)
+    return draft
+
+
+def _check_against_target(cfg: DSparkConfig, target: nn.Module | None) -> None:
+    if target is None:
+        return
+    t = target.config
+    if cfg.vocab_size != t.vocab_size:
+        raise ValueError(f"draft vocab_size {cfg.vocab_size} != target vocab_size {t.vocab_size}")
+    if cfg.hidden_size != t.hidden_size:
+        raise ValueError(f"draft hidden_size {cfg.hidden_size} != target hidden_size {t.hidden_size}")
+    target.set_aux_layers(cfg.target_layer_ids)   # validates the ids against the target
+
+
+def dspark_config_dict(target_cfg, num_layers: int = 1, block_size: int = 7,
+                       target_layer_ids: list[int] | None = None, mask_token_id: int = 0,
+                       markov_rank: int = 64, markov_head_type: str = "vanilla",
+                       enable_confidence_head: bool = True) -> dict[str, Any]:
+    """A DeepSpec-format config.json for a draft of `target_cfg` (a ModelConfig)."""
+    n = target_cfg.num_hidden_layers
+    taps = target_layer_ids or sorted({1, n // 2, n - 2} - {n - 1}) if n > 2 else [0]
+    return {
+        "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3",
+        "hidden_size": target_cfg.hidden_size, "intermediate_size": target_cfg.intermediate_size,
+        "num_hidden_layers": num_layers, "num_target_layers": n,
+        "num_attention_heads": target_cfg.num_attention_heads,
+        "num_key_value_heads": target_cfg.num_key_value_heads, "head_dim": target_cfg.head_dim,
+        "vocab_size": target_cfg.vocab_size, "rms_norm_eps": target_cfg.rms_norm_eps,
+        "rope_theta": target_cfg.rope_theta, "max_position_embeddings": target_cfg.max_position_embeddings,
+        "block_size": block_size, "target_layer_ids": taps, "mask_token_id": mask_token_id,
+        "num_anchors": 512, "markov_rank": markov_rank, "markov_head_type": markov_head_type,
+        "enable_confidence_head": enable_confidence_head, "confidence_head_with_markov": True,
+        "tie_word_embeddings": False, "layer_types": ["full_attention"] * num_layers,
+    }
+
+
+def init_dspark_draft(config: dict[str, Any], target: nn.Module | None = None, seed: int = 0,
+                      std: float = 0.02) -> DSparkDraft:
+    """A randomly initialised draft (embedding and LM head copied from the target if given)."""
+    g = torch.Generator().manual_seed(seed)
+    draft = DSparkDraft(DSparkConfig.from_dict(config))
+    for name, p in draft.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        elif name.endswith("bias"):
+            p.data.zero_()
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=g) * std)
+    if target is not None:
+        draft.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
+        draft.lm_head.weight.data.copy_(target.lm_head.weight)
+    return draft
+
+
+def save_dspark_draft(draft: DSparkDraft, path: str, include_shared: bool = False) -> None:
+    """Write DeepSpec's layout: config.json + model.safetensors (k/v and gate/up unfused).
+    Without include_shared, embed_tokens / lm_head are left out (served from the target)."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, mod in draft.named_modules():
+        if isinstance(mod, FusedLinear):
+            parent = name.rsplit(".", 1)[0]
+            for shard, (start, size) in mod.shard_offsets.items():
+                key = {"k": f"{parent}.k_proj", "v": f"{parent}.v_proj", "gate": f"{parent}.mlp.gate_proj",
+                       "up": f"{parent}.mlp.up_proj"}[shard]
+                out[f"{key}.weight"] = mod.weight[start:start + size]
+                if mod.bias is not None:
+                    out[f"{key}.bias"] = mod.bias[start:start + size]
+    for name, p in draft.named_parameters():
+        if ".kv_proj." in name or ".gate_up_proj." in name:
+            continue
+        if not include_shared and name.split(".")[0] in ("embed_tokens", "lm_head"):
+            continue
+        out[name.replace(".down_proj.", ".mlp.down_proj.")] = p
+    save_file({k: v.detach().contiguous().clone() for k, v in out.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(draft.config.raw, f, indent=1)

@@ -1,0 +1,170 @@
+"""The scheduler process of the HTTP server: model + scheduler behind two ZMQ sockets.
+
+Loop: block on the socket while idle (waking every second to notice a dead frontend), else drain
+whatever arrived without blocking, run one `scheduler.step()`, and send everything that step
+produced (plus aborts since the last step and the current load) as one BatchOut. Messages are the
+dataclasses of `entrypoints/io_struct.py`. Any exception at start-up or inside a step is reported
+as SchedulerFailed and ends the process: the frontend fails the requests it holds, never hangs."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import zmq
+
+from sparkserve.args import ServerArgs
+from sparkserve.entrypoints.io_struct import (AbortReq, BatchOut, FlushCacheOut, FlushCacheReq, GenerateReq,
+                                              LoadReq, ReqOutput, SchedulerFailed, SchedulerLoad,
+                                              SchedulerReady, ShutdownReq)
+
+log = logging.getLogger("sparkserve.scheduler")
+
+IDLE_POLL_MS = 1000
+
+
+def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int) -> None:
+    """Entry point of the spawned process (must stay importable at module level)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C goes to the frontend, which stops us
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.connect(recv_addr)
+    send = ctx.socket(zmq.PUSH)
+    send.setsockopt(zmq.SNDHWM, 0)
+    send.connect(send_addr)
+    code = 0
+    try:
+        loop = SchedulerLoop.build(args, recv, send, parent_pid)
+        loop.run()
+    except BaseException as e:  # noqa: BLE001 - reported to the frontend, then the process exits
+        log.exception("scheduler failed")
+        send.send_pyobj(SchedulerFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))
+        code = 1
+    finally:
+        send.close(linger=2000)
+        recv.close(linger=0)
+        ctx.term()
+    sys.exit(code)
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler, recv: zmq.Socket, send: zmq.Socket, parent_pid: int):
+        self.scheduler = scheduler
+        self.recv = recv
+        self.send = send
+        self.parent_pid = parent_pid
+        self.reqs: dict = {}                 # rid -> Req, while the scheduler holds it
+        self.pending: list[ReqOutput] = []   # outputs made outside a step (aborts, zero-length)
+        self.stopped = False
+
+    @classmethod
+    def build(cls, args: ServerArgs, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> "SchedulerLoop":
+        from sparkserve.frontend.tokenizer import has_tokenizer_files, load_tokenizer
+        from sparkserve.scheduler.runtime import build_scheduler, context_length
+        tokenizer = None
+        if not args.skip_tokenizer_init and has_tokenizer_files(args.tokenizer_path):
+            tokenizer = load_tokenizer(args.tokenizer_path)
+        scheduler, cfg = build_scheduler(args, tokenizer)
+        loop = cls(scheduler, recv, send, parent_pid)
+        send.send_pyobj(SchedulerReady(
+            pid=os.getpid(), vocab_size=cfg.vocab_size, context_length=context_length(args, cfg),
+            max_total_num_tokens=scheduler.cache.num_slots, max_running_requests=args.max_running_requests,
+            eos_token_ids=sorted(scheduler.eos_ids), architecture=cfg.architecture,
+            bos_token_id=cfg.bos_token_id))
+        return loop
+
+    # ---- loop -------------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self.stopped:
+            for msg in self._receive(block=not self.scheduler.has_work()):
+                self._handle(msg)
+            if self.stopped:
+                break
+            outputs, self.pending = self.pending, []
+            if self.scheduler.has_work():
+                for o in self.scheduler.step():
+                    outputs.append(_copy(o))
+                    if o.finished_reason is not None:
+                        self.reqs.pop(o.rid, None)
+            if outputs:
+                self.send.send_pyobj(BatchOut(outputs, self.load()))
+
+    def _receive(self, block: bool) -> list:
+        msgs = []
+        if block and not self.recv.poll(IDLE_POLL_MS):
+            if os.getppid() != self.parent_pid:        # frontend gone (killed): do not linger
+                log.warning("frontend process exited; scheduler stops")
+                self.stopped = True
+            return msgs
+        while True:
+            try:
+                msgs.append(self.recv.recv_pyobj(zmq.NOBLOCK))
+            except zmq.Again:
+                return msgs
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, GenerateReq):
+            self._add(msg)
+        elif isinstance(msg, AbortReq):
+            req = self.reqs.pop(msg.rid, None)
+            if req is not None and self.scheduler.abort(msg.rid):
+                self.pending.append(ReqOutput(msg.rid, [], {"type": "abort", "message": msg.reason},
+                                              len(req.input_ids), len(req.output_ids), req.cached_tokens))
+        elif isinstance(msg, FlushCacheReq):
+            if self.scheduler.has_work():
+                out = FlushCacheOut(msg.cid, False, "cannot flush the cache while requests are running")
+            else:
+                ok = self.scheduler.cache.flush()
+                out = FlushCacheOut(msg.cid, ok, "" if ok else "the prefix cache is in use")
+            self.send.send_pyobj(out)
+        elif isinstance(msg, LoadReq):
+            load = self.load()
+            load.cid = msg.cid
+            self.send.send_pyobj(load)
+        elif isinstance(msg, ShutdownReq):
+            for rid in list(self.reqs):
+                self.scheduler.abort(rid)
+            self.reqs.clear()
+            self.stopped = True
+        else:
+            log.error("unknown message %r", type(msg).__name__)
+
+    def _add(self, msg: GenerateReq) -> None:
+        from sparkserve.executor.sampler import RequestSamplingState
+        from sparkserve.scheduler.req import Req
+        req = Req(msg.rid, list(msg.input_ids), msg.params,
+                  RequestSamplingState(msg.params, msg.input_ids, self.scheduler.eos_ids))
+        if msg.params.max_new_tokens == 0:
+            self.pending.append(ReqOutput(msg.rid, [], {"type": "length", "length": 0},
+                                          len(req.input_ids), 0, 0))
+            return
+        self.reqs[msg.rid] = req
+        self.scheduler.add_request(req)
+
+    def load(self) -> SchedulerLoad:
+        cache = self.scheduler.cache
+        by_requests = cache.num_slots - cache.available_tokens
+        return SchedulerLoad(
+            num_running_reqs=self.scheduler.num_running, num_queue_reqs=len(self.scheduler.waiting),
+            num_used_tokens=by_requests, num_cached_tokens=max(0, cache.used_tokens - by_requests),
+            max_total_num_tokens=cache.num_slots, num_retractions=self.scheduler.num_retractions)
+
+
+def _copy(o) -> ReqOutput:
+    return ReqOutput(o.rid, list(o.new_token_ids), o.finished_reason, o.prompt_tokens,
+                     o.completion_tokens, o.cached_tokens, list(o.new_logprobs), list(o.new_top_logprobs))
+
+
+def wait_for(pred, timeout: float, interval: float = 0.05) -> bool:
+    """Poll `pred` until true or `timeout` seconds pass (used by the frontend at shutdown)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()

@@ -1,0 +1,42 @@
+"""Measure the target's step cost per number of verified tokens (for adaptive verify)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sparkserve.executor.forward_batch import ForwardMode
+from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
+from sparkserve.mem.cache_manager import KVCacheManager
+from sparkserve.speculative.planner import StepCostTable
+
+
+def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: int, context: int = 64,
+                       reps: int = 3) -> StepCostTable:
+    """Time forwards of n = 1, 2, 4, ... tokens after a `context`-token prefix (median of reps)."""
+    sizes = [1]
+    while sizes[-1] < max_tokens:
+        sizes.append(min(sizes[-1] * 2, max_tokens))
+    total = context + sizes[-1]
+    if total > cache.allocator.free_slots:
+        sizes = [n for n in sizes if context + n <= cache.allocator.free_slots] or [1]
+    row = cache.req_to_token.alloc()
+    slots = cache.allocator.alloc(0, context + sizes[-1], 0)
+    cache.req_to_token.table[row, :len(slots)] = slots
+    seconds = []
+    try:
+        for n in sizes:
+            sr = ScheduledReq(row, context, [0] * n, slots[context:context + n], logit_rows=n)
+            times = []
+            for _ in range(reps):
+                fb = runner.build_batch(ForwardMode.VERIFY, [sr])
+                t = time.perf_counter()
+                runner.forward(fb)
+                times.append(time.perf_counter() - t)
+            seconds.append(sorted(times)[len(times) // 2])
+    finally:
+        cache.allocator.free(slots)
+        cache.req_to_token.free(row)
+    if len(sizes) == 1:
+        sizes, seconds = [1, 2], [seconds[0], seconds[0]]
+    return StepCostTable(sizes, seconds)
