@@ -34,6 +34,8 @@ class StepOutput:
     cached_tokens: int
     new_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -285,7 +287,8 @@ class Scheduler:
     @staticmethod
     def _output(req: Req, toks: list[int], lps: list[float], tops: list) -> StepOutput:
         return StepOutput(req.rid, toks, req.finished_reason, len(req.input_ids),
-                          len(req.output_ids), req.cached_tokens, lps, tops)
+                          len(req.output_ids), req.cached_tokens, lps, tops,
+                          req.spec_verify_ct, req.spec_accepted_tokens)
 
 
 def _raw_logprobs(rows: torch.Tensor, toks: list[int], params) -> tuple[list[float], list]:
