@@ -1,4 +1,4 @@
-"""Command line: `sparkserve serve | generate`. Flags follow SGLang's names (see --help)."""
+"""Command line: `sparkserve serve | generate | train-draft`. Flags follow SGLang's names (see --help)."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,25 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message")
     gen.add_argument("--json", action="store_true", help="print the full result as JSON")
     ServerArgs.add_cli_args(gen)
+
+    tr = sub.add_parser("train-draft", help="train a DSpark draft for a model (self-distillation)")
+    tr.add_argument("--model-path", default=None, help="target model (default: the embedded SmolLM2)")
+    tr.add_argument("--out", required=True, help="output directory (resumable)")
+    tr.add_argument("--stages", default="prompts,distill,features,train,eval",
+                    help="comma-separated subset of prompts,distill,features,train,eval")
+    tr.add_argument("--prompts-file", default=None, help="JSONL prompts (default: ShareGPT minus the held-out 2,000)")
+    tr.add_argument("--num-prompts", type=int, default=2000)
+    tr.add_argument("--max-new-tokens", type=int, default=256, help="distillation answer length")
+    tr.add_argument("--temperature", type=float, default=0.0, help="distillation temperature")
+    tr.add_argument("--num-layers", type=int, default=1, help="draft depth")
+    tr.add_argument("--block-size", type=int, default=7, help="gamma")
+    tr.add_argument("--markov-rank", type=int, default=64)
+    tr.add_argument("--target-layer-ids", default=None, help="comma-separated taps (default: 1, L/2, L-2)")
+    tr.add_argument("--steps", type=int, default=1000)
+    tr.add_argument("--lr", type=float, default=6e-4)
+    tr.add_argument("--seqs-per-step", type=int, default=4)
+    tr.add_argument("--anchors-per-seq", type=int, default=32)
+    tr.add_argument("--eval-prompts", type=int, default=32)
     return p
 
 
@@ -55,6 +74,20 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _train_draft(ns: argparse.Namespace) -> int:
+    from sparkserve.training.pipeline import PipelineConfig, run_pipeline
+    taps = [int(x) for x in ns.target_layer_ids.split(",")] if ns.target_layer_ids else None
+    cfg = PipelineConfig(
+        model_path=ns.model_path, out=ns.out, prompts_file=ns.prompts_file, num_prompts=ns.num_prompts,
+        max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, num_layers=ns.num_layers,
+        block_size=ns.block_size, markov_rank=ns.markov_rank, target_layer_ids=taps,
+        eval_prompts=ns.eval_prompts,
+        train={"steps": ns.steps, "lr": ns.lr, "seqs_per_step": ns.seqs_per_step,
+               "anchors_per_seq": ns.anchors_per_seq})
+    run_pipeline(cfg, [s.strip() for s in ns.stages.split(",") if s.strip()])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     logging.basicConfig(level=getattr(ns, "log_level", "info").upper(),
@@ -62,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "generate":
             return _generate(ns)
+        if ns.command == "train-draft":
+            return _train_draft(ns)
         if ns.command == "serve":
             from sparkserve.entrypoints.http_server import launch_server
             return launch_server(ServerArgs.from_cli_args(ns).validate())

@@ -204,6 +204,9 @@ class DSparkDraft(nn.Module):
         ids[:, 0] = anchors
         x = self.embed_tokens(ids).view(B * G, -1)
         pos = (anchor_pos[:, None] + torch.arange(G)[None, :]).view(-1)
+        if int(pos.max()) >= self.rotary.max_positions:   # mask slots past the context end (never
+            self.rotary.max_positions = int(pos.max()) + 1  # verified, but they shape the block)
+            self.rotary.build()
         cos_sin = self.rotary.cos_sin(pos)
         L = kv_indices.shape[1]
         mask = None
@@ -321,6 +324,10 @@ def init_dspark_draft(config: dict[str, Any], target: nn.Module | None = None, s
             p.data.fill_(1.0)
         elif name.endswith("bias"):
             p.data.zero_()
+        elif name == "markov_head.markov_w1.weight":
+            # unit-scale token codes (nn.Embedding's own init): with both Markov factors tiny
+            # the bias W2 W1[x] starts at a saddle and learns slowly
+            p.data.copy_(torch.randn(p.shape, generator=g))
         else:
             p.data.copy_(torch.randn(p.shape, generator=g) * std)
     if target is not None:

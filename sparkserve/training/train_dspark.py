@@ -1,0 +1,174 @@
+"""Train a DSpark draft on a feature cache with DeepSpec's objective.
+
+Per sequence: random anchors a (anchor and next token in the response); block b = [x_a, mask x
+(G-1)] at positions a..a+G-1 sees the fused target context at positions < a plus its own block.
+Slot k predicts x_{a+k+1}. Markov bias teacher-forced on ground-truth previous tokens.
+Loss = 0.1 CE + 0.9 L1(p_draft - p_target) + 1.0 BCE(confidence, 1 - TV), each weighted by
+w_k = exp(-k / 4) over the valid prefix of each block and normalised by the summed weights."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from sparkserve.models.dspark_draft import DSparkDraft, save_dspark_draft
+from sparkserve.training.feature_cache import FeatureCache
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 32
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    decay_gamma: float = 4.0
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    conf_weight: float = 1.0
+    seed: int = 0
+    save_every: int = 200
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    warm = max(1, int(cfg.steps * cfg.warmup_frac))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def sample_anchors(seq_len: int, prompt_len: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Anchors a with x_a and x_{a+1} in the response, uniform without replacement."""
+    lo, hi = max(prompt_len, 1), seq_len - 2
+    if hi < lo:
+        return torch.empty(0, dtype=torch.long)
+    cand = torch.arange(lo, hi + 1)
+    return cand[torch.randperm(len(cand), generator=gen)[:n]].sort().values
+
+
+def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, final: torch.Tensor,
+                 anchors: torch.Tensor, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """Weighted loss sums and weight sum for the blocks of one sequence."""
+    G = draft.block_size
+    S = tokens.shape[0]
+    A = anchors.shape[0]
+    k = torch.arange(G)
+    pos = anchors[:, None] + k[None, :]                                   # [A, G]
+    tgt_pos = pos + 1
+    valid = tgt_pos < S                                                   # target token exists
+    ids = torch.full((A, G), draft.config.mask_token_id, dtype=torch.long)
+    ids[:, 0] = tokens[anchors]
+    ctx_len = int(anchors.max())                                          # context rows < max anchor
+    ctx = draft.context_hidden([taps[:ctx_len]])
+    cos_ctx = draft.rotary.cos_sin(torch.arange(ctx_len))
+    cos_blk = draft.rotary.cos_sin(pos.reshape(-1))
+    blk = torch.arange(A).repeat_interleave(G)
+    mask = torch.cat([torch.arange(ctx_len)[None, :] < anchors.repeat_interleave(G)[:, None],
+                      blk[:, None] == blk[None, :]], dim=1)[None, None]
+    x = draft.embed_tokens(ids.reshape(-1))
+    for layer in draft.layers:
+        kc, vc = layer.self_attn.kv(ctx, cos_ctx)
+        x = layer(x, cos_blk, kc[None], vc[None], mask, 1)
+    h = draft.norm(x)                                                     # [A*G, d]
+    safe_tgt = tgt_pos.clamp(max=S - 1).reshape(-1)
+    prev = tokens[pos.clamp(max=S - 1).reshape(-1)]                      # x_{a+k}: anchor for k=0
+    emb = draft.markov_head.prev_embedding(prev)
+    logits = draft.lm_head(h) + draft.markov_head.bias(emb, h)
+    logp_d = F.log_softmax(logits.float(), -1)
+    with torch.no_grad():
+        p_t = F.softmax(draft.lm_head(final[safe_tgt - 1]).float(), -1)  # target dist. of x_{a+k+1}
+    p_d = logp_d.exp()
+    l1 = (p_d - p_t).abs().sum(-1)
+    ce = F.nll_loss(logp_d, tokens[safe_tgt], reduction="none")
+    w = (torch.exp(-k.float() / cfg.decay_gamma)[None, :] * valid).reshape(-1)
+    out = {"ce": (ce * w).sum(), "l1": (l1 * w).sum(), "wsum": w.sum()}
+    c_star = (1 - 0.5 * l1.detach()).clamp(0, 1)
+    if draft.confidence_head is not None:
+        head = draft.confidence_head
+        feats = torch.cat([h, emb], -1) if head.with_markov else h
+        conf_logit = head.proj(feats).squeeze(-1).float()
+        bce = F.binary_cross_entropy_with_logits(conf_logit, c_star, reduction="none")
+        out["conf"] = (bce * w).sum()
+    # training-time acceptance estimate: tau = 1 + sum_k prod_{i<=k} c*_i (valid prefix only)
+    surv = torch.cumprod((c_star * valid.reshape(-1)).view(A, G), dim=1)
+    out["tau_sum"] = (1 + surv.sum(1)).sum().detach()
+    out["blocks"] = torch.tensor(float(A))
+    return out
+
+
+def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfig,
+          log_every: int = 10) -> dict:
+    """Resumable: picks up train_state.pt in out_dir. Returns the last logged metrics."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name in ("embed_tokens", "lm_head"):
+        getattr(draft, name).requires_grad_(False)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    step = 0
+    state_path = os.path.join(out_dir, "train_state.pt")
+    if os.path.exists(state_path):
+        st = torch.load(state_path, weights_only=False)
+        draft.load_state_dict(st["model"], strict=False)
+        opt.load_state_dict(st["opt"])
+        gen.set_state(st["gen"])
+        step = st["step"]
+    order = torch.randperm(len(cache), generator=gen)
+    cursor = step * cfg.seqs_per_step
+    metrics: dict = {}
+    draft.train()
+    with tqdm(total=cfg.steps, initial=step, desc="train draft", unit="step") as bar:
+        while step < cfg.steps:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg)
+            acc: dict[str, torch.Tensor] = {}
+            for _ in range(cfg.seqs_per_step):
+                i = int(order[cursor % len(cache)])
+                cursor += 1
+                tokens, taps, final, plen = cache.sequence(i)
+                anchors = sample_anchors(len(tokens), plen, cfg.anchors_per_seq, gen)
+                if len(anchors) == 0:
+                    continue
+                for key, v in block_losses(draft, tokens, taps, final, anchors, cfg).items():
+                    acc[key] = acc.get(key, 0) + v
+            if not acc:
+                step += 1
+                continue
+            wsum = acc["wsum"].clamp_min(1e-6)
+            loss = cfg.ce_weight * acc["ce"] / wsum + cfg.l1_weight * acc["l1"] / wsum
+            if "conf" in acc:
+                loss = loss + cfg.conf_weight * acc["conf"] / wsum
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+            opt.step()
+            step += 1
+            metrics = {"step": step, "loss": float(loss), "ce": float(acc["ce"] / wsum),
+                       "l1": float(acc["l1"] / wsum), "tau_est": float(acc["tau_sum"] / acc["blocks"]),
+                       "lr": lr_at(step - 1, cfg)}
+            bar.update(1)
+            if step % log_every == 0:
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau_est']:.2f}")
+                with open(os.path.join(out_dir, "train_log.jsonl"), "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                save_checkpoint(draft, opt, gen, step, out_dir, cfg)
+    draft.eval()
+    return metrics
+
+
+def save_checkpoint(draft, opt, gen, step, out_dir, cfg) -> None:
+    trainable = {k: v for k, v in draft.state_dict().items()
+                 if not k.startswith(("embed_tokens", "lm_head"))}
+    torch.save({"model": trainable, "opt": opt.state_dict(), "gen": gen.get_state(), "step": step,
+                "config": asdict(cfg)}, os.path.join(out_dir, "train_state.pt"))
+    save_dspark_draft(draft, out_dir, include_shared=False)
