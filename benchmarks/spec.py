@@ -1,0 +1,80 @@
+"""DSpark speculative decoding vs plain decoding on the embedded SmolLM2-135M-Instruct, in one
+run: batch-1 and batch-8 output tokens/s and the mean accepted length (tokens per verify cycle,
+bonus included).
+
+    python benchmarks/spec.py [--draft DIR] [--new-tokens 128] [--reps 3] [--mode full]
+
+--draft defaults to the draft shipped for the embedded model. Writes benchmarks/results/spec.{md,json}."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+QUESTIONS = ["Explain how a refrigerator works.", "Write a Python function that reverses a string.",
+             "What are the benefits of regular exercise?", "Describe the water cycle.",
+             "Give three tips for learning a new language.", "What is the capital of Japan and why is it important?",
+             "Write a haiku about autumn.", "How do vaccines work?"]
+
+
+def run(engine, prompts, new) -> tuple[float, float]:
+    t = time.perf_counter()
+    outs = engine.generate(messages=[[{"role": "user", "content": q}] for q in prompts],
+                           sampling_params={"temperature": 0, "max_new_tokens": new, "ignore_eos": True})
+    dt = time.perf_counter() - t
+    cycles = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    acc = sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in outs)
+    return sum(len(o["output_ids"]) for o in outs) / dt, (acc / cycles if cycles else float("nan"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--mode", default="full", choices=["full", "threshold", "adaptive"])
+    ap.add_argument("--threshold", type=float, default=None)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from sparkserve import Engine
+    plain = Engine(max_total_tokens=16384)
+    spec = Engine(max_total_tokens=16384, speculative_algorithm="DSPARK", speculative_draft_model_path=a.draft,
+                  speculative_dspark_verify_mode=a.mode, speculative_dspark_confidence_threshold=a.threshold)
+    rows = {}
+    for bs in (1, 8):
+        prompts = QUESTIONS[:bs]
+        run(plain, prompts, 8), run(spec, prompts, 8)           # warm-up
+        tp, ts, taus = [], [], []
+        for _ in range(a.reps):
+            tp.append(run(plain, prompts, a.new_tokens)[0])
+            s, tau = run(spec, prompts, a.new_tokens)
+            ts.append(s)
+            taus.append(tau)
+        rows[bs] = {"plain_tok_s": tp, "dspark_tok_s": ts, "tau": taus,
+                    "speedup": statistics.median(ts) / statistics.median(tp)}
+    res = {"draft": a.draft or "shipped", "mode": a.mode, "threads": a.threads, "new_tokens": a.new_tokens,
+           "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M")}
+    lines = [f"# DSpark vs plain decoding, SmolLM2-135M-Instruct, {a.threads} threads ({res['date']})", "",
+             f"draft: {res['draft']}, verify mode {a.mode}, {a.new_tokens} new tokens, greedy, medians of {a.reps}", "",
+             "| batch | plain tok/s | DSpark tok/s | speedup | tokens per cycle (tau) |", "|---|---|---|---|---|"]
+    for bs, r in rows.items():
+        lines.append(f"| {bs} | {statistics.median(r['plain_tok_s']):.1f} | {statistics.median(r['dspark_tok_s']):.1f} "
+                     f"| {r['speedup']:.2f}x | {statistics.median(r['tau']):.2f} |")
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "spec.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(RESULTS, "spec.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
