@@ -1,5 +1,6 @@
 """Aux hidden-state capture (DSpark taps): id l = output of decoder layer l, the same as HF's
-`hidden_states[l + 1]`. Shared by every model so the rule and its checks live in one place."""
+`hidden_states[l + 1]`; id -1 = the embedding output (`hidden_states[0]`). Shared by every model
+so the rule and its checks live in one place."""
 from __future__ import annotations
 
 
@@ -18,8 +19,8 @@ class AuxCaptureMixin:
         if len(set(ids)) != len(ids):
             raise ValueError(f"aux layer ids must be unique, got {ids}")
         for l in ids:
-            if not isinstance(l, int) or not 0 <= l < n - 1:
-                raise ValueError(f"aux layer id {l} out of range: must be in [0, {n - 2}] "
+            if not isinstance(l, int) or not -1 <= l < n - 1:
+                raise ValueError(f"aux layer id {l} out of range: must be in [-1, {n - 2}] "
                                  f"(the last layer, {n - 1}, is the model output and cannot be tapped)")
         if ids != sorted(ids):
             raise ValueError(f"aux layer ids must be increasing, got {ids}")

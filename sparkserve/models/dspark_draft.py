@@ -42,6 +42,7 @@ class DSparkConfig:
     confidence_head_with_markov: bool = True
     attention_bias: bool = False
     sample_from_anchor: bool = False      # speculators-format exports: slot j predicts anchor+j
+    rope_scaling: dict | None = None
     raw: dict | None = None
 
     @classmethod
@@ -76,7 +77,9 @@ class DSparkConfig:
             enable_confidence_head=bool(d.get("enable_confidence_head", True)),
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", True)),
             attention_bias=bool(d.get("attention_bias", False)),
-            sample_from_anchor=bool(d.get("sample_from_anchor", False)), raw=d)
+            sample_from_anchor=bool(d.get("sample_from_anchor", False)),
+            rope_scaling=(dict(rope) if rope.get("rope_type", rope.get("type", "default")) != "default"
+                          else None), raw=d)
 
 
 class DSparkAttention(nn.Module):
@@ -168,7 +171,8 @@ class DSparkDraft(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.markov_head = MarkovHead(cfg)
         self.confidence_head = ConfidenceHead(cfg) if cfg.enable_confidence_head else None
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
 
     @property
     def block_size(self) -> int:
@@ -298,7 +302,7 @@ def dspark_config_dict(target_cfg, num_layers: int = 1, block_size: int = 7,
                        enable_confidence_head: bool = True) -> dict[str, Any]:
     """A DeepSpec-format config.json for a draft of `target_cfg` (a ModelConfig)."""
     n = target_cfg.num_hidden_layers
-    taps = target_layer_ids or sorted({1, n // 2, n - 2} - {n - 1}) if n > 2 else [0]
+    taps = target_layer_ids or (sorted({1, n // 2, n - 2}) if n > 2 else [0])
     return {
         "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3",
         "hidden_size": target_cfg.hidden_size, "intermediate_size": target_cfg.intermediate_size,
@@ -306,7 +310,8 @@ def dspark_config_dict(target_cfg, num_layers: int = 1, block_size: int = 7,
         "num_attention_heads": target_cfg.num_attention_heads,
         "num_key_value_heads": target_cfg.num_key_value_heads, "head_dim": target_cfg.head_dim,
         "vocab_size": target_cfg.vocab_size, "rms_norm_eps": target_cfg.rms_norm_eps,
-        "rope_theta": target_cfg.rope_theta, "max_position_embeddings": target_cfg.max_position_embeddings,
+        "rope_theta": target_cfg.rope_theta, "rope_scaling": target_cfg.rope_scaling,
+        "max_position_embeddings": target_cfg.max_position_embeddings,
         "block_size": block_size, "target_layer_ids": taps, "mask_token_id": mask_token_id,
         "num_anchors": 512, "markov_rank": markov_rank, "markov_head_type": markov_head_type,
         "enable_confidence_head": enable_confidence_head, "confidence_head_with_markov": True,

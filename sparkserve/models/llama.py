@@ -103,6 +103,8 @@ class LlamaForCausalLM(AuxCaptureMixin, nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        if -1 in self.aux_layer_set:
+            batch.aux_hidden.append(x)
         cos_sin = self.model.rotary.cos_sin(positions)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos_sin, batch)

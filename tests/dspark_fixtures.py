@@ -1,0 +1,251 @@
+"""Helpers for the DSpark tests (imported by tests/test_dspark_*.py; not a conftest).
+
+Tiny random HF targets saved with save_pretrained, random DSpark drafts in DeepSpec format, and
+"oracle" drafts whose Markov head predicts the target's greedy token exactly (or never)."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+TARGET_SEED = 4321
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dspark_single_thread():
+    """One torch thread while a DSpark test module runs (tiny models on a shared, loaded CPU run
+    far faster single-threaded); the previous setting is restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_target_config(arch: str = "llama", **over: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
+        initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, tie_word_embeddings=False)
+    if arch == "qwen3":
+        cfg.update(head_dim=32, tie_word_embeddings=True)
+    cfg.update(over)
+    return cfg
+
+
+def make_target(path: str, arch: str = "llama", seed: int = TARGET_SEED, edit=None, **over: Any) -> str:
+    """A random tiny HF checkpoint; `edit(model)` may change weights before saving."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(arch, **tiny_target_config(arch, **over))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
+    model.save_pretrained(path)
+    return path
+
+
+def load_hf(path: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager").eval().requires_grad_(False)
+
+
+def make_random_draft(target_dir: str, draft_dir: str, *, num_layers: int = 1, block_size: int = 4,
+                      mask_token_id: int = 3, markov_rank: int = 16, std: float = 0.2, seed: int = 0,
+                      include_shared: bool = True, **kw: Any) -> str:
+    from sparkserve.config import ModelConfig
+    from sparkserve.models.dspark_draft import dspark_config_dict, init_dspark_draft, save_dspark_draft
+    cfg = dspark_config_dict(ModelConfig.from_hf_dir(target_dir), num_layers=num_layers,
+                             block_size=block_size, mask_token_id=mask_token_id,
+                             markov_rank=markov_rank, **kw)
+    save_dspark_draft(init_dspark_draft(cfg, seed=seed, std=std), draft_dir, include_shared=include_shared)
+    return draft_dir
+
+
+def zero_attn_and_mlp_out(model) -> None:
+    """With every o_proj and down_proj zero the residual stream is the token embedding, so the
+    greedy next token is a fixed function f(current token)."""
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+
+
+@torch.inference_mode()
+def next_token_map(hf_model) -> list[int]:
+    """f(x): the target's greedy next token after the single token x (position 0). With the
+    attention/MLP outputs zeroed this does not depend on position or context."""
+    V = hf_model.config.vocab_size
+    logits = hf_model(torch.arange(V)[:, None]).logits[:, -1]
+    return logits.argmax(-1).tolist()
+
+
+def make_oracle_draft(target_dir: str, draft_dir: str, f: list[int], *, block_size: int = 4,
+                      shift: int = 0, mask_token_id: int = 3) -> str:
+    """A draft whose slot logits are 10 * onehot((f(prev) + shift) % V): base logits are zero
+    (final norm weight 0), markov_w1 = I, markov_w2[(f(x) + shift) % V, x] = 10.
+    shift 0: always right; shift 1: always wrong (as long as f has no fixed point issues)."""
+    from sparkserve.config import ModelConfig
+    from sparkserve.models.dspark_draft import dspark_config_dict, init_dspark_draft, save_dspark_draft
+    V = len(f)
+    cfg = dspark_config_dict(ModelConfig.from_hf_dir(target_dir), num_layers=1, block_size=block_size,
+                             mask_token_id=mask_token_id, markov_rank=V)
+    d = init_dspark_draft(cfg, std=0.2)
+    with torch.no_grad():
+        d.norm.weight.zero_()
+        d.markov_head.markov_w1.weight.copy_(torch.eye(V))
+        w2 = torch.zeros(V, V)
+        for x in range(V):
+            w2[(f[x] + shift) % V, x] = 10.0
+        d.markov_head.markov_w2.weight.copy_(w2)
+    save_dspark_draft(d, draft_dir, include_shared=True)
+    return draft_dir
+
+
+def engine(model_dir: str | None, draft_dir: str | None = None, mode: str = "full", **kw: Any):
+    from sparkserve import Engine
+    kw.setdefault("max_total_tokens", 4096)
+    if draft_dir is not None:
+        kw.update(speculative_algorithm="DSPARK", speculative_draft_model_path=draft_dir,
+                  speculative_dspark_verify_mode=mode)
+        if mode == "threshold":
+            kw.setdefault("speculative_dspark_confidence_threshold", 0.5)
+    return Engine(model_dir, **kw)
+
+
+def generate_ids(eng, prompts: list[list[int]], params: list[dict] | dict) -> list[list[int]]:
+    out = eng.generate(input_ids=prompts, sampling_params=params)
+    return [o["output_ids"] for o in out]
+
+
+def assert_no_kv_leak(eng) -> None:
+    cache = eng.scheduler.cache
+    assert cache.radix.protected_size == 0, f"locked radix nodes remain: {cache.radix.protected_size}"
+    assert cache.allocator.free_slots + cache.radix.evictable_size == cache.num_slots, (
+        f"KV leak: free {cache.allocator.free_slots} + cached {cache.radix.evictable_size} "
+        f"!= pool {cache.num_slots}")
+    assert not eng.scheduler.has_work()
+
+
+# ---- chi-square goodness of fit, by hand (no scipy) --------------------------------------------
+def _gamma_q(a: float, x: float) -> float:
+    """Regularised upper incomplete gamma Q(a, x) (series / continued fraction, as in Numerical
+    Recipes' gammq)."""
+    import math
+    if x <= 0:
+        return 1.0
+    gln = math.lgamma(a)
+    if x < a + 1:                       # series for P(a, x)
+        ap, s = a, 1.0 / a
+        term = s
+        for _ in range(10000):
+            ap += 1
+            term *= x / ap
+            s += term
+            if abs(term) < abs(s) * 1e-15:
+                break
+        return 1.0 - s * math.exp(-x + a * math.log(x) - gln)
+    tiny = 1e-300                       # Lentz continued fraction for Q(a, x)
+    b = x + 1 - a
+    c, d = 1 / tiny, 1 / b
+    h = d
+    for i in range(1, 10000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1) < 1e-15:
+            break
+    return math.exp(-x + a * math.log(x) - gln) * h
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(X >= x) for X ~ chi-square(df)."""
+    return _gamma_q(df / 2.0, x / 2.0)
+
+
+def chi2_critical(df: int, alpha: float) -> float:
+    """The x with chi2_sf(x, df) = alpha (bisection)."""
+    lo, hi = 0.0, 10.0 * df + 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if chi2_sf(mid, df) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def chi_square_gof(counts, probs, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's statistic of observed `counts` against cell probabilities `probs` (same length,
+    sums to 1), after pooling the cells whose expected count is below `min_expected`. Returns
+    (statistic, degrees of freedom). Raises AssertionError if a zero-probability cell was hit."""
+    counts = [float(c) for c in counts]
+    probs = [float(p) for p in probs]
+    n = sum(counts)
+    impossible = [i for i, (c, p) in enumerate(zip(counts, probs)) if p <= 0 and c > 0]
+    assert not impossible, f"outcomes with probability 0 were drawn: cells {impossible[:10]}"
+    cells = sorted(((p * n, c) for c, p in zip(counts, probs) if p > 0), key=lambda t: t[0])
+    big = [t for t in cells if t[0] >= min_expected]
+    small = [t for t in cells if t[0] < min_expected]
+    pooled_e, pooled_o = sum(e for e, _ in small), sum(o for _, o in small)
+    while small and pooled_e < min_expected and big:          # pool with the smallest big cell
+        e, o = big.pop(0)
+        pooled_e, pooled_o = pooled_e + e, pooled_o + o
+    if small:
+        big.append((pooled_e, pooled_o))
+    stat = sum((o - e) ** 2 / e for e, o in big)
+    return stat, len(big) - 1
+
+
+# ---- invariant: the draft's context KV is what a fresh prefill would inject --------------------
+@torch.inference_mode()
+def check_draft_context(eng, hf_model, atol: float = 2e-4) -> int:
+    """For every request holding KV, the draft pool rows at its slots for positions < kv_len equal
+    the K/V that the draft computes from taps of a from-scratch transformers forward over those
+    tokens (tap l = HF hidden_states[l + 1]). Returns the number of rows checked."""
+    sched = eng.scheduler
+    draft, pool = sched.spec.draft, sched.spec.pool
+    table = sched.cache.req_to_token.table
+    reqs = list(sched.running) + ([sched.chunked] if sched.chunked is not None else [])
+    checked = 0
+    for req in reqs:
+        n = req.kv_len
+        if req.row is None or n == 0:
+            continue
+        ids = torch.tensor([req.fill_ids[:n]])
+        hs = hf_model(ids, output_hidden_states=True).hidden_states
+        taps = [hs[l + 1][0].float() for l in draft.config.target_layer_ids]
+        ctx = draft.context_hidden(taps)
+        cos_sin = draft.rotary.cos_sin(torch.arange(n))
+        slots = table[req.row, :n]
+        for i, layer in enumerate(draft.layers):
+            k, v = layer.self_attn.kv(ctx, cos_sin)
+            kb, vb = pool.layer(i)
+            assert torch.allclose(kb[slots], k, atol=atol, rtol=1e-3), \
+                f"draft context K of {req.rid} (layer {i}) differs from a fresh prefill"
+            assert torch.allclose(vb[slots], v, atol=atol, rtol=1e-3), \
+                f"draft context V of {req.rid} (layer {i}) differs from a fresh prefill"
+        checked += n
+    return checked
+
+
+def install_context_check(eng, hf_model) -> dict:
+    """Run check_draft_context after every scheduler step; returns a counter dict."""
+    stats = {"steps": 0, "rows": 0}
+    orig = eng.scheduler.step
+
+    def step():
+        out = orig()
+        stats["steps"] += 1
+        stats["rows"] += check_draft_context(eng, hf_model)
+        return out
+    eng.scheduler.step = step
+    return stats
