@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ class ServerArgs:
     speculative_dspark_verify_mode: str | None = field(default=None, metadata={"help": "full | threshold | adaptive (default: threshold if a threshold is given, else full)"})
     speculative_dspark_confidence_threshold: float | None = field(default=None, metadata={"help": "verify the leading drafts whose confidence is >= this"})
     speculative_dspark_sps_table_path: str | None = field(default=None, metadata={"help": "step-cost table (JSON) for adaptive verify; measured at start-up if unset"})
+    disaggregation_mode: str = field(default="null", metadata={"help": "PD disaggregation role: null (not disaggregated); prefill/decode are not built yet"})
     # parallelism (one process for now; the flags exist so that refusals are explicit)
     tp_size: int = field(default=1, metadata={"help": "tensor parallel size"})
     pp_size: int = field(default=1, metadata={"help": "pipeline parallel size"})
@@ -84,6 +86,10 @@ class ServerArgs:
         else:
             need(self.speculative_draft_model_path is None,
                  "--speculative-draft-model-path needs --speculative-algorithm DSPARK")
+        need(os.path.exists(self.model_path), f"--model-path {self.model_path} does not exist")
+        need(self.disaggregation_mode == "null",
+             f"--disaggregation-mode {self.disaggregation_mode}: PD disaggregation is not built yet; use null")
+        need(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
         for name in ("tp_size", "pp_size", "dp_size"):
             need(getattr(self, name) == 1,
                  f"--{name.replace('_', '-')} {getattr(self, name)}: multi-process parallelism is not built yet; "

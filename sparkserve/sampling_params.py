@@ -114,8 +114,8 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
         self._validate_stop(vocab_size)
         return self
 

@@ -242,3 +242,32 @@ def test_speculators_layout_slot_shift(orc, tmp_path, sample_from_anchor):
     assert uncapped and set(uncapped) == {drafts}
     assert set(eng.scheduler.accept_hist) - {drafts} <= {c for c, _ in eng.plan_log if c < drafts}
     assert_no_kv_leak(eng)
+
+
+def test_spec_stats_in_meta_info_and_metrics(orc):
+    """meta_info carries spec_verify_ct / spec_accept_length, and /metrics' gauges agree with
+    the scheduler's accept histogram."""
+    from sparkserve.entrypoints.metrics import Metrics
+    from sparkserve.scheduler.process import scheduler_load
+    eng = engine(orc.target, orc.oracle)
+    n = 2 + 2 * (GAMMA + 1)              # prefill token + 2 full cycles + 1 capped cycle
+    out = eng.generate(input_ids=[orc.prompt], sampling_params={"temperature": 0, "max_new_tokens": n,
+                                                                 "ignore_eos": True})
+    meta = out[0]["meta_info"]
+    assert meta["spec_verify_ct"] == sum(eng.scheduler.accept_hist.values())
+    # every token after the prefill's comes from a verify cycle, but the very last may be decoded
+    # plainly (nothing is left to draft for it)
+    assert n - 2 <= meta["spec_accepted_tokens"] <= n - 1
+    assert meta["spec_accept_length"] == pytest.approx(meta["spec_accepted_tokens"] / meta["spec_verify_ct"])
+    assert meta["spec_accept_length"] > 2
+    plain = eng.generate(input_ids=[orc.prompt], sampling_params={"temperature": 0, "max_new_tokens": 1})
+    assert "spec_verify_ct" not in plain[0]["meta_info"]
+    m = Metrics("m")
+    m.set_load(scheduler_load(eng.scheduler))
+    text = m.render().decode()
+    hist = eng.scheduler.accept_hist
+    cycles = sum(hist.values())
+    assert f'sglang:spec_verify_count{{model_name="m"}} {float(cycles)}' in text
+    mean = sum((k + 1) * v for k, v in hist.items()) / cycles
+    line = next(l for l in text.splitlines() if l.startswith("sglang:spec_accept_length{"))
+    assert float(line.split()[-1]) == pytest.approx(mean)

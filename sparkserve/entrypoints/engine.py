@@ -4,18 +4,17 @@ Runs the scheduler in this process (no HTTP, no ZMQ) and returns SGLang-shaped r
 {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", ...}}."""
 from __future__ import annotations
 
-import itertools
-import os
 import uuid
 from typing import Any, Iterator, Sequence
 
 from sparkserve.args import ServerArgs
 from sparkserve.executor.sampler import RequestSamplingState
 from sparkserve.frontend.output_stream import OutputStream
+from sparkserve.frontend.prepare import Limits, check_prompt, fan_out, meta_info, params_list
 from sparkserve.sampling_params import SamplingParams
 from sparkserve.scheduler.req import Req
-from sparkserve.scheduler.runtime import build_scheduler, context_length, load_tokenizer
-from sparkserve.scheduler.scheduler import StepOutput
+from sparkserve.frontend.tokenizer import has_tokenizer_files, load_tokenizer
+from sparkserve.scheduler.runtime import build_scheduler, context_length
 
 Messages = list[dict[str, Any]]
 
@@ -24,11 +23,12 @@ class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any):
         self.args = ServerArgs(model_path=model_path, **kwargs).validate()
         self.tokenizer = None
-        if not self.args.skip_tokenizer_init and _has_tokenizer(self.args.tokenizer_path):
+        if not self.args.skip_tokenizer_init and has_tokenizer_files(self.args.tokenizer_path):
             self.tokenizer = load_tokenizer(self.args.tokenizer_path)
         self.scheduler, self.model_config = build_scheduler(self.args, self.tokenizer)
         self.context_length = context_length(self.args, self.model_config)
-        self._ids = itertools.count()
+        self.limits = Limits(self.model_config.vocab_size, self.context_length,
+                             self.scheduler.cache.num_slots)
 
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[str] | None = None,
@@ -41,9 +41,9 @@ class Engine:
         With stream=True (single prompt), yields chunks {"text": delta, "output_ids": new ids,
         "finished": bool, "meta_info": ...}."""
         prompts, single = self._prompt_ids(prompt, input_ids, messages)
-        params = _params_list(sampling_params, len(prompts))
+        params = params_list(sampling_params, len(prompts))
         for ids, p in zip(prompts, params):
-            self._check(ids, p)
+            check_prompt(ids, p, self.limits)
         groups = [self._submit(ids, p) for ids, p in zip(prompts, params)]
         if stream:
             if not single or len(groups[0]) != 1:
@@ -88,28 +88,11 @@ class Engine:
                              "skip_tokenizer_init): pass input_ids")
         return self.tokenizer
 
-    def _check(self, ids: list[int], params: SamplingParams) -> None:
-        params.validate(self.model_config.vocab_size)
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
-        total = len(ids) + params.max_new_tokens
-        if total > self.context_length:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                             f"{total} exceeds the context length {self.context_length}")
-        if total > self.scheduler.cache.num_slots:
-            raise ValueError(f"prompt + max_new_tokens = {total} tokens exceeds the KV pool "
-                             f"({self.scheduler.cache.num_slots} tokens); raise --max-total-tokens")
-
     def _submit(self, ids: list[int], params: SamplingParams) -> list[Req]:
-        base = uuid.uuid4().hex[:16]
         eos = self.scheduler.eos_ids
         reqs = []
-        for i in range(params.n):
-            p = params if params.n == 1 else _replace_seed(params, i)
-            req = Req(f"{base}-{i}" if params.n > 1 else base, list(ids), p,
-                      RequestSamplingState(p, ids, eos))
+        for rid, p in fan_out(uuid.uuid4().hex[:16], params):
+            req = Req(rid, list(ids), p, RequestSamplingState(p, ids, eos))
             reqs.append(req)
             if params.max_new_tokens == 0:
                 req.finished_reason = {"type": "length", "length": 0}
@@ -147,37 +130,10 @@ class Engine:
 
     @staticmethod
     def _meta(req: Req) -> dict:
-        meta = {"id": req.rid, "finish_reason": req.finished_reason,
-                "prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
-                "cached_tokens": req.cached_tokens}
+        meta = meta_info(req.rid, req.finished_reason, len(req.input_ids), len(req.output_ids),
+                         req.cached_tokens, req.spec_verify_ct, req.spec_accepted_tokens)
         if req.params.return_logprob:
             meta["output_token_logprobs"] = [(lp, t) for lp, t in zip(req.output_logprobs, req.output_ids)]
             meta["output_top_logprobs"] = req.output_top_logprobs
         return meta
 
-
-def _has_tokenizer(path: str) -> bool:
-    return path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json"))
-
-
-def _params_list(sp, n: int) -> list[SamplingParams]:
-    if isinstance(sp, (list, tuple)):
-        if len(sp) != n:
-            raise ValueError(f"sampling_params: got {len(sp)} for {n} prompts")
-        return [_one_params(x) for x in sp]
-    return [_one_params(sp) for _ in range(n)]
-
-
-def _one_params(sp) -> SamplingParams:
-    if sp is None:
-        return SamplingParams()
-    if isinstance(sp, SamplingParams):
-        return SamplingParams(**{k: v for k, v in sp.__dict__.items()})
-    return SamplingParams.from_dict(dict(sp))
-
-
-def _replace_seed(p: SamplingParams, i: int) -> SamplingParams:
-    q = SamplingParams(**p.__dict__)
-    q.seed = None if p.seed is None else p.seed + i
-    q.n = 1
-    return q

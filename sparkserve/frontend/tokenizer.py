@@ -260,6 +260,15 @@ class Tokenizer:
         )
 
 
+def has_tokenizer_files(path: str) -> bool:
+    """Whether `path` (a .gguf file or an HF directory) carries a tokenizer this module can load."""
+    return path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json"))
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    return Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_pretrained(path)
+
+
 def _hf_chat_templates(d: str, cfg: dict[str, Any]) -> dict[str, str]:
     """Templates from tokenizer_config.json, chat_template.json/.jinja and additional_chat_templates/."""
     templates: dict[str, str] = {}

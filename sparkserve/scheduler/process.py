@@ -24,6 +24,7 @@ from sparkserve.entrypoints.io_struct import (AbortReq, BatchOut, FlushCacheOut,
 log = logging.getLogger("sparkserve.scheduler")
 
 IDLE_POLL_MS = 1000
+PARENT_CHECK_S = 1.0
 
 
 def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, parent_pid: int) -> None:
@@ -80,7 +81,11 @@ class SchedulerLoop:
 
     # ---- loop -------------------------------------------------------------------------------
     def run(self) -> None:
+        last_check = time.monotonic()
         while not self.stopped:
+            if time.monotonic() - last_check > PARENT_CHECK_S:
+                last_check = time.monotonic()
+                self._check_parent()
             for msg in self._receive(block=not self.scheduler.has_work()):
                 self._handle(msg)
             if self.stopped:
@@ -88,7 +93,7 @@ class SchedulerLoop:
             outputs, self.pending = self.pending, []
             if self.scheduler.has_work():
                 for o in self.scheduler.step():
-                    outputs.append(_copy(o))
+                    outputs.append(o)
                     if o.finished_reason is not None:
                         self.reqs.pop(o.rid, None)
             if outputs:
@@ -97,15 +102,18 @@ class SchedulerLoop:
     def _receive(self, block: bool) -> list:
         msgs = []
         if block and not self.recv.poll(IDLE_POLL_MS):
-            if os.getppid() != self.parent_pid:        # frontend gone (killed): do not linger
-                log.warning("frontend process exited; scheduler stops")
-                self.stopped = True
+            self._check_parent()
             return msgs
         while True:
             try:
                 msgs.append(self.recv.recv_pyobj(zmq.NOBLOCK))
             except zmq.Again:
                 return msgs
+
+    def _check_parent(self) -> None:
+        if os.getppid() != self.parent_pid:            # frontend gone (killed): do not linger
+            log.warning("frontend process exited; scheduler stops")
+            self.stopped = True
 
     def _handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
@@ -147,24 +155,15 @@ class SchedulerLoop:
         self.scheduler.add_request(req)
 
     def load(self) -> SchedulerLoad:
-        cache = self.scheduler.cache
-        by_requests = cache.num_slots - cache.available_tokens
-        return SchedulerLoad(
-            num_running_reqs=self.scheduler.num_running, num_queue_reqs=len(self.scheduler.waiting),
-            num_used_tokens=by_requests, num_cached_tokens=max(0, cache.used_tokens - by_requests),
-            max_total_num_tokens=cache.num_slots, num_retractions=self.scheduler.num_retractions)
+        return scheduler_load(self.scheduler)
 
 
-def _copy(o) -> ReqOutput:
-    return ReqOutput(o.rid, list(o.new_token_ids), o.finished_reason, o.prompt_tokens,
-                     o.completion_tokens, o.cached_tokens, list(o.new_logprobs), list(o.new_top_logprobs))
-
-
-def wait_for(pred, timeout: float, interval: float = 0.05) -> bool:
-    """Poll `pred` until true or `timeout` seconds pass (used by the frontend at shutdown)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(interval)
-    return pred()
+def scheduler_load(scheduler) -> SchedulerLoad:
+    """The scheduler's load and KV usage, for /metrics and /server_info."""
+    cache = scheduler.cache
+    by_requests = cache.num_slots - cache.available_tokens
+    return SchedulerLoad(
+        num_running_reqs=scheduler.num_running, num_queue_reqs=len(scheduler.waiting),
+        num_used_tokens=by_requests, num_cached_tokens=max(0, cache.used_tokens - by_requests),
+        max_total_num_tokens=cache.num_slots, num_retractions=scheduler.num_retractions,
+        spec_accept_hist=dict(scheduler.accept_hist))

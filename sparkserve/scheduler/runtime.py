@@ -10,7 +10,7 @@ import torch
 from sparkserve.args import ServerArgs
 from sparkserve.config import ModelConfig
 from sparkserve.executor.model_runner import ModelRunner
-from sparkserve.frontend.tokenizer import Tokenizer, load_tokenizer  # noqa: F401 (re-exported)
+from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.registry import load_config, load_model

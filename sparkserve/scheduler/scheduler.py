@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from sparkserve.entrypoints.io_struct import ReqOutput
 from sparkserve.executor.forward_batch import ForwardMode
 from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
 from sparkserve.executor.sampler import Sampler
@@ -21,21 +22,6 @@ from sparkserve.speculative.verify import accept_greedy, accept_sampling
 
 if TYPE_CHECKING:
     from sparkserve.speculative.dspark_worker import DSparkWorker
-
-
-@dataclass
-class StepOutput:
-    """New tokens of one request after a step (empty for a prefill chunk)."""
-    rid: str
-    new_token_ids: list[int]
-    finished_reason: dict | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    new_logprobs: list[float] = field(default_factory=list)
-    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    spec_verify_ct: int = 0
-    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -88,7 +74,7 @@ class Scheduler:
         return len(self.running) + (self.chunked is not None)
 
     # ---- one step ---------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[ReqOutput]:
         prefill = self._schedule_prefill()
         if prefill:
             return self._run_prefill(prefill)
@@ -112,6 +98,7 @@ class Scheduler:
                 break
             remaining = len(req.fill_ids) - req.kv_len
             if chunk <= 0 and batch and remaining > budget:
+                self.cache.release(req)   # un-admit: a waiting request must not pin KV
                 break                     # chunking is off: whole prompts only
             n = remaining if chunk <= 0 else min(remaining, budget)
             # Keep one decode slot per running request so admitting this one cannot stall them.
@@ -121,6 +108,8 @@ class Scheduler:
             slots = self.cache.alloc(req, n) if fits else None
             if slots is None:
                 if batch or self.running:
+                    if not from_chunk:    # un-admit: a waiting request must not pin its cached
+                        self.cache.release(req)   # prefix, or running ones cannot decode
                     break                 # wait for memory; the request keeps its place
                 raise RuntimeError(f"request {req.rid} needs {n} KV slots but the pool holds "
                                    f"{self.cache.num_slots}; raise --max-total-tokens")
@@ -135,7 +124,7 @@ class Scheduler:
                 break
         return batch
 
-    def _run_prefill(self, batch: list[tuple[Req, torch.Tensor, int]]) -> list[StepOutput]:
+    def _run_prefill(self, batch: list[tuple[Req, torch.Tensor, int]]) -> list[ReqOutput]:
         sched = [ScheduledReq(r.row, r.kv_len, r.fill_ids[r.kv_len:r.kv_len + n], slots,
                               logit_rows=int(r.kv_len + n == len(r.fill_ids))) for r, slots, n in batch]
         fb = self.runner.build_batch(ForwardMode.EXTEND, sched)
@@ -157,7 +146,7 @@ class Scheduler:
                 self.running.append(req)
         return outputs
 
-    def _run_decode(self) -> list[StepOutput]:
+    def _run_decode(self) -> list[ReqOutput]:
         """One DECODE step; with DSpark, one VERIFY step: speculating requests score their
         anchor + drafts, the others their next token, in the same forward."""
         spec_reqs = [r for r in self.running if self._speculates(r)]
@@ -190,8 +179,10 @@ class Scheduler:
         return outputs
 
     def _speculates(self, req: Req) -> bool:
-        # Penalties change the target distribution with every drafted token: plain decode.
+        # Penalties change the target distribution with every drafted token, and min_new_tokens
+        # bans stop/EOS ids that verify (raw target logits) would accept: plain decode.
         return (self.spec is not None and not req.sampling.has_penalty
+                and not req.sampling.min_tokens_active
                 and len(req.output_ids) + 1 < req.params.max_new_tokens)
 
     def _inject_rows(self, fb, rows: torch.Tensor) -> None:
@@ -199,7 +190,7 @@ class Scheduler:
             self.spec.inject(fb.aux_hidden, rows, fb.positions, fb.out_cache_loc)
 
     def _verify_and_commit(self, reqs: list[Req], sched: list[ScheduledReq], props: dict,
-                           fb, logits: torch.Tensor) -> list[StepOutput]:
+                           fb, logits: torch.Tensor) -> list[ReqOutput]:
         starts, off = [], 0
         for sr in sched:
             starts.append(off)
@@ -237,7 +228,7 @@ class Scheduler:
         return [self._commit(req, toks, lps, tops, spec=id(req) in props) for req, toks, lps, tops in results]
 
     def _commit(self, req: Req, toks: list[int], lps: list[float], tops: list,
-                spec: bool = False) -> StepOutput:
+                spec: bool = False) -> ReqOutput:
         """Append tokens one by one, stopping exactly where the request finishes."""
         taken = []
         for n, tok in enumerate(toks):
@@ -254,6 +245,9 @@ class Scheduler:
         if spec:
             req.spec_accepted_tokens += len(taken)
         if req.finished:
+            if req.kv_len > len(req.fill_ids):    # stopped inside an accepted block: drop the
+                end, req.kv_len = req.kv_len, len(req.fill_ids)   # KV of drafts after the stop
+                self.cache.truncate(req, end)
             self.cache.release(req)
         k = len(taken)
         return self._output(req, taken, lps[:k] if req.params.return_logprob else [],
@@ -266,15 +260,20 @@ class Scheduler:
         while True:
             need = sum(self.cache.pages_needed(r, 1 + (extra if id(r) in spec_ids else 0))
                        for r in self.running) * page
-            if need <= self.cache.available_tokens or len(self.running) <= 1:
+            if need <= self.cache.available_tokens:
                 return
-            victim = self.running.pop()
+            if self.chunked is not None:      # a half-prefilled request pins KV too: retract it first
+                victim, self.chunked = self.chunked, None
+            elif len(self.running) > 1:
+                victim = self.running.pop()
+            else:
+                return
             self.cache.release(victim)
             victim.num_retractions += 1
             self.num_retractions += 1
             self.waiting.appendleft(victim)
 
-    def _sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> list[StepOutput]:
+    def _sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
         out = self.sampler.sample(logits, [r.sampling for r in reqs])
         lp = [r.params.return_logprob for r in reqs]
         return [self._commit(r, [out.next_token_ids[i]], [out.logprobs[i]] if lp[i] else [],
@@ -285,8 +284,8 @@ class Scheduler:
         self.cache.release(req)
 
     @staticmethod
-    def _output(req: Req, toks: list[int], lps: list[float], tops: list) -> StepOutput:
-        return StepOutput(req.rid, toks, req.finished_reason, len(req.input_ids),
+    def _output(req: Req, toks: list[int], lps: list[float], tops: list) -> ReqOutput:
+        return ReqOutput(req.rid, toks, req.finished_reason, len(req.input_ids),
                           len(req.output_ids), req.cached_tokens, lps, tops,
                           req.spec_verify_ct, req.spec_accepted_tokens)
 

@@ -1,0 +1,156 @@
+"""Request schemas of the generation endpoints (pydantic, strict types) and the error shape.
+
+Strict: a number sent as a string, a bool sent as a number, a float where an int belongs are 400s
+naming the field, never silently converted. Unknown fields are ignored (clients send vendor
+extras), except the ones whose silent omission would change the output (`ApiError` in serving).
+Value ranges are checked once, by SamplingParams.validate, not here."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+Number = float          # strict mode: accepts int and float, refuses str and bool
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape (SGLang's `object: "error"` fields alongside)."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
+             503: "service_unavailable_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        err = {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+               "param": self.param, "code": self.status}
+        return {"object": "error", **err, "error": err}
+
+    @classmethod
+    def bad_request(cls, e: ValueError | str, param: str | None = None) -> "ApiError":
+        msg = str(e)
+        if param is None:                   # our ValueErrors start with the parameter's name
+            head = msg.split(" ", 1)[0].rstrip(":")
+            param = head if head.replace("_", "").replace(".", "").replace("[", "").replace("]", "").isalnum() else None
+        return cls(400, msg, param)
+
+    @classmethod
+    def from_validation(cls, e: ValidationError) -> "ApiError":
+        err = e.errors()[0]
+        loc = _field_path(err.get("loc", ()))
+        if err.get("type") == "json_invalid":
+            return cls(400, f"the request body is not valid JSON: {err.get('msg')}")
+        if not loc:
+            return cls(400, f"the request body must be a JSON object: {err.get('msg')}")
+        field = loc.split(".")[0]
+        tags = _union_tags(e.errors(), field)
+        if len(tags) > 1:                   # a union field matched none of its forms
+            got = repr(err.get("input")) if loc == field else f"at {loc}: {err.get('input')!r}"
+            return cls(400, f"{field}: invalid value ({got[:80]}); accepted: {' | '.join(tags)}", field)
+        more = f" (and {len(e.errors()) - 1} more errors)" if len(e.errors()) > 1 else ""
+        return cls(400, f"{loc}: {err.get('msg')}{more}", field)
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|json-or-python|is-instance|function-\w+)(\[.*\])?$")
+
+
+def _field_path(loc: tuple) -> str:
+    """`messages.0.content` style path of a pydantic error, without union-member tags
+    (`stop.list[str].0` -> `stop.0`)."""
+    parts = [str(x) for x in loc if not (isinstance(x, str) and _UNION_TAG.match(x))]
+    return ".".join(parts)
+
+
+def _union_tags(errors: list[dict], field: str) -> list[str]:
+    tags: list[str] = []
+    for err in errors:
+        loc = err.get("loc", ())
+        if len(loc) > 1 and str(loc[0]) == field and isinstance(loc[1], str) and _UNION_TAG.match(loc[1]):
+            tag = loc[1].replace("dict[str,any]", "object").replace("any", "object")
+            if tag not in tags:
+                tags.append(tag)
+    return tags
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class OpenAISampling(_Request):
+    """Fields shared by chat and completions (OpenAI's, then SGLang/vLLM's extra-body ones)."""
+    model: str | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    seed: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, Any] | None = None
+    # extra body (SGLang / vLLM names)
+    top_k: int | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    rid: str | None = None
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class GenerateRequest(_Request):
+    """SGLang's /generate (GenerateReqInput): one prompt or a batch, text or token ids."""
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: int | list[int] = 0
+    logprob_start_len: int | list[int] = -1
+    return_text_in_logprobs: bool = False
+    # PD disaggregation fields that sglang-router adds (accepted; no disaggregation yet)
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
+
+
+class AbortRequest(_Request):
+    rid: str = ""
+    abort_all: bool = False

@@ -1,0 +1,97 @@
+"""Request preparation shared by the offline Engine and the HTTP server.
+
+Between untrusted input and a scheduler: sampling params from request JSON, the checks a prompt
+must pass (vocabulary, context length, KV pool), the fan-out of `n` into independent sequences
+(seed + i each), and SGLang's `meta_info`. Every failure is a ValueError whose message starts
+with the offending parameter's name, so the server can answer 400 naming it. No torch here: the
+HTTP frontend process imports this module and holds no model."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from sparkserve.sampling_params import SamplingParams
+
+MAX_N = 128          # as OpenAI: more completions per prompt is a client bug, not a workload
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Model facts a prompt is checked against (from the scheduler, in or out of process)."""
+    vocab_size: int
+    context_length: int
+    pool_tokens: int          # KV pool size: one sequence can never hold more
+
+    @property
+    def max_sequence(self) -> int:
+        return min(self.context_length, self.pool_tokens)
+
+
+def parse_params(sp: dict | SamplingParams | None) -> SamplingParams:
+    """A fresh, validated SamplingParams from None, a dict (request JSON) or another instance."""
+    if sp is None:
+        return SamplingParams().validate()
+    if isinstance(sp, SamplingParams):
+        return dataclasses.replace(sp).validate()
+    return SamplingParams.from_dict(sp)
+
+
+def params_list(sp: Any, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: a list must match the prompts, one value is shared."""
+    if isinstance(sp, (list, tuple)):
+        if len(sp) != n:
+            raise ValueError(f"sampling_params: got {len(sp)} for {n} prompts")
+        return [parse_params(x) for x in sp]
+    return [parse_params(sp) for _ in range(n)]
+
+
+def check_prompt(ids: Sequence[int], params: SamplingParams, limits: Limits,
+                 max_tokens_name: str = "max_new_tokens") -> None:
+    """Raise ValueError unless `ids` + `params` can run to completion on this model and pool."""
+    params.validate(limits.vocab_size)
+    if params.n > MAX_N:
+        raise ValueError(f"n must be at most {MAX_N}, got {params.n}")
+    if not ids:
+        raise ValueError("prompt is empty: give at least one token")
+    bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab_size)]
+    if bad:
+        raise ValueError(f"input_ids: token id {bad[0]!r} is outside the vocabulary [0, {limits.vocab_size})")
+    total = len(ids) + params.max_new_tokens
+    if total > limits.context_length:
+        raise ValueError(f"{max_tokens_name}: prompt ({len(ids)} tokens) + {max_tokens_name} "
+                         f"({params.max_new_tokens}) = {total} exceeds the context length "
+                         f"{limits.context_length}")
+    if total > limits.pool_tokens:
+        raise ValueError(f"{max_tokens_name}: prompt ({len(ids)} tokens) + {max_tokens_name} "
+                         f"({params.max_new_tokens}) = {total} tokens exceeds the KV pool "
+                         f"({limits.pool_tokens} tokens); raise --max-total-tokens")
+
+
+def room_left(ids: Sequence[int], limits: Limits) -> int:
+    """The largest max_new_tokens this prompt allows (a default when the client gives none)."""
+    return max(0, limits.max_sequence - len(ids))
+
+
+def fan_out(rid: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """`n` independent sequences: rid-i, n=1 each, seed+i when seeded (so choices differ)."""
+    if params.n == 1:
+        return [(rid, params)]
+    out = []
+    for i in range(params.n):
+        p = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        out.append((f"{rid}-{i}", p))
+    return out
+
+
+def meta_info(rid: str, finish_reason: dict | None, prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int, spec_verify_ct: int = 0, spec_accepted_tokens: int = 0,
+              **extra: Any) -> dict[str, Any]:
+    """SGLang's meta_info for one sequence (`extra`: logprobs, latency, ...). With speculative
+    decoding: verify cycles, tokens they committed, and the mean accepted length per cycle."""
+    meta = {"id": rid, "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens, "cached_tokens": cached_tokens, **extra}
+    if spec_verify_ct:
+        meta.update(spec_verify_ct=spec_verify_ct, spec_accepted_tokens=spec_accepted_tokens,
+                    spec_accept_length=spec_accepted_tokens / spec_verify_ct)
+    return meta

@@ -1,0 +1,90 @@
+"""Start `sparkserve serve` as a subprocess on a free port for HTTP tests (one per test module).
+
+The server starts on construction and is waited for on first use of `.url`, so a test module can
+load its reference Engine while the server loads its model. One torch thread per process and a
+passive OpenMP wait policy keep the 2-core machine from stalling (research/stack.md)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+SERVER_THREADS = 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 180.0):
+        self.port = free_port()
+        self.api_key = api_key
+        self.startup_timeout = startup_timeout
+        self.log = tempfile.NamedTemporaryFile(prefix="sparkserve-test-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "sparkserve.cli", "serve", "--port", str(self.port),
+               "--num-threads", str(SERVER_THREADS), "--log-level", "warning", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._ready = False
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """Base URL, once /health answers 200 (raises with the server log if it never does)."""
+        if not self._ready:
+            self.wait_ready()
+        return self.base
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def wait_ready(self) -> None:
+        end = time.monotonic() + self.startup_timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    self._ready = True
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"server not ready after {self.startup_timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-n:]
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def remove_log(self) -> None:
+        self.log.close()
+        os.unlink(self.log.name)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode
