@@ -18,7 +18,7 @@ from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
 from sparkserve.executor.sampler import Sampler
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.scheduler.req import Req
-from sparkserve.speculative.verify import accept_greedy, accept_sampling
+from sparkserve.speculative.verify import accept, raw_logprobs
 
 if TYPE_CHECKING:
     from sparkserve.speculative.dspark_worker import DSparkWorker
@@ -198,25 +198,20 @@ class Scheduler:
         plain = [i for i, r in enumerate(reqs) if id(r) not in props]
         plain_out = (self.sampler.sample(logits[[starts[i] for i in plain]],
                                          [reqs[i].sampling for i in plain]) if plain else None)
+        plain_pos = {i: j for j, i in enumerate(plain)}
         committed_rows: list[int] = []
         results: list[tuple[Req, list[int], list[float], list]] = []
         for i, req in enumerate(reqs):
             rows = logits[starts[i]:starts[i] + len(sched[i].tokens)]
             p = props.get(id(req))
             if p is None:
-                j = plain.index(i)
+                j = plain_pos[i]
                 toks, n_acc = [plain_out.next_token_ids[j]], 0
                 lps = [plain_out.logprobs[j]] if req.params.return_logprob else []
                 tops = [plain_out.top_logprobs[j] or []] if req.params.return_logprob else []
             else:
-                drafts = p.tokens[:p.verify_len]
-                if req.params.is_greedy:
-                    n_acc, bonus = accept_greedy(drafts, rows)
-                else:
-                    n_acc, bonus = accept_sampling(drafts, p.q_probs[:p.verify_len], rows, req.params,
-                                                   req.sampling.generator(rows.device))
-                toks = drafts[:n_acc] + [bonus]
-                lps, tops = _raw_logprobs(rows[:n_acc + 1], toks, req.params)
+                n_acc, toks = accept(req, p.tokens[:p.verify_len], p.q_probs, rows)
+                lps, tops = raw_logprobs(rows[:n_acc + 1], toks, req.params)
                 req.spec_verify_ct += 1
                 self.accept_hist[n_acc] = self.accept_hist.get(n_acc, 0) + 1
             committed_rows.extend(range(starts[i], starts[i] + n_acc + 1))
@@ -289,19 +284,3 @@ class Scheduler:
                           len(req.output_ids), req.cached_tokens, lps, tops,
                           req.spec_verify_ct, req.spec_accepted_tokens)
 
-
-def _raw_logprobs(rows: torch.Tensor, toks: list[int], params) -> tuple[list[float], list]:
-    """Logprobs of committed tokens under the raw target distribution (as plain decoding reports)."""
-    if not params.return_logprob:
-        return [], []
-    lsm = torch.log_softmax(rows.float(), dim=-1)
-    lps = lsm[torch.arange(len(toks)), torch.tensor(toks)].tolist()
-    k = params.top_logprobs_num
-    tops = []
-    for r in range(len(toks)):
-        if k:
-            v, ids = lsm[r].topk(k)
-            tops.append(list(zip(ids.tolist(), v.tolist())))
-        else:
-            tops.append([])
-    return lps, tops

@@ -14,6 +14,34 @@ from sparkserve.executor.sampler import processed_probs, sample_from_probs
 from sparkserve.sampling_params import SamplingParams
 
 
+def accept(req, drafts: list[int], q_probs: torch.Tensor | None,
+           target_logits: torch.Tensor) -> tuple[int, list[int]]:
+    """Verify one request's drafts: (number accepted, committed tokens = accepted + bonus)."""
+    if req.params.is_greedy:
+        n, bonus = accept_greedy(drafts, target_logits)
+    else:
+        n, bonus = accept_sampling(drafts, q_probs[:len(drafts)], target_logits, req.params,
+                                   req.sampling.generator(target_logits.device))
+    return n, drafts[:n] + [bonus]
+
+
+def raw_logprobs(rows: torch.Tensor, toks: list[int], params: SamplingParams) -> tuple[list[float], list]:
+    """Logprobs of committed tokens under the raw target distribution (as plain decoding reports)."""
+    if not params.return_logprob:
+        return [], []
+    lsm = torch.log_softmax(rows.float(), dim=-1)
+    lps = lsm[torch.arange(len(toks)), torch.tensor(toks)].tolist()
+    k = params.top_logprobs_num
+    tops = []
+    for r in range(len(toks)):
+        if k:
+            v, ids = lsm[r].topk(k)
+            tops.append(list(zip(ids.tolist(), v.tolist())))
+        else:
+            tops.append([])
+    return lps, tops
+
+
 def accept_greedy(drafts: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
     """drafts d_1..d_L, target_logits [L+1, V] (row k scores the token after d_k / the anchor).
     Returns (number accepted, bonus token)."""
