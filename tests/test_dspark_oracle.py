@@ -271,3 +271,17 @@ def test_spec_stats_in_meta_info_and_metrics(orc):
     mean = sum((k + 1) * v for k, v in hist.items()) / cycles
     line = next(l for l in text.splitlines() if l.startswith("sglang:spec_accept_length{"))
     assert float(line.split()[-1]) == pytest.approx(mean)
+
+
+def test_tight_pool_drops_drafts_before_retracting(orc):
+    """When the pool holds every request's tokens but not their draft blocks, requests verify
+    fewer drafts (down to plain decoding) instead of retracting each other; output unchanged."""
+    n = 20
+    prompts = [orc.prompt, [5, orc.prompt[-1]], [7, 8, orc.prompt[-1]], [9, orc.prompt[-1]]]
+    pool = sum(len(p) + n for p in prompts)
+    eng = engine(orc.target, orc.oracle, max_total_tokens=pool, disable_radix_cache=True)
+    got = generate_ids(eng, prompts, {"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
+    assert got == [orc.chain(p, n) for p in prompts]
+    assert eng.scheduler.num_retractions == 0
+    assert eng.scheduler.accept_hist                   # it did speculate while there was room
+    assert_no_kv_leak(eng)

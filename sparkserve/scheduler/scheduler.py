@@ -149,9 +149,8 @@ class Scheduler:
     def _run_decode(self) -> list[ReqOutput]:
         """One DECODE step; with DSpark, one VERIFY step: speculating requests score their
         anchor + drafts, the others their next token, in the same forward."""
-        spec_reqs = [r for r in self.running if self._speculates(r)]
-        self._ensure_decode_memory(set(map(id, spec_reqs)))
-        spec_reqs = [r for r in spec_reqs if r in self.running]
+        spec_ids = self._ensure_decode_memory({id(r) for r in self.running if self._speculates(r)})
+        spec_reqs = [r for r in self.running if id(r) in spec_ids]
         props = {}
         if spec_reqs:
             plain = len(self.running) - len(spec_reqs)
@@ -248,21 +247,26 @@ class Scheduler:
         return self._output(req, taken, lps[:k] if req.params.return_logprob else [],
                             tops[:k] if req.params.return_logprob else [])
 
-    def _ensure_decode_memory(self, spec_ids: set[int] = frozenset()) -> None:
-        """Retract the newest requests until every running one can take its next tokens."""
+    def _ensure_decode_memory(self, spec_ids: set[int]) -> set[int]:
+        """Retract the newest requests until every running one can take its next tokens; when
+        memory is short, requests drop their drafts first. Returns who still speculates."""
         page = self.cache.allocator.page_size
         extra = self.spec.num_drafts if self.spec is not None else 0
+        spec_ids = set(spec_ids)
         while True:
             need = sum(self.cache.pages_needed(r, 1 + (extra if id(r) in spec_ids else 0))
                        for r in self.running) * page
             if need <= self.cache.available_tokens:
-                return
+                return spec_ids
+            if spec_ids:                      # plain decode needs fewer slots than a verify
+                spec_ids.pop()
+                continue
             if self.chunked is not None:      # a half-prefilled request pins KV too: retract it first
                 victim, self.chunked = self.chunked, None
             elif len(self.running) > 1:
                 victim = self.running.pop()
             else:
-                return
+                return spec_ids
             self.cache.release(victim)
             victim.num_retractions += 1
             self.num_retractions += 1
