@@ -40,7 +40,9 @@ def _start(engine: str, port: int, threads: int) -> subprocess.Popen:
                "--max-running-requests", "32", "--log-level", "warning"]
     else:
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), "--n_threads", str(threads), "--chat_format", "chatml", "--n_ctx", "4096"]
+               "--port", str(port), "--n_threads", str(threads), "--chat_format", "chatml", "--n_ctx", "4096",
+               # by default a new request interrupts the running stream: queue instead
+               "--interrupt_requests", "False"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
@@ -96,6 +98,27 @@ async def _level(base: str, conc: int, n_req: int, max_tokens: int) -> dict:
             "output_tok_s": sum(r["tokens"] for r in res) / wall, "wall_s": wall}
 
 
+def plot(results: dict[str, list[dict]]) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for engine, rows in results.items():
+        xs = [r["concurrency"] for r in rows]
+        for ax, key, label in zip(axes, ("ttft_median_s", "itl_median_ms", "output_tok_s"),
+                                  ("TTFT median (s)", "ITL median (ms)", "output tok/s")):
+            ax.plot(xs, [r[key] for r in rows], marker="o", label=engine)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.set_title(label)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, "serving.png"), dpi=100)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engines", default="sparkserve,llamacpp")
@@ -103,7 +126,12 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--replot", action="store_true", help="only redraw serving.png from serving.json")
     a = ap.parse_args()
+    if a.replot:
+        with open(os.path.join(RESULTS, "serving.json")) as f:
+            plot(json.load(f))
+        return 0
     levels = [int(x) for x in a.concurrency.split(",")]
     results: dict[str, list[dict]] = {}
     for engine in a.engines.split(","):
@@ -132,24 +160,7 @@ def main() -> int:
     with open(os.path.join(RESULTS, "serving.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-        for engine, rows in results.items():
-            xs = [r["concurrency"] for r in rows]
-            for ax, key, label in zip(axes, ("ttft_median_s", "itl_median_ms", "output_tok_s"),
-                                      ("TTFT (s)", "ITL (ms)", "output tok/s")):
-                ax.plot(xs, [r[key] for r in rows], marker="o", label=engine)
-                ax.set_xscale("log", base=2)
-                ax.set_xlabel("concurrency")
-                ax.set_title(label)
-        axes[0].legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(RESULTS, "serving.png"), dpi=100)
-    except ImportError:
-        pass
+    plot(results)
     return 0
 
 
