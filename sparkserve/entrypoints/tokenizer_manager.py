@@ -62,6 +62,8 @@ class SeqOut:
     completion_tokens: int
     cached_tokens: int
     e2e_latency: float = 0.0
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def error_status(self) -> int | None:
@@ -335,7 +337,8 @@ class TokenizerManager:
             self._metrics_step(st, o.new_token_ids, o.prompt_tokens, o.cached_tokens, now, finished)
             st.queue.put_nowait(SeqOut(st.seq.index, o.rid, text, list(o.new_token_ids), list(o.new_logprobs),
                                        list(o.new_top_logprobs), finished, o.prompt_tokens,
-                                       o.completion_tokens, o.cached_tokens, now - st.created))
+                                       o.completion_tokens, o.cached_tokens, now - st.created,
+                                       o.spec_verify_ct, o.spec_accepted_tokens))
             if finished is not None:
                 del self.states[o.rid]
 
