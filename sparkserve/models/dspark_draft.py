@@ -18,6 +18,7 @@ from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.linear import FusedLinear, Linear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
+from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.kv_pool import KVPool
 
 
@@ -230,43 +231,21 @@ class DSparkDraft(nn.Module):
                      target: nn.Module | None = None) -> None:
         """DeepSpec names (no prefix; `model.` tolerated). embed_tokens / lm_head may be absent:
         then they are shared with the target's."""
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        seen: set[str] = set()
+        loader = WeightLoader(self, self._renames, "DSpark checkpoint")
         for name, t in weights:
-            name = name.removeprefix("model.").replace(".mlp.down_proj.", ".down_proj.")
-            for frag, (fused, shard) in self._renames.items():
-                if frag in name:
-                    mod, kind = name.replace(frag, fused).rsplit(".", 1)
-                    modules[mod].load(shard, t, kind)
-                    seen.add(f"{mod}.{kind}#{shard}")
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"DSpark checkpoint tensor {name} has no matching parameter")
-                if params[name].shape != t.shape:
-                    raise ValueError(f"{name}: shape {tuple(t.shape)} != {tuple(params[name].shape)}")
-                params[name].data.copy_(t)
-                seen.add(name)
+            loader.load(name.removeprefix("model.").replace(".mlp.down_proj.", ".down_proj."), t)
         for shared in ("embed_tokens", "lm_head"):
-            if f"{shared}.weight" not in seen:
+            if f"{shared}.weight" not in loader.loaded:
                 if target is None:
                     raise ValueError(f"DSpark checkpoint lacks {shared}.weight and no target to share it from")
                 src = target.model.embed_tokens if shared == "embed_tokens" else target.lm_head
-                if src.weight.shape != params[f"{shared}.weight"].shape:
+                own = getattr(self, shared).weight
+                if src.weight.shape != own.shape:
                     raise ValueError(f"{shared}: target shape {tuple(src.weight.shape)} != draft "
-                                     f"{tuple(params[shared + '.weight'].shape)}")
+                                     f"{tuple(own.shape)}")
                 setattr(self, shared, src)        # share the module (and its packed weight)
-                seen.add(f"{shared}.weight")
-        expected = set()
-        for mod_name, mod in self.named_modules():
-            for pname, _ in mod.named_parameters(recurse=False):
-                full = f"{mod_name}.{pname}"
-                expected |= ({f"{full}#{s}" for s in mod.shard_offsets} if isinstance(mod, FusedLinear)
-                             else {full})
-        missing = sorted(expected - seen)
-        if missing:
-            raise ValueError(f"DSpark checkpoint is missing tensors: {missing[:6]}")
+                loader.mark_loaded(f"{shared}.weight")
+        loader.check_complete()
 
 
 def load_dspark_draft(path: str, target: nn.Module | None = None) -> DSparkDraft:

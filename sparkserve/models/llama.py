@@ -15,6 +15,7 @@ from sparkserve.executor.forward_batch import ForwardBatch
 from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.linear import FusedLinear, Linear
+from sparkserve.loader.weights import WeightLoader
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.models.aux_capture import AuxCaptureMixin
@@ -116,40 +117,13 @@ class LlamaForCausalLM(AuxCaptureMixin, nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
+        loader = WeightLoader(self, self.stacked_params)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            for frag, (fused, shard) in self.stacked_params.items():
-                if frag in name:
-                    target = name.replace(frag, fused)
-                    mod_name, kind = target.rsplit(".", 1)
-                    modules[mod_name].load(shard, tensor, kind)
-                    loaded.add(f"{target}#{shard}")
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name} has no matching parameter")
-                p = params[name]
-                if p.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(p.shape)}")
-                p.data.copy_(tensor)
-                loaded.add(name)
-        missing = sorted(self._expected_tensors() - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-
-    def _expected_tensors(self) -> set[str]:
-        expected = set()
-        for mod_name, mod in self.named_modules():
-            for pname, _ in mod.named_parameters(recurse=False):
-                full = f"{mod_name}.{pname}"
-                if isinstance(mod, FusedLinear):
-                    expected |= {f"{full}#{shard}" for shard in mod.shard_offsets}
-                elif not (full == "lm_head.weight" and self.config.tie_word_embeddings):
-                    expected.add(full)
-        return expected
+            loader.load(name, tensor)
+        if self.config.tie_word_embeddings:
+            loader.mark_loaded("lm_head.weight")
+        loader.check_complete()
