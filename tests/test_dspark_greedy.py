@@ -207,7 +207,7 @@ def test_retraction(setups, mode):
 def test_everything_at_once(setups):
     """page_size 4 + chunked prefill 4 + a small pool (retraction) + threshold verify, qwen3."""
     s = setups["qwen3"]
-    eng = spec_engine(s, "fitted", "threshold", page_size=4, chunked_prefill_size=4, max_total_tokens=80)
+    eng = spec_engine(s, "fitted", "threshold", page_size=4, chunked_prefill_size=4, max_total_tokens=70)
     check_run(s, eng)
     assert eng.scheduler.num_retractions > 0
 
