@@ -76,7 +76,7 @@ class KVCacheManager:
         """After a prefill chunk: share the computed prefix with later requests now."""
         if self.radix.disabled:
             return
-        n = self.radix._aligned(req.kv_len)
+        n = self.radix.aligned(req.kv_len)
         if n <= req.cached_len:
             return
         row = self.req_to_token.table[req.row]
@@ -93,7 +93,7 @@ class KVCacheManager:
         if req.row is None:
             return
         row = self.req_to_token.table[req.row]
-        n = self.radix._aligned(req.kv_len) if not self.radix.disabled else 0
+        n = self.radix.aligned(req.kv_len) if not self.radix.disabled else 0
         start = req.cached_len
         if n > req.cached_len:
             existing = self.radix.insert(req.fill_ids[:n], row[:n].clone())

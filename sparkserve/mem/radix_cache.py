@@ -45,7 +45,7 @@ class RadixCache:
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size
 
-    def _aligned(self, n: int) -> int:
+    def aligned(self, n: int) -> int:
         return n // self.page * self.page
 
     def _child_key(self, key: list[int]) -> tuple[int, ...]:
@@ -57,13 +57,13 @@ class RadixCache:
             if x != y:
                 break
             n += 1
-        return self._aligned(n)
+        return self.aligned(n)
 
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
         """Slots of the longest cached page-aligned prefix of `key`, and its last node."""
         if self.disabled:
             return torch.empty(0, dtype=torch.long), self.root
-        key = key[:self._aligned(len(key))]
+        key = key[:self.aligned(len(key))]
         node, values = self.root, []
         while key:
             child = node.children.get(self._child_key(key))

@@ -152,8 +152,8 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
             torch.nn.utils.clip_grad_norm_(params, cfg.clip)
             opt.step()
             step += 1
-            metrics = {"step": step, "loss": float(loss), "ce": float(acc["ce"] / wsum),
-                       "l1": float(acc["l1"] / wsum), "tau_est": float(acc["tau_sum"] / acc["blocks"]),
+            metrics = {"step": step, "loss": loss.item(), "ce": (acc["ce"] / wsum).item(),
+                       "l1": (acc["l1"] / wsum).item(), "tau_est": (acc["tau_sum"] / acc["blocks"]).item(),
                        "lr": lr_at(step - 1, cfg)}
             bar.update(1)
             if step % log_every == 0:
