@@ -9,7 +9,6 @@ benchmarks/results/decode.{md,json}."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -17,7 +16,7 @@ import time
 
 import torch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from results_io import write_results
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
@@ -101,12 +100,7 @@ def main() -> int:
               f"**{res[f'ratio_batch{a.batch}']:.2f}x** at batch {a.batch}.",
               "", f"{a.new_tokens} new tokens per request, greedy, EOS ignored; fp32 weights "
               "dequantized from the same Q4_1 GGUF for both."]
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "decode.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(os.path.join(RESULTS, "decode.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results("decode", res, lines)
     return 0
 
 

@@ -20,7 +20,7 @@ import time
 
 import httpx
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from results_io import RESULTS, write_results
 TOPICS = ["the ocean", "a city at night", "learning to code", "the moon", "autumn leaves", "trains",
           "friendship", "coffee", "mountains", "a thunderstorm", "libraries", "gardening", "robots",
           "the desert", "music", "winter mornings"]
@@ -154,12 +154,7 @@ def main() -> int:
         for r in rows:
             lines.append(f"| {engine} | {r['concurrency']} | {r['ttft_median_s']:.3f} | {r['itl_median_ms']:.1f} "
                          f"| {r['output_tok_s']:.1f} |")
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "serving.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(RESULTS, "serving.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results("serving", results, lines)
     plot(results)
     return 0
 

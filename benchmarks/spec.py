@@ -8,15 +8,13 @@ bonus included).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from results_io import write_results
 QUESTIONS = ["Explain how a refrigerator works.", "Write a Python function that reverses a string.",
              "What are the benefits of regular exercise?", "Describe the water cycle.",
              "Give three tips for learning a new language.", "What is the capital of Japan and why is it important?",
@@ -67,12 +65,7 @@ def main() -> int:
     for bs, r in rows.items():
         lines.append(f"| {bs} | {statistics.median(r['plain_tok_s']):.1f} | {statistics.median(r['dspark_tok_s']):.1f} "
                      f"| {r['speedup']:.2f}x | {statistics.median(r['tau']):.2f} |")
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "spec.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(os.path.join(RESULTS, "spec.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results("spec", res, lines)
     return 0
 
 
