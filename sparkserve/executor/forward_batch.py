@@ -32,6 +32,7 @@ class ForwardBatch:
     kv_indices: torch.Tensor        # [B, max(seq_lens)] slot of every position, padded with 0
     kv_pool: "KVPool"
     logits_rows: torch.Tensor | None = None   # flat rows whose logits are wanted
+    req_rows: torch.Tensor | None = None      # [B] request-table rows: where request_row state lives
     aux_hidden: list[torch.Tensor] = field(default_factory=list)
     _meta: dict = field(default_factory=dict)
 

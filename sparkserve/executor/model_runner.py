@@ -49,6 +49,7 @@ class ModelRunner:
             kv_indices=kv_indices,
             kv_pool=self.kv_pool,
             logits_rows=torch.tensor(rows_wanted, dtype=torch.long),
+            req_rows=rows,
         )
 
     @torch.inference_mode()
@@ -60,3 +61,11 @@ class ModelRunner:
         if batch.logits_rows.numel() != hidden.shape[0]:
             hidden = hidden[batch.logits_rows]
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:
+        """After a VERIFY forward: request i keeps the state after its first kept[i] tokens.
+        KV rows need nothing (rejected slots are just freed); recurrent state does."""
+        hook = getattr(self.model, "commit_verify", None)
+        if hook is not None:
+            hook(batch, kept)

@@ -16,6 +16,7 @@ from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.linear import FusedLinear, Linear
 from sparkserve.loader.weights import WeightLoader
+from sparkserve.mem.kv_pool import KVPool
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.models.aux_capture import AuxCaptureMixin
@@ -115,6 +116,16 @@ class LlamaForCausalLM(AuxCaptureMixin, nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    # Pool contract (DESIGN.md 3): every model builds the pools its layers read, and says what
+    # one token costs so the runtime can size them. Hybrid models add request_row state.
+    def make_pool(self, num_slots: int, num_rows: int) -> KVPool:
+        c = self.config
+        return KVPool(num_slots, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+
+    def pool_bytes_per_token(self) -> int:
+        c = self.config
+        return KVPool.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, torch.float32)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.stacked_params)

@@ -12,7 +12,6 @@ from sparkserve.config import ModelConfig
 from sparkserve.executor.model_runner import ModelRunner
 from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.mem.cache_manager import KVCacheManager
-from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.registry import load_config, load_model
 from sparkserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -23,11 +22,9 @@ def context_length(args: ServerArgs, cfg: ModelConfig) -> int:
     return args.context_length or cfg.context_length
 
 
-def kv_pool_tokens(args: ServerArgs, cfg: ModelConfig) -> int:
+def kv_pool_tokens(args: ServerArgs, cfg: ModelConfig, per_token: int) -> int:
     if args.max_total_tokens:
         return args.max_total_tokens
-    per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                       torch.float32)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     tokens = int(ram * args.mem_fraction_static) // per_token
     # More than every running request at full context is wasted memory.
@@ -41,19 +38,22 @@ def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Sche
         torch.manual_seed(args.random_seed)
     cfg = load_config(args.model_path)
     model = load_model(args.model_path, cfg)
-    num_slots = kv_pool_tokens(args, cfg) // args.page_size * args.page_size
+    per_token = model.pool_bytes_per_token()
+    num_slots = kv_pool_tokens(args, cfg, per_token) // args.page_size * args.page_size
     ctx = context_length(args, cfg)
-    pool = KVPool(num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    cache = KVCacheManager(num_slots, args.page_size, args.max_running_requests + 1, ctx + 1,
-                           args.disable_radix_cache)
+    num_rows = args.max_running_requests + 1
+    pool = model.make_pool(num_slots, num_rows)
+    no_radix = args.disable_radix_cache or getattr(model, "has_request_state", False)
+    if no_radix and not args.disable_radix_cache:
+        # A recurrent state summarises a whole prefix; it cannot be shared page by page.
+        log.info("prefix cache off: %s keeps per-request recurrent state", cfg.architecture)
+    cache = KVCacheManager(num_slots, args.page_size, num_rows, ctx + 1, no_radix)
     runner = ModelRunner(model, pool, cache.req_to_token.table)
     spec = build_dspark_worker(args, runner, num_slots, cache) if args.speculative_algorithm else None
     eos = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
     decode_tail = (lambda ids: tokenizer.decode(ids)) if tokenizer else None
     sched_cfg = SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens)
-    log.info("KV pool: %d tokens (%.1f MiB), context %d", num_slots,
-             num_slots * KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                                cfg.head_dim, torch.float32) / 2**20, ctx)
+    log.info("KV pool: %d tokens (%.1f MiB), context %d", num_slots, num_slots * per_token / 2**20, ctx)
     return Scheduler(runner, cache, sched_cfg, eos, decode_tail, spec), cfg
 
 

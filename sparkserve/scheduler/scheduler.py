@@ -199,6 +199,7 @@ class Scheduler:
                                          [reqs[i].sampling for i in plain]) if plain else None)
         plain_pos = {i: j for j, i in enumerate(plain)}
         committed_rows: list[int] = []
+        kept: list[int] = []
         results: list[tuple[Req, list[int], list[float], list]] = []
         for i, req in enumerate(reqs):
             rows = logits[starts[i]:starts[i] + len(sched[i].tokens)]
@@ -214,11 +215,13 @@ class Scheduler:
                 req.spec_verify_ct += 1
                 self.accept_hist[n_acc] = self.accept_hist.get(n_acc, 0) + 1
             committed_rows.extend(range(starts[i], starts[i] + n_acc + 1))
+            kept.append(n_acc + 1)
             alloc_end = req.kv_len + len(sched[i].tokens)
             req.kv_len += n_acc + 1
             self.cache.truncate(req, alloc_end)
             results.append((req, toks, lps, tops))
         self._inject_rows(fb, torch.tensor(committed_rows))
+        self.runner.commit_verify(fb, kept)
         return [self._commit(req, toks, lps, tops, spec=id(req) in props) for req, toks, lps, tops in results]
 
     def _commit(self, req: Req, toks: list[int], lps: list[float], tops: list,

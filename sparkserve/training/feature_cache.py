@@ -15,17 +15,15 @@ import torch
 from tqdm import tqdm
 
 from sparkserve.executor.forward_batch import ForwardBatch, ForwardMode
-from sparkserve.mem.kv_pool import KVPool
 
 
 @torch.inference_mode()
 def capture(model, seqs: list[list[int]], layer_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run the target once over each sequence (one EXTEND batch); returns per sequence
     (taps [L, n_taps*d], final normed hidden [L, d])."""
-    cfg = model.config
     model.set_aux_layers(layer_ids)
     total = sum(map(len, seqs))
-    pool = KVPool(total, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    pool = model.make_pool(total, len(seqs))
     lens = [len(s) for s in seqs]
     slots = torch.arange(1, total + 1)
     starts = np.cumsum([0] + lens[:-1])
@@ -33,7 +31,8 @@ def capture(model, seqs: list[list[int]], layer_ids: list[int]) -> list[tuple[to
     for i, (st, n) in enumerate(zip(starts, lens)):
         kv_indices[i, :n] = slots[st:st + n]
     fb = ForwardBatch(ForwardMode.EXTEND, torch.tensor([t for s in seqs for t in s]),
-                      torch.cat([torch.arange(n) for n in lens]), slots, lens, lens, kv_indices, pool)
+                      torch.cat([torch.arange(n) for n in lens]), slots, lens, lens, kv_indices, pool,
+                      req_rows=torch.arange(len(seqs)))
     final = model(fb.input_ids, fb.positions, fb)
     taps = torch.cat(fb.aux_hidden, dim=-1)
     return [(taps[st:st + n], final[st:st + n]) for st, n in zip(starts, lens)]
