@@ -13,8 +13,9 @@ class PoolComponent:
     not know pool internals (DESIGN.md contract 3)."""
     name: str
     kind: str                     # token_page | window_page | request_row
-    tensors: list[torch.Tensor]   # one per layer
+    tensors: list[torch.Tensor]   # one per layer that has this component
     bytes_per_item: int
+    layer_ids: list[int] | None = None   # which layers the tensors belong to; None = all, in order
 
 
 class KVPool:

@@ -1,0 +1,52 @@
+"""HybridPool: named per-layer buffers of two kinds, for models whose layers keep different
+things — full-attention KV and sparse index K/V per token (`token_page`), linear-attention
+recurrent and conv state per request (`request_row`). Layers fetch their buffers by name;
+transfer, retraction and rollback code walks `components()` (DESIGN.md contract 3)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sparkserve.mem.kv_pool import PoolComponent
+
+KINDS = ("token_page", "window_page", "request_row")
+
+
+class HybridPool:
+    def __init__(self, num_slots: int, num_rows: int):
+        self.num_slots = num_slots
+        self.num_rows = num_rows
+        self._buffers: dict[str, dict[int, torch.Tensor]] = {}
+        self._kinds: dict[str, str] = {}
+
+    def add(self, name: str, kind: str, layer_ids: list[int], item_shape: tuple[int, ...],
+            dtype: torch.dtype = torch.float32) -> None:
+        """One buffer per layer: [num_slots + 1, *item_shape] for token kinds (slot 0 is the
+        padding dummy), [num_rows, *item_shape] for request_row."""
+        if kind not in KINDS:
+            raise ValueError(f"pool kind {kind!r} is not one of {KINDS}")
+        n = self.num_rows if kind == "request_row" else self.num_slots + 1
+        self._kinds[name] = kind
+        self._buffers[name] = {i: torch.zeros((n, *item_shape), dtype=dtype) for i in layer_ids}
+
+    def get(self, name: str, layer_id: int) -> torch.Tensor:
+        return self._buffers[name][layer_id]
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-attention K and V, so PagedAttention works unchanged on hybrid models."""
+        return self._buffers["k"][layer_id], self._buffers["v"][layer_id]
+
+    def components(self) -> list[PoolComponent]:
+        out = []
+        for name, per_layer in self._buffers.items():
+            ids = sorted(per_layer)
+            t = per_layer[ids[0]]
+            out.append(PoolComponent(name, self._kinds[name], [per_layer[i] for i in ids],
+                                     t[0].numel() * t.element_size(), layer_ids=ids))
+        return out
+
+    @staticmethod
+    def token_bytes(specs: list[tuple[int, tuple[int, ...], torch.dtype]]) -> int:
+        """Bytes one token costs across token-kind buffers: specs = (num_layers, item_shape, dtype)."""
+        return sum(n * math.prod(shape) * torch.empty((), dtype=dt).element_size() for n, shape, dt in specs)
