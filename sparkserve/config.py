@@ -55,7 +55,7 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            max_position_embeddings=d.get("max_position_embeddings") or d.get("model_max_length") or 4096,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             qk_norm=arch.startswith("Qwen3"),

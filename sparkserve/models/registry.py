@@ -8,12 +8,16 @@ from torch import nn
 
 from sparkserve.config import ModelConfig
 from sparkserve.layers.linear import pack_linears
+from sparkserve.models.kimi_linear import KimiLinearForCausalLM
 from sparkserve.models.llama import LlamaForCausalLM
+from sparkserve.models.minimax_m3 import MiniMaxM3ForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
 }
 
 

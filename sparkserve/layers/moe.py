@@ -1,0 +1,118 @@
+"""Mixture of experts: the expert computation (`fused_experts`, shared by every MoE model), the
+sigmoid + grouped top-k router of DeepSeek-V3 / Kimi (`grouped_topk`), and a MoE block with
+shared experts (`SharedExpertMoE`).
+
+Expert weights are stacked 3-D tensors, as transformers 5 keeps them: `gate_up_w[E, 2I, d]` (gate
+rows first, then up) and `down_w[E, d, I]`. Tokens are grouped per expert so each expert runs one
+GEMM over all of its tokens instead of one GEMV per (token, slot)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparkserve.layers.activation import silu_and_mul
+from sparkserve.layers.linear import FusedLinear, Linear
+
+
+def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  gate_up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * SwiGLU-expert_{topk_ids[t, j]}(x[t]) for x [T, d],
+    topk_weights / topk_ids [T, k]; gate_up_w [E, 2I, d]; down_w [E, d, I] -> [T, d].
+    Ids outside [0, E) (experts another rank owns) contribute nothing."""
+    T, k = topk_ids.shape
+    E = gate_up_w.shape[0]
+    flat_ids = topk_ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)              # (token, slot) pairs grouped by expert
+    sorted_ids = flat_ids[order]
+    token_of = order // k
+    counts = torch.bincount(sorted_ids.clamp(-1, E) + 1, minlength=E + 2).tolist()
+    start = counts[0]                                  # ids < 0 sort first: skipped
+    xs = x[token_of]
+    out = x.new_zeros(T * k, x.shape[1])
+    for e in range(E):
+        n = counts[e + 1]
+        if n == 0:
+            continue
+        h = silu_and_mul(torch.nn.functional.linear(xs[start:start + n], gate_up_w[e]))
+        out[start:start + n] = torch.nn.functional.linear(h, down_w[e])
+        start += n
+    out *= topk_weights.reshape(-1)[order].to(out.dtype).unsqueeze(1)
+    return x.new_zeros(x.shape).index_add_(0, token_of, out)
+
+
+def grouped_topk(router_logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None,
+                 num_groups: int = 1, topk_groups: int = 1, renormalize: bool = True,
+                 scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / Kimi routing: sigmoid scores; experts are chosen by score + bias (the
+    load-balancing correction) among the best `topk_groups` groups (a group's score is the sum
+    of its two best), but weighted by the plain score. Returns (weights [T, k], ids [T, k])."""
+    scores = router_logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    T, E = choice.shape
+    if num_groups > 1:
+        groups = choice.view(T, num_groups, E // num_groups)
+        group_scores = groups.topk(2, dim=-1)[0].sum(-1)
+        best = group_scores.topk(topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // num_groups, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+class GatedMLP(nn.Module):
+    """Dense SwiGLU MLP with a fused gate|up projection (dense layers and shared experts)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = FusedLinear(hidden, {"gate": intermediate, "up": intermediate})
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class Router(nn.Module):
+    """Router weights in fp32 (as the reference keeps them) and the grouped top-k settings."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, num_groups: int = 1,
+                 topk_groups: int = 1, renormalize: bool = True, scaling: float = 1.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
+        self.renormalize, self.scaling = renormalize, scaling
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        return grouped_topk(logits, self.top_k, self.e_score_correction_bias, self.num_groups,
+                            self.topk_groups, self.renormalize, self.scaling)
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj)
+
+
+class SharedExpertMoE(nn.Module):
+    """Routed experts plus always-on shared experts (one wide SwiGLU MLP), summed."""
+
+    def __init__(self, hidden: int, num_experts: int, intermediate: int, top_k: int,
+                 num_shared: int, num_groups: int = 1, topk_groups: int = 1,
+                 renormalize: bool = True, scaling: float = 1.0):
+        super().__init__()
+        self.gate = Router(hidden, num_experts, top_k, num_groups, topk_groups, renormalize, scaling)
+        self.experts = Experts(num_experts, hidden, intermediate)
+        self.shared_experts = GatedMLP(hidden, intermediate * num_shared) if num_shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -1,0 +1,244 @@
+"""Kimi-Linear: a hybrid of KDA linear-attention layers (layers/kda.py) and NoPE MLA full-attention
+layers (layers/mla.py), each followed by a dense SwiGLU MLP (the first layers) or a MoE with
+shared experts (layers/moe.py).
+
+Same contract as llama.py (forward -> final normed hidden, compute_logits, aux taps after any
+layer kind). Pools: `kv_latent` per token for MLA layers, `kda_state` and `kda_conv` per request
+row for KDA layers; `has_request_state` turns the prefix cache off (a recurrent state summarises a
+whole prefix and cannot be shared page by page). VERIFY leaves KDA state untouched until
+`commit_verify` replays the accepted tokens (see layers/kda.py for the memory trade-off)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from sparkserve.config import ModelConfig
+from sparkserve.executor.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.layers.kda import KimiDeltaAttention
+from sparkserve.layers.linear import Linear
+from sparkserve.layers.mla import MLAttention
+from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
+from sparkserve.layers.norm import RMSNorm
+from sparkserve.loader.weights import WeightLoader
+from sparkserve.mem.hybrid_pool import HybridPool
+from sparkserve.models.aux_capture import AuxCaptureMixin
+
+
+def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return default
+
+
+@dataclass
+class KimiArgs:
+    """Kimi-specific fields of config.json, under either the original checkpoint's names or
+    transformers' (KimiLinearConfig) names."""
+    layer_types: list[str]          # "linear_attention" (KDA) | "full_attention" (MLA)
+    mlp_types: list[str]            # "dense" | "sparse"
+    linear_heads: int
+    linear_head_dim: int
+    conv_kernel: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    num_experts: int
+    top_k: int
+    num_shared: int
+    moe_intermediate: int
+    num_groups: int
+    topk_groups: int
+    renormalize: bool
+    scaling: float
+
+    @classmethod
+    def from_raw(cls, d: dict[str, Any], n: int) -> "KimiArgs":
+        lin = d.get("linear_attn_config") or {}
+        types = d.get("layer_types")
+        if not types and "full_attn_layers" in lin and "kda_layers" in lin:
+            types = [None] * n
+            for i in lin["full_attn_layers"]:            # 1-indexed in the original config
+                types[i - 1] = "full_attention"
+            for i in lin["kda_layers"]:
+                types[i - 1] = "linear_attention"
+        types = types or ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+        mlp = d.get("mlp_layer_types") or ["dense" if i < d.get("first_k_dense_replace", 1) else "sparse"
+                                           for i in range(n)]
+        if d.get("mla_use_nope") is False:
+            raise ValueError("Kimi-Linear with rotary MLA (mla_use_nope: false) is not supported: "
+                             "the reference implementation's MLA layers are NoPE")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Kimi-Linear hidden_act {d['hidden_act']!r} is not supported (silu only)")
+        if d.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+            raise ValueError("Kimi-Linear router activation must be sigmoid")
+        return cls(
+            layer_types=list(types), mlp_types=list(mlp),
+            linear_heads=_first(lin, "num_heads", default=_first(d, "linear_num_heads", default=32)),
+            linear_head_dim=_first(lin, "head_dim", default=_first(d, "linear_head_dim", default=128)),
+            conv_kernel=_first(lin, "short_conv_kernel_size", default=_first(d, "linear_conv_kernel_dim", default=4)),
+            q_lora_rank=d.get("q_lora_rank"), kv_lora_rank=d.get("kv_lora_rank", 512),
+            nope_dim=d.get("qk_nope_head_dim", 128), rope_dim=d.get("qk_rope_head_dim", 64),
+            v_dim=_first(d, "v_head_dim", default=128),
+            num_experts=_first(d, "num_experts", "num_local_experts", "n_routed_experts", default=256),
+            top_k=_first(d, "num_experts_per_token", "num_experts_per_tok", default=8),
+            num_shared=_first(d, "num_shared_experts", "n_shared_experts", default=1),
+            moe_intermediate=d.get("moe_intermediate_size", 1024),
+            num_groups=_first(d, "num_expert_group", "n_group", default=1),
+            topk_groups=_first(d, "topk_group", default=1),
+            renormalize=bool(_first(d, "moe_renormalize", "norm_topk_prob", default=True)),
+            scaling=float(_first(d, "routed_scaling_factor", default=1.0)),
+        )
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, a: KimiArgs, i: int):
+        super().__init__()
+        d = cfg.hidden_size
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        if a.layer_types[i] == "linear_attention":
+            self.self_attn = KimiDeltaAttention(i, d, a.linear_heads, a.linear_head_dim, a.conv_kernel,
+                                                cfg.rms_norm_eps)
+        else:
+            self.self_attn = MLAttention(i, d, cfg.num_attention_heads, a.q_lora_rank, a.kv_lora_rank,
+                                         a.nope_dim, a.rope_dim, a.v_dim, cfg.attention_bias)
+        if a.mlp_types[i] == "sparse":
+            self.mlp = SharedExpertMoE(d, a.num_experts, a.moe_intermediate, a.top_k, a.num_shared,
+                                       a.num_groups, a.topk_groups, a.renormalize, a.scaling)
+        else:
+            self.mlp = GatedMLP(d, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, a: KimiArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(KimiDecoderLayer(cfg, a, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class KimiLinearForCausalLM(AuxCaptureMixin, nn.Module):
+    has_request_state = True
+    stacked_params = {".gate_proj.": (".gate_up_proj.", "gate"), ".up_proj.": (".gate_up_proj.", "up")}
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.args = KimiArgs.from_raw(cfg.raw, cfg.num_hidden_layers)
+        self.model = KimiLinearModel(cfg, self.args)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_aux_capture(cfg.num_hidden_layers)
+
+    def post_materialize(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if -1 in self.aux_layer_set:
+            batch.aux_hidden.append(x)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, batch)
+            if i in self.aux_layer_set:
+                batch.aux_hidden.append(x)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:
+        """After VERIFY: advance every KDA layer's state by each request's kept tokens."""
+        assert batch.mode == ForwardMode.VERIFY
+        for layer in self._kda_layers():
+            layer.commit_verify(batch, kept)
+
+    # ---- pools ------------------------------------------------------------------------------
+    def _kda_layers(self) -> list[KimiDeltaAttention]:
+        return [l.self_attn for l in self.model.layers if isinstance(l.self_attn, KimiDeltaAttention)]
+
+    def _mla_ids(self) -> list[int]:
+        return [i for i, l in enumerate(self.model.layers) if isinstance(l.self_attn, MLAttention)]
+
+    def _latent_dim(self) -> int:
+        return self.args.kv_lora_rank + self.args.rope_dim
+
+    def make_pool(self, num_slots: int, num_rows: int) -> HybridPool:
+        pool = HybridPool(num_slots, num_rows)
+        if self._mla_ids():
+            pool.add("kv_latent", "token_page", self._mla_ids(), (self._latent_dim(),))
+        kda = self._kda_layers()
+        if kda:
+            for name, shape in kda[0].state_shapes().items():
+                pool.add(name, "request_row", [l.layer_id for l in kda], shape)
+        return pool
+
+    def pool_bytes_per_token(self) -> int:
+        """Token-kind bytes only (the MLA latents); KDA state is per request row."""
+        return max(4, HybridPool.token_bytes([(len(self._mla_ids()), (self._latent_dim(),), torch.float32)]))
+
+    # ---- loading ----------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Original Kimi names (block_sparse_moe, per-expert w1/w2/w3, q/k/v_conv1d, what
+        save_pretrained writes) or transformers' runtime names (mlp, stacked experts, conv1d,
+        forget_gate.*)."""
+        loader = WeightLoader(self, self.stacked_params)
+        modules = dict(self.named_modules())
+        pieces: dict[str, set] = {}      # parameters assembled from several checkpoint tensors
+        for name, t in weights:
+            name = name.replace(".block_sparse_moe.", ".mlp.").replace(".self_attn.forget_gate.", ".self_attn.")
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            m = re.match(r"(.*\.self_attn)\.(q|k|v|f_a|g_a|b)_proj\.weight$", name)
+            if m and isinstance(modules.get(m[1]), KimiDeltaAttention):
+                modules[m[1]].in_proj.load(m[2], t)
+                loader.mark_loaded(f"{m[1]}.in_proj.weight#{m[2]}")
+                continue
+            m = re.match(r"(.*\.self_attn)\.(q_|k_|v_|)conv1d\.weight$", name)
+            if m:
+                w = modules[m[1]].conv_weight
+                part = {"q_": 0, "k_": 1, "v_": 2, "": None}[m[2]]
+                t = t.reshape(-1, t.shape[-1])
+                (w.data if part is None else w.data[part * t.shape[0]:(part + 1) * t.shape[0]]).copy_(t)
+                self._mark_piece(pieces, f"{m[1]}.conv_weight", m[2] or "all", 3, loader)
+                continue
+            if name.endswith(".self_attn.A_log"):
+                t = t.reshape(-1)
+            m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$", name)
+            if m:
+                ex, e = modules[m[1]], int(m[2])
+                I = ex.down_proj.shape[2]
+                if m[3] == "w2":
+                    ex.down_proj.data[e].copy_(t)
+                else:
+                    ex.gate_up_proj.data[e, (0 if m[3] == "w1" else I):][:I].copy_(t)
+                piece_of = {"w2": "down_proj"}.get(m[3], "gate_up_proj")
+                parts = 1 if m[3] == "w2" else 2
+                self._mark_piece(pieces, f"{m[1]}.{piece_of}", (e, m[3]),
+                                 parts * ex.down_proj.shape[0], loader)
+                continue
+            loader.load(name, t)
+        if self.config.tie_word_embeddings:
+            loader.mark_loaded("lm_head.weight")
+        loader.check_complete()
+
+    @staticmethod
+    def _mark_piece(pieces: dict[str, set], param: str, piece, total: int, loader: WeightLoader) -> None:
+        """A parameter filled from several checkpoint tensors counts as loaded once all are in."""
+        got = pieces.setdefault(param, set())
+        got.add(piece)
+        if piece == "all" or len(got) == total:
+            loader.mark_loaded(param)

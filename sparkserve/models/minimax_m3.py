@@ -1,0 +1,286 @@
+"""MiniMax-M3 text model (transformers `minimax_m3_vl_text`, MiniMaxM3VLForCausalLM).
+
+Per layer: dense or block-sparse attention (`layer_types`: "minimax_m3_sparse" runs the lightning
+indexer, layers/sparse_indexer.py, and reads only the chosen key blocks), and a dense SwiGLU-OAI
+MLP or a sigmoid-routed MoE with a shared expert (`mlp_layer_types`). Heads use per-head q/k norm
+and partial RoPE; every RMSNorm is Gemma-style (scale 1 + w), folded into the weight at load.
+
+Sparse layers may add the index value path (SGLang's per-layer `sparse_disable_index_value`
+flag, 0 = on); absent flag = K-only, as transformers and the released M3 checkpoint have it.
+Interface as LlamaForCausalLM (DESIGN.md contracts 1-3)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from sparkserve.config import ModelConfig
+from sparkserve.executor.forward_batch import ForwardBatch
+from sparkserve.layers.attention import PagedAttention
+from sparkserve.layers.linear import FusedLinear, Linear
+from sparkserve.layers.moe import Router
+from sparkserve.layers.norm import RMSNorm
+from sparkserve.layers.rotary import RotaryEmbedding
+from sparkserve.layers.sparse_attention import BlockSparseAttention
+from sparkserve.layers.sparse_indexer import LightningIndexer, apply_partial_rotary
+from sparkserve.loader.weights import WeightLoader
+from sparkserve.mem.hybrid_pool import HybridPool
+from sparkserve.models.aux_capture import AuxCaptureMixin
+
+
+@dataclass
+class M3Spec:
+    """The model-specific fields of config.json (flat transformers names first, then the
+    original `sparse_attention_config` / `moe_layer_freq` layout)."""
+    sparse: list[bool]
+    index_value: list[bool]
+    moe: list[bool]
+    index_heads: int
+    index_head_dim: int
+    block_size: int
+    topk_blocks: int
+    local_blocks: int
+    init_blocks: int
+    rotary_dim: int
+    dense_intermediate: int
+    shared_intermediate: int
+    num_experts: int
+    top_k: int
+    routed_scaling: float
+    swiglu_alpha: float
+    swiglu_limit: float
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "M3Spec":
+        raw, n = cfg.raw, cfg.num_hidden_layers
+        sac = raw.get("sparse_attention_config") or {}
+
+        def pick(flat: str, legacy: str, default: Any) -> Any:
+            return raw[flat] if raw.get(flat) is not None else sac.get(legacy, default)
+
+        if raw.get("layer_types"):
+            sparse = [t == "minimax_m3_sparse" for t in raw["layer_types"]]
+        else:
+            sparse = [bool(f) for f in sac.get("sparse_attention_freq", [0] * n)]
+        off = raw.get("sparse_disable_index_value", sac.get("sparse_disable_index_value"))
+        off = [True] * n if off is None else ([bool(off)] * n if isinstance(off, (bool, int)) else
+                                              [bool(f) for f in off])
+        if raw.get("mlp_layer_types"):
+            moe = [t == "sparse" for t in raw["mlp_layer_types"]]
+        else:
+            moe = [bool(f) for f in raw.get("moe_layer_freq", [1] * n)]
+        rope = raw.get("rope_parameters") or {}
+        rotary_dim = int(cfg.head_dim * rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+        spec = cls(
+            sparse=sparse, index_value=[s and not o for s, o in zip(sparse, off)], moe=moe,
+            index_heads=int(pick("index_n_heads", "sparse_num_index_heads", 4)),
+            index_head_dim=int(pick("index_head_dim", "sparse_index_dim", 128)),
+            block_size=int(pick("index_block_size", "sparse_block_size", 128)),
+            topk_blocks=int(pick("index_topk_blocks", "sparse_topk_blocks", 16)),
+            local_blocks=int(pick("index_local_blocks", "sparse_local_block", 1)),
+            init_blocks=int(pick("index_init_blocks", "sparse_init_block", 0)),
+            rotary_dim=rotary_dim,
+            dense_intermediate=int(raw.get("dense_intermediate_size", cfg.intermediate_size)),
+            shared_intermediate=int(raw.get("shared_intermediate_size", cfg.intermediate_size)),
+            num_experts=int(raw.get("num_local_experts", raw.get("num_experts", 1))),
+            top_k=int(raw.get("num_experts_per_tok", 1)),
+            routed_scaling=float(raw.get("routed_scaling_factor", 1.0)),
+            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
+        if any(spec.sparse) and spec.index_head_dim < rotary_dim:
+            raise ValueError(f"index_head_dim {spec.index_head_dim} < rotary dim {rotary_dim} is not supported")
+        if len(sparse) != n or len(moe) != n or len(off) != n:
+            raise ValueError(f"per-layer lists must have num_hidden_layers={n} entries")
+        return spec
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """MiniMax / GPT-OSS gate (halves not interleaved): (clamp(up) + 1) * g * sigmoid(alpha g)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1.0) * gate * torch.sigmoid(gate * alpha)
+
+
+def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  gate_up_w: torch.Tensor, down_w: torch.Tensor, activation) -> torch.Tensor:
+    """layers/moe.fused_experts with the activation as a parameter (the shared one is fixed to
+    SwiGLU-silu). Swap for the shared function once it takes `activation`."""
+    out = torch.zeros_like(x)
+    for e in topk_ids.unique().tolist():
+        tok, slot = torch.where(topk_ids == e)
+        h = torch.nn.functional.linear(activation(torch.nn.functional.linear(x[tok], gate_up_w[e])), down_w[e])
+        out.index_add_(0, tok, h * topk_weights[tok, slot, None].to(h.dtype))
+    return out
+
+
+class OAIMLP(nn.Module):
+    """Dense SwiGLU-OAI MLP (dense layers and the MoE's shared expert); gate|up is one weight
+    in the checkpoint."""
+
+    def __init__(self, hidden: int, intermediate: int, spec: M3Spec):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+        self.alpha, self.limit = spec.swiglu_alpha, spec.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
+
+
+class OAIExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, spec: M3Spec):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.alpha, self.limit = spec.swiglu_alpha, spec.swiglu_limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj,
+                             lambda h: swiglu_oai(h, self.alpha, self.limit))
+
+
+class M3MoE(nn.Module):
+    """Sigmoid routing with a bias correction (choice only), renormalised top-k weights times
+    `routed_scaling_factor`, plus one always-on shared expert."""
+
+    def __init__(self, cfg: ModelConfig, spec: M3Spec):
+        super().__init__()
+        self.gate = Router(cfg.hidden_size, spec.num_experts, spec.top_k, scaling=spec.routed_scaling)
+        self.experts = OAIExperts(spec.num_experts, cfg.hidden_size, cfg.intermediate_size, spec)
+        self.shared_experts = OAIMLP(cfg.hidden_size, spec.shared_intermediate, spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+class M3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: M3Spec, layer_id: int):
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": self.h * self.d, "k": self.hkv * self.d,
+                                                      "v": self.hkv * self.d})
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        if spec.sparse[layer_id]:
+            self.indexer = LightningIndexer(layer_id, cfg.hidden_size, spec.index_heads, spec.index_head_dim,
+                                            spec.block_size, spec.topk_blocks, spec.local_blocks,
+                                            spec.init_blocks, cfg.rms_norm_eps, spec.index_value[layer_id])
+            self.attn = BlockSparseAttention(layer_id, self.h, self.hkv, self.d, spec.block_size,
+                                             spec.index_heads)
+        else:
+            self.indexer = None
+            self.attn = PagedAttention(layer_id, self.h, self.hkv, self.d)
+
+    def forward(self, x: torch.Tensor, cos_sin, batch: ForwardBatch) -> torch.Tensor:
+        h, hkv, d = self.h, self.hkv, self.d
+        qkv = self.qkv_proj(x)
+        q = apply_partial_rotary(self.q_norm(qkv[:, :h * d].view(-1, h, d)), *cos_sin)
+        k = apply_partial_rotary(self.k_norm(qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d)), *cos_sin)
+        v = qkv[:, (h + hkv) * d:].view(-1, hkv, d)
+        if self.indexer is None:
+            return self.o_proj(self.attn(q, k, v, batch))
+        block_ids, index_out = self.indexer(x, cos_sin, batch)
+        out = self.o_proj(self.attn(q, k, v, batch, block_ids))
+        return out if index_out is None else out + index_out
+
+
+class M3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: M3Spec, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = M3Attention(cfg, spec, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = M3MoE(cfg, spec) if spec.moe[layer_id] else OAIMLP(cfg.hidden_size, spec.dense_intermediate, spec)
+
+    def forward(self, x, cos_sin, batch):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class M3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: M3Spec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(M3DecoderLayer(cfg, spec, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(spec.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
+
+
+class MiniMaxM3ForCausalLM(AuxCaptureMixin, nn.Module):
+    # checkpoint fragment -> (fused fragment, shard); also maps the indexer's q/k/v_proj
+    stacked_params = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"),
+                      ".v_proj.": (".qkv_proj.", "v")}
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.spec = M3Spec.from_config(cfg)
+        self.model = M3Model(cfg, self.spec)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_aux_capture(cfg.num_hidden_layers)
+
+    def post_materialize(self) -> None:
+        """After `to_empty`: re-tie the LM head and refill the rope tables."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.rotary.build()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if -1 in self.aux_layer_set:
+            batch.aux_hidden.append(x)
+        cos_sin = self.model.rotary.cos_sin(positions)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos_sin, batch)
+            if i in self.aux_layer_set:
+                batch.aux_hidden.append(x)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- pools (DESIGN.md contract 3): main KV on every layer, index K on sparse layers, index V
+    # on sparse layers with the value path; all token_page at the same slots.
+    def _pool_specs(self) -> list[tuple[str, list[int], tuple[int, ...]]]:
+        c, s = self.config, self.spec
+        every = list(range(c.num_hidden_layers))
+        specs = [("k", every, (c.num_key_value_heads, c.head_dim)), ("v", every, (c.num_key_value_heads, c.head_dim)),
+                 ("index_k", [i for i in every if s.sparse[i]], (s.index_head_dim,)),
+                 ("index_v", [i for i in every if s.index_value[i]], (s.index_head_dim,))]
+        return [sp for sp in specs if sp[1]]
+
+    def make_pool(self, num_slots: int, num_rows: int) -> HybridPool:
+        pool = HybridPool(num_slots, num_rows)
+        for name, layers, shape in self._pool_specs():
+            pool.add(name, "token_page", layers, shape)
+        return pool
+
+    def pool_bytes_per_token(self) -> int:
+        return HybridPool.token_bytes([(len(layers), shape, torch.float32)
+                                       for _, layers, shape in self._pool_specs()])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self, self.stacked_params)
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or name.startswith("mtp."):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if (".indexer.v_proj." in name or ".indexer.o_proj." in name) and \
+                    not self.spec.index_value[int(name.split(".layers.")[1].split(".")[0])]:
+                continue      # value weights of a layer whose flag disables the value path
+            if name.endswith("norm.weight"):
+                tensor = tensor + 1.0     # Gemma RMSNorm: x_hat * (1 + w)
+            loader.load(name, tensor)
+        if self.config.tie_word_embeddings:
+            loader.mark_loaded("lm_head.weight")
+        loader.check_complete()
