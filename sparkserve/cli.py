@@ -37,9 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--num-prompts", type=int, default=2000)
     tr.add_argument("--max-new-tokens", type=int, default=256, help="distillation answer length")
     tr.add_argument("--temperature", type=float, default=0.0, help="distillation temperature")
+    tr.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts when distilling")
     tr.add_argument("--num-layers", type=int, default=1, help="draft depth")
     tr.add_argument("--block-size", type=int, default=7, help="gamma")
     tr.add_argument("--markov-rank", type=int, default=64)
+    tr.add_argument("--draft-vocab-size", type=int, default=8192,
+                    help="score only the most frequent response ids (0 = the full vocab)")
     tr.add_argument("--target-layer-ids", default=None, help="comma-separated taps (default: 1, L/2, L-2)")
     tr.add_argument("--steps", type=int, default=1000)
     tr.add_argument("--lr", type=float, default=6e-4)
@@ -80,7 +83,9 @@ def _train_draft(ns: argparse.Namespace) -> int:
     cfg = PipelineConfig(
         model_path=ns.model_path, out=ns.out, prompts_file=ns.prompts_file, num_prompts=ns.num_prompts,
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, num_layers=ns.num_layers,
+        max_prompt_tokens=ns.max_prompt_tokens,
         block_size=ns.block_size, markov_rank=ns.markov_rank, target_layer_ids=taps,
+        draft_vocab_size=ns.draft_vocab_size or None,
         eval_prompts=ns.eval_prompts,
         train={"steps": ns.steps, "lr": ns.lr, "seqs_per_step": ns.seqs_per_step,
                "anchors_per_seq": ns.anchors_per_seq})

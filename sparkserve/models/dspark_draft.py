@@ -44,7 +44,12 @@ class DSparkConfig:
     attention_bias: bool = False
     sample_from_anchor: bool = False      # speculators-format exports: slot j predicts anchor+j
     rope_scaling: dict | None = None
+    draft_vocab_size: int | None = None   # reduced draft vocab (vLLM's d2t convention); None = full
     raw: dict | None = None
+
+    @property
+    def out_vocab(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DSparkConfig":
@@ -79,6 +84,8 @@ class DSparkConfig:
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", True)),
             attention_bias=bool(d.get("attention_bias", False)),
             sample_from_anchor=bool(d.get("sample_from_anchor", False)),
+            draft_vocab_size=(int(d["draft_vocab_size"]) if d.get("draft_vocab_size") not in
+                              (None, d["vocab_size"]) else None),
             rope_scaling=(dict(rope) if rope.get("rope_type", rope.get("type", "default")) != "default"
                           else None), raw=d)
 
@@ -133,8 +140,8 @@ class MarkovHead(nn.Module):
 
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
-        self.markov_w1 = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
-        self.markov_w2 = Linear(cfg.markov_rank, cfg.vocab_size)
+        self.markov_w1 = nn.Embedding(cfg.vocab_size, cfg.markov_rank)   # input: target-vocab id
+        self.markov_w2 = Linear(cfg.markov_rank, cfg.out_vocab)
         self.gate_proj = (Linear(cfg.hidden_size + cfg.markov_rank, cfg.markov_rank, bias=True)
                           if cfg.markov_head_type == "gated" else None)
 
@@ -169,7 +176,11 @@ class DSparkDraft(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DSparkLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = Linear(cfg.hidden_size, cfg.out_vocab)
+        # Reduced draft vocab: draft id i is target id i + d2t[i] (EAGLE-3 / vLLM convention).
+        # The draft then scores a few thousand likely tokens instead of the whole vocab.
+        self.register_buffer("d2t", torch.zeros(cfg.out_vocab, dtype=torch.long)
+                             if cfg.draft_vocab_size else None)
         self.markov_head = MarkovHead(cfg)
         self.confidence_head = ConfidenceHead(cfg) if cfg.enable_confidence_head else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
@@ -178,6 +189,17 @@ class DSparkDraft(nn.Module):
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+
+    def to_target_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """[..., draft vocab] probabilities -> [..., target vocab] (zero outside the draft vocab)."""
+        if self.d2t is None:
+            return q
+        out = q.new_zeros(*q.shape[:-1], self.config.vocab_size)
+        out[..., self.to_target_ids(torch.arange(q.shape[-1]))] = q
+        return out
 
     def new_kv_pool(self, num_slots: int, dtype: torch.dtype = torch.float32) -> KVPool:
         c = self.config
@@ -232,12 +254,25 @@ class DSparkDraft(nn.Module):
         """DeepSpec names (no prefix; `model.` tolerated). embed_tokens / lm_head may be absent:
         then they are shared with the target's."""
         loader = WeightLoader(self, self._renames, "DSpark checkpoint")
+        has_d2t = False
         for name, t in weights:
-            loader.load(name.removeprefix("model.").replace(".mlp.down_proj.", ".down_proj."), t)
+            name = name.removeprefix("model.").replace(".mlp.down_proj.", ".down_proj.")
+            if name == "d2t":
+                if self.d2t is None or t.shape != self.d2t.shape:
+                    raise ValueError(f"d2t {tuple(t.shape)} does not match draft_vocab_size "
+                                     f"{self.config.draft_vocab_size}")
+                self.d2t.copy_(t)
+                has_d2t = True
+                continue
+            loader.load(name, t)
+        if self.d2t is not None and not has_d2t:
+            raise ValueError("DSpark checkpoint sets draft_vocab_size but has no d2t tensor")
         for shared in ("embed_tokens", "lm_head"):
             if f"{shared}.weight" not in loader.loaded:
                 if target is None:
                     raise ValueError(f"DSpark checkpoint lacks {shared}.weight and no target to share it from")
+                if shared == "lm_head" and self.d2t is not None:
+                    raise ValueError("a reduced-vocab DSpark checkpoint must contain lm_head.weight")
                 src = target.model.embed_tokens if shared == "embed_tokens" else target.lm_head
                 own = getattr(self, shared).weight
                 if src.weight.shape != own.shape:
@@ -278,7 +313,8 @@ def _check_against_target(cfg: DSparkConfig, target: nn.Module | None) -> None:
 def dspark_config_dict(target_cfg, num_layers: int = 1, block_size: int = 7,
                        target_layer_ids: list[int] | None = None, mask_token_id: int = 0,
                        markov_rank: int = 64, markov_head_type: str = "vanilla",
-                       enable_confidence_head: bool = True) -> dict[str, Any]:
+                       enable_confidence_head: bool = True,
+                       draft_vocab_size: int | None = None) -> dict[str, Any]:
     """A DeepSpec-format config.json for a draft of `target_cfg` (a ModelConfig)."""
     n = target_cfg.num_hidden_layers
     taps = target_layer_ids or (sorted({1, n // 2, n - 2}) if n > 2 else [0])
@@ -295,12 +331,14 @@ def dspark_config_dict(target_cfg, num_layers: int = 1, block_size: int = 7,
         "num_anchors": 512, "markov_rank": markov_rank, "markov_head_type": markov_head_type,
         "enable_confidence_head": enable_confidence_head, "confidence_head_with_markov": True,
         "tie_word_embeddings": False, "layer_types": ["full_attention"] * num_layers,
+        **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {}),
     }
 
 
 def init_dspark_draft(config: dict[str, Any], target: nn.Module | None = None, seed: int = 0,
-                      std: float = 0.02) -> DSparkDraft:
-    """A randomly initialised draft (embedding and LM head copied from the target if given)."""
+                      std: float = 0.02, vocab: torch.Tensor | list[int] | None = None) -> DSparkDraft:
+    """A randomly initialised draft (embedding and LM head copied from the target if given);
+    `vocab`: the target ids of a reduced draft vocab (config draft_vocab_size = len(vocab))."""
     g = torch.Generator().manual_seed(seed)
     draft = DSparkDraft(DSparkConfig.from_dict(config))
     for name, p in draft.named_parameters():
@@ -319,9 +357,15 @@ def init_dspark_draft(config: dict[str, Any], target: nn.Module | None = None, s
     # with logits ~60 above the rest (SmolLM2: initial CE ~61 nats). A small norm starts it near
     # uniform, where the gradients are useful.
     draft.norm.weight.data.fill_(0.03)
+    if vocab is not None:
+        vocab = torch.as_tensor(vocab, dtype=torch.long).sort().values
+        if draft.d2t is None or len(vocab) != len(draft.d2t):
+            raise ValueError(f"draft vocab of {len(vocab)} ids needs draft_vocab_size={len(vocab)} in the config")
+        draft.d2t.copy_(vocab - torch.arange(len(vocab)))
     if target is not None:
         draft.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
-        draft.lm_head.weight.data.copy_(target.lm_head.weight)
+        rows = draft.to_target_ids(torch.arange(draft.config.out_vocab))
+        draft.lm_head.weight.data.copy_(target.lm_head.weight[rows])
     return draft
 
 
@@ -343,9 +387,12 @@ def save_dspark_draft(draft: DSparkDraft, path: str, include_shared: bool = Fals
     for name, p in draft.named_parameters():
         if ".kv_proj." in name or ".gate_up_proj." in name:
             continue
-        if not include_shared and name.split(".")[0] in ("embed_tokens", "lm_head"):
+        shared = ("embed_tokens",) if draft.d2t is not None else ("embed_tokens", "lm_head")
+        if not include_shared and name.split(".")[0] in shared:
             continue
         out[name.replace(".down_proj.", ".mlp.down_proj.")] = p
+    if draft.d2t is not None:
+        out["d2t"] = draft.d2t
     save_file({k: v.detach().contiguous().clone() for k, v in out.items()}, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(draft.config.raw, f, indent=1)

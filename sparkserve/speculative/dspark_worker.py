@@ -18,7 +18,7 @@ from sparkserve.speculative.planner import VerifyPlanner
 class Proposal:
     tokens: list[int]                    # drafts d_1..d_G (the verify length cuts them)
     confidence: torch.Tensor | None      # [G] P(slot accepted | prefix accepted)
-    q_probs: torch.Tensor | None         # [G, V] distributions the drafts were sampled from
+    q_probs: torch.Tensor | None         # [G, V] distributions the drafts were sampled from (target vocab)
     verify_len: int = 0
 
 
@@ -49,7 +49,7 @@ class DSparkWorker:
         tokens = torch.empty(len(reqs), G, dtype=torch.long)
         conf = torch.empty(len(reqs), G) if d.confidence_head is not None else None
         greedy = [r.params.is_greedy for r in reqs]
-        q_probs = [torch.empty(G, base.shape[-1]) if not g else None for g in greedy]
+        q_probs = [torch.empty(G, d.config.vocab_size) if not g else None for g in greedy]
         prev = anchors
         for k in range(G):
             emb = d.markov_head.prev_embedding(prev)
@@ -60,8 +60,9 @@ class DSparkWorker:
             for i, r in enumerate(reqs):
                 if not greedy[i]:
                     q = processed_probs(logits[i:i + 1], r.params)
-                    q_probs[i][k] = q[0]
+                    q_probs[i][k] = d.to_target_probs(q[0])
                     nxt[i] = sample_from_probs(q, r.sampling.generator(q.device))[0]
+            nxt = d.to_target_ids(nxt)
             tokens[:, k] = nxt
             prev = nxt
         caps = [max(0, min(G, r.params.max_new_tokens - len(r.output_ids) - 1)) for r in reqs]

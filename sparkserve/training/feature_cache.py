@@ -38,6 +38,27 @@ def capture(model, seqs: list[list[int]], layer_ids: list[int]) -> list[tuple[to
     return [(taps[st:st + n], final[st:st + n]) for st, n in zip(starts, lens)]
 
 
+@torch.inference_mode()
+def logsumexp_rows(head_weight: torch.Tensor, hidden: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """log sum exp of the target's full-vocab logits per row: with it, training scores the
+    teacher on a reduced draft vocab without the full LM head at every step."""
+    return torch.cat([torch.logsumexp(hidden[i:i + chunk].float() @ head_weight.T.float(), -1)
+                      for i in range(0, hidden.shape[0], chunk)])
+
+
+def write_lse(path: str, head_weight: torch.Tensor, chunk_tokens: int = 8192) -> None:
+    """Add lse.npy (teacher log-normaliser per token, computed from final.npy) to a cache."""
+    final = np.load(os.path.join(path, "final.npy"), mmap_mode="r")
+    tmp = os.path.join(path, "lse.tmp.npy")
+    lse = np.lib.format.open_memmap(tmp, "w+", np.float32, (final.shape[0],))
+    for i in tqdm(range(0, final.shape[0], chunk_tokens), desc="teacher lse", unit="chunk"):
+        rows = torch.from_numpy(np.asarray(final[i:i + chunk_tokens], dtype=np.float32))
+        lse[i:i + len(rows)] = logsumexp_rows(head_weight, rows).numpy()
+    lse.flush()
+    del lse
+    os.replace(tmp, os.path.join(path, "lse.npy"))
+
+
 def build_feature_cache(model, seqs: list[list[int]], prompt_lens: list[int], layer_ids: list[int],
                         out_dir: str, batch_tokens: int = 2048) -> None:
     os.makedirs(out_dir, exist_ok=True)
@@ -77,14 +98,16 @@ class FeatureCache:
     lengths: list[int]
     prompt_lens: list[int]
     target_layer_ids: list[int]
+    lse: np.ndarray | None = None     # teacher log-normaliser per token (write_lse), if present
 
     @classmethod
     def open(cls, path: str) -> "FeatureCache":
         with open(os.path.join(path, "index.json")) as f:
             idx = json.load(f)
         load = lambda n: np.load(os.path.join(path, n), mmap_mode="r")
+        lse = load("lse.npy") if os.path.exists(os.path.join(path, "lse.npy")) else None
         return cls(load("tokens.npy"), load("taps.npy"), load("final.npy"), idx["offsets"],
-                   idx["lengths"], idx["prompt_lens"], idx["target_layer_ids"])
+                   idx["lengths"], idx["prompt_lens"], idx["target_layer_ids"], lse)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -95,3 +118,14 @@ class FeatureCache:
                 torch.from_numpy(np.asarray(self.taps[o:o + n], dtype=np.float32)),
                 torch.from_numpy(np.asarray(self.final[o:o + n], dtype=np.float32)),
                 self.prompt_lens[i])
+
+    def sequence_lse(self, i: int) -> torch.Tensor:
+        o, n = self.offsets[i], self.lengths[i]
+        return torch.from_numpy(np.array(self.lse[o:o + n], dtype=np.float32))
+
+    def response_token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each id occurs in the responses: the training targets' frequencies."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for o, n, p in zip(self.offsets, self.lengths, self.prompt_lens):
+            counts += np.bincount(np.asarray(self.tokens[o + p:o + n]), minlength=vocab_size)[:vocab_size]
+        return torch.from_numpy(counts)

@@ -22,9 +22,11 @@ class PipelineConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0
     distill_batch: int = 32
+    max_prompt_tokens: int = 1024          # longer prompts are skipped (prefill would dominate)
     num_layers: int = 1
     block_size: int = 7
     markov_rank: int = 64
+    draft_vocab_size: int | None = 8192     # None or >= vocab: the full vocab
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
     eval_prompts: int = 32
@@ -58,9 +60,12 @@ def stage_distill(cfg: PipelineConfig, engine) -> None:
     with open(out, "a") as f, tqdm(total=len(prompts), initial=done, desc="distill", unit="prompt") as bar:
         for i in range(done, len(prompts), cfg.distill_batch):
             batch = prompts[i:i + cfg.distill_batch]
-            ids = [tok.encode(tok.apply_chat_template(m), add_special_tokens=True)[-2048:] for m in batch]
-            for p, r in zip(ids, engine.generate(input_ids=ids, sampling_params=params)):
-                f.write(json.dumps({"prompt_ids": p, "output_ids": r["output_ids"]}) + "\n")
+            ids = [tok.encode(tok.apply_chat_template(m), add_special_tokens=True) for m in batch]
+            short = [p for p in ids if len(p) <= cfg.max_prompt_tokens]
+            answers = iter(engine.generate(input_ids=short, sampling_params=params) if short else [])
+            for p in ids:      # one line per prompt (skipped ones empty) so a rerun resumes right
+                out = next(answers)["output_ids"] if len(p) <= cfg.max_prompt_tokens else []
+                f.write(json.dumps({"prompt_ids": p, "output_ids": out}) + "\n")
             f.flush()
             bar.update(len(batch))
 
@@ -72,8 +77,9 @@ def draft_config(cfg: PipelineConfig, target_cfg, tokenizer) -> dict:
         special = sorted(set(tokenizer.all_special_ids) - set(tokenizer.eos_token_ids)
                          - {tokenizer.bos_token_id}) if tokenizer else []
         mask = special[-1] if special else 0
+    reduced = cfg.draft_vocab_size if cfg.draft_vocab_size and cfg.draft_vocab_size < target_cfg.vocab_size else None
     return dspark_config_dict(target_cfg, cfg.num_layers, cfg.block_size, cfg.target_layer_ids,
-                              mask, cfg.markov_rank)
+                              mask, cfg.markov_rank, draft_vocab_size=reduced)
 
 
 def stage_features(cfg: PipelineConfig, engine) -> None:
@@ -85,18 +91,30 @@ def stage_features(cfg: PipelineConfig, engine) -> None:
     seqs = [r["prompt_ids"] + r["output_ids"] for r in rows if r["output_ids"]]
     plens = [len(r["prompt_ids"]) for r in rows if r["output_ids"]]
     dcfg = draft_config(cfg, engine.model_config, engine.tokenizer)
-    build_feature_cache(engine.scheduler.runner.model, seqs, plens, dcfg["target_layer_ids"], out)
+    model = engine.scheduler.runner.model
+    build_feature_cache(model, seqs, plens, dcfg["target_layer_ids"], out)
 
 
 def stage_train(cfg: PipelineConfig, engine) -> dict:
     from sparkserve.models.dspark_draft import init_dspark_draft
-    from sparkserve.training.feature_cache import FeatureCache
+    from sparkserve.training.draft_vocab import select_draft_vocab
+    from sparkserve.training.feature_cache import FeatureCache, write_lse
     from sparkserve.training.train_dspark import TrainConfig, train
-    cache = FeatureCache.open(_path(cfg, "features"))
+    target = engine.scheduler.runner.model
+    features = _path(cfg, "features")
+    cache = FeatureCache.open(features)
     dcfg = draft_config(cfg, engine.model_config, engine.tokenizer)
     dcfg["target_layer_ids"] = cache.target_layer_ids
-    draft = init_dspark_draft(dcfg, engine.scheduler.runner.model)
-    return train(draft, cache, _path(cfg, "draft"), TrainConfig(**cfg.train))
+    vocab = None
+    if dcfg.get("draft_vocab_size"):
+        if cache.lse is None:
+            write_lse(features, target.lm_head.weight)
+            cache = FeatureCache.open(features)
+        counts = cache.response_token_counts(engine.model_config.vocab_size)
+        vocab, coverage = select_draft_vocab(counts, dcfg["draft_vocab_size"], engine.tokenizer.eos_token_ids)
+        print(f"draft vocab: {len(vocab)} ids cover {coverage:.2%} of response tokens")
+    draft = init_dspark_draft(dcfg, target, vocab=vocab)
+    return train(draft, cache, _path(cfg, "draft"), TrainConfig(**cfg.train), target_head=target.lm_head.weight)
 
 
 def stage_eval(cfg: PipelineConfig) -> dict:

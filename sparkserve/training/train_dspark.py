@@ -55,8 +55,25 @@ def sample_anchors(seq_len: int, prompt_len: int, n: int, gen: torch.Generator) 
     return cand[torch.randperm(len(cand), generator=gen)[:n]].sort().values
 
 
+@dataclass
+class Teacher:
+    """The target's distribution restricted to a reduced draft vocab: LM-head rows of the draft
+    ids and a dense target->draft id map (-1 = not in the draft vocab). The per-token
+    log-normaliser over the full vocab comes from the feature cache (lse.npy)."""
+    head_rows: torch.Tensor
+    t2d: torch.Tensor
+
+    @classmethod
+    def for_draft(cls, draft: DSparkDraft, target_head: torch.Tensor) -> "Teacher":
+        ids = draft.to_target_ids(torch.arange(draft.config.out_vocab))
+        t2d = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
+        t2d[ids] = torch.arange(len(ids))
+        return cls(target_head[ids].detach().float(), t2d)
+
+
 def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, final: torch.Tensor,
-                 anchors: torch.Tensor, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+                 anchors: torch.Tensor, cfg: TrainConfig, teacher: Teacher | None = None,
+                 lse: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Weighted loss sums and weight sum for the blocks of one sequence."""
     G = draft.block_size
     S = tokens.shape[0]
@@ -84,11 +101,17 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
     emb = draft.markov_head.prev_embedding(prev)
     logits = draft.lm_head(h) + draft.markov_head.bias(emb, h)
     logp_d = F.log_softmax(logits.float(), -1)
-    with torch.no_grad():
-        p_t = F.softmax(draft.lm_head(final[safe_tgt - 1]).float(), -1)  # target dist. of x_{a+k+1}
+    with torch.no_grad():                                                 # target dist. of x_{a+k+1}
+        if teacher is None:
+            p_t, outside = F.softmax(draft.lm_head(final[safe_tgt - 1]).float(), -1), 0.0
+        else:
+            p_t = torch.exp(final[safe_tgt - 1] @ teacher.head_rows.T - lse[safe_tgt - 1, None])
+            outside = (1 - p_t.sum(-1)).clamp_min(0)
     p_d = logp_d.exp()
-    l1 = (p_d - p_t).abs().sum(-1)
-    ce = F.nll_loss(logp_d, tokens[safe_tgt], reduction="none")
+    l1 = (p_d - p_t).abs().sum(-1) + outside       # teacher mass outside the draft vocab counts fully
+    tgt = tokens[safe_tgt] if teacher is None else teacher.t2d[tokens[safe_tgt]]
+    in_vocab = tgt >= 0
+    ce = F.nll_loss(logp_d, tgt.clamp_min(0), reduction="none") * in_vocab
     w = (torch.exp(-k.float() / cfg.decay_gamma)[None, :] * valid).reshape(-1)
     out = {"ce": (ce * w).sum(), "l1": (l1 * w).sum(), "wsum": w.sum()}
     c_star = (1 - 0.5 * l1.detach()).clamp(0, 1)
@@ -106,10 +129,19 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
 
 
 def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfig,
-          log_every: int = 10) -> dict:
-    """Resumable: picks up train_state.pt in out_dir. Returns the last logged metrics."""
+          log_every: int = 10, target_head: torch.Tensor | None = None) -> dict:
+    """Resumable: picks up train_state.pt in out_dir. Returns the last logged metrics.
+    A reduced-vocab draft needs the target's LM head weight and a cache with lse.npy; its own
+    (reduced) LM head is trained, a full-vocab draft's is the target's and stays frozen."""
     os.makedirs(out_dir, exist_ok=True)
-    for name in ("embed_tokens", "lm_head"):
+    teacher = None
+    if draft.d2t is not None:
+        if target_head is None or cache.lse is None:
+            raise ValueError("a reduced-vocab draft trains against the target's LM head and the "
+                             "cache's lse.npy (feature_cache.write_lse)")
+        teacher = Teacher.for_draft(draft, target_head)
+    frozen = ("embed_tokens",) if teacher is not None else ("embed_tokens", "lm_head")
+    for name in frozen:
         getattr(draft, name).requires_grad_(False)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -138,7 +170,8 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
                 anchors = sample_anchors(len(tokens), plen, cfg.anchors_per_seq, gen)
                 if len(anchors) == 0:
                     continue
-                for key, v in block_losses(draft, tokens, taps, final, anchors, cfg).items():
+                lse = cache.sequence_lse(i) if teacher is not None else None
+                for key, v in block_losses(draft, tokens, taps, final, anchors, cfg, teacher, lse).items():
                     acc[key] = acc.get(key, 0) + v
             if not acc:
                 step += 1
@@ -167,8 +200,8 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
 
 
 def save_checkpoint(draft, opt, gen, step, out_dir, cfg) -> None:
-    trainable = {k: v for k, v in draft.state_dict().items()
-                 if not k.startswith(("embed_tokens", "lm_head"))}
+    shared = ("embed_tokens",) if draft.d2t is not None else ("embed_tokens", "lm_head")
+    trainable = {k: v for k, v in draft.state_dict().items() if not k.startswith(shared)}
     torch.save({"model": trainable, "opt": opt.state_dict(), "gen": gen.get_state(), "step": step,
                 "config": asdict(cfg)}, os.path.join(out_dir, "train_state.pt"))
     save_dspark_draft(draft, out_dir, include_shared=False)
