@@ -83,6 +83,33 @@ def draft_dir(hf_target, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def reduced_draft_dir(hf_target, draft_dir, tmp_path_factory):
+    """The same draft with a reduced vocab of 15 of the 24 ids (d2t): its q is zero on the
+    other 9, so every draw of those must come from the residual max(p - q, 0)."""
+    from sparkserve.models.dspark_draft import load_dspark_draft, save_dspark_draft, DSparkDraft, DSparkConfig
+    import json, os
+    target, _ = hf_target
+    full = load_dspark_draft(draft_dir, _load_target(target))
+    keep = torch.tensor([i for i in range(V) if i % 3 != 1][:15])
+    cfg = dict(json.load(open(os.path.join(draft_dir, "config.json"))), draft_vocab_size=len(keep))
+    d = DSparkDraft(DSparkConfig.from_dict(cfg))
+    d.rotary.build()
+    sd = {k: v for k, v in full.state_dict().items() if k != "d2t"}
+    sd["lm_head.weight"] = full.lm_head.weight[keep]
+    sd["markov_head.markov_w2.weight"] = full.markov_head.markov_w2.weight[keep]
+    d.load_state_dict(sd, strict=False)
+    d.d2t.copy_(keep - torch.arange(len(keep)))
+    path = str(tmp_path_factory.mktemp("dspark_sampling_reduced"))
+    save_dspark_draft(d, path, include_shared=False)
+    return path
+
+
+def _load_target(path):
+    from sparkserve.models.registry import load_model
+    return load_model(path)
+
+
 @torch.inference_mode()
 def exact_distributions(hf, params: SamplingParams):
     """P(t1) [V], P(t2|t1) [V, V], P(t3|t1,t2) [V, V, V], P(t4|t1,t2,t3) [V, V, V, V] of the
@@ -103,10 +130,11 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_sampling_matches_target_distribution(hf_target, draft_dir, name):
-    (target, hf), draft = hf_target, draft_dir
-    sp = CONFIGS[name]
+@pytest.mark.parametrize("name", list(CONFIGS) + ["temperature1_reduced_vocab"])
+def test_sampling_matches_target_distribution(hf_target, draft_dir, reduced_draft_dir, name):
+    (target, hf) = hf_target
+    draft = reduced_draft_dir if name.endswith("_reduced_vocab") else draft_dir
+    sp = CONFIGS[name.removesuffix("_reduced_vocab")]
     eng = engine(target, draft, "full", max_running_requests=256)
     outs = eng.generate(input_ids=[PROMPT] * N,
                         sampling_params=[dict(sp, max_new_tokens=MAX_NEW, seed=i) for i in range(N)])

@@ -114,6 +114,9 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
         vocab, coverage = select_draft_vocab(counts, dcfg["draft_vocab_size"], engine.tokenizer.eos_token_ids)
         print(f"draft vocab: {len(vocab)} ids cover {coverage:.2%} of response tokens")
     draft = init_dspark_draft(dcfg, target, vocab=vocab)
+    if not os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt")):
+        from sparkserve.training.markov_init import fit_markov_head
+        fit_markov_head(draft, cache)     # start from the responses' bigram model
     return train(draft, cache, _path(cfg, "draft"), TrainConfig(**cfg.train), target_head=target.lm_head.weight)
 
 
