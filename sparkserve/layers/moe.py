@@ -7,6 +7,8 @@ rows first, then up) and `down_w[E, d, I]`. Tokens are grouped per expert so eac
 GEMM over all of its tokens instead of one GEMV per (token, slot)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -15,9 +17,12 @@ from sparkserve.layers.linear import FusedLinear, Linear
 
 
 def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  gate_up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
-    """sum_j topk_weights[t, j] * SwiGLU-expert_{topk_ids[t, j]}(x[t]) for x [T, d],
-    topk_weights / topk_ids [T, k]; gate_up_w [E, 2I, d]; down_w [E, d, I] -> [T, d].
+                  gate_up_w: torch.Tensor, down_w: torch.Tensor,
+                  activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for x [T, d],
+    topk_weights / topk_ids [T, k]; gate_up_w [E, 2I, d]; down_w [E, d, I] -> [T, d], where
+    expert_e(x) = down_w[e] @ activation(gate_up_w[e] @ x) and `activation` maps the [n, 2I]
+    gate|up output to [n, I] (default SwiGLU-silu; see layers/activation.py).
     Ids outside [0, E) (experts another rank owns) contribute nothing."""
     T, k = topk_ids.shape
     E = gate_up_w.shape[0]
@@ -33,7 +38,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         n = counts[e + 1]
         if n == 0:
             continue
-        h = silu_and_mul(torch.nn.functional.linear(xs[start:start + n], gate_up_w[e]))
+        h = activation(torch.nn.functional.linear(xs[start:start + n], gate_up_w[e]))
         out[start:start + n] = torch.nn.functional.linear(h, down_w[e])
         start += n
     out *= topk_weights.reshape(-1)[order].to(out.dtype).unsqueeze(1)
@@ -92,13 +97,17 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    """Stacked routed-expert weights; `activation` as in fused_experts."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj)
+        return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.activation)
 
 
 class SharedExpertMoE(nn.Module):

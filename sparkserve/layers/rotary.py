@@ -54,3 +54,12 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]; sin is sign-folded (see RotaryEmbedding.build)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial RoPE: rotate the first cos.shape[-1] channels of x [T, heads, D] (neox layout),
+    pass the rest through unchanged."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)

@@ -27,15 +27,7 @@ from torch import nn
 from sparkserve.executor.forward_batch import ForwardBatch
 from sparkserve.layers.linear import FusedLinear, Linear
 from sparkserve.layers.norm import RMSNorm
-from sparkserve.layers.rotary import apply_rotary
-
-
-def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] channels of x [T, heads, D] (neox layout), pass the rest."""
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        return apply_rotary(x, cos, sin)
-    return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+from sparkserve.layers.rotary import apply_partial_rotary
 
 
 def padded_queries(batch: ForwardBatch, x: torch.Tensor) -> torch.Tensor:

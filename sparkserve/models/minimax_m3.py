@@ -11,20 +11,22 @@ Interface as LlamaForCausalLM (DESIGN.md contracts 1-3)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from functools import partial
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
 from sparkserve.executor.forward_batch import ForwardBatch
+from sparkserve.layers.activation import swiglu_oai
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.linear import FusedLinear, Linear
-from sparkserve.layers.moe import Router
+from sparkserve.layers.moe import Experts, Router
 from sparkserve.layers.norm import RMSNorm
-from sparkserve.layers.rotary import RotaryEmbedding
+from sparkserve.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from sparkserve.layers.sparse_attention import BlockSparseAttention
-from sparkserve.layers.sparse_indexer import LightningIndexer, apply_partial_rotary
+from sparkserve.layers.sparse_indexer import LightningIndexer
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.hybrid_pool import HybridPool
 from sparkserve.models.aux_capture import AuxCaptureMixin
@@ -95,25 +97,9 @@ class M3Spec:
             raise ValueError(f"per-layer lists must have num_hidden_layers={n} entries")
         return spec
 
-
-def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """MiniMax / GPT-OSS gate (halves not interleaved): (clamp(up) + 1) * g * sigmoid(alpha g)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1.0) * gate * torch.sigmoid(gate * alpha)
-
-
-def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  gate_up_w: torch.Tensor, down_w: torch.Tensor, activation) -> torch.Tensor:
-    """layers/moe.fused_experts with the activation as a parameter (the shared one is fixed to
-    SwiGLU-silu). Swap for the shared function once it takes `activation`."""
-    out = torch.zeros_like(x)
-    for e in topk_ids.unique().tolist():
-        tok, slot = torch.where(topk_ids == e)
-        h = torch.nn.functional.linear(activation(torch.nn.functional.linear(x[tok], gate_up_w[e])), down_w[e])
-        out.index_add_(0, tok, h * topk_weights[tok, slot, None].to(h.dtype))
-    return out
+    def activation(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The MLP / expert activation: clamped SwiGLU-OAI with this config's alpha and limit."""
+        return partial(swiglu_oai, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
 
 
 class OAIMLP(nn.Module):
@@ -124,22 +110,10 @@ class OAIMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate)
         self.down_proj = Linear(intermediate, hidden)
-        self.alpha, self.limit = spec.swiglu_alpha, spec.swiglu_limit
+        self.activation = spec.activation()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
-
-
-class OAIExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, spec: M3Spec):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
-        self.alpha, self.limit = spec.swiglu_alpha, spec.swiglu_limit
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj,
-                             lambda h: swiglu_oai(h, self.alpha, self.limit))
+        return self.down_proj(self.activation(self.gate_up_proj(x)))
 
 
 class M3MoE(nn.Module):
@@ -149,7 +123,7 @@ class M3MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: M3Spec):
         super().__init__()
         self.gate = Router(cfg.hidden_size, spec.num_experts, spec.top_k, scaling=spec.routed_scaling)
-        self.experts = OAIExperts(spec.num_experts, cfg.hidden_size, cfg.intermediate_size, spec)
+        self.experts = Experts(spec.num_experts, cfg.hidden_size, cfg.intermediate_size, spec.activation())
         self.shared_experts = OAIMLP(cfg.hidden_size, spec.shared_intermediate, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
