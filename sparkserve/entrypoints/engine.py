@@ -28,7 +28,7 @@ class Engine:
         self.scheduler, self.model_config = build_scheduler(self.args, self.tokenizer)
         self.context_length = context_length(self.args, self.model_config)
         self.limits = Limits(self.model_config.vocab_size, self.context_length,
-                             self.scheduler.cache.num_slots)
+                             self.scheduler.max_sequence_tokens)
 
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[str] | None = None,

@@ -42,7 +42,9 @@ class PagedAllocator:
         return torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
 
     def free(self, slots: torch.Tensor) -> None:
-        """Free the pages these slots start or cover (callers pass whole pages' slots)."""
+        """Free the pages these slots start or cover (callers pass whole pages' slots); pad
+        slot 0 (a position whose page was already given up) is skipped."""
+        slots = slots[slots > 0]
         if slots.numel() == 0:
             return
         pages = torch.unique((slots - 1) // self.page_size)

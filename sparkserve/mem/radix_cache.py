@@ -1,8 +1,16 @@
 """Radix prefix cache: token sequences -> KV slots, shared between requests.
 
 Keys are compared a page at a time, so every cached prefix covers whole pages and a page is
-never shared partially. Nodes on a running request's path are locked; unlocked leaves are
-evicted least-recently-used first when the allocator runs dry."""
+never shared partially. Nodes on a running request's path are locked; unlocked nodes are
+evicted least-recently-used first when the allocator runs dry.
+
+Sliding-window models (`window=W`, every layer windowed; SGLang's SWA radix tree): a
+continuation at position e reads only the keys of positions > e - W, so a cached prefix is
+usable as long as the pages of its last W - 1 positions are present. Eviction may therefore
+free an internal node too: it becomes a tombstone (`dead`, value all pad slot 0) that keeps
+its key so deeper prefixes stay reachable, and `match_prefix` serves the longest prefix whose
+trailing window is alive. A request locks only the nodes of its live window
+(`lock(node, start)`), so pages that slide out of its window become evictable."""
 from __future__ import annotations
 
 import heapq
@@ -16,23 +24,30 @@ _tick = itertools.count()
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "start", "dead")
 
     def __init__(self, parent: "TreeNode | None" = None, key: list[int] | None = None,
-                 value: torch.Tensor | None = None):
+                 value: torch.Tensor | None = None, start: int = 0):
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.parent = parent
         self.key: list[int] = key or []
         self.value = value if value is not None else torch.empty(0, dtype=torch.long)
         self.lock_ref = 0
         self.last_access = next(_tick)
+        self.start = start        # position of key[0] in the full sequence
+        self.dead = False         # tombstone: KV freed, key kept (window mode only)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.key)
 
 
 class RadixCache:
-    def __init__(self, allocator: PagedAllocator, disable: bool = False):
+    def __init__(self, allocator: PagedAllocator, disable: bool = False, window: int | None = None):
         self.allocator = allocator
         self.page = allocator.page_size
         self.disabled = disable
+        self.window = window
         self.reset()
 
     def reset(self) -> None:
@@ -48,6 +63,13 @@ class RadixCache:
     def aligned(self, n: int) -> int:
         return n // self.page * self.page
 
+    def window_start(self, n: int) -> int:
+        """First page-aligned position that a query at position >= n can still see (0 for full
+        attention): every position of every page before it is p <= n - W."""
+        if self.window is None:
+            return 0
+        return self.aligned(max(0, n - self.window + 1))
+
     def _child_key(self, key: list[int]) -> tuple[int, ...]:
         return tuple(key[:self.page])
 
@@ -60,11 +82,12 @@ class RadixCache:
         return self.aligned(n)
 
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
-        """Slots of the longest cached page-aligned prefix of `key`, and its last node."""
+        """Slots of the longest cached page-aligned prefix of `key` whose trailing window is
+        alive (pad slot 0 for tombstoned positions before it), and its last node."""
         if self.disabled:
             return torch.empty(0, dtype=torch.long), self.root
         key = key[:self.aligned(len(key))]
-        node, values = self.root, []
+        node, path = self.root, []
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -72,55 +95,106 @@ class RadixCache:
             n = self._common(child.key, key)
             if n < len(child.key):
                 child = self._split(child, n)
-            values.append(child.value)
+            path.append(child)
             node = child
             key = key[n:]
+        usable, alive_from = 0, 0
+        for i, n in enumerate(path):
+            if n.dead:
+                alive_from = n.end
+            elif alive_from <= self.window_start(n.end):
+                usable = i + 1
+        path = path[:usable]
+        node = path[-1] if path else self.root
         stamp = next(_tick)
         walk = node
         while walk is not None:
             walk.last_access = stamp
             walk = walk.parent
-        return (torch.cat(values) if values else torch.empty(0, dtype=torch.long)), node
+        return (torch.cat([n.value for n in path]) if path else torch.empty(0, dtype=torch.long)), node
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
-        mid = TreeNode(child.parent, child.key[:n], child.value[:n])
-        mid.lock_ref = child.lock_ref
+        mid = TreeNode(child.parent, child.key[:n], child.value[:n], child.start)
+        mid.lock_ref, mid.dead, mid.last_access = child.lock_ref, child.dead, child.last_access
         child.parent.children[self._child_key(child.key)] = mid
         child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
+        child.start += n
         mid.children[self._child_key(child.key)] = child
         return mid
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Insert a page-aligned key; returns how many leading tokens were already cached
-        (the caller frees its own duplicate slots for them)."""
+    def _split_at(self, node: TreeNode, pos: int) -> None:
+        """Make `pos` a node boundary on the path from the root to `node`."""
+        while node is not self.root and node.end > pos:
+            if node.start < pos:
+                self._split(node, pos - node.start)
+                return
+            node = node.parent
+
+    def insert(self, key: list[int], value: torch.Tensor) -> tuple[torch.Tensor, TreeNode, torch.Tensor]:
+        """Insert a page-aligned key. `value` may start with pad slots (0) where the caller gave
+        its pages up (window mode); those positions become tombstones unless already cached.
+        Returns (the caller's slots that duplicate cached ones: the caller frees them, the node
+        ending at len(key), the cache's slots for the whole key)."""
         assert len(key) == len(value) and len(key) % self.page == 0
+        live = torch.nonzero(value).flatten()
+        z = int(live[0]) if live.numel() else len(key)   # value[:z] are pad slots, the rest live
+        assert z % self.page == 0 and bool((value[z:] != 0).all()), "pad slots only as a prefix"
         node, done = self.root, 0
+        dups: list[torch.Tensor] = []
+        out: list[torch.Tensor] = []
         while done < len(key):
             rest = key[done:]
             child = node.children.get(self._child_key(rest))
             if child is None:
-                new = TreeNode(node, list(rest), value[done:].clone())
+                if done < z:     # positions nobody holds: a tombstone before our live pages
+                    dead = TreeNode(node, key[done:z], torch.zeros(z - done, dtype=torch.long), done)
+                    dead.dead = True
+                    node.children[self._child_key(rest)] = dead
+                    out.append(dead.value)
+                    node, done, rest = dead, z, key[z:]
+                    if not rest:
+                        break
+                new = TreeNode(node, list(rest), value[done:].clone(), done)
                 node.children[self._child_key(rest)] = new
                 self.evictable_size += len(rest)
-                return done
+                out.append(new.value)
+                node, done = new, len(key)
+                break
             n = self._common(child.key, rest)
             if n < len(child.key):
                 child = self._split(child, n)
+            if child.start < z < child.end:
+                child = self._split(child, z - child.start)
+            seg = value[done:child.end]
+            if done >= z:
+                if child.dead:   # revive a tombstone with our pages (the cache now owns them)
+                    child.value, child.dead = seg.clone(), False
+                    if child.lock_ref == 0:
+                        self.evictable_size += len(child.key)
+                else:
+                    dups.append(seg[seg != child.value])
+            out.append(child.value)
             child.last_access = next(_tick)
             node = child
-            done += n
-        return done
+            done = child.end
+        freed = torch.cat(dups) if dups else torch.empty(0, dtype=torch.long)
+        return freed, node, (torch.cat(out) if out else torch.empty(0, dtype=torch.long))
 
-    def lock(self, node: TreeNode) -> None:
-        while node is not self.root:
+    def lock(self, node: TreeNode, start: int = 0) -> None:
+        """Protect the nodes from `start` (made a node boundary) to `node` from eviction."""
+        if start:
+            self._split_at(node, start)
+        while node is not self.root and node.start >= start:
+            assert not node.dead, "locking a tombstone"
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
             node.lock_ref += 1
             node = node.parent
 
-    def unlock(self, node: TreeNode) -> None:
-        while node is not self.root:
+    def unlock(self, node: TreeNode, start: int = 0) -> None:
+        """Undo `lock(node, start)` (splits since then are covered: halves inherit locks)."""
+        while node is not self.root and node.start >= start:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
@@ -128,26 +202,38 @@ class RadixCache:
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` slots from unlocked leaves, oldest first; returns freed."""
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        """Free at least `num_tokens` slots from unlocked nodes, oldest first; returns freed.
+        Full attention frees leaves only (a prefix needs all its pages); window mode also
+        tombstones internal nodes."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes()
+                if n.lock_ref == 0 and not n.dead and (self.window is not None or not n.children)]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_tokens:
             _, _, node = heapq.heappop(heap)
+            if node.dead or node.lock_ref:
+                continue
             self.allocator.free(node.value)
             freed += len(node.key)
             self.evictable_size -= len(node.key)
+            if node.children:                       # window mode: keep the key as a tombstone
+                node.value, node.dead = torch.zeros_like(node.value), True
+                continue
             parent = node.parent
             del parent.children[self._child_key(node.key)]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            while parent is not self.root and not parent.children and parent.dead:
+                grand = parent.parent
+                del grand.children[self._child_key(parent.key)]
+                parent = grand
+            if (self.window is None and parent is not self.root and not parent.children
+                    and parent.lock_ref == 0):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
-    def _leaves(self) -> list[TreeNode]:
-        out, stack = [], [self.root]
+    def _nodes(self) -> list[TreeNode]:
+        out, stack = [], list(self.root.children.values())
         while stack:
             n = stack.pop()
-            if not n.children and n is not self.root:
-                out.append(n)
+            out.append(n)
             stack.extend(n.children.values())
         return out

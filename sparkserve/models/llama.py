@@ -16,7 +16,7 @@ from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.linear import FusedLinear, Linear
 from sparkserve.loader.weights import WeightLoader
-from sparkserve.mem.kv_pool import KVPool
+from sparkserve.mem.kv_pool import KVPool, uniform_window
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.models.aux_capture import AuxCaptureMixin
@@ -121,7 +121,8 @@ class LlamaForCausalLM(AuxCaptureMixin, nn.Module):
     # one token costs so the runtime can size them. Hybrid models add request_row state.
     def make_pool(self, num_slots: int, num_rows: int) -> KVPool:
         c = self.config
-        return KVPool(num_slots, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        return KVPool(num_slots, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                      window=uniform_window(c.layer_windows))
 
     def pool_bytes_per_token(self) -> int:
         c = self.config

@@ -12,6 +12,7 @@ from sparkserve.config import ModelConfig
 from sparkserve.executor.model_runner import ModelRunner
 from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.mem.cache_manager import KVCacheManager
+from sparkserve.mem.kv_pool import uniform_window
 from sparkserve.models.registry import load_config, load_model
 from sparkserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -27,8 +28,13 @@ def kv_pool_tokens(args: ServerArgs, cfg: ModelConfig, per_token: int) -> int:
         return args.max_total_tokens
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     tokens = int(ram * args.mem_fraction_static) // per_token
-    # More than every running request at full context is wasted memory.
-    return max(args.page_size, min(tokens, args.max_running_requests * context_length(args, cfg)))
+    # More than every running request at its largest live KV is wasted memory: the full context,
+    # or with every layer windowed and chunked prefill, the window plus one chunk and two pages.
+    per_request = context_length(args, cfg)
+    window = uniform_window(cfg.layer_windows)
+    if window is not None and args.chunked_prefill_size > 0:
+        per_request = min(per_request, window + args.chunked_prefill_size + 2 * args.page_size)
+    return max(args.page_size, min(tokens, args.max_running_requests * per_request))
 
 
 def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Scheduler, ModelConfig]:
@@ -47,7 +53,8 @@ def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Sche
     if no_radix and not args.disable_radix_cache:
         # A recurrent state summarises a whole prefix; it cannot be shared page by page.
         log.info("prefix cache off: %s keeps per-request recurrent state", cfg.architecture)
-    cache = KVCacheManager(num_slots, args.page_size, num_rows, ctx + 1, no_radix)
+    cache = KVCacheManager(num_slots, args.page_size, num_rows, ctx + 1, no_radix,
+                           window=getattr(pool, "window", None))   # pools that free pages leaving the window
     runner = ModelRunner(model, pool, cache.req_to_token.table)
     spec = build_dspark_worker(args, runner, num_slots, cache) if args.speculative_algorithm else None
     eos = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)

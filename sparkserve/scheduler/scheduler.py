@@ -3,9 +3,12 @@
 Each `step()` runs one forward: a prefill (EXTEND) batch when waiting requests fit (new ones
 join between steps; long prompts go in chunks of --chunked-prefill-size), else one DECODE
 step for every running request. When KV slots run out, the newest running requests are
-retracted (their KV kept in the prefix cache) and recomputed later, never failed."""
+retracted (their KV kept in the prefix cache) and recomputed later, never failed. With every
+layer sliding-window, pages that leave the window go back after each forward
+(KVCacheManager.slide_window), so a request holds about a window of KV however long it runs."""
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -70,6 +73,14 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked)
 
     @property
+    def max_sequence_tokens(self) -> int:
+        """Most prompt + output tokens one request can reach: the pool, unless its pages leave a
+        sliding window as it goes (then prefill chunks and the window must fit, not the sequence)."""
+        if self.cache.window is not None and self.cfg.chunked_prefill_size > 0:
+            return sys.maxsize
+        return self.cache.num_slots
+
+    @property
     def num_running(self) -> int:
         return len(self.running) + (self.chunked is not None)
 
@@ -101,9 +112,11 @@ class Scheduler:
                 self.cache.release(req)   # un-admit: a waiting request must not pin KV
                 break                     # chunking is off: whole prompts only
             n = remaining if chunk <= 0 else min(remaining, budget)
-            # Keep one decode slot per running request so admitting this one cannot stall them.
+            # Keep decode room for every running request so admitting this one cannot stall them
+            # (one page each; a sliding-window request's room to fill its window).
             page = self.cache.allocator.page_size
-            reserve = (len(self.running) + len(batch)) * page
+            reserve = sum(self.cache.decode_reserve(r, r.params.max_new_tokens - len(r.output_ids))
+                          for r in self.running + [item[0] for item in batch])
             fits = self.cache.pages_needed(req, n) * page + reserve <= self.cache.available_tokens
             slots = self.cache.alloc(req, n) if fits else None
             if slots is None:
@@ -136,6 +149,7 @@ class Scheduler:
         for (req, _, n) in batch:
             req.kv_len += n
             self.cache.cache_prefix(req)
+            self.cache.slide_window(req)
             if req.kv_len == len(req.fill_ids):
                 done.append(req)
         outputs = []
@@ -171,6 +185,7 @@ class Scheduler:
             self._inject_rows(fb, torch.arange(fb.num_tokens))
             for req in reqs:
                 req.kv_len += 1
+                self.cache.slide_window(req)
             outputs = self._sample_and_commit(reqs, logits)
         else:
             outputs = self._verify_and_commit(reqs, sched, props, fb, logits)
@@ -219,6 +234,7 @@ class Scheduler:
             alloc_end = req.kv_len + len(sched[i].tokens)
             req.kv_len += n_acc + 1
             self.cache.truncate(req, alloc_end)
+            self.cache.slide_window(req)      # after the truncate: only committed tokens count
             results.append((req, toks, lps, tops))
         self._inject_rows(fb, torch.tensor(committed_rows))
         self.runner.commit_verify(fb, kept)
