@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=6e-4)
     tr.add_argument("--seqs-per-step", type=int, default=4)
     tr.add_argument("--anchors-per-seq", type=int, default=32)
+    tr.add_argument("--final-norm-lr-mult", type=float, default=20.0,
+                    help="learning-rate multiple for the draft's small-initialised final norm")
     tr.add_argument("--eval-prompts", type=int, default=32)
     return p
 
@@ -88,7 +90,7 @@ def _train_draft(ns: argparse.Namespace) -> int:
         draft_vocab_size=ns.draft_vocab_size or None,
         eval_prompts=ns.eval_prompts,
         train={"steps": ns.steps, "lr": ns.lr, "seqs_per_step": ns.seqs_per_step,
-               "anchors_per_seq": ns.anchors_per_seq})
+               "anchors_per_seq": ns.anchors_per_seq, "final_norm_lr_mult": ns.final_norm_lr_mult})
     run_pipeline(cfg, [s.strip() for s in ns.stages.split(",") if s.strip()])
     return 0
 

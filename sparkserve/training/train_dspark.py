@@ -38,7 +38,7 @@ class TrainConfig:
     save_every: int = 200
     # The final norm starts small (init_dspark_draft: no anchor echo through a tied head); a
     # faster rate lets the backbone's share of the logits grow within a short CPU run.
-    final_norm_lr_mult: float = 20.0
+    final_norm_lr_mult: float = 1.0
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
