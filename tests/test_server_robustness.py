@@ -480,6 +480,54 @@ def test_exception_in_one_handler_is_a_500_for_that_request_only():
     assert client.get("/health").status_code == 200
 
 
+# ---- sliding-window models: the request limit is the sequence the scheduler can run -------------
+def test_windowed_request_longer_than_the_pool_is_served(tmp_path):
+    """A tiny Mistral (every layer window 8) behind a 48-slot pool: pages leave the window as a
+    request runs, so 20 prompt + 80 new tokens are accepted (as by the offline Engine) and give
+    the Engine's tokens; /get_server_info still reports the pool size, and the context length
+    still bounds a request."""
+    from conftest import make_tiny_checkpoint
+    from sparkserve import Engine
+    path = make_tiny_checkpoint("mistral", str(tmp_path / "mistral"))
+    pool = ["--max-total-tokens", "48", "--chunked-prefill-size", "8", "--max-running-requests", "2"]
+    s = ServerProcess("--model-path", path, *pool)
+    try:
+        prompt = list(range(3, 23))
+        sp = {"max_new_tokens": 80, "temperature": 0, "ignore_eos": True}
+        ref = Engine(path, max_total_tokens=48, chunked_prefill_size=8, max_running_requests=2) \
+            .generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+        with httpx.Client(base_url=s.url, timeout=120) as c:
+            r = c.post("/generate", json={"input_ids": prompt, "sampling_params": sp})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["output_ids"] == ref and len(ref) == 80
+            assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 80}
+            info = c.get("/get_server_info").json()
+            assert info["max_total_num_tokens"] == 48 < len(prompt) + 80
+            r = c.post("/generate", json={"input_ids": prompt, "sampling_params": dict(sp, max_new_tokens=300)})
+            assert_error_shape(r, 400, "max_new_tokens")
+            assert "context length" in r.json()["error"]["message"]
+    finally:
+        s.stop()
+    s.remove_log()
+
+
+def test_tokenizer_manager_limit_is_the_sequence_limit():
+    """The frontend checks requests against SchedulerReady.max_sequence_tokens (the pool when
+    absent), not the pool size it reports."""
+    from sparkserve.args import ServerArgs
+    from sparkserve.entrypoints.io_struct import SchedulerReady
+    from sparkserve.entrypoints.metrics import Metrics
+    from sparkserve.entrypoints.tokenizer_manager import TokenizerManager
+    args = ServerArgs(skip_tokenizer_init=True).validate()
+    base = dict(pid=0, vocab_size=100, context_length=4096, max_total_num_tokens=48,
+                max_running_requests=4, eos_token_ids=[0], architecture="MistralForCausalLM")
+    for ready, limit in ((SchedulerReady(**base, max_sequence_tokens=2**62), 4096), (SchedulerReady(**base), 48)):
+        tm = TokenizerManager(args, None, ready, None, None, Metrics("m"), lambda: True, lambda: None)
+        assert tm.limits.max_sequence == limit
+        assert tm.load.max_total_num_tokens == 48
+
+
 # ---- failure and shutdown (last: these end servers) -------------------------------------------
 def test_scheduler_start_failure_is_an_error_not_a_hang(tmp_path):
     bad = tmp_path / "bad-model"

@@ -61,6 +61,13 @@ class SchedulerReady:
     eos_token_ids: list[int]
     architecture: str
     bos_token_id: int | None = None
+    # Most prompt + output tokens one request can reach (Scheduler.max_sequence_tokens): the pool,
+    # or unbounded when pages leave a sliding window as the request runs. None: the pool.
+    max_sequence_tokens: int | None = None
+
+    @property
+    def sequence_limit(self) -> int:
+        return self.max_total_num_tokens if self.max_sequence_tokens is None else self.max_sequence_tokens
 
 
 @dataclass

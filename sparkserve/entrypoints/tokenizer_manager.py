@@ -128,7 +128,9 @@ class TokenizerManager:
         self.args = args
         self.tokenizer = tokenizer
         self.info = ready
-        self.limits = Limits(ready.vocab_size, ready.context_length, ready.max_total_num_tokens)
+        # requests are checked against the longest sequence the scheduler can run (the pool, or
+        # more when a sliding window frees pages as it goes), as the offline Engine does
+        self.limits = Limits(ready.vocab_size, ready.context_length, ready.sequence_limit)
         self._send_sock = send               # plain (blocking-free: SNDHWM 0) so aborts never await
         self._recv_sock = recv
         self.metrics = metrics

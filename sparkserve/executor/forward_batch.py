@@ -29,10 +29,18 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor     # [T] KV slots the new tokens write to
     extend_lens: list[int]          # new tokens per request
     seq_lens: list[int]             # KV length per request after this forward
-    kv_indices: torch.Tensor        # [B, max(seq_lens)] slot of every position, padded with 0
+    kv_indices: torch.Tensor        # [B, max(seq_lens) - kv_start] slot of positions kv_start.., padded with 0
     kv_pool: "KVPool"
     logits_rows: torch.Tensor | None = None   # flat rows whose logits are wanted
     req_rows: torch.Tensor | None = None      # [B] request-table rows: where request_row state lives
+    # Position of kv_indices[:, 0]. 0 unless every layer is sliding-window: then no query of the
+    # batch sees a key before the earliest window start, so attention gathers O(W) keys, not O(seq).
+    kv_start: int = 0
+    # Split pool (full and windowed layers mixed): the windowed layers' own slots of the new
+    # tokens and of positions swa_kv_start.. (the batch's earliest window start); None otherwise.
+    swa_out_cache_loc: torch.Tensor | None = None
+    swa_kv_indices: torch.Tensor | None = None
+    swa_kv_start: int = 0
     aux_hidden: list[torch.Tensor] = field(default_factory=list)
     _meta: dict = field(default_factory=dict)
 
@@ -62,25 +70,34 @@ class ForwardBatch:
             self._meta["q"] = (q_index, flat)
         return self._meta["q"]
 
+    def kv_view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(slots the new tokens write to, slots of the gathered positions, first gathered
+        position) for a layer with this window: a split pool's windowed layers use their own."""
+        if window is not None and self.swa_kv_indices is not None:
+            return self.swa_out_cache_loc, self.swa_kv_indices, self.swa_kv_start
+        return self.out_cache_loc, self.kv_indices, self.kv_start
+
     def attn_mask(self, window: int | None) -> torch.Tensor | None:
-        """Bool [B, 1, Qmax, Lmax]: causal over absolute positions, within seq_len, inside the
-        sliding window. None when everything is visible (batch-1 decode, equal lengths)."""
+        """Bool [B, 1, Qmax, Lmax] over the key positions kv_view(window) gathers: causal over
+        absolute positions, within seq_len, inside the sliding window. None when everything is
+        visible (batch-1 decode, equal lengths)."""
         key = ("mask", window)
         if key not in self._meta:
             self._meta[key] = self._build_mask(window)
         return self._meta[key]
 
     def _build_mask(self, window: int | None) -> torch.Tensor | None:
-        lmax = self.kv_indices.shape[1]
+        _, kv_indices, kv_start = self.kv_view(window)
+        lmax = kv_indices.shape[1]
         all_decode = all(n == 1 for n in self.extend_lens)
-        same_len = all(s == lmax for s in self.seq_lens)
+        same_len = all(s == kv_start + lmax for s in self.seq_lens)
         if all_decode and same_len and (window is None or lmax <= window):
             return None
         q_index, _ = self.query_layout()
         B = len(self.seq_lens)
         qpos = self.positions.view(B, -1) if q_index is None else self.positions[q_index]
         # padded query rows reuse flat row 0's position; their outputs are dropped
-        kpos = torch.arange(lmax)
+        kpos = kv_start + torch.arange(lmax)
         seq = torch.tensor(self.seq_lens)
         mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < seq[:, None, None])
         if window is not None:

@@ -23,10 +23,12 @@ class ScheduledReq:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_pool: KVPool, req_to_token: torch.Tensor):
+    def __init__(self, model: nn.Module, kv_pool: KVPool, req_to_token: torch.Tensor,
+                 full_to_swa: torch.Tensor | None = None):
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
+        self.full_to_swa = full_to_swa      # split pool: windowed layers' slot of each full slot
 
     def build_batch(self, mode: ForwardMode, reqs: list[ScheduledReq]) -> ForwardBatch:
         ids, pos, rows_wanted = [], [], []
@@ -38,19 +40,37 @@ class ModelRunner:
             rows_wanted.extend(range(offset - r.logit_rows, offset))
         seq_lens = [r.start + len(r.tokens) for r in reqs]
         rows = torch.tensor([r.row for r in reqs])
-        kv_indices = self.req_to_token[rows, :max(seq_lens)]
+        kv_start = self.first_visible_position(reqs, getattr(self.kv_pool, "window", None))
+        kv_indices = self.req_to_token[rows, kv_start:max(seq_lens)]
+        out_cache_loc = torch.cat([r.slots for r in reqs])
+        swa = {}
+        if self.full_to_swa is not None:
+            start = self.first_visible_position(reqs, self.kv_pool.swa_window)
+            swa = dict(swa_out_cache_loc=self.full_to_swa[out_cache_loc], swa_kv_start=start,
+                       swa_kv_indices=self.full_to_swa[self.req_to_token[rows, start:max(seq_lens)]])
         return ForwardBatch(
             mode=mode,
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.tensor(pos, dtype=torch.long),
-            out_cache_loc=torch.cat([r.slots for r in reqs]),
+            out_cache_loc=out_cache_loc,
             extend_lens=[len(r.tokens) for r in reqs],
             seq_lens=seq_lens,
             kv_indices=kv_indices,
             kv_pool=self.kv_pool,
             logits_rows=torch.tensor(rows_wanted, dtype=torch.long),
             req_rows=rows,
+            kv_start=kv_start,
+            **swa,
         )
+
+    @staticmethod
+    def first_visible_position(reqs: list[ScheduledReq], window: int | None) -> int:
+        """The first key position any query of the batch can see through layers whose windows
+        are at most `window`: max(0, first query position - W + 1) of the earliest request;
+        0 for full attention."""
+        if window is None:
+            return 0
+        return min(max(0, r.start - window + 1) for r in reqs)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -21,7 +21,7 @@ class Limits:
     """Model facts a prompt is checked against (from the scheduler, in or out of process)."""
     vocab_size: int
     context_length: int
-    pool_tokens: int          # KV pool size: one sequence can never hold more
+    pool_tokens: int          # most tokens one sequence can reach: the KV pool, unless a sliding window frees pages
 
     @property
     def max_sequence(self) -> int:

@@ -1,5 +1,8 @@
 """Paged attention on CPU with torch SDPA: write the new K/V into the pool, gather each
-request's K/V through its slot table into a padded batch, attend under one mask."""
+request's K/V through its slot table into a padded batch, attend under one mask. The gathered
+positions start at `batch.kv_start` (the batch's earliest window start when every layer is
+sliding-window), and the mask works on absolute positions. With full and windowed layers mixed
+(a split pool) the windowed layers write and read their own slots (`batch.kv_view`)."""
 from __future__ import annotations
 
 import torch
@@ -23,15 +26,16 @@ class PagedAttention(nn.Module):
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H*D]."""
         k_buf, v_buf = batch.kv_pool.layer(self.layer_id)
-        k_buf[batch.out_cache_loc] = k
-        v_buf[batch.out_cache_loc] = v
+        out_loc, kv_indices, _ = batch.kv_view(self.window)
+        k_buf[out_loc] = k
+        v_buf[out_loc] = v
         q_index, flat_index = batch.query_layout()
         B = batch.batch_size
         qp = q.view(B, -1, *q.shape[1:]) if q_index is None else q[q_index]
         qmax = qp.shape[1]
         qp = qp.transpose(1, 2)                                          # [B, H, Qmax, D]
-        kp = k_buf[batch.kv_indices].transpose(1, 2)                     # [B, Hkv, L, D]
-        vp = v_buf[batch.kv_indices].transpose(1, 2)
+        kp = k_buf[kv_indices].transpose(1, 2)                           # [B, Hkv, L, D]
+        vp = v_buf[kv_indices].transpose(1, 2)
         out = torch.nn.functional.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=batch.attn_mask(self.window), scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads)

@@ -49,3 +49,65 @@ class PagedAllocator:
             return
         pages = torch.unique((slots - 1) // self.page_size)
         self.free_pages.extend(pages.tolist())
+
+
+class SplitAllocator:
+    """Two slot spaces for models that mix full-attention and sliding-window layers (SGLang's
+    SWA pool): full layers index K/V by the full slots the request table and the prefix cache
+    hold; windowed layers by `full_to_swa[slot]`, a slot of a second, smaller space. Both
+    spaces are allocated together, page for page; the windowed one alone can be given up early
+    (`free_swa`, when a page leaves the window) and then maps to the pad slot 0."""
+
+    def __init__(self, num_slots: int, swa_slots: int, page_size: int = 1):
+        self.full = PagedAllocator(num_slots, page_size)
+        self.swa = PagedAllocator(swa_slots, page_size)
+        self.page_size = page_size
+        self.full_to_swa = torch.zeros(num_slots + 1, dtype=torch.long)
+
+    # the full space stands for the allocator in accounting (pool size, usage)
+    @property
+    def num_pages(self) -> int:
+        return self.full.num_pages
+
+    @property
+    def free_pages(self) -> list[int]:
+        return self.full.free_pages
+
+    @property
+    def free_slots(self) -> int:
+        return self.full.free_slots
+
+    @property
+    def swa_free_slots(self) -> int:
+        return self.swa.free_slots
+
+    def pages_needed(self, cur_len: int, n: int) -> int:
+        return self.full.pages_needed(cur_len, n)
+
+    def alloc(self, cur_len: int, n: int, last_slot: int) -> torch.Tensor | None:
+        """Full slots for the tokens (as PagedAllocator.alloc), each mapped to a windowed slot;
+        None, taking nothing, unless both spaces have the pages."""
+        need = self.pages_needed(cur_len, n)
+        if need > len(self.full.free_pages) or need > len(self.swa.free_pages):
+            return None
+        last_swa = int(self.full_to_swa[last_slot])
+        assert cur_len % self.page_size == 0 or last_swa > 0, "the last token's windowed page was given up"
+        slots = self.full.alloc(cur_len, n, last_slot)
+        self.full_to_swa[slots] = self.swa.alloc(cur_len, n, last_swa)
+        return slots
+
+    def _page_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        p = self.page_size
+        pages = torch.unique((slots[slots > 0] - 1) // p)
+        return (1 + pages[:, None] * p + torch.arange(p)[None, :]).flatten()
+
+    def free_swa(self, slots: torch.Tensor) -> None:
+        """Give up the windowed slots of these full slots' pages (the full slots stay)."""
+        every = self._page_slots(slots)
+        self.swa.free(self.full_to_swa[every])
+        self.full_to_swa[every] = 0
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Free the full pages these slots start or cover, and their windowed slots if alive."""
+        self.free_swa(slots)
+        self.full.free(slots)

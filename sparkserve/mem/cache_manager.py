@@ -16,14 +16,22 @@ by the request, only unlocked, so they stay cached and evictable. Prompts are st
 by chunk, and finished or retracted requests insert their prefix with the pages they gave up
 as tombstones. A prefix is served only while the pages of its last W - 1 positions are alive,
 which is all a continuation reads, so a retracted window request resumes without recomputing
-its whole history."""
+its whole history.
+
+Split pools (`swa_window=W`: the model mixes full and windowed layers; SGLang's SWA pool): the
+windowed layers' K/V live in a second slot space (SplitAllocator), so the table and the prefix
+cache keep full slots for every position and only the windowed slots slide: `slide_window`
+gives up the windowed slots of the request's own pages that left the window, and unlocks the
+windowed part of cached pages that did (the full part stays locked: full layers read it all).
+The prefix rule above holds for the windowed slots. Memory is checked in both spaces: the full
+one as for full attention, the windowed one as in window mode."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
 
-from sparkserve.mem.allocator import PagedAllocator
+from sparkserve.mem.allocator import PagedAllocator, SplitAllocator
 from sparkserve.mem.radix_cache import RadixCache
 from sparkserve.mem.req_to_token import ReqToTokenPool
 
@@ -33,17 +41,44 @@ if TYPE_CHECKING:
 
 class KVCacheManager:
     def __init__(self, num_slots: int, page_size: int, max_requests: int, max_context: int,
-                 disable_radix_cache: bool = False, window: int | None = None):
+                 disable_radix_cache: bool = False, window: int | None = None,
+                 swa_slots: int = 0, swa_window: int | None = None):
         self.num_slots = num_slots
         self.window = window
-        self.allocator = PagedAllocator(num_slots, page_size)
-        self.radix = RadixCache(self.allocator, disable=disable_radix_cache, window=window)
+        self.swa_window = swa_window if swa_slots else None     # split pool
+        self.swa_slots = swa_slots if self.swa_window is not None else 0
+        self.allocator = (SplitAllocator(num_slots, swa_slots, page_size) if self.swa_window is not None
+                          else PagedAllocator(num_slots, page_size))
+        self.radix = RadixCache(self.allocator, disable=disable_radix_cache, window=window,
+                                swa_window=self.swa_window)
         self.req_to_token = ReqToTokenPool(max_requests, max_context)
         self.window_freed_pages = 0     # pages requests gave back to the allocator by sliding
 
     @property
+    def split(self) -> bool:
+        return self.swa_window is not None
+
+    @property
+    def full_to_swa(self) -> torch.Tensor | None:
+        """Split pool: windowed layers' slot of every full slot (for the ModelRunner)."""
+        return self.allocator.full_to_swa if self.split else None
+
+    @property
     def available_tokens(self) -> int:
         return self.allocator.free_slots + self.radix.evictable_size
+
+    @property
+    def swa_available_tokens(self) -> int:
+        return self.allocator.swa_free_slots + self.radix.swa_evictable_size if self.split else 0
+
+    def room(self, need: int, running: list[tuple["Req", int]] = ()) -> bool:
+        """Whether `need` more slots can be had now (evicting cached prefixes) while every
+        (request, tokens it may still decode) in `running` keeps its decode reserve."""
+        reserve = sum(self.decode_reserve(r, remaining) for r, remaining in running)
+        if not self.split:
+            return need + reserve <= self.available_tokens
+        return (need + self.allocator.page_size * len(running) <= self.available_tokens
+                and need + reserve <= self.swa_available_tokens)
 
     @property
     def used_tokens(self) -> int:
@@ -60,13 +95,14 @@ class KVCacheManager:
 
     def decode_reserve(self, req: "Req", remaining: int) -> int:
         """Slots to keep free for a running request that may decode `remaining` more tokens:
-        one page (retraction covers the rest) under full attention; in window mode what it
-        still needs to fill its window (W + 2 pages live at most), so admissions do not
-        force retractions later."""
+        one page (retraction covers the rest) under full attention; in window mode (split pool:
+        in the windowed space) what it still needs to fill its window (W + 2 pages live at
+        most), so admissions do not force retractions later."""
         p = self.allocator.page_size
-        if self.window is None:
+        window = self.window if self.window is not None else self.swa_window
+        if window is None:
             return p
-        grow = min(remaining, self.window + 2 * p - self.live_tokens(req))
+        grow = min(remaining, window + 2 * p - self.live_tokens(req))
         return max(p, -(-grow // p) * p)
 
     def admit(self, req: "Req") -> bool:
@@ -79,12 +115,13 @@ class KVCacheManager:
         slots, node = self.radix.match_prefix(req.fill_ids[:-1])
         n = len(slots)
         start = self.radix.window_start(n)
-        self.radix.lock(node, start)
+        self.radix.lock(node, start)                 # split: the whole path for the full layers
         req.last_node, req.lock_start, req.window_start = node, start, start
         req.kv_len = req.cached_len = n
         req.cached_tokens = max(req.cached_tokens, n)
-        self.req_to_token.table[row, :start] = 0
-        self.req_to_token.table[row, start:n] = slots[start:]
+        first = 0 if self.split else start           # split: the table keeps every full slot
+        self.req_to_token.table[row, :first] = 0
+        self.req_to_token.table[row, first:n] = slots[first:]
         return True
 
     def alloc(self, req: "Req", n: int) -> torch.Tensor | None:
@@ -93,7 +130,8 @@ class KVCacheManager:
         slots = self.allocator.alloc(req.kv_len, n, last)
         if slots is None:
             need = self.allocator.pages_needed(req.kv_len, n) * self.allocator.page_size
-            self.radix.evict(need - self.allocator.free_slots)
+            self.radix.evict(need - self.allocator.free_slots,
+                             need - self.allocator.swa_free_slots if self.split else 0)
             slots = self.allocator.alloc(req.kv_len, n, last)
         if slots is not None:
             self.req_to_token.table[req.row, req.kv_len:req.kv_len + n] = slots
@@ -114,8 +152,9 @@ class KVCacheManager:
     def slide_window(self, req: "Req") -> None:
         """Window mode, after req.kv_len grew (and rejected drafts were truncated): give up the
         pages no later query can see. Own pages go back to the allocator; cached ones are
-        unlocked (they stay in the prefix cache, evictable)."""
-        if self.window is None or req.row is None:
+        unlocked (they stay in the prefix cache, evictable). Split pool: the same for the
+        windowed slots only; the table and the full-layer locks stay."""
+        if (self.window is None and not self.split) or req.row is None:
             return
         end = self.radix.window_start(req.kv_len)
         begin = req.window_start
@@ -124,16 +163,20 @@ class KVCacheManager:
         row = self.req_to_token.table[req.row]
         own = max(begin, req.cached_len)
         if end > own:
-            self.allocator.free(row[own:end])
+            if self.split:
+                self.allocator.free_swa(row[own:end])
+            else:
+                self.allocator.free(row[own:end])
             self.window_freed_pages += (end - own) // self.allocator.page_size
         if req.last_node is not self.radix.root and req.lock_start < req.cached_len:
             keep = min(end, req.cached_len)
             self.radix.lock(req.last_node, keep)
             self.radix.unlock(req.last_node, req.lock_start)
             req.lock_start = keep
-            if keep == req.cached_len:            # no cached page left in the window
+            if keep == req.cached_len and not self.split:   # no cached page left in the window
                 req.last_node, req.lock_start = self.radix.root, 0
-        row[begin:end] = 0
+        if not self.split:
+            row[begin:end] = 0
         req.window_start = end
 
     def cache_prefix(self, req: "Req") -> None:
@@ -145,9 +188,11 @@ class KVCacheManager:
         if n <= req.cached_len or n <= start:
             return
         row = self.req_to_token.table[req.row]
-        dups, node, slots = self.radix.insert(req.fill_ids[:n], row[:n].clone())
+        dups, node, slots = self.radix.insert(req.fill_ids[:n], row[:n].clone(),
+                                              alive_from=start if self.split else None)
         self.allocator.free(dups)                 # our pages the cache already held
-        row[start:n] = slots[start:]
+        first = 0 if self.split else start
+        row[first:n] = slots[first:]
         self.radix.lock(node, start)
         self.radix.unlock(req.last_node, req.lock_start)
         req.last_node, req.lock_start, req.cached_len = node, start, n
@@ -158,9 +203,11 @@ class KVCacheManager:
             return
         row = self.req_to_token.table[req.row]
         n = self.radix.aligned(req.kv_len) if not self.radix.disabled else 0
-        own = max(req.cached_len, req.window_start)     # first position whose page is ours
+        # first position whose page is ours (split: the table keeps our full slots throughout)
+        own = req.cached_len if self.split else max(req.cached_len, req.window_start)
         if n > own:
-            dups, _, _ = self.radix.insert(req.fill_ids[:n], row[:n].clone())
+            dups, _, _ = self.radix.insert(req.fill_ids[:n], row[:n].clone(),
+                                           alive_from=req.window_start if self.split else None)
             self.allocator.free(dups)
             own = n
         self.allocator.free(row[own:req.kv_len])

@@ -50,3 +50,8 @@ class HybridPool:
     def token_bytes(specs: list[tuple[int, tuple[int, ...], torch.dtype]]) -> int:
         """Bytes one token costs across token-kind buffers: specs = (num_layers, item_shape, dtype)."""
         return sum(n * math.prod(shape) * torch.empty((), dtype=dt).element_size() for n, shape, dt in specs)
+
+    @staticmethod
+    def row_bytes(specs: list[tuple[int, tuple[int, ...], torch.dtype]]) -> int:
+        """Bytes one request row costs across request_row buffers (same specs as token_bytes)."""
+        return HybridPool.token_bytes(specs)

@@ -27,26 +27,51 @@ def uniform_window(layer_windows: list[int | None]) -> int | None:
     return max(layer_windows)
 
 
+def split_windows(layer_windows: list[int | None]) -> tuple[list[int], int] | None:
+    """(the windowed layers, their largest window) when a model mixes full-attention and
+    sliding-window layers (Qwen3 max_window_layers, Gemma-style): those layers then get a slot
+    space of their own whose pages can leave the window. None otherwise."""
+    windowed = [i for i, w in enumerate(layer_windows) if w is not None]
+    if not windowed or len(windowed) == len(layer_windows):
+        return None
+    return windowed, max(layer_windows[i] for i in windowed)
+
+
 class KVPool:
     """`window`: every layer is sliding-window with at most this window, so pages that leave it
     are freed while a request runs (KVCacheManager.slide_window) and the K/V components are
-    `window_page`; None: full attention, `token_page`."""
+    `window_page`; None: full attention, `token_page`.
+
+    Split pool (`swa_layers`, `swa_slots`, `swa_window`): those windowed layers index their
+    K/V by slots of a second space of `swa_slots` (SplitAllocator.full_to_swa), components
+    `swa_k`/`swa_v` of kind `window_page`; the other layers' `k`/`v` are `token_page`."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, window: int | None = None):
+                 dtype: torch.dtype = torch.float32, window: int | None = None,
+                 swa_layers: list[int] = (), swa_slots: int = 0, swa_window: int | None = None):
         self.num_slots = num_slots
         self.window = window
-        shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.swa_layers = sorted(swa_layers)
+        self.swa_slots = swa_slots
+        self.swa_window = swa_window if self.swa_layers else None
+        rows = [(swa_slots if i in self.swa_layers else num_slots) + 1 for i in range(num_layers)]
+        self.k = [torch.zeros((n, num_kv_heads, head_dim), dtype=dtype) for n in rows]
+        self.v = [torch.zeros((n, num_kv_heads, head_dim), dtype=dtype) for n in rows]
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer_id], self.v[layer_id]
 
     def components(self) -> list[PoolComponent]:
         item = self.k[0][0].numel() * self.k[0].element_size()
-        kind = "token_page" if self.window is None else "window_page"
-        return [PoolComponent("k", kind, self.k, item), PoolComponent("v", kind, self.v, item)]
+        if not self.swa_layers:
+            kind = "token_page" if self.window is None else "window_page"
+            return [PoolComponent("k", kind, self.k, item), PoolComponent("v", kind, self.v, item)]
+        full = [i for i in range(len(self.k)) if i not in self.swa_layers]
+        swa = self.swa_layers
+        return [PoolComponent("k", "token_page", [self.k[i] for i in full], item, full),
+                PoolComponent("v", "token_page", [self.v[i] for i in full], item, full),
+                PoolComponent("swa_k", "window_page", [self.k[i] for i in swa], item, swa),
+                PoolComponent("swa_v", "window_page", [self.v[i] for i in swa], item, swa)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

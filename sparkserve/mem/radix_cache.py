@@ -10,7 +10,14 @@ usable as long as the pages of its last W - 1 positions are present. Eviction ma
 free an internal node too: it becomes a tombstone (`dead`, value all pad slot 0) that keeps
 its key so deeper prefixes stay reachable, and `match_prefix` serves the longest prefix whose
 trailing window is alive. A request locks only the nodes of its live window
-(`lock(node, start)`), so pages that slide out of its window become evictable."""
+(`lock(node, start)`), so pages that slide out of its window become evictable.
+
+Models mixing full and windowed layers (`swa_window=W`, a SplitAllocator; SGLang's SWA radix
+tree): the same rule on the windowed layers' KV. A node has two lock counts: `lock_ref` over a
+request's whole path (full layers read every position) and `swa_lock_ref` over its live window
+only. Eviction frees unlocked leaves (full and windowed slots), and, when windowed slots run
+short, tombstones nodes whose windowed slots no window holds (`dead`: windowed slots freed,
+full slots kept)."""
 from __future__ import annotations
 
 import heapq
@@ -18,13 +25,14 @@ import itertools
 
 import torch
 
-from sparkserve.mem.allocator import PagedAllocator
+from sparkserve.mem.allocator import PagedAllocator, SplitAllocator
 
 _tick = itertools.count()
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "start", "dead")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "swa_lock_ref", "last_access",
+                 "start", "dead")
 
     def __init__(self, parent: "TreeNode | None" = None, key: list[int] | None = None,
                  value: torch.Tensor | None = None, start: int = 0):
@@ -33,9 +41,10 @@ class TreeNode:
         self.key: list[int] = key or []
         self.value = value if value is not None else torch.empty(0, dtype=torch.long)
         self.lock_ref = 0
+        self.swa_lock_ref = 0     # split pool: requests whose window covers this node
         self.last_access = next(_tick)
         self.start = start        # position of key[0] in the full sequence
-        self.dead = False         # tombstone: KV freed, key kept (window mode only)
+        self.dead = False         # tombstone: (windowed) KV freed, key kept
 
     @property
     def end(self) -> int:
@@ -43,18 +52,37 @@ class TreeNode:
 
 
 class RadixCache:
-    def __init__(self, allocator: PagedAllocator, disable: bool = False, window: int | None = None):
+    def __init__(self, allocator: "PagedAllocator | SplitAllocator", disable: bool = False,
+                 window: int | None = None, swa_window: int | None = None):
         self.allocator = allocator
         self.page = allocator.page_size
         self.disabled = disable
-        self.window = window
+        self.window = window            # every layer windowed: a tombstone holds no KV at all
+        self.swa_window = swa_window    # split pool: a tombstone keeps its full slots
+        self.split = swa_window is not None
         self.reset()
 
     def reset(self) -> None:
         self.root = TreeNode()
         self.root.lock_ref = 1
-        self.evictable_size = 0
+        self.evictable_size = 0         # full slots of unlocked nodes
         self.protected_size = 0
+        self.swa_evictable_size = 0     # split pool: windowed slots no window holds
+        self.swa_protected_size = 0
+
+    def _account(self, node: TreeNode, sign: int) -> None:
+        """Add (+1) or remove (-1) a node's slots to the evictable or protected totals."""
+        n = sign * len(node.key)
+        if self.split or not node.dead:
+            if node.lock_ref:
+                self.protected_size += n
+            else:
+                self.evictable_size += n
+        if self.split and not node.dead:
+            if node.swa_lock_ref:
+                self.swa_protected_size += n
+            else:
+                self.swa_evictable_size += n
 
     @property
     def total_size(self) -> int:
@@ -64,11 +92,12 @@ class RadixCache:
         return n // self.page * self.page
 
     def window_start(self, n: int) -> int:
-        """First page-aligned position that a query at position >= n can still see (0 for full
-        attention): every position of every page before it is p <= n - W."""
-        if self.window is None:
+        """First page-aligned position that a (windowed layer's) query at position >= n can
+        still see (0 for full attention): every position of every page before it is p <= n - W."""
+        w = self.window if self.window is not None else self.swa_window
+        if w is None:
             return 0
-        return self.aligned(max(0, n - self.window + 1))
+        return self.aligned(max(0, n - w + 1))
 
     def _child_key(self, key: list[int]) -> tuple[int, ...]:
         return tuple(key[:self.page])
@@ -83,7 +112,7 @@ class RadixCache:
 
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
         """Slots of the longest cached page-aligned prefix of `key` whose trailing window is
-        alive (pad slot 0 for tombstoned positions before it), and its last node."""
+        alive (window mode: pad slot 0 for tombstoned positions before it), and its last node."""
         if self.disabled:
             return torch.empty(0, dtype=torch.long), self.root
         key = key[:self.aligned(len(key))]
@@ -115,7 +144,8 @@ class RadixCache:
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         mid = TreeNode(child.parent, child.key[:n], child.value[:n], child.start)
-        mid.lock_ref, mid.dead, mid.last_access = child.lock_ref, child.dead, child.last_access
+        mid.lock_ref, mid.swa_lock_ref = child.lock_ref, child.swa_lock_ref
+        mid.dead, mid.last_access = child.dead, child.last_access
         child.parent.children[self._child_key(child.key)] = mid
         child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
         child.start += n
@@ -130,15 +160,21 @@ class RadixCache:
                 return
             node = node.parent
 
-    def insert(self, key: list[int], value: torch.Tensor) -> tuple[torch.Tensor, TreeNode, torch.Tensor]:
-        """Insert a page-aligned key. `value` may start with pad slots (0) where the caller gave
-        its pages up (window mode); those positions become tombstones unless already cached.
-        Returns (the caller's slots that duplicate cached ones: the caller frees them, the node
-        ending at len(key), the cache's slots for the whole key)."""
+    def insert(self, key: list[int], value: torch.Tensor, alive_from: int | None = None
+               ) -> tuple[torch.Tensor, TreeNode, torch.Tensor]:
+        """Insert a page-aligned key. Window mode: `value` may start with pad slots (0) where the
+        caller gave its pages up; split pool: `alive_from` says from which position the caller's
+        own slots still have windowed KV. The positions before become tombstones unless already
+        cached. Returns (the caller's slots that duplicate cached ones: the caller frees them,
+        the node ending at len(key), the cache's slots for the whole key)."""
         assert len(key) == len(value) and len(key) % self.page == 0
-        live = torch.nonzero(value).flatten()
-        z = int(live[0]) if live.numel() else len(key)   # value[:z] are pad slots, the rest live
-        assert z % self.page == 0 and bool((value[z:] != 0).all()), "pad slots only as a prefix"
+        if alive_from is None:
+            live = torch.nonzero(value).flatten()
+            z = int(live[0]) if live.numel() else len(key)   # value[:z] are pad slots, the rest live
+            assert z % self.page == 0 and bool((value[z:] != 0).all()), "pad slots only as a prefix"
+        else:
+            z = min(alive_from, len(key))
+            assert z % self.page == 0 and bool((value != 0).all())
         node, done = self.root, 0
         dups: list[torch.Tensor] = []
         out: list[torch.Tensor] = []
@@ -146,17 +182,18 @@ class RadixCache:
             rest = key[done:]
             child = node.children.get(self._child_key(rest))
             if child is None:
-                if done < z:     # positions nobody holds: a tombstone before our live pages
-                    dead = TreeNode(node, key[done:z], torch.zeros(z - done, dtype=torch.long), done)
+                if done < z:     # positions without (windowed) KV: a tombstone before our live pages
+                    dead = TreeNode(node, key[done:z], value[done:z].clone(), done)
                     dead.dead = True
                     node.children[self._child_key(rest)] = dead
+                    self._account(dead, +1)      # split: the cache now holds our full slots
                     out.append(dead.value)
                     node, done, rest = dead, z, key[z:]
                     if not rest:
                         break
                 new = TreeNode(node, list(rest), value[done:].clone(), done)
                 node.children[self._child_key(rest)] = new
-                self.evictable_size += len(rest)
+                self._account(new, +1)
                 out.append(new.value)
                 node, done = new, len(key)
                 break
@@ -166,13 +203,21 @@ class RadixCache:
             if child.start < z < child.end:
                 child = self._split(child, z - child.start)
             seg = value[done:child.end]
-            if done >= z:
-                if child.dead:   # revive a tombstone with our pages (the cache now owns them)
-                    child.value, child.dead = seg.clone(), False
-                    if child.lock_ref == 0:
-                        self.evictable_size += len(child.key)
-                else:
-                    dups.append(seg[seg != child.value])
+            mine = seg != child.value            # positions where the caller holds its own slots
+            if done >= z and child.dead:         # revive a tombstone with our KV
+                self._account(child, -1)
+                if self.split:                   # our windowed slots move to the cache's full slots
+                    assert bool(mine.all()), "reviving a tombstone with its own slots"
+                    f2s = self.allocator.full_to_swa
+                    f2s[child.value] = f2s[seg]
+                    f2s[seg] = 0
+                    dups.append(seg)
+                else:                            # the cache now owns our pages
+                    child.value = seg.clone()
+                child.dead = False
+                self._account(child, +1)
+            elif done >= z or self.split:        # split, before z: our full slots without windowed KV
+                dups.append(seg[mine])
             out.append(child.value)
             child.last_access = next(_tick)
             node = child
@@ -181,53 +226,68 @@ class RadixCache:
         return freed, node, (torch.cat(out) if out else torch.empty(0, dtype=torch.long))
 
     def lock(self, node: TreeNode, start: int = 0) -> None:
-        """Protect the nodes from `start` (made a node boundary) to `node` from eviction."""
+        """Protect the nodes from `start` (made a node boundary) to `node` from eviction. Split
+        pool: the whole path for the full layers, from `start` for the windowed ones."""
         if start:
             self._split_at(node, start)
-        while node is not self.root and node.start >= start:
-            assert not node.dead, "locking a tombstone"
-            if node.lock_ref == 0:
-                self.evictable_size -= len(node.key)
-                self.protected_size += len(node.key)
-            node.lock_ref += 1
-            node = node.parent
+        self._add_locks(node, start, +1)
 
     def unlock(self, node: TreeNode, start: int = 0) -> None:
         """Undo `lock(node, start)` (splits since then are covered: halves inherit locks)."""
-        while node is not self.root and node.start >= start:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self.evictable_size += len(node.key)
-                self.protected_size -= len(node.key)
+        self._add_locks(node, start, -1)
+
+    def _add_locks(self, node: TreeNode, start: int, sign: int) -> None:
+        while node is not self.root and (self.split or node.start >= start):
+            swa = self.split and node.start >= start
+            assert not (node.dead and (swa or not self.split)), "locking a tombstone"
+            self._account(node, -1)
+            node.lock_ref += sign
+            node.swa_lock_ref += sign if swa else 0
+            assert node.lock_ref >= 0 and node.swa_lock_ref >= 0
+            self._account(node, +1)
             node = node.parent
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` slots from unlocked nodes, oldest first; returns freed.
-        Full attention frees leaves only (a prefix needs all its pages); window mode also
-        tombstones internal nodes."""
+    def evict(self, num_tokens: int, swa_tokens: int = 0) -> int:
+        """Free at least `num_tokens` slots (and, split pool, `swa_tokens` windowed slots) from
+        unlocked nodes, oldest first; returns the slots freed. Full attention and split pools
+        free leaves only (a prefix needs all its full pages); window mode also tombstones
+        internal nodes, and a split pool short of windowed slots tombstones any node's
+        windowed part that no window holds."""
+        window = self.window is not None
         heap = [(n.last_access, id(n), n) for n in self._nodes()
-                if n.lock_ref == 0 and not n.dead and (self.window is not None or not n.children)]
+                if n.lock_ref == 0 and not (window and n.dead) and (window or not n.children)]
         heapq.heapify(heap)
-        freed = 0
+        freed = swa_freed = 0
         while heap and freed < num_tokens:
             _, _, node = heapq.heappop(heap)
-            if node.dead or node.lock_ref:
+            if (window and node.dead) or node.lock_ref:
                 continue
-            self.allocator.free(node.value)
+            self.allocator.free(node.value)         # split: its windowed slots too
+            self._account(node, -1)
             freed += len(node.key)
-            self.evictable_size -= len(node.key)
+            swa_freed += len(node.key) if self.split and not node.dead else 0
             if node.children:                       # window mode: keep the key as a tombstone
                 node.value, node.dead = torch.zeros_like(node.value), True
                 continue
             parent = node.parent
             del parent.children[self._child_key(node.key)]
-            while parent is not self.root and not parent.children and parent.dead:
+            while window and parent is not self.root and not parent.children and parent.dead:
                 grand = parent.parent
                 del grand.children[self._child_key(parent.key)]
                 parent = grand
-            if (self.window is None and parent is not self.root and not parent.children
-                    and parent.lock_ref == 0):
+            if not window and parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        if self.split and swa_freed < swa_tokens:
+            nodes = sorted((n for n in self._nodes() if not n.dead and n.swa_lock_ref == 0),
+                           key=lambda n: n.last_access)
+            for node in nodes:
+                if swa_freed >= swa_tokens:
+                    break
+                self.allocator.free_swa(node.value)
+                self._account(node, -1)
+                node.dead = True
+                self._account(node, +1)
+                swa_freed += len(node.key)
         return freed
 
     def _nodes(self) -> list[TreeNode]:

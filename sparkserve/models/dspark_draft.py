@@ -225,7 +225,9 @@ class DSparkDraft(nn.Module):
     def block_hidden(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, kv_indices: torch.Tensor,
                      ctx_lens: list[int], pool: KVPool) -> torch.Tensor:
         """Normed hidden states [B, G, d] of the block [anchor, mask x (G-1)] at positions
-        anchor_pos.. for B requests whose injected context is kv_indices[b, :ctx_lens[b]]."""
+        anchor_pos.. for B requests whose injected context is kv_indices[b, :ctx_lens[b]].
+        Positions at the pad slot 0 are masked out: padding, and pages a sliding-window target
+        gave up (slot 0 never holds a real token)."""
         B, G = anchors.shape[0], self.block_size
         ids = torch.full((B, G), self.config.mask_token_id, dtype=torch.long)
         ids[:, 0] = anchors
@@ -236,9 +238,9 @@ class DSparkDraft(nn.Module):
             self.rotary.build()
         cos_sin = self.rotary.cos_sin(pos)
         L = kv_indices.shape[1]
+        ctx_ok = (torch.arange(L)[None, :] < torch.tensor(ctx_lens)[:, None]) & (kv_indices != 0)  # [B, L]
         mask = None
-        if any(n != L for n in ctx_lens):
-            ctx_ok = torch.arange(L)[None, :] < torch.tensor(ctx_lens)[:, None]        # [B, L]
+        if not bool(ctx_ok.all()):
             mask = torch.cat([ctx_ok, torch.ones(B, G, dtype=torch.bool)], 1)[:, None, None, :]
         for i, layer in enumerate(self.layers):
             k_buf, v_buf = pool.layer(i)

@@ -176,7 +176,7 @@ class KimiLinearForCausalLM(AuxCaptureMixin, nn.Module):
     def _latent_dim(self) -> int:
         return self.args.kv_lora_rank + self.args.rope_dim
 
-    def make_pool(self, num_slots: int, num_rows: int) -> HybridPool:
+    def make_pool(self, num_slots: int, num_rows: int, swa_slots: int = 0) -> HybridPool:
         pool = HybridPool(num_slots, num_rows)
         if self._mla_ids():
             pool.add("kv_latent", "token_page", self._mla_ids(), (self._latent_dim(),))
@@ -189,6 +189,17 @@ class KimiLinearForCausalLM(AuxCaptureMixin, nn.Module):
     def pool_bytes_per_token(self) -> int:
         """Token-kind bytes only (the MLA latents); KDA state is per request row."""
         return max(4, HybridPool.token_bytes([(len(self._mla_ids()), (self._latent_dim(),), torch.float32)]))
+
+    def pool_bytes_per_swa_token(self) -> int:
+        return 0      # no sliding-window layers
+
+    def pool_bytes_per_request(self) -> int:
+        """KDA recurrent + conv state of one request row, over every KDA layer (~45 MiB per
+        request at Kimi-Linear's real sizes)."""
+        kda = self._kda_layers()
+        if not kda:
+            return 0
+        return HybridPool.row_bytes([(len(kda), shape, torch.float32) for shape in kda[0].state_shapes().values()])
 
     # ---- loading ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -16,7 +16,7 @@ from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.linear import FusedLinear, Linear
 from sparkserve.loader.weights import WeightLoader
-from sparkserve.mem.kv_pool import KVPool, uniform_window
+from sparkserve.mem.kv_pool import KVPool, split_windows, uniform_window
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.models.aux_capture import AuxCaptureMixin
@@ -118,15 +118,32 @@ class LlamaForCausalLM(AuxCaptureMixin, nn.Module):
         return self.lm_head(hidden).float()
 
     # Pool contract (DESIGN.md 3): every model builds the pools its layers read, and says what
-    # one token costs so the runtime can size them. Hybrid models add request_row state.
-    def make_pool(self, num_slots: int, num_rows: int) -> KVPool:
+    # one token and one request row cost so the runtime can size them. Hybrid models add
+    # request_row state; with full and windowed layers mixed, the windowed ones get slots of
+    # their own (swa_slots, priced by pool_bytes_per_swa_token).
+    def make_pool(self, num_slots: int, num_rows: int, swa_slots: int = 0) -> KVPool:
         c = self.config
+        split = split_windows(c.layer_windows) if swa_slots else None
         return KVPool(num_slots, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                      window=uniform_window(c.layer_windows))
+                      window=uniform_window(c.layer_windows), swa_layers=split[0] if split else (),
+                      swa_slots=swa_slots, swa_window=split[1] if split else None)
 
     def pool_bytes_per_token(self) -> int:
+        """Per full slot: every layer's K/V, or only the full layers' when windowed layers have
+        their own slots (pool_bytes_per_swa_token)."""
         c = self.config
-        return KVPool.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, torch.float32)
+        split = split_windows(c.layer_windows)
+        n = c.num_hidden_layers - (len(split[0]) if split else 0)
+        return KVPool.bytes_per_token(n, c.num_key_value_heads, c.head_dim, torch.float32)
+
+    def pool_bytes_per_swa_token(self) -> int:
+        c = self.config
+        split = split_windows(c.layer_windows)
+        return KVPool.bytes_per_token(len(split[0]), c.num_key_value_heads, c.head_dim,
+                                      torch.float32) if split else 0
+
+    def pool_bytes_per_request(self) -> int:
+        return 0      # no request_row state
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.stacked_params)

@@ -232,7 +232,7 @@ class MiniMaxM3ForCausalLM(AuxCaptureMixin, nn.Module):
                  ("index_v", [i for i in every if s.index_value[i]], (s.index_head_dim,))]
         return [sp for sp in specs if sp[1]]
 
-    def make_pool(self, num_slots: int, num_rows: int) -> HybridPool:
+    def make_pool(self, num_slots: int, num_rows: int, swa_slots: int = 0) -> HybridPool:
         pool = HybridPool(num_slots, num_rows)
         for name, layers, shape in self._pool_specs():
             pool.add(name, "token_page", layers, shape)
@@ -241,6 +241,12 @@ class MiniMaxM3ForCausalLM(AuxCaptureMixin, nn.Module):
     def pool_bytes_per_token(self) -> int:
         return HybridPool.token_bytes([(len(layers), shape, torch.float32)
                                        for _, layers, shape in self._pool_specs()])
+
+    def pool_bytes_per_request(self) -> int:
+        return 0      # every pool is token_page
+
+    def pool_bytes_per_swa_token(self) -> int:
+        return 0
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.stacked_params)

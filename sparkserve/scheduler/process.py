@@ -76,7 +76,7 @@ class SchedulerLoop:
             pid=os.getpid(), vocab_size=cfg.vocab_size, context_length=context_length(args, cfg),
             max_total_num_tokens=scheduler.cache.num_slots, max_running_requests=args.max_running_requests,
             eos_token_ids=sorted(scheduler.eos_ids), architecture=cfg.architecture,
-            bos_token_id=cfg.bos_token_id))
+            bos_token_id=cfg.bos_token_id, max_sequence_tokens=scheduler.max_sequence_tokens))
         return loop
 
     # ---- loop -------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ class Req:
     cached_len: int = 0
     last_node: Any = None
     lock_start: int = 0             # the cache nodes locked are those from this position to last_node
-    window_start: int = 0           # sliding window: positions before it gave their pages up (slot 0)
+                                    # (split pool: for the windowed layers; full ones lock the path)
+    window_start: int = 0           # sliding window: positions before it gave their pages up (slot 0;
+                                    # split pool: their windowed slots)
     cached_tokens: int = 0          # prompt tokens served from the prefix cache (usage)
     finished_reason: dict[str, Any] | None = None
     output_logprobs: list[float] = field(default_factory=list)

@@ -12,7 +12,7 @@ from sparkserve.config import ModelConfig
 from sparkserve.executor.model_runner import ModelRunner
 from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.mem.cache_manager import KVCacheManager
-from sparkserve.mem.kv_pool import uniform_window
+from sparkserve.mem.kv_pool import split_windows, uniform_window
 from sparkserve.models.registry import load_config, load_model
 from sparkserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -23,18 +23,71 @@ def context_length(args: ServerArgs, cfg: ModelConfig) -> int:
     return args.context_length or cfg.context_length
 
 
-def kv_pool_tokens(args: ServerArgs, cfg: ModelConfig, per_token: int) -> int:
-    if args.max_total_tokens:
-        return args.max_total_tokens
+def request_rows(args: ServerArgs) -> int:
+    """Rows of the request table and of request_row pools: one per running request, plus one
+    spare (the DSpark step-cost profile runs while nothing else does)."""
+    return args.max_running_requests + 1
+
+
+def pool_memory_budget(args: ServerArgs) -> int:
+    """Bytes the pools may take: --mem-fraction-static of the machine's RAM."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    tokens = int(ram * args.mem_fraction_static) // per_token
-    # More than every running request at its largest live KV is wasted memory: the full context,
-    # or with every layer windowed and chunked prefill, the window plus one chunk and two pages.
-    per_request = context_length(args, cfg)
-    window = uniform_window(cfg.layer_windows)
-    if window is not None and args.chunked_prefill_size > 0:
-        per_request = min(per_request, window + args.chunked_prefill_size + 2 * args.page_size)
-    return max(args.page_size, min(tokens, args.max_running_requests * per_request))
+    return int(ram * args.mem_fraction_static)
+
+
+def kv_pool_tokens(args: ServerArgs, cfg: ModelConfig, per_token: int, per_request: int = 0) -> int:
+    """KV slots to allocate (see pool_sizes)."""
+    return pool_sizes(args, cfg, per_token, per_request)[0]
+
+
+def swa_tokens_cap(args: ServerArgs, cfg: ModelConfig) -> int | None:
+    """Most windowed-layer slots a split pool can use (None: no split, or unbounded): every
+    running request's window, one prefill chunk and two pages (chunking off: a whole prompt)."""
+    split = split_windows(cfg.layer_windows)
+    if split is None or args.chunked_prefill_size <= 0:
+        return None
+    return args.max_running_requests * (split[1] + args.chunked_prefill_size + 2 * args.page_size)
+
+
+def pool_sizes(args: ServerArgs, cfg: ModelConfig, per_token: int, per_request: int = 0,
+               per_swa_token: int = 0) -> tuple[int, int]:
+    """(KV slots, windowed-layer slots of a split pool or 0). KV slots: --max-total-tokens, else
+    what the memory budget holds once every request row's fixed state (`per_request` bytes,
+    e.g. linear-attention recurrent state) and the windowed layers' slots (`per_swa_token` bytes
+    each, at most one per KV slot) are paid for, capped at what the running requests can use."""
+    page = args.page_size
+    swa_cap = swa_tokens_cap(args, cfg) if per_swa_token else None
+    if args.max_total_tokens:
+        tokens = args.max_total_tokens
+    else:
+        budget = pool_memory_budget(args)
+        rows = request_rows(args)
+        left = budget - rows * per_request
+        if left < page * (per_token + per_swa_token):
+            raise ValueError(
+                f"--mem-fraction-static {args.mem_fraction_static} gives the pools {budget / 2**20:.1f} MiB, "
+                f"but {rows} request rows (--max-running-requests {args.max_running_requests} + 1) of "
+                f"{cfg.architecture} per-request state take {rows * per_request / 2**20:.1f} MiB "
+                f"({per_request / 2**20:.2f} MiB each), leaving less than one KV page; raise "
+                f"--mem-fraction-static, lower --max-running-requests, or set --max-total-tokens")
+        if per_swa_token:         # windowed slots are bought first, at most one per KV slot
+            swa = left // (per_token + per_swa_token)
+            swa_cap = swa if swa_cap is None else min(swa, swa_cap)
+            left -= swa_cap * per_swa_token
+        tokens = left // per_token
+        # More than every running request at its largest live KV is wasted memory: the full
+        # context, or with every layer windowed and chunked prefill, the window plus one chunk
+        # and two pages.
+        per_seq = context_length(args, cfg)
+        window = uniform_window(cfg.layer_windows)
+        if window is not None and args.chunked_prefill_size > 0:
+            per_seq = min(per_seq, window + args.chunked_prefill_size + 2 * page)
+        tokens = max(page, min(tokens, args.max_running_requests * per_seq))
+    tokens = tokens // page * page
+    if not per_swa_token:
+        return tokens, 0
+    swa = tokens if swa_cap is None else min(tokens, swa_cap)
+    return tokens, max(page, swa // page * page)
 
 
 def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Scheduler, ModelConfig]:
@@ -44,23 +97,27 @@ def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Sche
         torch.manual_seed(args.random_seed)
     cfg = load_config(args.model_path)
     model = load_model(args.model_path, cfg)
-    per_token = model.pool_bytes_per_token()
-    num_slots = kv_pool_tokens(args, cfg, per_token) // args.page_size * args.page_size
+    per_token, per_request = model.pool_bytes_per_token(), model.pool_bytes_per_request()
+    per_swa_token = model.pool_bytes_per_swa_token()
+    num_slots, swa_slots = pool_sizes(args, cfg, per_token, per_request, per_swa_token)
     ctx = context_length(args, cfg)
-    num_rows = args.max_running_requests + 1
-    pool = model.make_pool(num_slots, num_rows)
+    num_rows = request_rows(args)
+    pool = model.make_pool(num_slots, num_rows, swa_slots)
     no_radix = args.disable_radix_cache or getattr(model, "has_request_state", False)
     if no_radix and not args.disable_radix_cache:
         # A recurrent state summarises a whole prefix; it cannot be shared page by page.
         log.info("prefix cache off: %s keeps per-request recurrent state", cfg.architecture)
     cache = KVCacheManager(num_slots, args.page_size, num_rows, ctx + 1, no_radix,
-                           window=getattr(pool, "window", None))   # pools that free pages leaving the window
-    runner = ModelRunner(model, pool, cache.req_to_token.table)
+                           window=getattr(pool, "window", None),   # pools that free pages leaving the window
+                           swa_slots=swa_slots, swa_window=getattr(pool, "swa_window", None))
+    runner = ModelRunner(model, pool, cache.req_to_token.table, cache.full_to_swa)
     spec = build_dspark_worker(args, runner, num_slots, cache) if args.speculative_algorithm else None
     eos = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
     decode_tail = (lambda ids: tokenizer.decode(ids)) if tokenizer else None
     sched_cfg = SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens)
-    log.info("KV pool: %d tokens (%.1f MiB), context %d", num_slots, num_slots * per_token / 2**20, ctx)
+    log.info("KV pool: %d tokens (%.1f MiB), windowed layers %d tokens (%.1f MiB), request state %d rows "
+             "(%.1f MiB), context %d", num_slots, num_slots * per_token / 2**20, swa_slots,
+             swa_slots * per_swa_token / 2**20, num_rows, num_rows * per_request / 2**20, ctx)
     return Scheduler(runner, cache, sched_cfg, eos, decode_tail, spec), cfg
 
 

@@ -5,7 +5,8 @@ join between steps; long prompts go in chunks of --chunked-prefill-size), else o
 step for every running request. When KV slots run out, the newest running requests are
 retracted (their KV kept in the prefix cache) and recomputed later, never failed. With every
 layer sliding-window, pages that leave the window go back after each forward
-(KVCacheManager.slide_window), so a request holds about a window of KV however long it runs."""
+(KVCacheManager.slide_window), so a request holds about a window of KV however long it runs;
+with full and windowed layers mixed, the windowed layers' pages do."""
 from __future__ import annotations
 
 import sys
@@ -115,9 +116,9 @@ class Scheduler:
             # Keep decode room for every running request so admitting this one cannot stall them
             # (one page each; a sliding-window request's room to fill its window).
             page = self.cache.allocator.page_size
-            reserve = sum(self.cache.decode_reserve(r, r.params.max_new_tokens - len(r.output_ids))
-                          for r in self.running + [item[0] for item in batch])
-            fits = self.cache.pages_needed(req, n) * page + reserve <= self.cache.available_tokens
+            fits = self.cache.room(self.cache.pages_needed(req, n) * page,
+                                   [(r, r.params.max_new_tokens - len(r.output_ids))
+                                    for r in self.running + [item[0] for item in batch]])
             slots = self.cache.alloc(req, n) if fits else None
             if slots is None:
                 if batch or self.running:
@@ -275,7 +276,7 @@ class Scheduler:
         while True:
             need = sum(self.cache.pages_needed(r, 1 + (extra if id(r) in spec_ids else 0))
                        for r in self.running) * page
-            if need <= self.cache.available_tokens:
+            if self.cache.room(need):
                 return spec_ids
             if spec_ids:                      # plain decode needs fewer slots than a verify
                 spec_ids.pop()

@@ -18,8 +18,11 @@ def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: i
     while sizes[-1] < max_tokens:
         sizes.append(min(sizes[-1] * 2, max_tokens))
     total = context + sizes[-1]
-    if total > cache.allocator.free_slots:
-        sizes = [n for n in sizes if context + n <= cache.allocator.free_slots] or [1]
+    free = cache.allocator.free_slots
+    if cache.split:                   # the windowed layers' slots are allocated alongside
+        free = min(free, cache.allocator.swa_free_slots)
+    if total > free:
+        sizes = [n for n in sizes if context + n <= free] or [1]
     row = cache.req_to_token.alloc()
     slots = cache.allocator.alloc(0, context + sizes[-1], 0)
     cache.req_to_token.table[row, :len(slots)] = slots
