@@ -183,6 +183,23 @@ def test_prefix_shared_within_one_chunked_batch(tiny_dirs):
     assert_no_kv_leak(engine.scheduler.cache)
 
 
+def test_in_batch_prefix_sharing(tiny_dirs):
+    """Requests arriving together with a long common prompt prefix: the first computes it, the
+    others wait one step and read it from the prefix cache (SGLang's in-batch prefix caching);
+    an unrelated request is not held back. Tokens equal the plain run."""
+    path = tiny_dirs["llama"]
+    prefix = prompts_of([40], seed=8)[0]
+    prompts = [prefix + [i + 1, i + 2] for i in range(5)] + prompts_of([12], seed=9)
+    plain = tiny_engine(path, disable_radix_cache=True, chunked_prefill_size=-1)
+    engine = tiny_engine(path, chunked_prefill_size=-1)
+    out = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert ids(out) == ids(plain.generate(input_ids=prompts, sampling_params=GREEDY))
+    cached = [o["meta_info"]["cached_tokens"] for o in out]
+    assert cached[0] == 0 and cached[5] == 0 and all(c >= 40 for c in cached[1:5]), cached
+    assert engine.scheduler.forward_count[ForwardMode.EXTEND] == 2     # {first, unrelated}, {rest}
+    assert_no_kv_leak(engine.scheduler.cache)
+
+
 _BIG_POOL_REF: dict[str, list[list[int]]] = {}
 
 

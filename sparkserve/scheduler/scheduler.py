@@ -35,6 +35,17 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096
 
 
+IN_BATCH_PREFIX_MIN = 32     # shared prompt tokens worth waiting one step for
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: KVCacheManager, cfg: SchedulerConfig,
                  eos_ids: set[int], decode_tail: Callable[[list[int]], str] | None = None,
@@ -95,15 +106,38 @@ class Scheduler:
         return []
 
     def _schedule_prefill(self) -> list[tuple[Req, torch.Tensor, int]]:
+        batch: list[tuple[Req, torch.Tensor, int]] = []
+        deferred: list[Req] = []
+        try:
+            return self._fill_prefill_batch(batch, deferred)
+        finally:
+            self.waiting.extendleft(reversed(deferred))   # they keep their place in the queue
+
+    def _shares_prefix_in_batch(self, req: Req, batch) -> bool:
+        """In-batch prefix caching (SGLang's rule): a request whose prompt shares at least
+        IN_BATCH_PREFIX_MIN tokens with what a request of this batch computes now waits one step
+        and then reads them from the prefix cache instead of computing them again."""
+        if self.cache.radix.disabled or req.row is not None:
+            return False
+        ids = req.fill_ids
+        for other, _, _ in batch:
+            n = common_prefix_len(ids, other.fill_ids)
+            if n - other.cached_len >= IN_BATCH_PREFIX_MIN:
+                return True
+        return False
+
+    def _fill_prefill_batch(self, batch, deferred: list[Req]) -> list[tuple[Req, torch.Tensor, int]]:
         chunk = self.cfg.chunked_prefill_size
         budget = chunk if chunk > 0 else self.cfg.max_prefill_tokens
-        batch: list[tuple[Req, torch.Tensor, int]] = []
         while budget > 0:
             from_chunk = self.chunked is not None
             if from_chunk:
                 req = self.chunked
             elif self.waiting and len(self.running) + len(batch) < self.cfg.max_running_requests:
                 req = self.waiting[0]
+                if self._shares_prefix_in_batch(req, batch):
+                    deferred.append(self.waiting.popleft())
+                    continue
                 if req.row is None and not self.cache.admit(req):
                     break
             else:
