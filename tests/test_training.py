@@ -212,6 +212,14 @@ def test_reduced_vocab_draft_trains_and_serves_losslessly(bigram_target, distill
                                          save_every=60), log_every=20, target_head=target.lm_head.weight)
     loaded = load_dspark_draft(out, target)
     assert torch.equal(loaded.to_target_ids(torch.arange(size)), vocab)
+    from sparkserve.models.dspark_draft import save_dspark_draft
+    half = str(tmp_path / "half")                      # the shipping form: fp16 on disk
+    save_dspark_draft(loaded, half, dtype=torch.float16)
+    assert os.path.getsize(os.path.join(half, "model.safetensors")) < 0.6 * os.path.getsize(
+        os.path.join(out, "model.safetensors"))
+    small = load_dspark_draft(half, target)
+    assert torch.equal(small.d2t, loaded.d2t)
+    torch.testing.assert_close(small.fc.weight, loaded.fc.weight.half().float(), rtol=0, atol=0)
     spec = Engine(path, max_total_tokens=4096, speculative_algorithm="DSPARK",
                   speculative_draft_model_path=out)
     got = spec.generate(input_ids=prompts[:8], sampling_params={"temperature": 0, "max_new_tokens": 32,

@@ -371,9 +371,11 @@ def init_dspark_draft(config: dict[str, Any], target: nn.Module | None = None, s
     return draft
 
 
-def save_dspark_draft(draft: DSparkDraft, path: str, include_shared: bool = False) -> None:
+def save_dspark_draft(draft: DSparkDraft, path: str, include_shared: bool = False,
+                      dtype: torch.dtype | None = None) -> None:
     """Write DeepSpec's layout: config.json + model.safetensors (k/v and gate/up unfused).
-    Without include_shared, embed_tokens / lm_head are left out (served from the target)."""
+    Without include_shared, embed_tokens / lm_head are left out (served from the target).
+    `dtype` casts the floating-point tensors (fp16 for shipping; loading upcasts to fp32)."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     out: dict[str, torch.Tensor] = {}
@@ -395,6 +397,8 @@ def save_dspark_draft(draft: DSparkDraft, path: str, include_shared: bool = Fals
         out[name.replace(".down_proj.", ".mlp.down_proj.")] = p
     if draft.d2t is not None:
         out["d2t"] = draft.d2t
-    save_file({k: v.detach().contiguous().clone() for k, v in out.items()}, os.path.join(path, "model.safetensors"))
+    cast = lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    save_file({k: cast(v.detach()).contiguous().clone() for k, v in out.items()},
+              os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(draft.config.raw, f, indent=1)
