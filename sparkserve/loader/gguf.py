@@ -1,6 +1,9 @@
 """GGUF checkpoints: config from metadata, tensors dequantized to fp32 under HF names.
 llama.cpp stores llama q/k rows permuted for its rope; we undo that so one model code path
-serves GGUF and HF checkpoints alike."""
+serves GGUF and HF checkpoints alike.
+
+2-D weights in a format the block kernels read (Q4_1, Q8_0, BF16) also carry their raw blocks
+(`loader.weights.with_blocks`), permuted the same way, so the Linear layers can decode from them."""
 from __future__ import annotations
 
 import re
@@ -11,6 +14,8 @@ import numpy as np
 import torch
 
 from sparkserve.config import ModelConfig
+from sparkserve.kernels.blocks import BlockWeight
+from sparkserve.loader.weights import with_blocks
 from sparkserve.loader.gguf_file import gguf_metadata, open_gguf
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -61,9 +66,9 @@ def gguf_config(path: str) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf)
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    rows, cols = w.shape
-    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+def _unpermute_rows(rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation: hf[i] = gguf[perm[i]]."""
+    return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
 def gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -72,11 +77,16 @@ def gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tenso
     for t in reader.tensors:
         name = _hf_name(t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if permuted and name.endswith("q_proj.weight"):
-            w = _unpermute(w, cfg.num_attention_heads)
-        elif permuted and name.endswith("k_proj.weight"):
-            w = _unpermute(w, cfg.num_key_value_heads)
-        yield name, torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
+        blocks = (BlockWeight.from_numpy(int(t.tensor_type), t.data, w.shape)
+                  if BlockWeight.supports(int(t.tensor_type), w.shape) else None)
+        n_head = (cfg.num_attention_heads if name.endswith("q_proj.weight") else
+                  cfg.num_key_value_heads if name.endswith("k_proj.weight") else None)
+        if permuted and n_head is not None:
+            perm = _unpermute_rows(w.shape[0], n_head)
+            w = w[perm]
+            blocks = blocks.rows(perm) if blocks is not None else None
+        w = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
+        yield name, with_blocks(w, blocks)
 
 
 def _hf_name(name: str) -> str:

@@ -10,6 +10,8 @@ import torch
 from safetensors import safe_open
 
 from sparkserve.config import ModelConfig
+from sparkserve.kernels.blocks import BF16, BlockWeight
+from sparkserve.loader.weights import with_blocks
 
 
 def hf_config(path: str) -> ModelConfig:
@@ -34,4 +36,7 @@ def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in safetensor_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).float()
+                t = f.get_tensor(name)
+                # bf16 matrices keep their exact bf16 form for the small-M kernel (linear.py)
+                blocks = BlockWeight.from_bf16(t) if t.dtype == torch.bfloat16 and BlockWeight.supports(BF16, t.shape) else None
+                yield name, with_blocks(t.float(), blocks)

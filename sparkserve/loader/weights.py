@@ -1,12 +1,30 @@
 """WeightLoader: put checkpoint tensors (HF names) into a model whose projections may be fused
 (q|k|v, gate|up), and check at the end that every parameter — every shard of a fused one —
-was filled. Shared by the target models and the DSpark draft."""
+was filled. Shared by the target models and the DSpark draft.
+
+A checkpoint tensor may carry the block form it was dequantized from (`with_blocks`, set by the
+GGUF loader): the loader hands those blocks to the Linear that receives the tensor, so it can run
+the block kernel (sparkserve.kernels) at small M."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from sparkserve.layers.linear import FusedLinear
+from sparkserve.kernels.blocks import BlockWeight
+from sparkserve.layers.linear import FusedLinear, Linear
+
+_BLOCKS_ATTR = "_sparkserve_blocks"
+
+
+def with_blocks(tensor: torch.Tensor, blocks: BlockWeight | None) -> torch.Tensor:
+    """Mark `tensor` (fp32, the dequantized weight) as coming from `blocks`; returns it."""
+    if blocks is not None:
+        setattr(tensor, _BLOCKS_ATTR, blocks)
+    return tensor
+
+
+def blocks_of(tensor: torch.Tensor) -> BlockWeight | None:
+    return getattr(tensor, _BLOCKS_ATTR, None)
 
 
 class WeightLoader:
@@ -18,12 +36,18 @@ class WeightLoader:
         self.params = dict(model.named_parameters())
         self.modules = dict(model.named_modules())
         self.loaded: set[str] = set()
+        self.blocks: dict[str, BlockWeight] = {}     # embedding name -> its checkpoint blocks
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
+        blocks = blocks_of(tensor)
         for frag, (fused, shard) in self.stacked.items():
             if frag in name:
                 mod, kind = name.replace(frag, fused).rsplit(".", 1)
-                self.modules[mod].load(shard, tensor, kind)
+                target = self.modules[mod]
+                if isinstance(target, FusedLinear):
+                    target.load(shard, tensor, kind, blocks=blocks)
+                else:                        # other stacked modules (e.g. MoE experts)
+                    target.load(shard, tensor, kind)
                 self.loaded.add(f"{mod}.{kind}#{shard}")
                 return
         if name not in self.params:
@@ -33,10 +57,23 @@ class WeightLoader:
             raise ValueError(f"{name}: {self.what} shape {tuple(tensor.shape)} != {tuple(p.shape)}")
         p.data.copy_(tensor)
         self.loaded.add(name)
+        mod = self.modules.get(name.rsplit(".", 1)[0])
+        if blocks is not None and isinstance(mod, nn.Embedding):
+            self.blocks[name] = blocks              # for an LM head tied to it (mark_loaded)
+        self._give_blocks(name, blocks)
 
-    def mark_loaded(self, name: str) -> None:
-        """For parameters filled another way (tied or shared with another model)."""
+    def mark_loaded(self, name: str, tied_to: str | None = None) -> None:
+        """For parameters filled another way (tied or shared with another model). `tied_to`:
+        the loaded parameter it is tied to, whose checkpoint blocks it then shares."""
         self.loaded.add(name)
+        if tied_to is not None:
+            self._give_blocks(name, self.blocks.get(tied_to))
+
+    def _give_blocks(self, name: str, blocks: BlockWeight | None) -> None:
+        mod_name, kind = name.rsplit(".", 1) if "." in name else ("", name)
+        mod = self.modules.get(mod_name)
+        if kind == "weight" and isinstance(mod, Linear):
+            mod.set_blocks(blocks)
 
     def check_complete(self) -> None:
         expected: set[str] = set()

@@ -67,8 +67,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, x, cos_sin, batch):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), cos_sin, batch))
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -154,5 +154,5 @@ class LlamaForCausalLM(AuxCaptureMixin, nn.Module):
                 continue
             loader.load(name, tensor)
         if self.config.tie_word_embeddings:
-            loader.mark_loaded("lm_head.weight")
+            loader.mark_loaded("lm_head.weight", tied_to="model.embed_tokens.weight")
         loader.check_complete()

@@ -1,0 +1,96 @@
+"""BlockWeight: a 2-D weight [N, K] kept in a GGUF block format, one row of blocks per output row.
+
+Formats (ggml's, as gguf-py dequantizes them), 32 weights per block:
+  Q4_1 (type 3), 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; low nibbles are elements 0..15,
+                 high nibbles 16..31; w = d*q + m.
+  Q8_0 (type 8), 34 bytes: fp16 d, 32 int8; w = d*q.
+  BF16 (type 30), 64 bytes: 32 bf16 values; w = their fp32 widening.
+Row operations (q|k|v concatenation, llama.cpp's q/k rope permutation) act on whole block rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+Q4_1, Q8_0, BF16 = 3, 8, 30
+BLOCK_BYTES = {Q4_1: 20, Q8_0: 34, BF16: 64}
+TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+
+
+@dataclass
+class BlockWeight:
+    qtype: int
+    blocks: torch.Tensor        # uint8 [N, K // 32 * BLOCK_BYTES[qtype]], contiguous
+    in_features: int            # K
+
+    def __post_init__(self) -> None:
+        if self.qtype not in BLOCK_BYTES:
+            raise ValueError(f"unsupported block type {self.qtype}")
+        if self.in_features % 32:
+            raise ValueError(f"K={self.in_features} is not a multiple of 32")
+        want = self.in_features // 32 * BLOCK_BYTES[self.qtype]
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] != want:
+            raise ValueError(f"blocks {tuple(self.blocks.shape)} {self.blocks.dtype}: expected uint8 [N, {want}]")
+        self.blocks = self.blocks.contiguous()
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    @classmethod
+    def supports(cls, qtype: int, shape: Sequence[int]) -> bool:
+        """shape in torch order [N, K]."""
+        return int(qtype) in BLOCK_BYTES and len(shape) == 2 and shape[1] % 32 == 0
+
+    @classmethod
+    def from_numpy(cls, qtype: int, data: np.ndarray, shape: Sequence[int]) -> "BlockWeight":
+        """From a GGUF tensor's raw data (any dtype view of its bytes); shape [N, K]."""
+        n, k = shape
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(n, -1)
+        return cls(int(qtype), torch.from_numpy(raw.copy()), k)
+
+    @classmethod
+    def from_bf16(cls, w: torch.Tensor) -> "BlockWeight":
+        if w.dtype != torch.bfloat16 or w.dim() != 2:
+            raise ValueError("from_bf16 needs a 2-D bfloat16 tensor")
+        n, k = w.shape
+        return cls(BF16, w.contiguous().view(torch.uint8).reshape(n, 2 * k).clone(), k)
+
+    def rows(self, index: torch.Tensor | np.ndarray) -> "BlockWeight":
+        """The block rows `index` (a permutation or selection of output rows)."""
+        return BlockWeight(self.qtype, self.blocks[torch.as_tensor(index, dtype=torch.long)], self.in_features)
+
+    @staticmethod
+    def cat(parts: Sequence["BlockWeight | None"]) -> "BlockWeight | None":
+        """Row concatenation (fused projections); None unless every part has the same format."""
+        if not parts or any(p is None for p in parts):
+            return None
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.in_features != first.in_features for p in parts):  # type: ignore[union-attr]
+            return None
+        return BlockWeight(first.qtype, torch.cat([p.blocks for p in parts]), first.in_features)  # type: ignore[union-attr]
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K], bit-identical to gguf-py's `dequantize` (reference for the kernels)."""
+        n, k = self.shape
+        b = self.blocks.view(n, k // 32, BLOCK_BYTES[self.qtype])
+        if self.qtype == BF16:
+            return b.reshape(n, k, 2).contiguous().view(torch.bfloat16).reshape(n, k).float()
+        d = b[..., 0:2].contiguous().view(torch.float16).float()          # [n, nb, 1]
+        if self.qtype == Q8_0:
+            q = b[..., 2:].contiguous().view(torch.int8).float()
+            return (q * d).reshape(n, k)
+        m = b[..., 2:4].contiguous().view(torch.float16).float()
+        qs = b[..., 4:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()                # elements 0..15, 16..31
+        return (d * q + m).reshape(n, k)

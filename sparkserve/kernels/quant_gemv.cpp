@@ -1,0 +1,202 @@
+// y = x @ W.T for small M, fp32 activations and fp32 accumulation, W read straight from its GGUF
+// block format (Q4_1, Q8_0) or bf16. Each weight block is expanded in registers to exactly the
+// fp32 values gguf-py's `dequantize` gives (Q4_1: d*q + m, Q8_0: d*q, bf16: the top half of an
+// fp32), so results differ from F.linear on the dequantized weight only by summation order.
+// The quantized weights are streamed once for all M rows (tiles of up to 8 rows share one
+// expansion of a block). Rows of W are split across torch's intra-op threads (at::parallel_for).
+//
+// Built with -mavx2 -mfma -mf16c by sparkserve/kernels/build.py, which checks the CPU first.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "simd.h"
+
+namespace {
+
+using sparkserve::hsum;
+
+// ggml type ids (gguf.GGMLQuantizationType)
+constexpr int kQ4_1 = 3;
+constexpr int kQ8_0 = 8;
+constexpr int kBF16 = 30;
+
+// Bytes per 32 weights.
+constexpr int block_bytes(int qt) { return qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : 64; }
+
+inline float fp16_to_fp32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Expand one block of 32 weights into w[0..3] (elements 0-7, 8-15, 16-23, 24-31).
+template <int QT>
+inline void expand(const uint8_t* blk, __m256 w[4]);
+
+// 8 bytes at p, zero- or sign-extended to 8 int32 lanes (the load folds into vpmov{z,s}xbd).
+inline __m256i u8x8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i i8x8(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <>
+inline void expand<kQ4_1>(const uint8_t* blk, __m256 w[4]) {
+  // block_q4_1: fp16 d, fp16 m, 16 bytes qs; low nibbles are elements 0..15, high 16..31.
+  int32_t dm_bits;
+  std::memcpy(&dm_bits, blk, 4);
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));          // [d, m, 0, 0]
+  const __m256 d = _mm256_broadcastss_ps(dm);
+  const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+  const __m256i b0 = u8x8(blk + 4), b1 = u8x8(blk + 12);                // bytes 0-7, 8-15
+  const __m256i lo4 = _mm256_set1_epi32(0x0F);
+  // d*q is exact in fp32 (11-bit by 4-bit mantissas), so fma(d, q, m) == d*q + m bit for bit.
+  w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, lo4)), m);
+  w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, lo4)), m);
+  w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m);
+  w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m);
+}
+
+template <>
+inline void expand<kQ8_0>(const uint8_t* blk, __m256 w[4]) {
+  // block_q8_0: fp16 d, 32 int8 qs. d*q is exact in fp32.
+  const __m256 d = _mm256_set1_ps(fp16_to_fp32(blk));
+  for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(i8x8(blk + 2 + 8 * j)));
+}
+
+template <>
+inline void expand<kBF16>(const uint8_t* blk, __m256 w[4]) {
+  for (int j = 0; j < 4; ++j) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * j));
+    w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// x rows are packed in tiles of up to 8 rows: tile t (rows 8t .. 8t+mt-1) is stored at 8t*K as
+// [K/32 blocks][mt rows][32], so a block's x values for the whole tile sit in one contiguous run
+// and every load is a fixed offset from one pointer.
+constexpr int64_t kTile = 8;
+// Output rows taken together: each x tile is reused across the group while it is in L1. (Cutting
+// K into L1-sized chunks as well measured slower on SmolLM2 shapes, even at K = 4096.)
+constexpr int64_t kGroup = 16;
+
+// One output row for the MT rows of one x tile: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
+// A accumulators per x row keep enough independent FMA chains in flight when MT is small.
+template <int QT, int MT>
+inline void row_tile(const uint8_t* wrow, int64_t nblocks, const float* xt, float* y, int64_t N, float b) {
+  constexpr int A = MT == 1 ? 4 : (MT <= 3 ? 2 : 1);
+  constexpr int BB = block_bytes(QT);
+  __m256 acc[MT][A];
+  for (int m = 0; m < MT; ++m)
+    for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    __m256 w[4];
+    expand<QT>(wrow + blk * BB, w);
+    const float* xb = xt + blk * (MT * 32);
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < 4; ++j)
+        acc[m][j % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + m * 32 + 8 * j), w[j], acc[m][j % A]);
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m256 s = acc[m][0];
+    for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[m][a]);
+    y[m * N] = hsum(s) + b;
+  }
+}
+
+template <int QT, int MT>
+void group_tile(const uint8_t* w, int64_t row_bytes, int64_t g0, int64_t g1, int64_t nblocks,
+                const float* xt, float* yt, int64_t N, const float* bias) {
+  for (int64_t n = g0; n < g1; ++n)
+    row_tile<QT, MT>(w + n * row_bytes, nblocks, xt, yt + n, N, bias ? bias[n] : 0.0f);
+}
+
+// Output rows [n0, n1) for all M rows of x.
+template <int QT>
+void rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const float* xpk, int64_t M,
+          int64_t K, float* y, int64_t N, const float* bias) {
+  const int64_t nblocks = K / 32;
+  for (int64_t g0 = n0; g0 < n1; g0 += kGroup) {
+    const int64_t g1 = std::min(n1, g0 + kGroup);
+    for (int64_t m = 0; m < M; m += kTile) {
+      const float* xt = xpk + m * K;
+      float* yt = y + m * N;
+      switch (std::min(kTile, M - m)) {
+        case 8: group_tile<QT, 8>(w, row_bytes, g0, g1, nblocks, xt, yt, N, bias); break;
+        case 7: group_tile<QT, 7>(w, row_bytes, g0, g1, nblocks, xt, yt, N, bias); break;
+        case 6: group_tile<QT, 6>(w, row_bytes, g0, g1, nblocks, xt, yt, N, bias); break;
+        case 5: group_tile<QT, 5>(w, row_bytes, g0, g1, nblocks, xt, yt, N, bias); break;
+        case 4: group_tile<QT, 4>(w, row_bytes, g0, g1, nblocks, xt, yt, N, bias); break;
+        case 3: group_tile<QT, 3>(w, row_bytes, g0, g1, nblocks, xt, yt, N, bias); break;
+        case 2: group_tile<QT, 2>(w, row_bytes, g0, g1, nblocks, xt, yt, N, bias); break;
+        default: group_tile<QT, 1>(w, row_bytes, g0, g1, nblocks, xt, yt, N, bias); break;
+      }
+    }
+  }
+}
+
+// Pack x [M, K] into the tile layout above (a no-op copy for M == 1, which callers skip).
+void pack_x(const float* x, int64_t M, int64_t K, float* out) {
+  const int64_t nblocks = K / 32;
+  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+    const int64_t mt = std::min(kTile, M - m0);
+    float* dst = out + m0 * K;
+    for (int64_t blk = 0; blk < nblocks; ++blk)
+      for (int64_t m = 0; m < mt; ++m)
+        std::memcpy(dst + (blk * mt + m) * 32, x + (m0 + m) * K + blk * 32, 32 * sizeof(float));
+  }
+}
+
+}  // namespace
+
+// x: [M, K] float32; w: [N, K/32 * block_bytes] uint8 (one row of blocks per output row);
+// bias: optional [N] float32. Returns [M, N] float32.
+at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kBF16, "quant_linear: unsupported type ", qtype);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "quant_linear: x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "quant_linear: w must be a contiguous 2-D uint8 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 32 == 0, "quant_linear: K must be a multiple of 32, got ", K);
+  const int64_t row_bytes = K / 32 * block_bytes(static_cast<int>(qtype));
+  TORCH_CHECK(w.size(1) == row_bytes, "quant_linear: w has ", w.size(1), " bytes per row, expected ", row_bytes);
+  const float* bp = nullptr;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "quant_linear: bad bias");
+    bp = b.data_ptr<float>();
+  }
+  x = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  at::Tensor packed;
+  if (M > 1) {
+    packed = at::empty({M, K}, x.options());
+    pack_x(xp, M, K, packed.data_ptr<float>());
+    xp = packed.data_ptr<float>();
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  // At least ~32 KiB of weights per task: small matrices stay on one thread.
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    switch (qtype) {
+      case kQ4_1: rows<kQ4_1>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); break;
+      case kQ8_0: rows<kQ8_0>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); break;
+      default: rows<kBF16>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); break;
+    }
+  });
+  return y;
+}
+
