@@ -2,7 +2,7 @@
 run: batch-1 and batch-8 output tokens/s and the mean accepted length (tokens per verify cycle,
 bonus included).
 
-    python benchmarks/spec.py [--draft DIR] [--new-tokens 128] [--reps 3] [--mode full]
+    python benchmarks/spec.py [--draft DIR] [--new-tokens 128] [--reps 3] [--modes full,adaptive]
 
 --draft defaults to the draft shipped for the embedded model. Writes benchmarks/results/spec.{md,json}."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def run(engine, prompts, new) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--draft", default=None)
-    ap.add_argument("--mode", default="full", choices=["full", "threshold", "adaptive"])
+    ap.add_argument("--modes", default="full,adaptive", help="verify modes to compare (full, threshold, adaptive)")
     ap.add_argument("--threshold", type=float, default=None)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
@@ -42,29 +42,39 @@ def main() -> int:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from sparkserve import Engine
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     plain = Engine(max_total_tokens=16384)
-    spec = Engine(max_total_tokens=16384, speculative_algorithm="DSPARK", speculative_draft_model_path=a.draft,
-                  speculative_dspark_verify_mode=a.mode, speculative_dspark_confidence_threshold=a.threshold)
+    specs = {m: Engine(max_total_tokens=16384, speculative_algorithm="DSPARK", speculative_draft_model_path=a.draft,
+                       speculative_dspark_verify_mode=m,
+                       speculative_dspark_confidence_threshold=a.threshold if m == "threshold" else None)
+             for m in modes}
     rows = {}
     for bs in (1, 8):
         prompts = QUESTIONS[:bs]
-        run(plain, prompts, 8), run(spec, prompts, 8)           # warm-up
-        tp, ts, taus = [], [], []
-        for _ in range(a.reps):
+        run(plain, prompts, 8)                                  # warm-up
+        for e in specs.values():
+            run(e, prompts, 8)
+        tp, ts, taus = [], {m: [] for m in modes}, {m: [] for m in modes}
+        for _ in range(a.reps):                                 # interleaved: noise hits all alike
             tp.append(run(plain, prompts, a.new_tokens)[0])
-            s, tau = run(spec, prompts, a.new_tokens)
-            ts.append(s)
-            taus.append(tau)
-        rows[bs] = {"plain_tok_s": tp, "dspark_tok_s": ts, "tau": taus,
-                    "speedup": statistics.median(ts) / statistics.median(tp)}
-    res = {"draft": a.draft or "shipped", "mode": a.mode, "threads": a.threads, "new_tokens": a.new_tokens,
+            for m, e in specs.items():
+                s, tau = run(e, prompts, a.new_tokens)
+                ts[m].append(s)
+                taus[m].append(tau)
+        rows[bs] = {"plain_tok_s": tp, **{m: {"dspark_tok_s": ts[m], "tau": taus[m],
+                                             "speedup": statistics.median(ts[m]) / statistics.median(tp)}
+                                         for m in modes}}
+    res = {"draft": a.draft or "shipped", "modes": modes, "threads": a.threads, "new_tokens": a.new_tokens,
            "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M")}
     lines = [f"# DSpark vs plain decoding, SmolLM2-135M-Instruct, {a.threads} threads ({res['date']})", "",
-             f"draft: {res['draft']}, verify mode {a.mode}, {a.new_tokens} new tokens, greedy, medians of {a.reps}", "",
-             "| batch | plain tok/s | DSpark tok/s | speedup | tokens per cycle (tau) |", "|---|---|---|---|---|"]
+             f"draft: {res['draft']}, {a.new_tokens} new tokens, greedy, chat prompts, medians of {a.reps}", "",
+             "| batch | verify mode | plain tok/s | DSpark tok/s | speedup | tokens per cycle (tau) |",
+             "|---|---|---|---|---|---|"]
     for bs, r in rows.items():
-        lines.append(f"| {bs} | {statistics.median(r['plain_tok_s']):.1f} | {statistics.median(r['dspark_tok_s']):.1f} "
-                     f"| {r['speedup']:.2f}x | {statistics.median(r['tau']):.2f} |")
+        for m in modes:
+            lines.append(f"| {bs} | {m} | {statistics.median(r['plain_tok_s']):.1f} | "
+                         f"{statistics.median(r[m]['dspark_tok_s']):.1f} | {r[m]['speedup']:.2f}x | "
+                         f"{statistics.median(r[m]['tau']):.2f} |")
     write_results("spec", res, lines)
     return 0
 

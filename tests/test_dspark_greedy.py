@@ -234,3 +234,30 @@ def test_smollm2_shared_embedding_draft(tmp_path):
     assert len(out[1]["output_ids"]) == 12
     assert sum(eng.scheduler.accept_hist.values()) > 0
     assert_no_kv_leak(eng)
+
+
+def test_shipped_draft_is_the_default_on_the_embedded_model():
+    """--speculative-algorithm DSPARK with no draft path on the embedded model serves the draft
+    shipped in the package (<= 30 MB, reduced vocab, embedding shared with the target), greedy
+    output token-identical to plain decoding, in full and adaptive verify modes."""
+    import os
+    from sparkserve.scheduler.runtime import shipped_draft_path
+    from sparkserve.loader.gguf_file import default_model_path
+    path = shipped_draft_path(default_model_path())
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    assert size <= 30 * 2**20, size
+    msgs = [[{"role": "user", "content": "Describe the water cycle."}],
+            [{"role": "user", "content": "Write a Python function that adds two numbers."}]]
+    params = dict(temperature=0, max_new_tokens=24)
+    ref = engine(None).generate(messages=msgs, sampling_params=params)
+    for mode in ("full", "adaptive"):
+        from sparkserve import Engine
+        eng = Engine(max_total_tokens=4096, speculative_algorithm="DSPARK", speculative_dspark_verify_mode=mode)
+        draft = eng.scheduler.spec.draft
+        assert draft.d2t is not None and draft.embed_tokens is eng.scheduler.runner.model.model.embed_tokens
+        out = eng.generate(messages=msgs, sampling_params=params)
+        assert [o["output_ids"] for o in out] == [r["output_ids"] for r in ref], mode
+        hist = eng.scheduler.accept_hist
+        if mode == "full":
+            assert sum(k * v for k, v in hist.items()) > 0, hist     # some drafts accepted
+        assert_no_kv_leak(eng)
