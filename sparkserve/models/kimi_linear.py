@@ -19,13 +19,12 @@ from torch import nn
 from sparkserve.config import ModelConfig
 from sparkserve.executor.forward_batch import ForwardBatch, ForwardMode
 from sparkserve.layers.kda import KimiDeltaAttention
-from sparkserve.layers.linear import Linear
 from sparkserve.layers.mla import MLAttention
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.hybrid_pool import HybridPool
-from sparkserve.models.aux_capture import AuxCaptureMixin
+from sparkserve.models.causal_lm import CausalLM
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -128,37 +127,14 @@ class KimiLinearModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class KimiLinearForCausalLM(AuxCaptureMixin, nn.Module):
+class KimiLinearForCausalLM(CausalLM):
     has_request_state = True
     stacked_params = {".gate_proj.": (".gate_up_proj.", "gate"), ".up_proj.": (".gate_up_proj.", "up")}
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.args = KimiArgs.from_raw(cfg.raw, cfg.num_hidden_layers)
-        self.model = KimiLinearModel(cfg, self.args)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.init_aux_capture(cfg.num_hidden_layers)
-
-    def post_materialize(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        if -1 in self.aux_layer_set:
-            batch.aux_hidden.append(x)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, batch)
-            if i in self.aux_layer_set:
-                batch.aux_hidden.append(x)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        args = KimiArgs.from_raw(cfg.raw, cfg.num_hidden_layers)
+        super().__init__(cfg, KimiLinearModel(cfg, args))
+        self.args = args
 
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:
         """After VERIFY: advance every KDA layer's state by each request's kept tokens."""
@@ -189,9 +165,6 @@ class KimiLinearForCausalLM(AuxCaptureMixin, nn.Module):
     def pool_bytes_per_token(self) -> int:
         """Token-kind bytes only (the MLA latents); KDA state is per request row."""
         return max(4, HybridPool.token_bytes([(len(self._mla_ids()), (self._latent_dim(),), torch.float32)]))
-
-    def pool_bytes_per_swa_token(self) -> int:
-        return 0      # no sliding-window layers
 
     def pool_bytes_per_request(self) -> int:
         """KDA recurrent + conv state of one request row, over every KDA layer (~45 MiB per

@@ -19,7 +19,7 @@ from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.kv_pool import KVPool, split_windows, uniform_window
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
-from sparkserve.models.aux_capture import AuxCaptureMixin
+from sparkserve.models.causal_lm import CausalLM
 
 
 class LlamaAttention(nn.Module):
@@ -81,41 +81,14 @@ class LlamaModel(nn.Module):
                                       cfg.rope_scaling)
 
 
-class LlamaForCausalLM(AuxCaptureMixin, nn.Module):
+class LlamaForCausalLM(CausalLM):
     # checkpoint name fragment -> (fused parameter fragment, shard)
     stacked_params = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"),
                       ".v_proj.": (".qkv_proj.", "v"), ".gate_proj.": (".gate_up_proj.", "gate"),
                       ".up_proj.": (".gate_up_proj.", "up")}
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.init_aux_capture(cfg.num_hidden_layers)
-
-    def post_materialize(self) -> None:
-        """After `to_empty`: re-tie the LM head and refill the rope tables."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.model.rotary.build()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        if -1 in self.aux_layer_set:
-            batch.aux_hidden.append(x)
-        cos_sin = self.model.rotary.cos_sin(positions)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, batch)
-            if i in self.aux_layer_set:
-                batch.aux_hidden.append(x)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        super().__init__(cfg, LlamaModel(cfg))
 
     # Pool contract (DESIGN.md 3): every model builds the pools its layers read, and says what
     # one token and one request row cost so the runtime can size them. Hybrid models add
@@ -141,9 +114,6 @@ class LlamaForCausalLM(AuxCaptureMixin, nn.Module):
         split = split_windows(c.layer_windows)
         return KVPool.bytes_per_token(len(split[0]), c.num_key_value_heads, c.head_dim,
                                       torch.float32) if split else 0
-
-    def pool_bytes_per_request(self) -> int:
-        return 0      # no request_row state
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.stacked_params)

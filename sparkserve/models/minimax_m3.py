@@ -29,7 +29,7 @@ from sparkserve.layers.sparse_attention import BlockSparseAttention
 from sparkserve.layers.sparse_indexer import LightningIndexer
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.hybrid_pool import HybridPool
-from sparkserve.models.aux_capture import AuxCaptureMixin
+from sparkserve.models.causal_lm import CausalLM
 
 
 @dataclass
@@ -186,41 +186,15 @@ class M3Model(nn.Module):
                                       cfg.rope_scaling)
 
 
-class MiniMaxM3ForCausalLM(AuxCaptureMixin, nn.Module):
+class MiniMaxM3ForCausalLM(CausalLM):
     # checkpoint fragment -> (fused fragment, shard); also maps the indexer's q/k/v_proj
     stacked_params = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"),
                       ".v_proj.": (".qkv_proj.", "v")}
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.spec = M3Spec.from_config(cfg)
-        self.model = M3Model(cfg, self.spec)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.init_aux_capture(cfg.num_hidden_layers)
-
-    def post_materialize(self) -> None:
-        """After `to_empty`: re-tie the LM head and refill the rope tables."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.model.rotary.build()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        if -1 in self.aux_layer_set:
-            batch.aux_hidden.append(x)
-        cos_sin = self.model.rotary.cos_sin(positions)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, batch)
-            if i in self.aux_layer_set:
-                batch.aux_hidden.append(x)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        spec = M3Spec.from_config(cfg)
+        super().__init__(cfg, M3Model(cfg, spec))
+        self.spec = spec
 
     # ---- pools (DESIGN.md contract 3): main KV on every layer, index K on sparse layers, index V
     # on sparse layers with the value path; all token_page at the same slots.
@@ -242,11 +216,6 @@ class MiniMaxM3ForCausalLM(AuxCaptureMixin, nn.Module):
         return HybridPool.token_bytes([(len(layers), shape, torch.float32)
                                        for _, layers, shape in self._pool_specs()])
 
-    def pool_bytes_per_request(self) -> int:
-        return 0      # every pool is token_page
-
-    def pool_bytes_per_swa_token(self) -> int:
-        return 0
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.stacked_params)
