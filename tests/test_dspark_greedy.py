@@ -261,3 +261,20 @@ def test_shipped_draft_is_the_default_on_the_embedded_model():
         if mode == "full":
             assert sum(k * v for k, v in hist.items()) > 0, hist     # some drafts accepted
         assert_no_kv_leak(eng)
+
+
+def test_drafting_backs_off_when_nothing_is_verified(setups):
+    """A threshold no confidence reaches: every verify budget is 0, so after two such proposals a
+    request decodes plainly for 2, 4, .. tokens before drafting again — far fewer draft passes
+    than decode steps, output still identical."""
+    s = setups["llama"]
+    eng = spec_engine(s, "random", "threshold", speculative_dspark_confidence_threshold=1.0)
+    check_run(s, eng)
+    lens = [n for _, n in eng.plan_log]
+    assert lens and all(n == 0 for n in lens)
+    from sparkserve.executor.forward_batch import ForwardMode
+    steps = eng.scheduler.forward_count[ForwardMode.VERIFY] + eng.scheduler.forward_count[ForwardMode.DECODE]
+    speculating = [i for i in range(len(s.prompts)) if i != 4 and s.params[i]["max_new_tokens"] > 2]
+    longest = max(len(s.ref[i]) for i in speculating)
+    assert len(lens) < 0.5 * sum(len(s.ref[i]) for i in speculating), (len(lens), steps)
+    assert eng.scheduler.forward_count[ForwardMode.DECODE] > 0 and steps >= longest - 1

@@ -32,6 +32,8 @@ class Req:
     num_retractions: int = 0
     spec_verify_ct: int = 0          # DSpark verify cycles
     spec_accepted_tokens: int = 0    # tokens committed by those cycles (accepted drafts + bonus)
+    spec_idle: int = 0               # consecutive proposals whose verify budget came out 0
+    spec_resume_at: int = 0          # draft again once len(output_ids) reaches this (back-off)
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property

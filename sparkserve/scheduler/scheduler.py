@@ -36,6 +36,7 @@ class SchedulerConfig:
 
 
 IN_BATCH_PREFIX_MIN = 32     # shared prompt tokens worth waiting one step for
+DRAFT_BACKOFF_MAX = 32       # longest plain-decode stretch of a request whose drafts don't pay
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -204,6 +205,8 @@ class Scheduler:
         if spec_reqs:
             plain = len(self.running) - len(spec_reqs)
             props = dict(zip(map(id, spec_reqs), self.spec.propose(spec_reqs, plain)))
+            for r in spec_reqs:
+                self._note_verify_budget(r, props[id(r)].verify_len)
         sched = []
         for req in self.running:
             p = props.get(id(req))
@@ -232,7 +235,20 @@ class Scheduler:
         # bans stop/EOS ids that verify (raw target logits) would accept: plain decode.
         return (self.spec is not None and not req.sampling.has_penalty
                 and not req.sampling.min_tokens_active
-                and len(req.output_ids) + 1 < req.params.max_new_tokens)
+                and len(req.output_ids) + 1 < req.params.max_new_tokens
+                and len(req.output_ids) >= req.spec_resume_at)
+
+    @staticmethod
+    def _note_verify_budget(req: Req, verify_len: int) -> None:
+        """Drafting costs a draft forward even when the planner then verifies nothing: a request
+        whose budget comes out 0 twice in a row decodes plainly for 2, 4, .. DRAFT_BACKOFF_MAX
+        tokens before it drafts again (threshold / adaptive modes; full always verifies)."""
+        if verify_len > 0:
+            req.spec_idle = 0
+            return
+        req.spec_idle += 1
+        if req.spec_idle >= 2:
+            req.spec_resume_at = len(req.output_ids) + min(2 ** (req.spec_idle - 1), DRAFT_BACKOFF_MAX)
 
     def _inject_rows(self, fb, rows: torch.Tensor) -> None:
         if self.spec is not None:
