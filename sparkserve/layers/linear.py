@@ -28,6 +28,11 @@ QUANT_MAX_M = 16
 QUANT_MAX_M_WIDE_K = 12        # in_features > 1024
 
 
+def _version(t: torch.Tensor) -> int:
+    """In-place update counter; inference tensors (made under inference_mode) have none."""
+    return -1 if t.is_inference() else t._version
+
+
 def _mkldnn_ok() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -53,7 +58,7 @@ class Linear(nn.Module):
         ext = kernels.load_extension() if blocks is not None else None
         self._blocks = blocks if ext is not None else None
         self._block_fn = ext.quant_linear if ext is not None else None
-        self._blocks_version = self.weight._version    # an in-place update of weight drops them
+        self._blocks_version = _version(self.weight)   # an in-place update of weight drops them
         self._max_m = QUANT_MAX_M if self.in_features <= 1024 else QUANT_MAX_M_WIDE_K
 
     def pack(self) -> None:
@@ -65,7 +70,7 @@ class Linear(nn.Module):
         if x.dim() == 2 and not torch.is_grad_enabled():
             b = self._blocks
             if b is not None and x.shape[0] <= self._max_m and x.dtype == torch.float32:
-                if self.weight._version == self._blocks_version:
+                if _version(self.weight) == self._blocks_version:
                     return self._block_fn(x, b.blocks, b.qtype, self.bias)
                 self._blocks = None                         # weight was trained / overwritten
             if self._packed is not None:
