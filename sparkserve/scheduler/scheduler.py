@@ -138,6 +138,8 @@ class Scheduler:
                 req = self.waiting[0]
                 if self._shares_prefix_in_batch(req, batch):
                     deferred.append(self.waiting.popleft())
+                    if len(deferred) >= self.cfg.max_running_requests:
+                        break           # bounded work per step, however long the queue
                     continue
                 if req.row is None and not self.cache.admit(req):
                     break
