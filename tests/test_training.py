@@ -118,6 +118,20 @@ def test_training_resumes(distilled, tmp_path):
     assert more["step"] == 6       # resumed at 4, ran 2 more
 
 
+def test_training_updates_every_draft_weight(distilled, tmp_path):
+    """The backbone, fc, Markov and confidence heads all learn; only the shared embedding (and
+    the shared LM head of a full-vocab draft) stay frozen. Inference layers are built with
+    requires_grad=False, so a trainer that forgets to switch them on trains the norms alone."""
+    _, target, dcfg, fc_dir, *_ = distilled
+    draft = init_dspark_draft(dcfg, target)
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    train(draft, FeatureCache.open(fc_dir), str(tmp_path / "draft"),
+          TrainConfig(steps=3, seqs_per_step=2, anchors_per_seq=8, lr=1e-3))
+    after = draft.state_dict()
+    unchanged = sorted(k for k, v in before.items() if torch.equal(v, after[k]))
+    assert unchanged == ["embed_tokens.weight", "lm_head.weight"], unchanged
+
+
 def test_heldout_split_is_disjoint():
     from sparkserve.training.prompts import humaneval_prompts, split_sharegpt
     train_p, held = split_sharegpt(holdout=2000)

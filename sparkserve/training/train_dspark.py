@@ -143,6 +143,9 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
             raise ValueError("a reduced-vocab draft trains against the target's LM head and the "
                              "cache's lse.npy (feature_cache.write_lse)")
         teacher = Teacher.for_draft(draft, target_head)
+    # Inference layers (Linear) are made with requires_grad=False: switch everything on first,
+    # then freeze what is shared with the target.
+    draft.requires_grad_(True)
     frozen = ("embed_tokens",) if teacher is not None else ("embed_tokens", "lm_head")
     for name in frozen:
         getattr(draft, name).requires_grad_(False)
