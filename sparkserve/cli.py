@@ -50,7 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--anchors-per-seq", type=int, default=32)
     tr.add_argument("--final-norm-lr-mult", type=float, default=20.0,
                     help="learning-rate multiple for the draft's small-initialised final norm")
+    tr.add_argument("--ce-weight", type=float, default=0.1,
+                    help="weight of the cross-entropy term (DeepSpec: 0.1 CE + 0.9 L1 + 1.0 BCE)")
+    tr.add_argument("--no-markov-init", action="store_true",
+                    help="start the Markov head at random instead of the responses' bigram fit")
     tr.add_argument("--eval-prompts", type=int, default=32)
+    tr.add_argument("--eval-max-new-tokens", type=int, default=128)
     return p
 
 
@@ -88,9 +93,10 @@ def _train_draft(ns: argparse.Namespace) -> int:
         max_prompt_tokens=ns.max_prompt_tokens,
         block_size=ns.block_size, markov_rank=ns.markov_rank, target_layer_ids=taps,
         draft_vocab_size=ns.draft_vocab_size or None,
-        eval_prompts=ns.eval_prompts,
+        eval_prompts=ns.eval_prompts, eval_max_new_tokens=ns.eval_max_new_tokens, markov_init=not ns.no_markov_init,
         train={"steps": ns.steps, "lr": ns.lr, "seqs_per_step": ns.seqs_per_step,
-               "anchors_per_seq": ns.anchors_per_seq, "final_norm_lr_mult": ns.final_norm_lr_mult})
+               "anchors_per_seq": ns.anchors_per_seq, "final_norm_lr_mult": ns.final_norm_lr_mult,
+               "ce_weight": ns.ce_weight})
     run_pipeline(cfg, [s.strip() for s in ns.stages.split(",") if s.strip()])
     return 0
 

@@ -29,6 +29,7 @@ class PipelineConfig:
     draft_vocab_size: int | None = 8192     # None or >= vocab: the full vocab
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
+    markov_init: bool = True                # Markov head starts as the responses' bigram fit
     eval_prompts: int = 32
     eval_max_new_tokens: int = 128
     train: dict = field(default_factory=dict)
@@ -114,7 +115,7 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
         vocab, coverage = select_draft_vocab(counts, dcfg["draft_vocab_size"], engine.tokenizer.eos_token_ids)
         print(f"draft vocab: {len(vocab)} ids cover {coverage:.2%} of response tokens")
     draft = init_dspark_draft(dcfg, target, vocab=vocab)
-    if not os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt")):
+    if cfg.markov_init and not os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt")):
         from sparkserve.training.markov_init import fit_markov_head
         fit_markov_head(draft, cache)     # start from the responses' bigram model
     return train(draft, cache, _path(cfg, "draft"), TrainConfig(**cfg.train), target_head=target.lm_head.weight)
