@@ -2,7 +2,8 @@
 
 `quant_linear(x, w, bias)` computes `x @ W.T (+ bias)` in fp32 from a `BlockWeight` (Q4_1, Q8_0,
 BF16), reading the blocks once for all rows of x (quant_gemv.cpp; used by layers/linear.py).
-The extension also has `rms_norm` and `add_rms_norm` (rms_norm.cpp; used by layers/norm.py).
+The extension also has `rms_norm` and `add_rms_norm` (rms_norm.cpp; used by layers/norm.py) and
+`decode_attention` (decode_attention.cpp: paged attention without the K/V gather; layers/attention.py).
 Built on first use (build.py); when that is impossible `load_extension()` is None and callers
 use their torch path (F.linear / oneDNN on the fp32 weight, F.rms_norm)."""
 from __future__ import annotations

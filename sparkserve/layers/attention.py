@@ -2,13 +2,16 @@
 request's K/V through its slot table into a padded batch, attend under one mask. The gathered
 positions start at `batch.kv_start` (the batch's earliest window start when every layer is
 sliding-window), and the mask works on absolute positions. With full and windowed layers mixed
-(a split pool) the windowed layers write and read their own slots (`batch.kv_view`)."""
+(a split pool) the windowed layers write and read their own slots (`batch.kv_view`).
+Decode (one query token per request, fp32, no grad) skips the gather: the C++ kernel
+(kernels/decode_attention.cpp) reads K/V in place through the slot ids."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from sparkserve.executor.forward_batch import ForwardBatch
+from sparkserve.kernels.build import load_extension
 
 
 class PagedAttention(nn.Module):
@@ -26,9 +29,13 @@ class PagedAttention(nn.Module):
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H*D]."""
         k_buf, v_buf = batch.kv_pool.layer(self.layer_id)
-        out_loc, kv_indices, _ = batch.kv_view(self.window)
+        out_loc, kv_indices, kv_start = batch.kv_view(self.window)
         k_buf[out_loc] = k
         v_buf[out_loc] = v
+        ext = self._decode_kernel(q, k_buf, v_buf, batch)
+        if ext is not None:
+            return ext.decode_attention(q, k_buf, v_buf, kv_indices, batch.seq_lens, kv_start,
+                                        self.window or 0, self.scale)
         q_index, flat_index = batch.query_layout()
         B = batch.batch_size
         qp = q.view(B, -1, *q.shape[1:]) if q_index is None else q[q_index]
@@ -41,3 +48,14 @@ class PagedAttention(nn.Module):
             enable_gqa=self.num_heads != self.num_kv_heads)
         out = out.transpose(1, 2).reshape(B * qmax, self.num_heads * self.head_dim)
         return out if flat_index is None else out[flat_index]
+
+    def _decode_kernel(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                       batch: ForwardBatch):
+        """The extension when the decode kernel applies (one query token per request, so its
+        position is seq_len - 1; fp32 CPU tensors, contiguous pool buffers, no autograd), else None."""
+        if (q.dtype != torch.float32 or k_buf.dtype != torch.float32 or q.device.type != "cpu"
+                or self.head_dim % 8 or torch.is_grad_enabled() or q.shape[0] != batch.batch_size
+                or not (k_buf.is_contiguous() and v_buf.is_contiguous())
+                or any(n != 1 for n in batch.extend_lens)):
+            return None
+        return load_extension()

@@ -1,0 +1,179 @@
+// Paged decode attention: one query token per request, K/V read in place from the pool through
+// the request's slot ids. The torch path gathers a padded [B, L, Hkv, D] copy of K and V every
+// layer (aten::index) before SDPA; here each K/V row is fetched once, straight from its slot,
+// for all H/Hkv query heads that share it (GQA). Work items are (request, kv head), split across
+// torch's intra-op threads. fp32 throughout; the softmax is exact (scores of all keys kept, then
+// max, exp, sum) rather than online, so results differ from SDPA only by summation order and
+// exp rounding (~1e-7 relative).
+//
+// Built with -mavx2 -mfma by sparkserve/kernels/build.py, which checks the CPU first.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+using sparkserve::hsum;
+
+// exp(x) for x <= 0 (scores minus their max), Cephes' expf: 2^n * P(r), |r| <= ln2/2; about
+// 2e-7 relative error, so the softmax matches torch's to fp32 rounding. Below -87 it gives ~1e-38, not 0.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// q . k for one key (D a multiple of 8).
+inline float dot1(const float* q, const float* k, int64_t D) {
+  __m256 s = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), s);
+  return hsum(s);
+}
+
+// q . k for four keys at once: one q load per four FMAs, one shuffle-reduction for all four.
+inline __m128 dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3,
+                   int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t c = 0; c < D; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + c), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + c), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + c), a3);
+  }
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// o[g][c0 .. c0 + 8 NV) = sum_j p[g][j] V[j][c0 ..] for NG heads sharing the V rows, the
+// accumulators in registers (NG * NV <= 12).
+template <int NG, int NV>
+void pv_block(const float* p, int64_t n, const float* vp, const int64_t* rows, int64_t c0, float* o,
+              int64_t D) {
+  __m256 acc[NG][NV];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vr = vp + rows[j] + c0;
+    __m256 v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = _mm256_loadu_ps(vr + 8 * i);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 pg = _mm256_broadcast_ss(p + g * n + j);
+      for (int i = 0; i < NV; ++i) acc[g][i] = _mm256_fmadd_ps(pg, v[i], acc[g][i]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o + g * D + c0 + 8 * i, acc[g][i]);
+}
+
+template <int NG>
+void pv(const float* p, int64_t n, const float* vp, const int64_t* rows, float* o, int64_t D) {
+  int64_t c = 0;
+  for (; c + 32 <= D; c += 32) pv_block<NG, 4>(p, n, vp, rows, c, o, D);
+  for (; c < D; c += 8) pv_block<NG, 1>(p, n, vp, rows, c, o, D);
+}
+
+}  // namespace
+
+// q [B, H, D] (last dim contiguous), k_buf / v_buf [slots, Hkv, D] contiguous, kv_indices [B, >= L]
+// int64 slot of positions kv_start.. . Request b sees positions max(kv_start, seq_len - window)
+// .. seq_len - 1 (window <= 0: no window). Returns [B, H * D].
+at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
+                            std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_buf.scalar_type() == at::kFloat &&
+              v_buf.scalar_type() == at::kFloat, "decode_attention: float32 only");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "decode_attention: q must be [B, H, D], last dim contiguous");
+  TORCH_CHECK(k_buf.dim() == 3 && k_buf.is_contiguous() && v_buf.sizes() == k_buf.sizes() &&
+              v_buf.is_contiguous(), "decode_attention: K/V buffers must be contiguous [slots, Hkv, D]");
+  TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indices.dim() == 2 && kv_indices.stride(1) == 1,
+              "decode_attention: kv_indices must be int64 [B, L], rows contiguous");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
+  TORCH_CHECK(k_buf.size(2) == D && D % 8 == 0 && Hkv > 0 && H % Hkv == 0,
+              "decode_attention: head_dim must match and be a multiple of 8, H a multiple of Hkv");
+  TORCH_CHECK(static_cast<int64_t>(seq_lens.size()) == B && kv_indices.size(0) == B,
+              "decode_attention: one seq_len and one kv_indices row per request");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(seq_lens[b] > kv_start && seq_lens[b] - kv_start <= kv_indices.size(1),
+                "decode_attention: seq_len out of the gathered range");
+
+  auto out = at::empty({B, H * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t G = H / Hkv, slots = k_buf.size(0);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), is0 = kv_indices.stride(0);
+  const float *qp = q.data_ptr<float>(), *kp = k_buf.data_ptr<float>(), *vp = v_buf.data_ptr<float>();
+  const int64_t* ip = kv_indices.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> s;        // scores, then probabilities: [G, n]
+    std::vector<int64_t> rows;   // row offset of each visible key in the K/V buffers
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = w / Hkv, h = w % Hkv;
+      const int64_t end = seq_lens[b] - kv_start;
+      const int64_t begin = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window - kv_start) : 0;
+      const int64_t n = end - begin;
+      s.resize(G * n);
+      rows.resize(n);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t slot = ip[b * is0 + begin + j];
+        TORCH_CHECK(slot >= 0 && slot < slots, "decode_attention: slot id out of range");
+        rows[j] = (slot * Hkv + h) * D;
+      }
+      const float* qh = qp + b * qs0 + h * G * qs1;   // the G query heads of kv head h
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {
+        const float *k0 = kp + rows[j], *k1 = kp + rows[j + 1], *k2 = kp + rows[j + 2];
+        const float* k3 = kp + rows[j + 3];
+        for (int64_t g = 0; g < G; ++g) _mm_storeu_ps(&s[g * n + j], dot4(qh + g * qs1, k0, k1, k2, k3, D));
+      }
+      for (; j < n; ++j)
+        for (int64_t g = 0; g < G; ++g) s[g * n + j] = dot1(qh + g * qs1, kp + rows[j], D);
+      // softmax(scale * s) per head: max, exp and sum, then normalize (all in s)
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s.data() + g * n;
+        float m = sg[0];
+        for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
+        const __m256 scv = _mm256_set1_ps(sc), ms = _mm256_set1_ps(m * sc);
+        __m256 sum8 = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+          const __m256 e = exp256(_mm256_fmsub_ps(_mm256_loadu_ps(sg + i), scv, ms));
+          _mm256_storeu_ps(sg + i, e);
+          sum8 = _mm256_add_ps(sum8, e);
+        }
+        float sum = hsum(sum8);
+        for (; i < n; ++i) {
+          alignas(32) float t[8] = {sg[i] * sc - m * sc};
+          _mm256_store_ps(t, exp256(_mm256_load_ps(t)));
+          sum += (sg[i] = t[0]);
+        }
+        const float inv = 1.f / sum;
+        for (i = 0; i < n; ++i) sg[i] *= inv;
+      }
+      float* o = op + b * H * D + h * G * D;
+      for (int64_t g = 0; g < G; g += 3) {
+        const float* pg = s.data() + g * n;
+        if (G - g >= 3) pv<3>(pg, n, vp, rows.data(), o + g * D, D);
+        else if (G - g == 2) pv<2>(pg, n, vp, rows.data(), o + g * D, D);
+        else pv<1>(pg, n, vp, rows.data(), o + g * D, D);
+      }
+    }
+  });
+  return out;
+}

@@ -1,0 +1,144 @@
+"""The paged decode-attention kernel (kernels/decode_attention.cpp): one query token per request,
+K/V read in place from the pool through slot ids. It must equal torch SDPA on the gathered,
+padded K/V under the engine's mask rule (keys kv_start.. below seq_len, inside the window) up
+to summation order; PagedAttention must take it in decode and give what its SDPA path gives;
+and the engine's greedy tokens must not change when SPARKSERVE_DISABLE_KERNELS=1 turns it off."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparkserve import kernels
+from sparkserve.executor.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.layers import attention as attention_mod
+from sparkserve.layers.attention import PagedAttention
+from sparkserve.mem.kv_pool import KVPool
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if os.environ.get("SPARKSERVE_DISABLE_KERNELS", "") not in ("", "0"):
+        pytest.fail("SPARKSERVE_DISABLE_KERNELS is set: these tests check the kernels themselves")
+    assert kernels.available(), "kernel build failed (see the logged warning)"
+    return kernels.load_extension()
+
+
+def random_case(g: torch.Generator, B: int, H: int, Hkv: int, D: int, kv_start: int):
+    """A random pool, q as the model slices it (non-contiguous rows), per-request lengths
+    (1 and the maximum always among them) and distinct random slot ids padded with 0."""
+    seq_lens = (kv_start + torch.randint(1, 40, (B,), generator=g)).tolist()
+    seq_lens[0] = kv_start + 1
+    seq_lens[-1] = kv_start + 40
+    lmax = max(seq_lens) - kv_start
+    slots = 1 + B * lmax + 7
+    k_buf = torch.randn(slots, Hkv, D, generator=g)
+    v_buf = torch.randn(slots, Hkv, D, generator=g)
+    perm = 1 + torch.randperm(slots - 1, generator=g)[:B * lmax].view(B, lmax)
+    valid = torch.arange(lmax)[None, :] < (torch.tensor(seq_lens) - kv_start)[:, None]
+    kv_indices = torch.where(valid, perm, torch.zeros((), dtype=torch.long))
+    q = torch.randn(B, H + Hkv, D, generator=g)[:, :H]
+    return q, k_buf, v_buf, kv_indices, seq_lens
+
+
+def sdpa_reference(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window):
+    """Gather the padded K/V and attend under the engine's mask (query position seq_len - 1)."""
+    B, H, D = q.shape
+    lmax = kv_indices.shape[1]
+    kpos = kv_start + torch.arange(lmax)
+    seq = torch.tensor(seq_lens)[:, None]
+    qpos = seq - 1
+    mask = (kpos[None, :] <= qpos) & (kpos[None, :] < seq)
+    if window is not None:
+        mask &= qpos - kpos[None, :] < window
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], k_buf[kv_indices].transpose(1, 2), v_buf[kv_indices].transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=D ** -0.5, enable_gqa=H != k_buf.shape[1])
+    return out.reshape(B, H * D)
+
+
+@pytest.mark.parametrize("ratio", [1, 3])
+@pytest.mark.parametrize("D", [64, 16])
+@pytest.mark.parametrize("kv_start,window", [(0, None), (0, 5), (6, 9)])
+def test_kernel_matches_sdpa(ext, ratio, D, kv_start, window):
+    g = torch.Generator().manual_seed(ratio * 100 + D + kv_start)
+    for B in (1, 2, 5, 8):
+        Hkv = 1 if B == 1 else 3
+        q, k_buf, v_buf, kv_indices, seq_lens = random_case(g, B, Hkv * ratio, Hkv, D, kv_start)
+        out = ext.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window or 0, D ** -0.5)
+        ref = sdpa_reference(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window)
+        err = (out - ref).abs().max().item()
+        assert err <= 1e-5, f"B={B} lens={seq_lens}: max |diff| {err:.3g}"
+
+
+def test_paged_attention_takes_kernel_in_decode(ext, monkeypatch):
+    """PagedAttention.forward in a decode batch: writes the new K/V, calls the kernel, and
+    returns what its SDPA path returns (windowed and not)."""
+    g = torch.Generator().manual_seed(7)
+    H, Hkv, D = 9, 3, 64
+    seq_lens = [1, 17, 33, 4]
+    B, lmax = len(seq_lens), max(seq_lens)
+    pool = KVPool(200, 1, Hkv, D)
+    pool.k[0].normal_(generator=g)
+    pool.v[0].normal_(generator=g)
+    table = torch.zeros(B, lmax, dtype=torch.long)
+    free = 1 + torch.randperm(199, generator=g)
+    for b, n in enumerate(seq_lens):
+        table[b, :n] = free[b * lmax:b * lmax + n]
+    batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(B, dtype=torch.long), torch.tensor(seq_lens) - 1,
+                         table[torch.arange(B), torch.tensor(seq_lens) - 1], [1] * B, seq_lens, table, pool)
+    q = torch.randn(B, H, D, generator=g)
+    k, v = torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+    calls = []
+    monkeypatch.setattr(attention_mod, "load_extension", lambda: calls.append(1) or ext)
+    for window in (None, 6):
+        attn = PagedAttention(0, H, Hkv, D, window)
+        with torch.inference_mode():
+            out = attn(q, k, v, batch)
+            monkeypatch.setattr(attention_mod, "load_extension", lambda: None)
+            ref = attn(q, k, v, batch)
+            monkeypatch.setattr(attention_mod, "load_extension", lambda: calls.append(1) or ext)
+        assert torch.equal(pool.k[0][batch.out_cache_loc], k)
+        assert (out - ref).abs().max() <= 1e-5
+    assert len(calls) == 2
+
+
+_DISABLED_SCRIPT = r"""
+import json, sys
+import torch
+torch.set_num_threads(1)
+from sparkserve import Engine, kernels
+engine = Engine(max_total_tokens=4096, max_running_requests=8)
+out = engine.generate(input_ids=json.loads(sys.argv[1]),
+                      sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
+print(json.dumps({"available": kernels.available(), "ids": [o["output_ids"] for o in out]}))
+"""
+
+
+def test_engine_greedy_same_with_kernels_disabled(ext, smollm2_engine, monkeypatch):
+    tok = smollm2_engine.tokenizer
+    texts = ["Hi", "The three primary colors are",
+             "Once upon a time, in a small village by the sea, there lived",
+             "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively so that",
+             "List four planets:"]
+    prompts = [tok.encode(t, add_special_tokens=True) for t in texts]
+    calls = []
+    monkeypatch.setattr(attention_mod, "load_extension", lambda: calls.append(1) or ext)
+    ours = [o["output_ids"] for o in smollm2_engine.generate(input_ids=prompts, sampling_params={
+        "temperature": 0, "max_new_tokens": 16, "ignore_eos": True})]
+    assert calls, "the decode kernel was not used"
+    env = dict(os.environ, SPARKSERVE_DISABLE_KERNELS="1",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _DISABLED_SCRIPT, json.dumps(prompts)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["available"] is False
+    assert res["ids"] == ours
