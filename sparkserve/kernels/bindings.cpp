@@ -9,14 +9,17 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor r, at::Tensor w, double eps);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
-                            std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale);
+                            std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
+                            std::vector<int64_t> q_lens);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ W.T with W in GGUF blocks (Q4_1, Q8_0, BF16)",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32, contiguous)");
   m.def("add_rms_norm", &add_rms_norm, "s = x + r; returns (s, rms_norm(s))");
-  m.def("decode_attention", &decode_attention, "paged attention of one query token per request (GQA, fp32)",
+  m.def("decode_attention", &decode_attention,
+        "paged causal attention of q_lens[b] (default 1) query tokens per request (GQA, fp32)",
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indices"), py::arg("seq_lens"),
-        py::arg("kv_start"), py::arg("window"), py::arg("scale"));
+        py::arg("kv_start"), py::arg("window"), py::arg("scale"),
+        py::arg("q_lens") = std::vector<int64_t>());
 }

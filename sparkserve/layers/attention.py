@@ -3,8 +3,9 @@ request's K/V through its slot table into a padded batch, attend under one mask.
 positions start at `batch.kv_start` (the batch's earliest window start when every layer is
 sliding-window), and the mask works on absolute positions. With full and windowed layers mixed
 (a split pool) the windowed layers write and read their own slots (`batch.kv_view`).
-Decode (one query token per request, fp32, no grad) skips the gather: the C++ kernel
-(kernels/decode_attention.cpp) reads K/V in place through the slot ids."""
+Decode, VERIFY blocks and small extends (at most KERNEL_MAX_Q query tokens per request, fp32, no
+grad) skip the gather: the C++ kernel (kernels/decode_attention.cpp) reads K/V in place through
+the slot ids, causally per query token."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +13,10 @@ from torch import nn
 
 from sparkserve.executor.forward_batch import ForwardBatch
 from sparkserve.kernels.build import load_extension
+
+# Most query tokens per request for the kernel: it attends one query at a time (GEMV-like), so
+# long prefill chunks go to SDPA's blocked GEMMs.
+KERNEL_MAX_Q = 16
 
 
 class PagedAttention(nn.Module):
@@ -35,7 +40,7 @@ class PagedAttention(nn.Module):
         ext = self._decode_kernel(q, k_buf, v_buf, batch)
         if ext is not None:
             return ext.decode_attention(q, k_buf, v_buf, kv_indices, batch.seq_lens, kv_start,
-                                        self.window or 0, self.scale)
+                                        self.window or 0, self.scale, batch.extend_lens)
         q_index, flat_index = batch.query_layout()
         B = batch.batch_size
         qp = q.view(B, -1, *q.shape[1:]) if q_index is None else q[q_index]
@@ -51,11 +56,12 @@ class PagedAttention(nn.Module):
 
     def _decode_kernel(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                        batch: ForwardBatch):
-        """The extension when the decode kernel applies (one query token per request, so its
-        position is seq_len - 1; fp32 CPU tensors, contiguous pool buffers, no autograd), else None."""
+        """The extension when the kernel applies (at most KERNEL_MAX_Q query tokens per request,
+        at positions seq_len - n .. seq_len - 1; fp32 CPU tensors, contiguous pool buffers, no
+        autograd), else None."""
         if (q.dtype != torch.float32 or k_buf.dtype != torch.float32 or q.device.type != "cpu"
-                or self.head_dim % 8 or torch.is_grad_enabled() or q.shape[0] != batch.batch_size
+                or self.head_dim % 8 or torch.is_grad_enabled() or q.shape[0] != batch.num_tokens
                 or not (k_buf.is_contiguous() and v_buf.is_contiguous())
-                or any(n != 1 for n in batch.extend_lens)):
+                or not batch.extend_lens or max(batch.extend_lens) > KERNEL_MAX_Q):
             return None
         return load_extension()

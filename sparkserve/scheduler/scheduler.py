@@ -22,7 +22,7 @@ from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
 from sparkserve.executor.sampler import Sampler
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.scheduler.req import Req
-from sparkserve.speculative.verify import accept, raw_logprobs
+from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
 
 if TYPE_CHECKING:
     from sparkserve.speculative.dspark_worker import DSparkWorker
@@ -218,7 +218,7 @@ class Scheduler:
             sched.append(ScheduledReq(req.row, req.kv_len, toks, slots, logit_rows=len(toks)))
         mode = ForwardMode.VERIFY if props else ForwardMode.DECODE
         fb = self.runner.build_batch(mode, sched)
-        logits = self.runner.forward(fb)
+        logits = self._verify_forward(fb, sched) if props else self.runner.forward(fb)
         self.forward_count[mode] += 1
         reqs = list(self.running)
         if not props:
@@ -256,30 +256,37 @@ class Scheduler:
         if self.spec is not None:
             self.spec.inject(fb.aux_hidden, rows, fb.positions, fb.out_cache_loc)
 
+    @torch.inference_mode()
+    def _verify_forward(self, fb, sched: list[ScheduledReq]) -> VerifyLogits:
+        """The VERIFY forward without the LM head (ModelRunner.forward minus compute_logits):
+        acceptance asks for the logits rows it reads, the ones after a rejection are skipped."""
+        hidden = self.runner.model(fb.input_ids, fb.positions, fb)
+        lens = [len(sr.tokens) for sr in sched]
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        return VerifyLogits(self.runner.model.compute_logits, hidden, starts, lens)
+
     def _verify_and_commit(self, reqs: list[Req], sched: list[ScheduledReq], props: dict,
-                           fb, logits: torch.Tensor) -> list[ReqOutput]:
-        starts, off = [], 0
-        for sr in sched:
-            starts.append(off)
-            off += len(sr.tokens)
+                           fb, logits: VerifyLogits) -> list[ReqOutput]:
+        starts = logits.starts
         plain = [i for i, r in enumerate(reqs) if id(r) not in props]
-        plain_out = (self.sampler.sample(logits[[starts[i] for i in plain]],
+        items = {i: (r, p.tokens[:p.verify_len], p.q_probs, first_rows(p.confidence, p.verify_len))
+                 for i, r in enumerate(reqs) if (p := props.get(id(r))) is not None}
+        verdicts = accept_batch(items, logits, plain)
+        plain_out = (self.sampler.sample(torch.cat([logits.rows[i][:1] for i in plain]),
                                          [reqs[i].sampling for i in plain]) if plain else None)
         plain_pos = {i: j for j, i in enumerate(plain)}
         committed_rows: list[int] = []
         kept: list[int] = []
         results: list[tuple[Req, list[int], list[float], list]] = []
         for i, req in enumerate(reqs):
-            rows = logits[starts[i]:starts[i] + len(sched[i].tokens)]
-            p = props.get(id(req))
-            if p is None:
+            if i not in items:
                 j = plain_pos[i]
                 toks, n_acc = [plain_out.next_token_ids[j]], 0
                 lps = [plain_out.logprobs[j]] if req.params.return_logprob else []
                 tops = [plain_out.top_logprobs[j] or []] if req.params.return_logprob else []
             else:
-                n_acc, toks = accept(req, p.tokens[:p.verify_len], p.q_probs, rows)
-                lps, tops = raw_logprobs(rows[:n_acc + 1], toks, req.params)
+                n_acc, toks = verdicts[i]
+                lps, tops = raw_logprobs(logits.rows[i][:n_acc + 1], toks, req.params)
                 req.spec_verify_ct += 1
                 self.accept_hist[n_acc] = self.accept_hist.get(n_acc, 0) + 1
             committed_rows.extend(range(starts[i], starts[i] + n_acc + 1))

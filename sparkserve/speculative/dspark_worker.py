@@ -3,6 +3,7 @@ KV, then propose a block per request — one parallel backbone pass, a serial Ma
 samples the slots, and a confidence per slot — and pick each request's verify length."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ class DSparkWorker:
         self.shift = 1 if draft.config.sample_from_anchor else 0   # speculators: slot j -> anchor+j
         self.num_drafts = draft.block_size - self.shift
 
+    @torch.inference_mode()
     def inject(self, aux: list[torch.Tensor], rows: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor) -> None:
         if rows.numel():
@@ -38,34 +40,45 @@ class DSparkWorker:
 
     @torch.inference_mode()
     def propose(self, reqs: list[Req], plain_tokens: int = 0) -> list[Proposal]:
-        d = self.draft
+        t0 = time.perf_counter()
+        d, B, G = self.draft, len(reqs), self.num_drafts
         anchors = torch.tensor([r.output_ids[-1] for r in reqs])
         anchor_pos = torch.tensor([r.kv_len for r in reqs])
         ctx_lens = [r.kv_len for r in reqs]
         kv_indices = self.req_to_token[torch.tensor([r.row for r in reqs]), :max(ctx_lens)]
         hidden = d.block_hidden(anchors, anchor_pos, kv_indices, ctx_lens, self.pool)[:, self.shift:]
-        base = d.lm_head(hidden.reshape(-1, hidden.shape[-1])).float().view(len(reqs), self.num_drafts, -1)
-        G = self.num_drafts
-        tokens = torch.empty(len(reqs), G, dtype=torch.long)
-        conf = torch.empty(len(reqs), G) if d.confidence_head is not None else None
-        greedy = [r.params.is_greedy for r in reqs]
-        q_probs = [torch.empty(G, d.config.vocab_size) if not g else None for g in greedy]
+        base = d.lm_head(hidden.reshape(B * G, -1)).float().view(B, G, -1)
+        tokens, embs, q_probs = self._markov_loop(reqs, anchors, hidden, base)
+        conf = None
+        if d.confidence_head is not None:   # not needed by the loop: one call for every slot
+            conf = d.confidence_head(hidden.reshape(B * G, -1), embs.view(B * G, -1)).view(B, G)
+        caps = [max(0, min(G, r.params.max_new_tokens - len(r.output_ids) - 1)) for r in reqs]
+        confs = [conf[i] if conf is not None else None for i in range(B)]
+        self.planner.observe_draft(time.perf_counter() - t0)
+        lens = self.planner.plan(confs, caps, plain_tokens)
+        toks = tokens.tolist()
+        return [Proposal(toks[i], confs[i], q_probs[i], lens[i]) for i in range(B)]
+
+    def _markov_loop(self, reqs: list[Req], anchors: torch.Tensor, hidden: torch.Tensor, base: torch.Tensor):
+        """Sample the G slots in order, slot k's logits = base + Markov bias of token k-1 (serial in
+        the sampled token). Returns tokens [B, G] (target ids), the W1 embeddings of each slot's
+        previous token [B, G, r], and per request the distributions sampled from (None: greedy)."""
+        d, (B, G) = self.draft, base.shape[:2]
+        head = d.markov_head
+        tokens = torch.empty(B, G, dtype=torch.long)
+        embs = torch.empty(B, G, d.config.markov_rank)
+        sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+        q_probs = [None if r.params.is_greedy else torch.empty(G, base.shape[-1])   # draft vocab
+                   for r in reqs]
         prev = anchors
         for k in range(G):
-            emb = d.markov_head.prev_embedding(prev)
-            logits = base[:, k] + d.markov_head.bias(emb, hidden[:, k])
-            if conf is not None:
-                conf[:, k] = d.confidence_head(hidden[:, k], emb)
+            emb = embs[:, k] = head.prev_embedding(prev)
+            logits = base[:, k] + head.bias(emb, hidden[:, k])
             nxt = logits.argmax(-1)
-            for i, r in enumerate(reqs):
-                if not greedy[i]:
-                    q = processed_probs(logits[i:i + 1], r.params)
-                    q_probs[i][k] = d.to_target_probs(q[0])
-                    nxt[i] = sample_from_probs(q, r.sampling.generator(q.device))[0]
-            nxt = d.to_target_ids(nxt)
-            tokens[:, k] = nxt
-            prev = nxt
-        caps = [max(0, min(G, r.params.max_new_tokens - len(r.output_ids) - 1)) for r in reqs]
-        confs = [conf[i] if conf is not None else None for i in range(len(reqs))]
-        lens = self.planner.plan(confs, caps, plain_tokens)
-        return [Proposal(tokens[i].tolist(), confs[i], q_probs[i], lens[i]) for i in range(len(reqs))]
+            for i in sampled:
+                r = reqs[i]
+                q = processed_probs(logits[i:i + 1], r.params)
+                q_probs[i][k] = q[0]
+                nxt[i] = sample_from_probs(q, r.sampling.generator(q.device))[0]
+            prev = tokens[:, k] = d.to_target_ids(nxt)
+        return tokens, embs, [q if q is None else d.to_target_probs(q) for q in q_probs]

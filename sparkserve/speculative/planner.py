@@ -3,8 +3,11 @@
 full: verify every draft. threshold: verify the leading drafts whose confidence is >= the
 threshold. adaptive (the paper's Alg. 1): rank every (request, slot) of the batch by its
 survival a = prod of confidences up to that slot, and admit slots while the expected tokens
-per second  tau / cost(B)  rises, with tau = sum_r (1 + sum_{j<=l_r} a_rj), B = sum_r (1 + l_r),
-and cost(B) the measured seconds of one step that verifies B tokens."""
+per second  tau / (draft + cost(B))  rises, with tau = sum_r (1 + sum_{j<=l_r} a_rj), B = sum_r (1 + l_r),
+cost(B) the measured seconds of one step that verifies B tokens and `draft` the seconds of the
+draft pass (the table's, or the worker's running measurement if larger). When even the best plan
+yields fewer tokens per second than plain decoding (tau0 / cost(B0)), it verifies nothing, so the
+scheduler backs the requests off drafting for a while."""
 from __future__ import annotations
 
 import bisect
@@ -55,6 +58,10 @@ class VerifyPlanner:
         if mode == "adaptive" and costs is None:
             raise ValueError("adaptive verify needs a step cost table")
         self.mode, self.threshold, self.costs = mode, threshold, costs
+        self.draft_seconds = 0.0          # running mean of the measured draft pass
+
+    def observe_draft(self, seconds: float) -> None:
+        self.draft_seconds = seconds if not self.draft_seconds else 0.8 * self.draft_seconds + 0.2 * seconds
 
     def plan(self, confidences: list[torch.Tensor | None], caps: list[int],
              plain_tokens: int = 0) -> list[int]:
@@ -78,15 +85,17 @@ class VerifyPlanner:
         lens = [0] * len(caps)
         tau = float(len(caps))
         B = len(caps) + plain_tokens
-        best = tau / (self.costs.draft_seconds + self.costs.cost(B))
+        draft = max(self.costs.draft_seconds, self.draft_seconds)
+        plain_rate = tau / self.costs.cost(B)
+        best = tau / (draft + self.costs.cost(B))
         for a, r, j in ranked:
             if j != lens[r]:          # survival is non-increasing along a block: keep prefixes
                 continue
-            theta = (tau + a) / (self.costs.draft_seconds + self.costs.cost(B + 1))
+            theta = (tau + a) / (draft + self.costs.cost(B + 1))
             if theta <= best:
                 break
             lens[r] += 1
             tau += a
             B += 1
             best = theta
-        return lens
+        return lens if best > plain_rate else [0] * len(caps)

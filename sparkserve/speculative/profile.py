@@ -13,7 +13,9 @@ from sparkserve.speculative.planner import StepCostTable
 
 def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: int, context: int = 64,
                        reps: int = 3) -> StepCostTable:
-    """Time forwards of n = 1, 2, 4, ... tokens after a `context`-token prefix (median of reps)."""
+    """Time forwards of n = 1, 2, 4, ... tokens after a `context`-token prefix (median of reps),
+    with the LM head over one row: a verify scores the rows after the anchor's only as far as
+    its drafts are accepted (speculative/verify.py), so an unaccepted slot costs just its forward."""
     sizes = [1]
     while sizes[-1] < max_tokens:
         sizes.append(min(sizes[-1] * 2, max_tokens))
@@ -29,7 +31,7 @@ def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: i
     seconds = []
     try:
         for n in sizes:
-            sr = ScheduledReq(row, context, [0] * n, slots[context:context + n], logit_rows=n)
+            sr = ScheduledReq(row, context, [0] * n, slots[context:context + n], logit_rows=1)
             times = []
             for _ in range(reps):
                 fb = runner.build_batch(ForwardMode.VERIFY, [sr])
