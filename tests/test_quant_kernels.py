@@ -58,21 +58,25 @@ def assert_close_to_linear(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bi
     assert err <= 1e-5 * scale, f"max |diff| {err:.3g} at output scale {scale:.3g}"
 
 
+# M covers both schemes of quant_linear (register expansion below 8 rows, expanded panels from 8)
+# and every mix of 4- and 3-row x tiles; N every tail of a 3-row panel; K one chunk, several, and
+# a last chunk of a single block (800 = 768 + 32).
 @pytest.mark.parametrize("qtype", [Q4_1, Q8_0, BF16], ids=["Q4_1", "Q8_0", "BF16"])
-@pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (33, 96), (257, 576), (61, 1536)])
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (33, 96), (257, 576), (61, 1536), (5, 800)])
 def test_kernel_matches_linear_on_dequantized_weight(qtype, n, k):
     w = random_blocks(qtype, n, k, seed=n + k)
     dense = w.dequantize()
     g = torch.Generator().manual_seed(1)
-    for m in (1, 2, 3, 5, 8, 11, 16, 19):
+    for m in (1, 2, 3, 5, 7, 8, 9, 11, 16, 17, 19, 30, 32, 33, 63, 64):
         x = torch.randn(m, k, generator=g)
         y = kernels.quant_linear(x, w)
         assert y.shape == (m, n) and y.dtype == torch.float32
         assert_close_to_linear(y, x, dense)
-    # bias, and a non-contiguous x (a column slice of a wider tensor)
-    x = torch.randn(4, k + 32, generator=g)[:, 16:16 + k]
+    # bias, and a non-contiguous x (a column slice of a wider tensor), in both schemes
     bias = torch.randn(n, generator=g)
-    assert_close_to_linear(kernels.quant_linear(x, w, bias), x, dense, bias)
+    for m in (4, 33):
+        x = torch.randn(m, k + 32, generator=g)[:, 16:16 + k]
+        assert_close_to_linear(kernels.quant_linear(x, w, bias), x, dense, bias)
 
 
 def test_kernel_rejects_bad_shapes():

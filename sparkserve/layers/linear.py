@@ -18,14 +18,16 @@ from sparkserve import kernels
 from sparkserve.kernels import BlockWeight
 
 # Most rows that go to the block kernel rather than oneDNN fp32 (the kernel does the same fp32
-# FMAs plus the block expansion; oneDNN reads 4-6x more bytes). Measured on the 2-core AVX2 dev
-# machine (AMD EPYC, no AVX-512), SmolLM2 shapes, weights rotated over 30 copies as in the model,
-# CPU-time medians, kernel time / oneDNN time (1 thread; 2 threads within +-0.05):
-#   all 121 GEMVs of a step: M=1 0.35, M=8 0.62, M=12 0.80, M=16 0.84, M=20 0.97, M=24 1.00, M=32 1.08
-#   down_proj (K=1536):      M=1 0.30, M=8 0.78, M=12 0.91, M=16 1.07, M=20 1.18
-# An 8-row x tile stops fitting in L1 once K > 1024, hence the lower bound for wide inputs.
-QUANT_MAX_M = 16
-QUANT_MAX_M_WIDE_K = 12        # in_features > 1024
+# FMAs plus the block expansion; oneDNN reads 4-6x more bytes). From 8 rows the kernel expands each
+# panel of weights once into L1 and runs a 4x3 register-blocked micro-kernel on it (quant_gemv.cpp).
+# Measured on the 2-core AVX2 dev machine (AMD EPYC Zen 3, no AVX-512), SmolLM2 shapes, weights
+# rotated over the 30 layers as in a decode step, CPU-time medians, kernel time / oneDNN time,
+# 1 thread (2 threads, best of 15 wall times: M=32 0.78):
+#   all 121 GEMMs of a step: M=1 0.33, M=8 0.60, M=16 0.69, M=32 0.82, M=64 0.88, M=96 0.96, M=128 1.05
+#     (q|k|v, o, gate|up: 0.75-0.80 at M=32, 0.87-0.88 at M=96; LM head 0.96 at M=32, 1.09 at M=96)
+#   down_proj (K=1536):      M=16 0.71, M=32 0.81, M=64 0.93-0.97, M=80 1.03, M=96 1.08
+QUANT_MAX_M = 96
+QUANT_MAX_M_WIDE_K = 64        # in_features > 1024
 
 
 def _version(t: torch.Tensor) -> int:
