@@ -203,6 +203,35 @@ def test_markov_fit_recovers_bigram(distilled):
     assert bias.argmax(-1).tolist() == [want[i] for i in sorted(want)]
 
 
+def test_resume_scores_the_checkpoints_draft_vocab(distilled, tmp_path):
+    """Resuming on a cache that would pick another draft vocab (more data since) keeps the
+    checkpoint's d2t, and the teacher scores that vocab: the resumed step equals the step of a
+    run whose draft was built with the checkpoint's vocab in the first place."""
+    import shutil
+    from sparkserve.training.feature_cache import write_lse
+    _, target, dcfg, fc_dir, *_ = distilled
+    fc = str(tmp_path / "fc")
+    shutil.copytree(fc_dir, fc)
+    write_lse(fc, target.lm_head.weight)
+    cache = FeatureCache.open(fc)
+    size = int((cache.response_token_counts(V) > 0).sum()) - 4
+    draft, vocab, _ = _reduced_draft(dcfg, target, cache, size)
+    cfg = dict(seqs_per_step=2, anchors_per_seq=8, lr=1e-3, save_every=2)
+    head = target.lm_head.weight
+    out = str(tmp_path / "a")
+    train(draft, cache, out, TrainConfig(steps=2, **cfg), target_head=head)
+    shutil.copytree(out, str(tmp_path / "b"))
+    same = init_dspark_draft(dict(dcfg, draft_vocab_size=size), target, vocab=vocab)
+    ref = train(same, cache, out, TrainConfig(steps=3, **cfg), log_every=1, target_head=head)
+    other_vocab = torch.arange(V - size, V)
+    assert not torch.equal(other_vocab, vocab)
+    other = init_dspark_draft(dict(dcfg, draft_vocab_size=size), target, vocab=other_vocab)
+    got = train(other, cache, str(tmp_path / "b"), TrainConfig(steps=3, **cfg), log_every=1,
+                target_head=head)
+    assert torch.equal(other.to_target_ids(torch.arange(size)), vocab)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6), (got, ref)
+
+
 def test_reduced_vocab_draft_trains_and_serves_losslessly(bigram_target, distilled, tmp_path):
     """Reduced draft vocab end to end: lse cache, Markov fit, training, checkpoint with d2t, and
     greedy serving token-identical to plain decoding with a higher acceptance than untrained."""

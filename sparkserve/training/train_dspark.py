@@ -137,16 +137,13 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
     A reduced-vocab draft needs the target's LM head weight and a cache with lse.npy; its own
     (reduced) LM head is trained, a full-vocab draft's is the target's and stays frozen."""
     os.makedirs(out_dir, exist_ok=True)
-    teacher = None
-    if draft.d2t is not None:
-        if target_head is None or cache.lse is None:
-            raise ValueError("a reduced-vocab draft trains against the target's LM head and the "
-                             "cache's lse.npy (feature_cache.write_lse)")
-        teacher = Teacher.for_draft(draft, target_head)
+    if draft.d2t is not None and (target_head is None or cache.lse is None):
+        raise ValueError("a reduced-vocab draft trains against the target's LM head and the "
+                         "cache's lse.npy (feature_cache.write_lse)")
     # Inference layers (Linear) are made with requires_grad=False: switch everything on first,
     # then freeze what is shared with the target.
     draft.requires_grad_(True)
-    frozen = ("embed_tokens",) if teacher is not None else ("embed_tokens", "lm_head")
+    frozen = ("embed_tokens",) if draft.d2t is not None else ("embed_tokens", "lm_head")
     for name in frozen:
         getattr(draft, name).requires_grad_(False)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -163,6 +160,9 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         step = st["step"]
+    # After the resume: a checkpoint brings its own draft vocab (d2t), which may differ from the
+    # one this cache would select (more data since), and the teacher must score that one.
+    teacher = Teacher.for_draft(draft, target_head) if draft.d2t is not None else None
     order = torch.randperm(len(cache), generator=gen)
     cursor = step * cfg.seqs_per_step
     metrics: dict = {}
