@@ -178,9 +178,10 @@ def test_reduced_vocab_teacher_equals_full_vocab_loss(distilled, tmp_path):
         torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-4)
     sub = Teacher.for_draft(init_dspark_draft(dict(dcfg, draft_vocab_size=10), target,
                                               vocab=torch.arange(0, V, 6)[:10]), target.lm_head.weight)
-    p_sub = torch.exp(final @ sub.head_rows.T - lse[:, None])
-    p_full = torch.softmax(final @ target.lm_head.weight.T, -1)[:, torch.arange(0, V, 6)[:10]]
+    p_sub = torch.exp(final[plen:] @ sub.head_rows.T - lse[plen:, None])
+    p_full = torch.softmax(final[plen:] @ target.lm_head.weight.T, -1)[:, torch.arange(0, V, 6)[:10]]
     torch.testing.assert_close(p_sub, p_full, rtol=1e-4, atol=1e-6)
+    assert lse[:plen].isnan().all()             # prompt rows: never read by training, not computed
     assert sub.t2d[6].item() == 1 and sub.t2d[1].item() == -1
 
 

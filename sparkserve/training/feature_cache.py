@@ -47,13 +47,22 @@ def logsumexp_rows(head_weight: torch.Tensor, hidden: torch.Tensor, chunk: int =
 
 
 def write_lse(path: str, head_weight: torch.Tensor, chunk_tokens: int = 8192) -> None:
-    """Add lse.npy (teacher log-normaliser per token, computed from final.npy) to a cache."""
+    """Add lse.npy (teacher log-normaliser per token, computed from final.npy) to a cache.
+    Only response rows are computed (training reads the teacher at positions >= the prompt
+    length; prompts are ~half the tokens of chat data and the full-vocab head dominates the
+    cost); prompt rows hold NaN so that a reader of them fails loudly."""
     final = np.load(os.path.join(path, "final.npy"), mmap_mode="r")
+    with open(os.path.join(path, "index.json")) as f:
+        idx = json.load(f)
+    rows = np.concatenate([np.arange(o + p, o + n) for o, n, p in
+                           zip(idx["offsets"], idx["lengths"], idx["prompt_lens"])] + [np.empty(0, np.int64)])
     tmp = os.path.join(path, "lse.tmp.npy")
     lse = np.lib.format.open_memmap(tmp, "w+", np.float32, (final.shape[0],))
-    for i in tqdm(range(0, final.shape[0], chunk_tokens), desc="teacher lse", unit="chunk"):
-        rows = torch.from_numpy(np.asarray(final[i:i + chunk_tokens], dtype=np.float32))
-        lse[i:i + len(rows)] = logsumexp_rows(head_weight, rows).numpy()
+    lse[:] = np.nan
+    for i in tqdm(range(0, len(rows), chunk_tokens), desc="teacher lse", unit="chunk"):
+        r = rows[i:i + chunk_tokens]
+        hidden = torch.from_numpy(np.asarray(final[r], dtype=np.float32))
+        lse[r] = logsumexp_rows(head_weight, hidden).numpy()
     lse.flush()
     del lse
     os.replace(tmp, os.path.join(path, "lse.npy"))
