@@ -113,7 +113,10 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
             cache = FeatureCache.open(features)
         counts = cache.response_token_counts(engine.model_config.vocab_size)
         vocab, coverage = select_draft_vocab(counts, dcfg["draft_vocab_size"], engine.tokenizer.eos_token_ids)
-        print(f"draft vocab: {len(vocab)} ids cover {coverage:.2%} of response tokens")
+        if os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt")):
+            print("draft vocab: resuming, the checkpoint's vocab is kept")
+        else:
+            print(f"draft vocab: {len(vocab)} ids cover {coverage:.2%} of response tokens")
     draft = init_dspark_draft(dcfg, target, vocab=vocab)
     if cfg.markov_init and not os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt")):
         from sparkserve.training.markov_init import fit_markov_head
