@@ -1,4 +1,4 @@
-"""The C++ block kernels (sparkserve.kernels): y = x @ W.T straight from Q4_1 / Q8_0 / BF16 blocks.
+"""The C++ block kernels (sparkserve.kernels): y = x @ W.T straight from Q4_1 / Q8_0 / BF16 / F16 blocks.
 
 They must compute on exactly the values gguf-py's `dequantize` gives (checked bit for bit on the
 embedded GGUF) and differ from F.linear on the dequantized weight only by summation order; the
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkserve import kernels
-from sparkserve.kernels import BF16, BLOCK_BYTES, Q4_1, Q8_0, BlockWeight
+from sparkserve.kernels import BF16, BLOCK_BYTES, F16, Q4_1, Q8_0, BlockWeight
 from sparkserve.layers import linear as linear_mod
 from sparkserve.layers.linear import FusedLinear, Linear
 from sparkserve.loader.gguf_file import open_gguf
@@ -36,11 +36,12 @@ def built():
 
 
 def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> BlockWeight:
-    """Random block data with finite scales: random nibbles / int8 / bf16, fp16 d and m drawn
+    """Random block data with finite scales: random nibbles / int8 / bf16 / fp16, fp16 d and m drawn
     around 0.02 (both signs) so every code path of the expansion is exercised."""
     g = torch.Generator().manual_seed(seed)
-    if qtype == BF16:
-        return BlockWeight.from_bf16(torch.randn(n, k, generator=g).to(torch.bfloat16))
+    if qtype in (BF16, F16):
+        half = torch.bfloat16 if qtype == BF16 else torch.float16
+        return BlockWeight.from_half(torch.randn(n, k, generator=g).to(half))
     nb = k // 32
     b = torch.randint(0, 256, (n, nb, BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=g)
     d = (torch.randn(n, nb, generator=g) * 0.02).to(torch.float16)
@@ -61,7 +62,7 @@ def assert_close_to_linear(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bi
 # M covers both schemes of quant_linear (register expansion below 8 rows, expanded panels from 8)
 # and every mix of 4- and 3-row x tiles; N every tail of a 3-row panel; K one chunk, several, and
 # a last chunk of a single block (800 = 768 + 32).
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, BF16], ids=["Q4_1", "Q8_0", "BF16"])
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, BF16, F16], ids=["Q4_1", "Q8_0", "BF16", "F16"])
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (33, 96), (257, 576), (61, 1536), (5, 800)])
 def test_kernel_matches_linear_on_dequantized_weight(qtype, n, k):
     w = random_blocks(qtype, n, k, seed=n + k)
@@ -131,18 +132,20 @@ def test_gguf_model_linears_carry_matching_blocks(smollm2_engine):
     assert model.model.layers[0].self_attn.qkv_proj._blocks.qtype == Q4_1
 
 
-def test_hf_bf16_checkpoint_runs_on_bf16_blocks(tmp_path):
-    """An HF checkpoint stored in bf16: every Linear (fused ones and the tied LM head included)
-    keeps the exact bf16 values as blocks, and small-M outputs match F.linear on the fp32 weight."""
+@pytest.mark.parametrize("dtype,qtype", [(torch.bfloat16, BF16), (torch.float16, F16)], ids=["bf16", "fp16"])
+def test_hf_half_checkpoint_runs_on_half_blocks(dtype, qtype, tmp_path):
+    """An HF checkpoint stored in bf16 or fp16 (as drafts ship): every Linear (fused ones and the
+    tied LM head included) keeps the exact half values as blocks, and small-M outputs match
+    F.linear on the fp32 weight."""
     from safetensors.torch import load_file, save_file
     from conftest import make_tiny_checkpoint
     from sparkserve.models.registry import load_model
-    path = make_tiny_checkpoint("qwen3", str(tmp_path / "bf16"))
+    path = make_tiny_checkpoint("qwen3", str(tmp_path / "half"))
     st = os.path.join(path, "model.safetensors")
-    save_file({k: v.to(torch.bfloat16) for k, v in load_file(st).items()}, st, metadata={"format": "pt"})
+    save_file({k: v.to(dtype) for k, v in load_file(st).items()}, st, metadata={"format": "pt"})
     model = load_model(path)
     lins = [m for m in model.modules() if isinstance(m, Linear)]
-    assert lins and all(m._blocks is not None and m._blocks.qtype == BF16 for m in lins)
+    assert lins and all(m._blocks is not None and m._blocks.qtype == qtype for m in lins)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

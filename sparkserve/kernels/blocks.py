@@ -5,6 +5,7 @@ Formats (ggml's, as gguf-py dequantizes them), 32 weights per block:
                  high nibbles 16..31; w = d*q + m.
   Q8_0 (type 8), 34 bytes: fp16 d, 32 int8; w = d*q.
   BF16 (type 30), 64 bytes: 32 bf16 values; w = their fp32 widening.
+  F16 (type 1),   64 bytes: 32 fp16 values; w = their fp32 widening (exact).
 Row operations (q|k|v concatenation, llama.cpp's q/k rope permutation) act on whole block rows."""
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-Q4_1, Q8_0, BF16 = 3, 8, 30
-BLOCK_BYTES = {Q4_1: 20, Q8_0: 34, BF16: 64}
-TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+Q4_1, Q8_0, BF16, F16 = 3, 8, 30, 1
+BLOCK_BYTES = {Q4_1: 20, Q8_0: 34, BF16: 64, F16: 64}
+TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16", F16: "F16"}
+_HALF_TYPES = {torch.bfloat16: BF16, torch.float16: F16}
 
 
 @dataclass
@@ -60,11 +62,17 @@ class BlockWeight:
         return cls(int(qtype), torch.from_numpy(raw.copy()), k)
 
     @classmethod
-    def from_bf16(cls, w: torch.Tensor) -> "BlockWeight":
-        if w.dtype != torch.bfloat16 or w.dim() != 2:
-            raise ValueError("from_bf16 needs a 2-D bfloat16 tensor")
+    def from_half(cls, w: torch.Tensor) -> "BlockWeight":
+        """A 2-D bf16 or fp16 tensor, its values kept exactly (BF16 or F16 blocks)."""
+        if w.dtype not in _HALF_TYPES or w.dim() != 2:
+            raise ValueError("from_half needs a 2-D bfloat16 or float16 tensor")
         n, k = w.shape
-        return cls(BF16, w.contiguous().view(torch.uint8).reshape(n, 2 * k).clone(), k)
+        return cls(_HALF_TYPES[w.dtype], w.contiguous().view(torch.uint8).reshape(n, 2 * k).clone(), k)
+
+    @staticmethod
+    def half_type(t: torch.Tensor) -> int | None:
+        """The block type that holds `t` exactly, if it is a half-precision 2-D tensor."""
+        return _HALF_TYPES.get(t.dtype) if t.dim() == 2 else None
 
     def rows(self, index: torch.Tensor | np.ndarray) -> "BlockWeight":
         """The block rows `index` (a permutation or selection of output rows)."""
@@ -84,8 +92,9 @@ class BlockWeight:
         """fp32 [N, K], bit-identical to gguf-py's `dequantize` (reference for the kernels)."""
         n, k = self.shape
         b = self.blocks.view(n, k // 32, BLOCK_BYTES[self.qtype])
-        if self.qtype == BF16:
-            return b.reshape(n, k, 2).contiguous().view(torch.bfloat16).reshape(n, k).float()
+        if self.qtype in (BF16, F16):
+            half = torch.bfloat16 if self.qtype == BF16 else torch.float16
+            return b.reshape(n, k, 2).contiguous().view(half).reshape(n, k).float()
         d = b[..., 0:2].contiguous().view(torch.float16).float()          # [n, nb, 1]
         if self.qtype == Q8_0:
             q = b[..., 2:].contiguous().view(torch.int8).float()

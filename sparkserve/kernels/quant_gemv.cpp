@@ -1,6 +1,6 @@
 // y = x @ W.T for decode-sized M, fp32 activations and fp32 accumulation, W read straight from its
-// GGUF block format (Q4_1, Q8_0) or bf16. Each weight block is expanded to exactly the fp32 values
-// gguf-py's `dequantize` gives (Q4_1: d*q + m, Q8_0: d*q, bf16: the top half of an fp32), so
+// GGUF block format (Q4_1, Q8_0), bf16 or fp16. Each weight block is expanded to exactly the fp32 values
+// gguf-py's `dequantize` gives (Q4_1: d*q + m, Q8_0: d*q, bf16: the top half of an fp32, fp16: F16C), so
 // results differ from F.linear on the dequantized weight only by summation order. The quantized
 // weights are streamed once for all M rows. Two schemes:
 //  - M < kPanelMinM (decode, small verify blocks): blocks are expanded in registers and used at
@@ -32,6 +32,7 @@ using sparkserve::hsum;
 constexpr int kQ4_1 = 3;
 constexpr int kQ8_0 = 8;
 constexpr int kBF16 = 30;
+constexpr int kF16 = 1;
 
 // Bytes per 32 weights.
 constexpr int block_bytes(int qt) { return qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : 64; }
@@ -84,6 +85,12 @@ inline void expand<kBF16>(const uint8_t* blk, __m256 w[4]) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * j));
     w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+}
+
+template <>
+inline void expand<kF16>(const uint8_t* blk, __m256 w[4]) {
+  for (int j = 0; j < 4; ++j)
+    w[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * j)));
 }
 
 // ---- Small M: expansion in registers ----
@@ -285,7 +292,7 @@ void pack_tiles(const float* x, int64_t M, int64_t K, float* out) {
 // x: [M, K] float32; w: [N, K/32 * block_bytes] uint8 (one row of blocks per output row);
 // bias: optional [N] float32. Returns [M, N] float32.
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias) {
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kBF16, "quant_linear: unsupported type ", qtype);
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kBF16 || qtype == kF16, "quant_linear: unsupported type ", qtype);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -317,6 +324,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional
       switch (qtype) {
         case kQ4_1: panels<kQ4_1>(wp, row_bytes, p0, p1, xq, M, K, yp, N, bp); break;
         case kQ8_0: panels<kQ8_0>(wp, row_bytes, p0, p1, xq, M, K, yp, N, bp); break;
+        case kF16: panels<kF16>(wp, row_bytes, p0, p1, xq, M, K, yp, N, bp); break;
         default: panels<kBF16>(wp, row_bytes, p0, p1, xq, M, K, yp, N, bp); break;
       }
     });
@@ -334,6 +342,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional
     switch (qtype) {
       case kQ4_1: rows<kQ4_1>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); break;
       case kQ8_0: rows<kQ8_0>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); break;
+      case kF16: rows<kF16>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); break;
       default: rows<kBF16>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); break;
     }
   });

@@ -2,7 +2,7 @@
 llama.cpp stores llama q/k rows permuted for its rope; we undo that so one model code path
 serves GGUF and HF checkpoints alike.
 
-2-D weights in a format the block kernels read (Q4_1, Q8_0, BF16) also carry their raw blocks
+2-D weights in a format the block kernels read (Q4_1, Q8_0, BF16, F16) also carry their raw blocks
 (`loader.weights.with_blocks`), permuted the same way, so the Linear layers can decode from them."""
 from __future__ import annotations
 

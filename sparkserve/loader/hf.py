@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from sparkserve.config import ModelConfig
-from sparkserve.kernels.blocks import BF16, BlockWeight
+from sparkserve.kernels.blocks import BlockWeight
 from sparkserve.loader.weights import with_blocks
 
 
@@ -37,6 +37,7 @@ def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
-                # bf16 matrices keep their exact bf16 form for the small-M kernel (linear.py)
-                blocks = BlockWeight.from_bf16(t) if t.dtype == torch.bfloat16 and BlockWeight.supports(BF16, t.shape) else None
+                # bf16 / fp16 matrices keep their exact half form for the small-M kernel (linear.py)
+                qtype = BlockWeight.half_type(t)
+                blocks = BlockWeight.from_half(t) if qtype and BlockWeight.supports(qtype, t.shape) else None
                 yield name, with_blocks(t.float(), blocks)
