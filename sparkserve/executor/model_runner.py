@@ -75,11 +75,21 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(logits_rows), vocab] in fp32."""
-        hidden = self.model(batch.input_ids, batch.positions, batch)
+        hidden = self.hidden_states(batch)
         if batch.logits_rows is None or batch.logits_rows.numel() == 0:
             return hidden.new_empty(0, 0)
         if batch.logits_rows.numel() != hidden.shape[0]:
             hidden = hidden[batch.logits_rows]
+        return self.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final normed hidden state of every row, no LM head: VERIFY asks compute_logits
+        only for the rows acceptance reads."""
+        return self.model(batch.input_ids, batch.positions, batch)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

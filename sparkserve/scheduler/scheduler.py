@@ -258,12 +258,12 @@ class Scheduler:
 
     @torch.inference_mode()
     def _verify_forward(self, fb, sched: list[ScheduledReq]) -> VerifyLogits:
-        """The VERIFY forward without the LM head (ModelRunner.forward minus compute_logits):
-        acceptance asks for the logits rows it reads, the ones after a rejection are skipped."""
-        hidden = self.runner.model(fb.input_ids, fb.positions, fb)
+        """The VERIFY forward without the LM head: acceptance asks for the logits rows it reads,
+        the ones after a rejection are skipped."""
+        hidden = self.runner.hidden_states(fb)
         lens = [len(sr.tokens) for sr in sched]
         starts = [sum(lens[:i]) for i in range(len(lens))]
-        return VerifyLogits(self.runner.model.compute_logits, hidden, starts, lens)
+        return VerifyLogits(self.runner.compute_logits, hidden, starts, lens)
 
     def _verify_and_commit(self, reqs: list[Req], sched: list[ScheduledReq], props: dict,
                            fb, logits: VerifyLogits) -> list[ReqOutput]:
