@@ -80,12 +80,8 @@ def test_kernel_matches_sdpa(ext, ratio, D, kv_start, window):
         assert err <= 1e-5, f"B={B} lens={seq_lens}: max |diff| {err:.3g}"
 
 
-def test_paged_attention_takes_kernel_in_decode(ext, monkeypatch):
-    """PagedAttention.forward in a decode batch: writes the new K/V, calls the kernel, and
-    returns what its SDPA path returns (windowed and not)."""
-    g = torch.Generator().manual_seed(7)
-    H, Hkv, D = 9, 3, 64
-    seq_lens = [1, 17, 33, 4]
+def random_paged_kv(seq_lens: list[int], Hkv: int, D: int, g: torch.Generator):
+    """A one-layer KV pool of random rows and a token table giving each request scattered slots."""
     B, lmax = len(seq_lens), max(seq_lens)
     pool = KVPool(200, 1, Hkv, D)
     pool.k[0].normal_(generator=g)
@@ -94,6 +90,17 @@ def test_paged_attention_takes_kernel_in_decode(ext, monkeypatch):
     free = 1 + torch.randperm(199, generator=g)
     for b, n in enumerate(seq_lens):
         table[b, :n] = free[b * lmax:b * lmax + n]
+    return pool, table
+
+
+def test_paged_attention_takes_kernel_in_decode(ext, monkeypatch):
+    """PagedAttention.forward in a decode batch: writes the new K/V, calls the kernel, and
+    returns what its SDPA path returns (windowed and not)."""
+    g = torch.Generator().manual_seed(7)
+    H, Hkv, D = 9, 3, 64
+    seq_lens = [1, 17, 33, 4]
+    B = len(seq_lens)
+    pool, table = random_paged_kv(seq_lens, Hkv, D, g)
     batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(B, dtype=torch.long), torch.tensor(seq_lens) - 1,
                          table[torch.arange(B), torch.tensor(seq_lens) - 1], [1] * B, seq_lens, table, pool)
     q = torch.randn(B, H, D, generator=g)
@@ -168,14 +175,8 @@ def test_paged_attention_takes_kernel_in_verify(ext, monkeypatch):
     g = torch.Generator().manual_seed(11)
     H, Hkv, D = 9, 3, 64
     seq_lens, q_lens = [8, 30, 13], [8, 5, 1]
-    B, lmax = len(seq_lens), max(seq_lens)
-    pool = KVPool(200, 1, Hkv, D)
-    pool.k[0].normal_(generator=g)
-    pool.v[0].normal_(generator=g)
-    table = torch.zeros(B, lmax, dtype=torch.long)
-    free = 1 + torch.randperm(199, generator=g)
-    for b, n in enumerate(seq_lens):
-        table[b, :n] = free[b * lmax:b * lmax + n]
+    B = len(seq_lens)
+    pool, table = random_paged_kv(seq_lens, Hkv, D, g)
     pos = torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, q_lens)])
     loc = torch.cat([table[b, s - n:s] for b, (s, n) in enumerate(zip(seq_lens, q_lens))])
     T = sum(q_lens)

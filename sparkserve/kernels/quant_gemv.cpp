@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -287,6 +288,17 @@ void pack_tiles(const float* x, int64_t M, int64_t K, float* out) {
   }
 }
 
+// Calls f with the block type as a compile-time constant (std::integral_constant<int, QT>).
+template <typename F>
+void by_type(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_1: f(std::integral_constant<int, kQ4_1>{}); break;
+    case kQ8_0: f(std::integral_constant<int, kQ8_0>{}); break;
+    case kF16: f(std::integral_constant<int, kF16>{}); break;
+    default: f(std::integral_constant<int, kBF16>{}); break;
+  }
+}
+
 }  // namespace
 
 // x: [M, K] float32; w: [N, K/32 * block_bytes] uint8 (one row of blocks per output row);
@@ -321,12 +333,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional
     const int64_t P = (N + kNR - 1) / kNR;   // panels, at least ~32 KiB of weights per task
     const int64_t grain = std::max<int64_t>(1, (32 << 10) / (row_bytes * kNR));
     at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-      switch (qtype) {
-        case kQ4_1: panels<kQ4_1>(wp, row_bytes, p0, p1, xq, M, K, yp, N, bp); break;
-        case kQ8_0: panels<kQ8_0>(wp, row_bytes, p0, p1, xq, M, K, yp, N, bp); break;
-        case kF16: panels<kF16>(wp, row_bytes, p0, p1, xq, M, K, yp, N, bp); break;
-        default: panels<kBF16>(wp, row_bytes, p0, p1, xq, M, K, yp, N, bp); break;
-      }
+      by_type(qtype, [&](auto qt) { panels<qt.value>(wp, row_bytes, p0, p1, xq, M, K, yp, N, bp); });
     });
     return y;
   }
@@ -339,12 +346,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional
   // At least ~32 KiB of weights per task: small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    switch (qtype) {
-      case kQ4_1: rows<kQ4_1>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); break;
-      case kQ8_0: rows<kQ8_0>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); break;
-      case kF16: rows<kF16>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); break;
-      default: rows<kBF16>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); break;
-    }
+    by_type(qtype, [&](auto qt) { rows<qt.value>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); });
   });
   return y;
 }
