@@ -23,6 +23,8 @@ class ServerArgs:
     mem_fraction_static: float = field(default=0.05, metadata={"help": "fraction of RAM for the KV pool on CPU"})
     page_size: int = field(default=1, metadata={"help": "tokens per KV page"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "turn off prefix caching"})
+    enable_return_hidden_states: bool = field(default=False, metadata={
+        "help": "let requests ask for their final (and tapped aux) hidden states; needs --disable-radix-cache"})
     # scheduling
     max_running_requests: int = field(default=64, metadata={"help": "max requests decoding at once"})
     chunked_prefill_size: int = field(default=512, metadata={"help": "max prompt tokens per prefill step (-1: no chunking)"})
@@ -87,6 +89,9 @@ class ServerArgs:
             need(self.speculative_draft_model_path is None,
                  "--speculative-draft-model-path needs --speculative-algorithm DSPARK")
         need(os.path.exists(self.model_path), f"--model-path {self.model_path} does not exist")
+        need(not self.enable_return_hidden_states or self.disable_radix_cache,
+             "--enable-return-hidden-states needs --disable-radix-cache: a prompt prefix served from the "
+             "cache is not recomputed, so it has no hidden states to return")
         need(self.disaggregation_mode == "null",
              f"--disaggregation-mode {self.disaggregation_mode}: PD disaggregation is not built yet; use null")
         need(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")

@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="comma-separated subset of prompts,distill,features,train,eval")
     tr.add_argument("--prompts-file", default=None, help="JSONL prompts (default: ShareGPT minus the held-out 2,000)")
     tr.add_argument("--num-prompts", type=int, default=2000)
+    tr.add_argument("--prompts-offset", type=int, default=0,
+                    help="skip this many training prompts (add data in a new run without repeating prompts)")
+    tr.add_argument("--extra-features", default=None,
+                    help="comma-separated feature caches (other runs' OUT/features) to train on as well")
     tr.add_argument("--max-new-tokens", type=int, default=256, help="distillation answer length")
     tr.add_argument("--temperature", type=float, default=0.0, help="distillation temperature")
     tr.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts when distilling")
@@ -54,6 +58,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="weight of the cross-entropy term (DeepSpec: 0.1 CE + 0.9 L1 + 1.0 BCE)")
     tr.add_argument("--no-markov-init", action="store_true",
                     help="start the Markov head at random instead of the responses' bigram fit")
+    tr.add_argument("--val-prompts", type=int, default=64,
+                    help="held-out prompts distilled for validation: training logs their greedy tau "
+                         "and keeps the best draft in OUT/draft/best (0 = no validation)")
+    tr.add_argument("--val-every", type=int, default=250, help="validate every N training steps")
+    tr.add_argument("--val-seqs", type=int, default=48, help="validation sequences scored each time")
+    tr.add_argument("--train-lm-head", action="store_true",
+                    help="also train a reduced-vocab draft's LM head (default: frozen, as DeepSpec)")
     tr.add_argument("--eval-prompts", type=int, default=32)
     tr.add_argument("--eval-max-new-tokens", type=int, default=128)
     return p
@@ -89,14 +100,18 @@ def _train_draft(ns: argparse.Namespace) -> int:
     taps = [int(x) for x in ns.target_layer_ids.split(",")] if ns.target_layer_ids else None
     cfg = PipelineConfig(
         model_path=ns.model_path, out=ns.out, prompts_file=ns.prompts_file, num_prompts=ns.num_prompts,
+        prompts_offset=ns.prompts_offset,
+        extra_features=[d for d in (ns.extra_features or "").split(",") if d],
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, num_layers=ns.num_layers,
         max_prompt_tokens=ns.max_prompt_tokens,
         block_size=ns.block_size, markov_rank=ns.markov_rank, target_layer_ids=taps,
         draft_vocab_size=ns.draft_vocab_size or None,
         eval_prompts=ns.eval_prompts, eval_max_new_tokens=ns.eval_max_new_tokens, markov_init=not ns.no_markov_init,
+        val_prompts=ns.val_prompts,
         train={"steps": ns.steps, "lr": ns.lr, "seqs_per_step": ns.seqs_per_step,
                "anchors_per_seq": ns.anchors_per_seq, "final_norm_lr_mult": ns.final_norm_lr_mult,
-               "ce_weight": ns.ce_weight})
+               "ce_weight": ns.ce_weight, "val_every": ns.val_every, "val_seqs": ns.val_seqs,
+               "train_lm_head": ns.train_lm_head})
     run_pipeline(cfg, [s.strip() for s in ns.stages.split(",") if s.strip()])
     return 0
 

@@ -4,11 +4,12 @@ the evaluation runs the trained draft through the serving path."""
 import json
 import os
 
+import pytest
 import torch
 
 from sparkserve import Engine
 from sparkserve.cli import main
-from sparkserve.training.feature_cache import FeatureCache
+from sparkserve.training.feature_cache import FeatureCache, capture
 
 PROMPTS = ["Name a colour.", "What is 2 + 2?", "Say hello in French.", "Write one word."]
 
@@ -20,17 +21,33 @@ def test_train_draft_cli_end_to_end(tmp_path):
     out = str(tmp_path / "run")
     common = ["train-draft", "--out", out, "--prompts-file", str(pfile), "--max-new-tokens", "12",
               "--seqs-per-step", "2", "--anchors-per-seq", "4", "--draft-vocab-size", "512",
-              "--markov-rank", "16"]
+              "--markov-rank", "16", "--val-prompts", "1", "--val-every", "1"]
     assert main(common + ["--stages", "prompts,distill,features,train", "--steps", "2"]) == 0
+    # the last prompt of the file is validation data: distilled and captured, never trained on
     rows = [json.loads(line) for line in open(os.path.join(out, "distill.jsonl"))]
-    assert len(rows) == len(PROMPTS)
+    val_rows = [json.loads(line) for line in open(os.path.join(out, "val", "distill.jsonl"))]
+    assert len(rows) == len(PROMPTS) - 1 and len(val_rows) == 1
     eng = Engine(None)
     want = eng.generate(messages=[[{"role": "user", "content": p}] for p in PROMPTS],
                         sampling_params={"temperature": 0, "max_new_tokens": 12})
-    assert [r["output_ids"] for r in rows] == [w["output_ids"] for w in want]
+    assert [r["output_ids"] for r in rows + val_rows] == [w["output_ids"] for w in want]
     cache = FeatureCache.open(os.path.join(out, "features"))
-    assert len(cache) == len(PROMPTS)
+    assert len(cache) == len(PROMPTS) - 1
     assert cache.sequence(0)[0].tolist() == rows[0]["prompt_ids"] + rows[0]["output_ids"]
+    # the cache comes from the rows the engine computed while distilling (no second pass):
+    # they equal a fresh prefill capture; the last token, never run, has a NaN row
+    taps_ids = cache.target_layer_ids
+    for i in range(len(cache)):
+        tokens, taps, final, _ = cache.sequence(i)
+        want_taps, want_final = capture(eng.scheduler.runner.model, [tokens.tolist()], taps_ids)[0]
+        torch.testing.assert_close(taps[:-1], want_taps[:-1].half().float(), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(final[:-1], want_final[:-1].half().float(), atol=2e-2, rtol=1e-2)
+        assert taps[-1].isnan().all() and final[-1].isnan().all()
+    val = FeatureCache.open(os.path.join(out, "val", "features"))
+    assert val.sequence(0)[0].tolist() == val_rows[0]["prompt_ids"] + val_rows[0]["output_ids"]
+    logged = [json.loads(line) for line in open(os.path.join(out, "draft", "train_log.jsonl"))]
+    assert [r["step"] for r in logged if "val_tau" in r] == [1, 2]
+    assert os.path.exists(os.path.join(out, "draft", "best", "model.safetensors"))
 
     # resume: the train stage picks up at step 2 and runs to 3
     assert main(common + ["--stages", "train", "--steps", "3"]) == 0
@@ -38,7 +55,17 @@ def test_train_draft_cli_end_to_end(tmp_path):
     cfg = json.load(open(os.path.join(out, "draft", "config.json")))
     assert cfg["draft_vocab_size"] == 512 and cfg["block_size"] == 7
 
+    # a second run trains on the first run's cache (data grown over several runs)
+    more = str(tmp_path / "more")
+    assert main(["train-draft", "--out", more, "--stages", "train", "--steps", "1", "--seqs-per-step", "2",
+                 "--anchors-per-seq", "4", "--draft-vocab-size", "512", "--markov-rank", "16",
+                 "--extra-features", os.path.join(out, "features")]) == 0
+    assert os.path.exists(os.path.join(more, "draft", "model.safetensors"))
+
     assert main(common + ["--stages", "eval", "--eval-prompts", "1", "--eval-max-new-tokens", "8"]) == 0
     ev = json.load(open(os.path.join(out, "eval.json")))
+    assert ev.pop("draft") == os.path.join(out, "draft", "best")
+    best = max(r["val_tau"] for r in logged if "val_tau" in r)
+    assert ev.pop("val_greedy_offline")["tau"] == pytest.approx(best)     # all of val = val_seqs
     assert set(ev) == {"sharegpt_heldout_T0", "sharegpt_heldout_T1", "humaneval_T0", "humaneval_T1"}
     assert all(v["cycles"] > 0 and 1.0 <= v["tau"] <= 8.0 for v in ev.values()), ev

@@ -9,9 +9,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from sparkserve import Engine
 from sparkserve.config import ModelConfig
-from sparkserve.models.dspark_draft import dspark_config_dict, init_dspark_draft
+from sparkserve.models.dspark_draft import dspark_config_dict, init_dspark_draft, load_dspark_draft
 from sparkserve.training.feature_cache import FeatureCache, build_feature_cache, capture
 from sparkserve.training.train_dspark import TrainConfig, train
+from sparkserve.training.validate import accepted_prefix, greedy_acceptance
 
 V = 64
 
@@ -102,6 +103,59 @@ def test_training_learns_and_serves_losslessly(bigram_target, distilled, tmp_pat
     assert trained >= untrained + 0.3, (untrained, trained, spec.scheduler.accept_hist)
 
 
+def _offline_walk_hist(draft, cache, num_seqs: int, max_new: int) -> dict[int, int]:
+    """Greedy serving, replayed: a cycle anchored at position a verifies at most
+    S - a - 2 drafts (room for the bonus), accepts the matching prefix and moves to the
+    bonus; the last token of a request is a plain decode step."""
+    hist: dict[int, int] = {}
+    for i in range(num_seqs):
+        tokens, taps, _, plen = cache.sequence(i)
+        S = plen + max_new
+        assert len(tokens) == S
+        n, _ = accepted_prefix(draft, tokens, taps, torch.arange(plen, S - 2))
+        a = plen
+        while a < S - 2:
+            acc = min(int(n[a - plen]), S - a - 2)
+            hist[acc] = hist.get(acc, 0) + 1
+            a += acc + 1
+    return hist
+
+
+def test_offline_acceptance_replays_serving(bigram_target, distilled, tmp_path):
+    """The offline validator replays greedy serving from the feature cache: every verify cycle
+    of the engine accepts exactly the drafts it predicts at that anchor (a half-trained draft,
+    so that accept lengths vary)."""
+    path, _ = bigram_target
+    eng, target, _, fc_dir, prompts, outs, _ = distilled
+    out = str(tmp_path / "draft")
+    dcfg = distilled[2]
+    train(init_dspark_draft(dcfg, target), FeatureCache.open(fc_dir), out,
+          TrainConfig(steps=30, seqs_per_step=4, anchors_per_seq=16, lr=1e-2, save_every=30))
+    spec = Engine(path, max_total_tokens=4096, speculative_algorithm="DSPARK", speculative_draft_model_path=out)
+    spec.generate(input_ids=prompts[:8], sampling_params={"temperature": 0, "max_new_tokens": 32, "ignore_eos": True})
+    hist = spec.scheduler.accept_hist
+    assert len(hist) >= 3, hist
+    assert _offline_walk_hist(load_dspark_draft(out, target), FeatureCache.open(fc_dir), 8, 32) == hist
+
+
+def test_greedy_acceptance_counts_slots(distilled, tmp_path):
+    """tau and per-slot rates from the per-anchor prefixes, on an oracle-free random draft."""
+    _, target, dcfg, fc_dir, *_ = distilled
+    draft = init_dspark_draft(dcfg, target)
+    cache = FeatureCache.open(fc_dir)
+    res = greedy_acceptance(draft, cache, max_seqs=3, anchors_per_chunk=5)
+    ns, vs = [], []
+    for i in range(3):
+        tokens, taps, _, plen = cache.sequence(i)
+        n, v = accepted_prefix(draft, tokens, taps, torch.arange(plen, len(tokens) - 1))
+        ns += n.tolist()
+        vs += v.tolist()
+    assert res["blocks"] == len(ns)
+    assert res["tau"] == pytest.approx(1 + sum(ns) / len(ns))
+    reached0 = sum(1 for v in vs if v > 0)
+    assert res["slot_accept"][0] == pytest.approx(sum(1 for n in ns if n > 0) / reached0)
+
+
 def _mean_accepted(hist: dict[int, int]) -> float:
     return sum(k * v for k, v in hist.items()) / sum(hist.values())
 
@@ -130,6 +184,27 @@ def test_training_updates_every_draft_weight(distilled, tmp_path):
     after = draft.state_dict()
     unchanged = sorted(k for k, v in before.items() if torch.equal(v, after[k]))
     assert unchanged == ["embed_tokens.weight", "lm_head.weight"], unchanged
+
+
+def test_concatenated_caches_read_as_one(distilled, tmp_path):
+    """Data added in a later run trains together with the first run's cache."""
+    _, target, dcfg, fc_dir, prompts, _, seqs = distilled
+    plens = [len(p) for p in prompts]
+    halves = []
+    for k, part in enumerate((slice(0, 20), slice(20, None))):
+        d = str(tmp_path / f"half{k}")
+        build_feature_cache(target, seqs[part], plens[part], dcfg["target_layer_ids"], d)
+        halves.append(d)
+    whole, both = FeatureCache.open(fc_dir), FeatureCache.open_all(halves)
+    assert len(both) == len(whole) == len(seqs)
+    for i in (0, 19, 20, len(seqs) - 1):
+        for a, b in zip(both.sequence(i), whole.sequence(i)):
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    assert torch.equal(both.response_token_counts(V), whole.response_token_counts(V))
+    other = str(tmp_path / "other_taps")
+    build_feature_cache(target, seqs[:2], plens[:2], [0], other)
+    with pytest.raises(ValueError, match="different target layers"):
+        FeatureCache.open_all([fc_dir, other])
 
 
 def test_heldout_split_is_disjoint():

@@ -35,16 +35,27 @@ class Engine:
                  sampling_params: dict | SamplingParams | Sequence[dict] | None = None,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  messages: Messages | Sequence[Messages] | None = None,
-                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 stream: bool = False, return_hidden_states: bool = False) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list, in order).
         Give exactly one of `prompt` (text), `input_ids` or `messages` (chat, template applied).
         With stream=True (single prompt), yields chunks {"text": delta, "output_ids": new ids,
-        "finished": bool, "meta_info": ...}."""
+        "finished": bool, "meta_info": ...}. return_hidden_states (engine started with
+        enable_return_hidden_states) adds meta_info "hidden_states" (final normed hidden state
+        of every position but the last output token) and, when the model captures aux layers
+        (set_aux_layers; a DSpark target does), "aux_hidden_states" (those layers, concatenated)."""
+        if return_hidden_states and not self.args.enable_return_hidden_states:
+            raise ValueError("return_hidden_states needs an engine started with enable_return_hidden_states=True "
+                             "(--enable-return-hidden-states)")
+        if return_hidden_states and stream:
+            raise ValueError("return_hidden_states is not available with stream=True")
         prompts, single = self._prompt_ids(prompt, input_ids, messages)
         params = params_list(sampling_params, len(prompts))
         for ids, p in zip(prompts, params):
             check_prompt(ids, p, self.limits)
         groups = [self._submit(ids, p) for ids, p in zip(prompts, params)]
+        if return_hidden_states:
+            for req in (r for g in groups for r in g):
+                req.hidden_parts = []
         if stream:
             if not single or len(groups[0]) != 1:
                 raise ValueError("stream=True takes a single prompt with n=1")
@@ -126,7 +137,13 @@ class Engine:
         if self.tokenizer is not None:
             out = OutputStream(self.tokenizer, req.params)
             text = out.push(req.output_ids, True)
-        return {"text": text, "output_ids": list(req.output_ids), "meta_info": self._meta(req)}
+        meta = self._meta(req)
+        if req.hidden_parts is not None:
+            meta["hidden_states"], aux = req.hidden_states()
+            if aux is not None:
+                meta["aux_hidden_states"] = aux
+            req.hidden_parts = None
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     @staticmethod
     def _meta(req: Req) -> dict:

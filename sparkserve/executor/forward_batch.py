@@ -42,6 +42,7 @@ class ForwardBatch:
     swa_kv_indices: torch.Tensor | None = None
     swa_kv_start: int = 0
     aux_hidden: list[torch.Tensor] = field(default_factory=list)
+    final_hidden: torch.Tensor | None = None  # [T, d] final normed hidden (ModelRunner.hidden_states)
     _meta: dict = field(default_factory=dict)
 
     @property

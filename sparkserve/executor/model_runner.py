@@ -86,7 +86,8 @@ class ModelRunner:
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         """The final normed hidden state of every row, no LM head: VERIFY asks compute_logits
         only for the rows acceptance reads."""
-        return self.model(batch.input_ids, batch.positions, batch)
+        batch.final_hidden = self.model(batch.input_ids, batch.positions, batch)
+        return batch.final_hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from sparkserve.executor.sampler import RequestSamplingState
 from sparkserve.sampling_params import SamplingParams
 
@@ -35,10 +37,28 @@ class Req:
     spec_idle: int = 0               # consecutive proposals whose verify budget came out 0
     spec_resume_at: int = 0          # draft again once len(output_ids) reaches this (back-off)
     arrival_time: float = field(default_factory=time.monotonic)
+    # return_hidden_states: (positions, final normed hidden, concatenated aux taps) of every
+    # forward that computed rows of this request; a recomputed position (retraction) comes again.
+    hidden_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
 
     @property
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    def hidden_states(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final [n, d], aux taps [n, n_taps*d] or None) for positions 0..n-1, n = prompt +
+        output - 1: the last output token is sampled, never run through the model. Rows
+        computed again after a retraction replace the first ones."""
+        n = len(self.input_ids) + len(self.output_ids) - 1
+        parts = self.hidden_parts or []
+        final = torch.full((n, parts[0][1].shape[-1] if parts else 0), float("nan"))
+        taps = None if not parts or parts[0][2] is None else torch.full((n, parts[0][2].shape[-1]), float("nan"))
+        for pos, f, t in parts:
+            keep = pos < n                  # drafts accepted past a stop are not output
+            final[pos[keep]] = f[keep].float()
+            if taps is not None:
+                taps[pos[keep]] = t[keep].float()
+        return final, taps
 
     @property
     def finished(self) -> bool:

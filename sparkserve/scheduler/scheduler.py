@@ -183,6 +183,8 @@ class Scheduler:
         self.forward_count[ForwardMode.EXTEND] += 1
         if self.spec is not None:       # every prompt row becomes draft context
             self.spec.inject(fb.aux_hidden, torch.arange(fb.num_tokens), fb.positions, fb.out_cache_loc)
+        starts = torch.cumsum(torch.tensor([0] + [n for _, _, n in batch]), 0).tolist()
+        self._keep_hidden(fb, [(req, range(o, o + n)) for (req, _, n), o in zip(batch, starts)])
         done = []
         for (req, _, n) in batch:
             req.kv_len += n
@@ -223,6 +225,7 @@ class Scheduler:
         reqs = list(self.running)
         if not props:
             self._inject_rows(fb, torch.arange(fb.num_tokens))
+            self._keep_hidden(fb, [(req, [i]) for i, req in enumerate(reqs)])
             for req in reqs:
                 req.kv_len += 1
                 self.cache.slide_window(req)
@@ -256,6 +259,17 @@ class Scheduler:
         if self.spec is not None:
             self.spec.inject(fb.aux_hidden, rows, fb.positions, fb.out_cache_loc)
 
+    @staticmethod
+    def _keep_hidden(fb, groups: list[tuple[Req, range | list[int]]]) -> None:
+        """return_hidden_states: each asking request keeps its committed rows of this forward
+        (final normed hidden state, and the aux taps when the model captures any)."""
+        for req, rows in groups:
+            if req.hidden_parts is None or not len(rows):
+                continue
+            idx = torch.as_tensor(list(rows))
+            taps = torch.cat([a[idx] for a in fb.aux_hidden], -1) if fb.aux_hidden else None
+            req.hidden_parts.append((fb.positions[idx], fb.final_hidden[idx], taps))
+
     @torch.inference_mode()
     def _verify_forward(self, fb, sched: list[ScheduledReq]) -> VerifyLogits:
         """The VERIFY forward without the LM head: acceptance asks for the logits rows it reads,
@@ -276,6 +290,7 @@ class Scheduler:
                                          [reqs[i].sampling for i in plain]) if plain else None)
         plain_pos = {i: j for j, i in enumerate(plain)}
         committed_rows: list[int] = []
+        kept_rows: list[tuple[Req, range]] = []
         kept: list[int] = []
         results: list[tuple[Req, list[int], list[float], list]] = []
         for i, req in enumerate(reqs):
@@ -290,6 +305,7 @@ class Scheduler:
                 req.spec_verify_ct += 1
                 self.accept_hist[n_acc] = self.accept_hist.get(n_acc, 0) + 1
             committed_rows.extend(range(starts[i], starts[i] + n_acc + 1))
+            kept_rows.append((req, range(starts[i], starts[i] + n_acc + 1)))
             kept.append(n_acc + 1)
             alloc_end = req.kv_len + len(sched[i].tokens)
             req.kv_len += n_acc + 1
@@ -297,6 +313,7 @@ class Scheduler:
             self.cache.slide_window(req)      # after the truncate: only committed tokens count
             results.append((req, toks, lps, tops))
         self._inject_rows(fb, torch.tensor(committed_rows))
+        self._keep_hidden(fb, kept_rows)
         self.runner.commit_verify(fb, kept)
         return [self._commit(req, toks, lps, tops, spec=id(req) in props) for req, toks, lps, tops in results]
 

@@ -93,9 +93,82 @@ def build_feature_cache(model, seqs: list[list[int]], prompt_lens: list[int], la
             i = j
     for a in (tokens, taps, final):
         a.flush()
+    write_index(out_dir, lens, prompt_lens, layer_ids, d)
+
+
+class RawFeatureLog:
+    """Feature rows captured while distilling (Engine return_hidden_states), appended as raw fp16
+    to DIR/taps.bin and DIR/final.bin in distill.jsonl's order, so the feature stage needs no
+    second pass of the target. A sequence of L tokens gets L rows: the model never runs its last
+    token (sampled, not fed back), whose row is NaN; training never reads it (the last anchor
+    is L-2, whose context ends at L-3 and whose teacher rows end at L-2)."""
+
+    def __init__(self, path: str, layer_ids: list[int], hidden_size: int, rows_done: int):
+        os.makedirs(path, exist_ok=True)
+        meta = {"target_layer_ids": list(layer_ids), "hidden_size": hidden_size}
+        with open(os.path.join(path, "meta.json"), "w") as f:
+            json.dump(meta, f)
+        self.files = {}
+        for name, width in (("taps.bin", len(layer_ids) * hidden_size), ("final.bin", hidden_size)):
+            fp = os.path.join(path, name)
+            open(fp, "ab").close()
+            os.truncate(fp, rows_done * width * 2)     # drop rows of a batch cut off mid-write
+            self.files[name] = open(fp, "ab")
+
+    def append(self, taps: torch.Tensor, final: torch.Tensor) -> int:
+        """Rows of one sequence but its last token; returns the rows written (tokens)."""
+        nan = torch.full((1,), float("nan"))
+        for name, x in (("taps.bin", taps), ("final.bin", final)):
+            rows = torch.cat([x.half(), nan.half().expand(1, x.shape[1])])
+            self.files[name].write(rows.numpy().tobytes())
+        return taps.shape[0] + 1
+
+    def flush(self) -> None:
+        for f in self.files.values():
+            f.flush()
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+    @staticmethod
+    def usable(path: str, layer_ids: list[int], rows: int) -> bool:
+        """The log holds exactly `rows` rows of these taps (else: capture by prefill)."""
+        try:
+            with open(os.path.join(path, "meta.json")) as f:
+                meta = json.load(f)
+        except OSError:
+            return False
+        d = meta["hidden_size"]
+        return (meta["target_layer_ids"] == list(layer_ids)
+                and os.path.getsize(os.path.join(path, "final.bin")) == rows * d * 2
+                and os.path.getsize(os.path.join(path, "taps.bin")) == rows * len(layer_ids) * d * 2)
+
+
+def feature_cache_from_log(log_dir: str, seqs: list[list[int]], prompt_lens: list[int],
+                           layer_ids: list[int], out_dir: str) -> None:
+    """The feature cache of a RawFeatureLog: the same files build_feature_cache writes."""
+    with open(os.path.join(log_dir, "meta.json")) as f:
+        d = json.load(f)["hidden_size"]
+    lens = [len(s) for s in seqs]
+    N = sum(lens)
+    os.makedirs(out_dir, exist_ok=True)
+    tokens = np.lib.format.open_memmap(os.path.join(out_dir, "tokens.npy"), "w+", np.int32, (N,))
+    tokens[:] = np.fromiter((t for s in seqs for t in s), np.int32, N)
+    for name, width in (("taps", len(layer_ids) * d), ("final", d)):
+        src = np.memmap(os.path.join(log_dir, f"{name}.bin"), np.float16, "r", shape=(N, width))
+        dst = np.lib.format.open_memmap(os.path.join(out_dir, f"{name}.npy"), "w+", np.float16, (N, width))
+        for i in range(0, N, 65536):
+            dst[i:i + 65536] = src[i:i + 65536]
+        dst.flush()
+    tokens.flush()
+    write_index(out_dir, lens, prompt_lens, layer_ids, d)
+
+
+def write_index(out_dir: str, lens: list[int], prompt_lens: list[int], layer_ids: list[int], d: int) -> None:
     with open(os.path.join(out_dir, "index.json"), "w") as f:
-        json.dump({"offsets": offsets, "lengths": lens, "prompt_lens": list(prompt_lens),
-                   "target_layer_ids": list(layer_ids), "hidden_size": d}, f)
+        json.dump({"offsets": np.cumsum([0] + lens[:-1]).tolist(), "lengths": lens,
+                   "prompt_lens": list(prompt_lens), "target_layer_ids": list(layer_ids), "hidden_size": d}, f)
 
 
 @dataclass
@@ -132,9 +205,60 @@ class FeatureCache:
         o, n = self.offsets[i], self.lengths[i]
         return torch.from_numpy(np.array(self.lse[o:o + n], dtype=np.float32))
 
+    def token_ids(self, i: int) -> tuple[np.ndarray, int]:
+        """(token ids, prompt length) of sequence i, without its features."""
+        o, n = self.offsets[i], self.lengths[i]
+        return np.asarray(self.tokens[o:o + n], dtype=np.int64), self.prompt_lens[i]
+
     def response_token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each id occurs in the responses: the training targets' frequencies."""
-        counts = np.zeros(vocab_size, dtype=np.int64)
-        for o, n, p in zip(self.offsets, self.lengths, self.prompt_lens):
-            counts += np.bincount(np.asarray(self.tokens[o + p:o + n]), minlength=vocab_size)[:vocab_size]
-        return torch.from_numpy(counts)
+        return response_token_counts(self, vocab_size)
+
+    @staticmethod
+    def open_all(paths: list[str]) -> "FeatureCache | ConcatFeatureCache":
+        caches = [FeatureCache.open(p) for p in paths]
+        return caches[0] if len(caches) == 1 else ConcatFeatureCache(caches)
+
+
+def response_token_counts(cache, vocab_size: int) -> torch.Tensor:
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for i in range(len(cache)):
+        toks, p = cache.token_ids(i)
+        counts += np.bincount(toks[p:], minlength=vocab_size)[:vocab_size]
+    return torch.from_numpy(counts)
+
+
+class ConcatFeatureCache:
+    """Several feature caches (e.g. a later distillation run added to an earlier one) read as
+    one: sequences are numbered through the caches in order. They must share their taps."""
+
+    def __init__(self, caches: list[FeatureCache]):
+        taps = {tuple(c.target_layer_ids) for c in caches}
+        if len(taps) != 1:
+            raise ValueError(f"feature caches captured different target layers: {sorted(taps)}")
+        self.caches = caches
+        self.target_layer_ids = caches[0].target_layer_ids
+        self.lse = caches[0].lse if all(c.lse is not None for c in caches) else None
+        self.starts = np.cumsum([0] + [len(c) for c in caches]).tolist()
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def _find(self, i: int) -> tuple[FeatureCache, int]:
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.caches[k], i - self.starts[k]
+
+    def sequence(self, i: int):
+        c, j = self._find(i)
+        return c.sequence(j)
+
+    def sequence_lse(self, i: int) -> torch.Tensor:
+        c, j = self._find(i)
+        return c.sequence_lse(j)
+
+    def token_ids(self, i: int) -> tuple[np.ndarray, int]:
+        c, j = self._find(i)
+        return c.token_ids(j)
+
+    def response_token_counts(self, vocab_size: int) -> torch.Tensor:
+        return response_token_counts(self, vocab_size)

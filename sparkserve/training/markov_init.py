@@ -15,11 +15,11 @@ from sparkserve.training.feature_cache import FeatureCache
 def response_bigrams(cache: FeatureCache) -> tuple[np.ndarray, np.ndarray]:
     """(prev, next) target ids for every response token (prev may be the last prompt token)."""
     prev, nxt = [], []
-    for o, n, p in zip(cache.offsets, cache.lengths, cache.prompt_lens):
-        toks = np.asarray(cache.tokens[o:o + n], dtype=np.int64)
+    for i in range(len(cache)):
+        toks, p = cache.token_ids(i)
         start = max(p, 1)
-        prev.append(toks[start - 1:n - 1])
-        nxt.append(toks[start:n])
+        prev.append(toks[start - 1:-1])
+        nxt.append(toks[start:])
     return np.concatenate(prev), np.concatenate(nxt)
 
 

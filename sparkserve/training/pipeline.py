@@ -19,6 +19,8 @@ class PipelineConfig:
     out: str
     prompts_file: str | None = None
     num_prompts: int = 2000
+    prompts_offset: int = 0                 # skip the first training prompts (grow data in runs)
+    extra_features: list[str] = field(default_factory=list)   # more caches to train on
     max_new_tokens: int = 256
     temperature: float = 0.0
     distill_batch: int = 32
@@ -31,31 +33,74 @@ class PipelineConfig:
     target_layer_ids: list[int] | None = None
     markov_init: bool = True                # Markov head starts as the responses' bigram fit
     eval_prompts: int = 32
+    # Held-out prompts distilled and captured too (DIR/val/): training scores the draft's greedy
+    # tau on them (train.val_every) and keeps the best draft in DIR/draft/best.
+    val_prompts: int = 0
     eval_max_new_tokens: int = 128
     train: dict = field(default_factory=dict)
 
 
-def _path(cfg: PipelineConfig, name: str) -> str:
-    return os.path.join(cfg.out, name)
+def _path(cfg: PipelineConfig, *names: str) -> str:
+    return os.path.join(cfg.out, *names)
+
+
+def _parts(cfg: PipelineConfig) -> list[str]:
+    """Data folders: DIR itself (training) and DIR/val when validation prompts were written."""
+    return [cfg.out] + ([_path(cfg, "val")] if os.path.exists(_path(cfg, "val", "prompts.jsonl")) else [])
 
 
 def stage_prompts(cfg: PipelineConfig) -> None:
+    """Training prompts, and cfg.val_prompts validation prompts that training never sees: the
+    last lines of --prompts-file, or the end of ShareGPT's held-out part (eval takes its start)."""
     from sparkserve.training.prompts import jsonl_prompts, split_sharegpt
-    out = _path(cfg, "prompts.jsonl")
-    if os.path.exists(out):
+    if os.path.exists(_path(cfg, "prompts.jsonl")) and (
+            not cfg.val_prompts or os.path.exists(_path(cfg, "val", "prompts.jsonl"))):
         return
-    prompts = jsonl_prompts(cfg.prompts_file) if cfg.prompts_file else split_sharegpt()[0]
-    with open(out, "w") as f:
-        for p in prompts[:cfg.num_prompts]:
-            f.write(json.dumps({"messages": p}) + "\n")
+    if cfg.prompts_file:
+        prompts = jsonl_prompts(cfg.prompts_file)
+        if cfg.val_prompts >= len(prompts):
+            raise ValueError(f"--val-prompts {cfg.val_prompts} leaves no training prompt in {cfg.prompts_file} "
+                             f"({len(prompts)} prompts): lower --val-prompts (0 = no validation)")
+        val = prompts[len(prompts) - cfg.val_prompts:] if cfg.val_prompts else []
+        train = prompts[:len(prompts) - len(val)]
+    else:
+        train, held = split_sharegpt()
+        val = held[len(held) - cfg.val_prompts:] if cfg.val_prompts else []
+    train = train[cfg.prompts_offset:cfg.prompts_offset + cfg.num_prompts]
+    if val and os.path.exists(_path(cfg, "prompts.jsonl")):   # validation added to an earlier run
+        seen = {json.dumps(p) for p in jsonl_prompts(_path(cfg, "prompts.jsonl"))}
+        if any(json.dumps(p) in seen for p in val):
+            raise ValueError(f"--val-prompts: the validation prompts overlap {_path(cfg, 'prompts.jsonl')}, "
+                             "which was written without them; use a new --out")
+    for name, prompts in (("val/prompts.jsonl", val), ("prompts.jsonl", train)):
+        if (name.startswith("val/") and not prompts) or os.path.exists(_path(cfg, name)):
+            continue          # written by an earlier run (validation may be added later)
+        os.makedirs(os.path.dirname(_path(cfg, name)), exist_ok=True)
+        with open(_path(cfg, name), "w") as f:
+            for p in prompts:
+                f.write(json.dumps({"messages": p}) + "\n")
 
 
 def stage_distill(cfg: PipelineConfig, engine) -> None:
-    """The target answers the prompts with sparkserve's batched engine (resumes mid-file)."""
+    for part in _parts(cfg):
+        distill(cfg, engine, part)
+
+
+def distill(cfg: PipelineConfig, engine, part: str) -> None:
+    """The target answers part/prompts.jsonl with sparkserve's batched engine (resumes mid-file),
+    and the hidden rows it computes on the way are logged for the feature cache (RawFeatureLog)."""
+    from sparkserve.training.feature_cache import RawFeatureLog
     from sparkserve.training.prompts import jsonl_prompts
-    prompts = jsonl_prompts(_path(cfg, "prompts.jsonl"))
-    out = _path(cfg, "distill.jsonl")
-    done = sum(1 for _ in open(out)) if os.path.exists(out) else 0
+    prompts = jsonl_prompts(os.path.join(part, "prompts.jsonl"))
+    out = os.path.join(part, "distill.jsonl")
+    rows = [json.loads(line) for line in open(out)] if os.path.exists(out) else []
+    done = len(rows)
+    if done >= len(prompts):
+        return
+    taps = draft_config(cfg, engine.model_config, engine.tokenizer)["target_layer_ids"]
+    engine.scheduler.runner.model.set_aux_layers(taps)
+    log = RawFeatureLog(os.path.join(part, "features.log"), taps, engine.model_config.hidden_size,
+                        sum(r.get("feature_rows", 0) for r in rows))
     tok = engine.tokenizer
     params = {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens}
     with open(out, "a") as f, tqdm(total=len(prompts), initial=done, desc="distill", unit="prompt") as bar:
@@ -63,12 +108,22 @@ def stage_distill(cfg: PipelineConfig, engine) -> None:
             batch = prompts[i:i + cfg.distill_batch]
             ids = [tok.encode(tok.apply_chat_template(m), add_special_tokens=True) for m in batch]
             short = [p for p in ids if len(p) <= cfg.max_prompt_tokens]
-            answers = iter(engine.generate(input_ids=short, sampling_params=params) if short else [])
+            answers = iter(engine.generate(input_ids=short, sampling_params=params, return_hidden_states=True)
+                           if short else [])
+            lines = []
             for p in ids:      # one line per prompt (skipped ones empty) so a rerun resumes right
-                out = next(answers)["output_ids"] if len(p) <= cfg.max_prompt_tokens else []
-                f.write(json.dumps({"prompt_ids": p, "output_ids": out}) + "\n")
+                row = {"prompt_ids": p, "output_ids": []}
+                if len(p) <= cfg.max_prompt_tokens:
+                    ans = next(answers)
+                    row["output_ids"] = ans["output_ids"]
+                    meta = ans["meta_info"]
+                    row["feature_rows"] = log.append(meta["aux_hidden_states"], meta["hidden_states"])
+                lines.append(json.dumps(row) + "\n")
+            log.flush()
+            f.writelines(lines)      # after the feature rows: a line promises its rows exist
             f.flush()
             bar.update(len(batch))
+    log.close()
 
 
 def draft_config(cfg: PipelineConfig, target_cfg, tokenizer) -> dict:
@@ -84,16 +139,25 @@ def draft_config(cfg: PipelineConfig, target_cfg, tokenizer) -> dict:
 
 
 def stage_features(cfg: PipelineConfig, engine) -> None:
-    from sparkserve.training.feature_cache import build_feature_cache
-    out = _path(cfg, "features")
-    if os.path.exists(os.path.join(out, "index.json")):
-        return
-    rows = [json.loads(line) for line in open(_path(cfg, "distill.jsonl"))]
-    seqs = [r["prompt_ids"] + r["output_ids"] for r in rows if r["output_ids"]]
-    plens = [len(r["prompt_ids"]) for r in rows if r["output_ids"]]
-    dcfg = draft_config(cfg, engine.model_config, engine.tokenizer)
-    model = engine.scheduler.runner.model
-    build_feature_cache(model, seqs, plens, dcfg["target_layer_ids"], out)
+    """The feature cache from the rows logged while distilling; by a prefill pass of the target
+    over every sequence when that log is missing or incomplete (e.g. other taps)."""
+    from sparkserve.training.feature_cache import RawFeatureLog, build_feature_cache, feature_cache_from_log
+    taps = draft_config(cfg, engine.model_config, engine.tokenizer)["target_layer_ids"]
+    for part in _parts(cfg):
+        out = os.path.join(part, "features")
+        if os.path.exists(os.path.join(out, "index.json")):
+            continue
+        rows = [r for r in map(json.loads, open(os.path.join(part, "distill.jsonl"))) if r["output_ids"]]
+        if not rows:
+            continue
+        seqs = [r["prompt_ids"] + r["output_ids"] for r in rows]
+        plens = [len(r["prompt_ids"]) for r in rows]
+        log = os.path.join(part, "features.log")
+        if all("feature_rows" in r for r in rows) and RawFeatureLog.usable(log, taps, sum(map(len, seqs))):
+            feature_cache_from_log(log, seqs, plens, taps, out)
+        else:
+            print(f"features: no complete distillation log in {log}: capturing by prefill")
+            build_feature_cache(engine.scheduler.runner.model, seqs, plens, taps, out)
 
 
 def stage_train(cfg: PipelineConfig, engine) -> dict:
@@ -102,15 +166,19 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
     from sparkserve.training.feature_cache import FeatureCache, write_lse
     from sparkserve.training.train_dspark import TrainConfig, train
     target = engine.scheduler.runner.model
-    features = _path(cfg, "features")
-    cache = FeatureCache.open(features)
+    dirs = [d for d in [_path(cfg, "features")] if os.path.exists(os.path.join(d, "index.json"))]
+    dirs += cfg.extra_features
+    if not dirs:
+        raise ValueError(f"no feature cache to train on: run the features stage for {cfg.out}, or give --extra-features")
     dcfg = draft_config(cfg, engine.model_config, engine.tokenizer)
-    dcfg["target_layer_ids"] = cache.target_layer_ids
     vocab = None
     if dcfg.get("draft_vocab_size"):
-        if cache.lse is None:
-            write_lse(features, target.lm_head.weight)
-            cache = FeatureCache.open(features)
+        for d in dirs:
+            if FeatureCache.open(d).lse is None:
+                write_lse(d, target.lm_head.weight)
+    cache = FeatureCache.open_all(dirs)
+    dcfg["target_layer_ids"] = cache.target_layer_ids
+    if dcfg.get("draft_vocab_size"):
         counts = cache.response_token_counts(engine.model_config.vocab_size)
         vocab, coverage = select_draft_vocab(counts, dcfg["draft_vocab_size"], engine.tokenizer.eos_token_ids)
         if os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt")):
@@ -121,19 +189,30 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
     if cfg.markov_init and not os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt")):
         from sparkserve.training.markov_init import fit_markov_head
         fit_markov_head(draft, cache)     # start from the responses' bigram model
-    return train(draft, cache, _path(cfg, "draft"), TrainConfig(**cfg.train), target_head=target.lm_head.weight)
+    val = _path(cfg, "val", "features")
+    val_cache = FeatureCache.open(val) if os.path.exists(os.path.join(val, "index.json")) else None
+    return train(draft, cache, _path(cfg, "draft"), TrainConfig(**cfg.train), target_head=target.lm_head.weight,
+                 val_cache=val_cache)
 
 
 def stage_eval(cfg: PipelineConfig) -> dict:
     """tau (tokens per verify cycle, bonus included) through the real serving path, on the
-    held-out ShareGPT prompts and HumanEval, at temperature 0 and 1."""
+    held-out ShareGPT prompts and HumanEval, at temperature 0 and 1; with validation data also
+    the offline greedy tau over all of it. Scores DIR/draft/best (the best validated draft,
+    the one to ship) when training validated, else DIR/draft."""
     from sparkserve.entrypoints.engine import Engine
     from sparkserve.training.prompts import humaneval_prompts, split_sharegpt
     sets = {"sharegpt_heldout": split_sharegpt()[1][:cfg.eval_prompts],
             "humaneval": humaneval_prompts()[:cfg.eval_prompts]}
-    eng = Engine(cfg.model_path, speculative_algorithm="DSPARK",
-                 speculative_draft_model_path=_path(cfg, "draft"))
-    res = {}
+    best = _path(cfg, "draft", "best")
+    draft_dir = best if os.path.exists(os.path.join(best, "config.json")) else _path(cfg, "draft")
+    eng = Engine(cfg.model_path, speculative_algorithm="DSPARK", speculative_draft_model_path=draft_dir)
+    res: dict = {"draft": draft_dir}
+    val = _path(cfg, "val", "features")
+    if os.path.exists(os.path.join(val, "index.json")):
+        from sparkserve.training.feature_cache import FeatureCache
+        from sparkserve.training.validate import greedy_acceptance
+        res["val_greedy_offline"] = greedy_acceptance(eng.scheduler.spec.draft, FeatureCache.open(val))
     for name, prompts in sets.items():
         for temp in (0.0, 1.0):
             t = time.time()
@@ -156,7 +235,9 @@ def run_pipeline(cfg: PipelineConfig, stages: list[str]) -> None:
     engine = None
     if {"distill", "features", "train"} & set(stages):
         from sparkserve.entrypoints.engine import Engine
-        engine = Engine(cfg.model_path, max_total_tokens=cfg.distill_batch * (cfg.max_new_tokens + 2048))
+        # no prefix cache: a cached prompt prefix is not recomputed, so it has no hidden rows
+        engine = Engine(cfg.model_path, max_total_tokens=cfg.distill_batch * (cfg.max_new_tokens + 2048),
+                        enable_return_hidden_states=True, disable_radix_cache=True)
     for s in STAGES:
         if s not in stages:
             continue

@@ -39,6 +39,13 @@ class TrainConfig:
     # The final norm starts small (init_dspark_draft: no anchor echo through a tied head); a
     # faster rate lets the backbone's share of the logits grow within a short CPU run.
     final_norm_lr_mult: float = 1.0
+    # A reduced-vocab draft's LM head is a copy of the target's rows; DeepSpec freezes it, and on
+    # small data a trainable one (half of a 1-layer draft's weights) mostly memorises.
+    train_lm_head: bool = False
+    # Held-out greedy tau (validate.greedy_acceptance) every val_every steps on val_seqs
+    # sequences of the validation cache; the best-scoring draft is also saved to DIR/best.
+    val_every: int = 0
+    val_seqs: int = 48
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -74,10 +81,10 @@ class Teacher:
         return cls(target_head[ids].detach().float(), t2d)
 
 
-def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, final: torch.Tensor,
-                 anchors: torch.Tensor, cfg: TrainConfig, teacher: Teacher | None = None,
-                 lse: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Weighted loss sums and weight sum for the blocks of one sequence."""
+def block_forward(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor):
+    """The draft's blocks at the given anchors of one sequence, Markov bias teacher-forced on the
+    true previous tokens. Returns (h [A*G, d] after the final norm, logits [A*G, V_draft],
+    Markov embeddings of the previous tokens [A*G, r], valid [A, G], target positions [A*G])."""
     G = draft.block_size
     S = tokens.shape[0]
     A = anchors.shape[0]
@@ -99,10 +106,19 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
         kc, vc = layer.self_attn.kv(ctx, cos_ctx)
         x = layer(x, cos_blk, kc[None], vc[None], mask, 1)
     h = draft.norm(x)                                                     # [A*G, d]
-    safe_tgt = tgt_pos.clamp(max=S - 1).reshape(-1)
     prev = tokens[pos.clamp(max=S - 1).reshape(-1)]                      # x_{a+k}: anchor for k=0
     emb = draft.markov_head.prev_embedding(prev)
     logits = draft.lm_head(h) + draft.markov_head.bias(emb, h)
+    return h, logits, emb, valid, tgt_pos.clamp(max=S - 1).reshape(-1)
+
+
+def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, final: torch.Tensor,
+                 anchors: torch.Tensor, cfg: TrainConfig, teacher: Teacher | None = None,
+                 lse: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Weighted loss sums and weight sum for the blocks of one sequence."""
+    G, A = draft.block_size, anchors.shape[0]
+    k = torch.arange(G)
+    h, logits, emb, valid, safe_tgt = block_forward(draft, tokens, taps, anchors)
     logp_d = F.log_softmax(logits.float(), -1)
     with torch.no_grad():                                                 # target dist. of x_{a+k+1}
         if teacher is None:
@@ -132,10 +148,11 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
 
 
 def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfig,
-          log_every: int = 10, target_head: torch.Tensor | None = None) -> dict:
+          log_every: int = 10, target_head: torch.Tensor | None = None,
+          val_cache: FeatureCache | None = None) -> dict:
     """Resumable: picks up train_state.pt in out_dir. Returns the last logged metrics.
-    A reduced-vocab draft needs the target's LM head weight and a cache with lse.npy; its own
-    (reduced) LM head is trained, a full-vocab draft's is the target's and stays frozen."""
+    A reduced-vocab draft needs the target's LM head weight and a cache with lse.npy; its LM
+    head (the target's rows of its vocab) is trained only with cfg.train_lm_head."""
     os.makedirs(out_dir, exist_ok=True)
     if draft.d2t is not None and (target_head is None or cache.lse is None):
         raise ValueError("a reduced-vocab draft trains against the target's LM head and the "
@@ -143,7 +160,7 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
     # Inference layers (Linear) are made with requires_grad=False: switch everything on first,
     # then freeze what is shared with the target.
     draft.requires_grad_(True)
-    frozen = ("embed_tokens",) if draft.d2t is not None else ("embed_tokens", "lm_head")
+    frozen = ("embed_tokens",) if draft.d2t is not None and cfg.train_lm_head else ("embed_tokens", "lm_head")
     for name in frozen:
         getattr(draft, name).requires_grad_(False)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -153,6 +170,7 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
     opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     step = 0
+    best = {"tau": 0.0, "step": 0, "last": 0.0}
     state_path = os.path.join(out_dir, "train_state.pt")
     if os.path.exists(state_path):
         st = torch.load(state_path, weights_only=False)
@@ -160,6 +178,7 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         step = st["step"]
+        best = st.get("best", best)
     # After the resume: a checkpoint brings its own draft vocab (d2t), which may differ from the
     # one this cache would select (more data since), and the teacher must score that one.
     teacher = Teacher.for_draft(draft, target_head) if draft.d2t is not None else None
@@ -202,15 +221,34 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau_est']:.2f}")
                 with open(os.path.join(out_dir, "train_log.jsonl"), "a") as f:
                     f.write(json.dumps(metrics) + "\n")
+            if val_cache is not None and cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
+                best = validate_step(draft, val_cache, cfg, step, out_dir, best)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", val_tau=f"{best['last']:.3f}")
             if step % cfg.save_every == 0 or step == cfg.steps:
-                save_checkpoint(draft, opt, gen, step, out_dir, cfg)
+                save_checkpoint(draft, opt, gen, step, out_dir, cfg, best)
     draft.eval()
     return metrics
 
 
-def save_checkpoint(draft, opt, gen, step, out_dir, cfg) -> None:
-    shared = ("embed_tokens",) if draft.d2t is not None else ("embed_tokens", "lm_head")
+def validate_step(draft: DSparkDraft, val_cache: FeatureCache, cfg: TrainConfig, step: int,
+                  out_dir: str, best: dict) -> dict:
+    """Log the held-out greedy tau; keep the best draft in DIR/best (early stopping: on small
+    data the held-out tau peaks long before the training loss stops falling)."""
+    from sparkserve.training.validate import greedy_acceptance
+    res = greedy_acceptance(draft, val_cache, max_seqs=cfg.val_seqs)
+    best = {**best, "last": res["tau"]}
+    if res["tau"] > best["tau"]:
+        best.update(tau=res["tau"], step=step)
+        save_dspark_draft(draft, os.path.join(out_dir, "best"), include_shared=False)
+    with open(os.path.join(out_dir, "train_log.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, "val_tau": res["tau"], "val_slot_accept": res["slot_accept"],
+                            "best_val_tau": best["tau"], "best_step": best["step"]}) + "\n")
+    return best
+
+
+def save_checkpoint(draft, opt, gen, step, out_dir, cfg, best=None) -> None:
+    shared = ("embed_tokens",) if draft.d2t is not None else ("embed_tokens", "lm_head")   # re-made from the target
     trainable = {k: v for k, v in draft.state_dict().items() if not k.startswith(shared)}
     torch.save({"model": trainable, "opt": opt.state_dict(), "gen": gen.get_state(), "step": step,
-                "config": asdict(cfg)}, os.path.join(out_dir, "train_state.pt"))
+                "config": asdict(cfg), "best": best}, os.path.join(out_dir, "train_state.pt"))
     save_dspark_draft(draft, out_dir, include_shared=False)

@@ -1,0 +1,75 @@
+"""return_hidden_states: the hidden rows the engine computes while it generates (prefill chunks,
+decode steps, retracted and recomputed requests, DSpark verify cycles) equal the rows one fresh
+prefill of the whole sequence gives (feature_cache.capture, itself checked against
+transformers in test_training) — so draft data can be captured while it is distilled."""
+import pytest
+import torch
+
+from sparkserve import Engine
+from sparkserve.args import ServerArgs
+from sparkserve.training.feature_cache import capture
+
+from dspark_fixtures import dspark_single_thread, make_random_draft  # noqa: F401
+
+TAPS = [-1, 1]
+GREEDY = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+
+
+def _prompts(n: int, vocab: int = 256) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(4, vocab, (int(torch.randint(5, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _check_against_prefill(eng, prompts, outs) -> None:
+    model = eng.scheduler.runner.model
+    for p, o in zip(prompts, outs):
+        seq = p + o["output_ids"]
+        final, taps = o["meta_info"]["hidden_states"], o["meta_info"]["aux_hidden_states"]
+        assert final.shape[0] == taps.shape[0] == len(seq) - 1
+        want_taps, want_final = capture(model, [seq], TAPS)[0]
+        torch.testing.assert_close(final, want_final[:-1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(taps, want_taps[:-1], atol=1e-4, rtol=1e-4)
+    model.set_aux_layers(TAPS)           # capture() leaves its own taps set; keep ours
+
+
+def _engine(path, **kw):
+    eng = Engine(path, enable_return_hidden_states=True, disable_radix_cache=True, **kw)
+    eng.scheduler.runner.model.set_aux_layers(TAPS)
+    return eng
+
+
+def test_hidden_states_of_chunked_prefill_and_decode(llama_dir):
+    eng = _engine(llama_dir, max_total_tokens=4096, chunked_prefill_size=16)
+    prompts = _prompts(6)
+    outs = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_hidden_states=True)
+    _check_against_prefill(eng, prompts, outs)
+    plain = eng.generate(input_ids=prompts[:1], sampling_params=GREEDY)
+    assert "hidden_states" not in plain[0]["meta_info"]
+
+
+def test_hidden_states_survive_retraction(llama_dir):
+    eng = _engine(llama_dir, max_total_tokens=160, page_size=1)
+    prompts = _prompts(8)
+    outs = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_hidden_states=True)
+    assert eng.scheduler.num_retractions > 0
+    _check_against_prefill(eng, prompts, outs)
+
+
+def test_hidden_states_of_dspark_verify_cycles(llama_dir, tmp_path):
+    """Only the committed rows of a verify (anchor + accepted drafts) are kept."""
+    draft = make_random_draft(llama_dir, str(tmp_path / "draft"), target_layer_ids=TAPS)
+    eng = _engine(llama_dir, max_total_tokens=4096, speculative_algorithm="DSPARK",
+                  speculative_draft_model_path=draft)
+    prompts = _prompts(4)
+    outs = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_hidden_states=True)
+    assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
+    _check_against_prefill(eng, prompts, outs)
+
+
+def test_hidden_states_flags_are_checked(llama_dir):
+    with pytest.raises(ValueError, match="--disable-radix-cache"):
+        ServerArgs(model_path=llama_dir, enable_return_hidden_states=True).validate()
+    eng = Engine(llama_dir, max_total_tokens=1024)
+    with pytest.raises(ValueError, match="enable_return_hidden_states"):
+        eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, return_hidden_states=True)
