@@ -180,6 +180,23 @@ def test_linear_dispatch():
         lin.set_blocks(random_blocks(Q4_1, 47, 64))
 
 
+def test_trained_weight_drops_its_inference_copies():
+    """A draft loaded for serving (blocks + oneDNN-packed copy) and then trained in place must
+    run on the new weight, at every M, not on the copies made at load time."""
+    w = random_blocks(Q8_0, 48, 64, seed=5)
+    lin = Linear(64, 48)
+    lin.weight.data.copy_(w.dequantize())
+    lin.set_blocks(w)
+    lin.pack()
+    with torch.no_grad():
+        lin.weight.mul_(0.5)                       # an optimizer step: in place, version bumps
+    g = torch.Generator().manual_seed(4)
+    for m in (1, 16, linear_mod.QUANT_MAX_M + 1):
+        x = torch.randn(m, 64, generator=g)
+        with torch.no_grad():
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight), atol=1e-4, rtol=1e-4)
+
+
 def test_fused_linear_keeps_blocks_only_when_every_shard_has_them():
     a, b = random_blocks(Q4_1, 16, 64, seed=4), random_blocks(Q4_1, 8, 64, seed=5)
     fl = FusedLinear(64, {"a": 16, "b": 8})

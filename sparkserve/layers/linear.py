@@ -46,6 +46,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None
+        self._packed_version = 0
         self._blocks: BlockWeight | None = None
         self._block_fn = None
         self._blocks_version = 0
@@ -67,6 +68,7 @@ class Linear(nn.Module):
         """Keep a oneDNN-packed copy of the weight for inference (CPU fp32 only)."""
         if self._packed is None and _mkldnn_ok() and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            self._packed_version = _version(self.weight)   # like the blocks: stale once trained
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and not torch.is_grad_enabled():
@@ -76,7 +78,9 @@ class Linear(nn.Module):
                     return self._block_fn(x, b.blocks, b.qtype, self.bias)
                 self._blocks = None                         # weight was trained / overwritten
             if self._packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+                if _version(self.weight) == self._packed_version:
+                    return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+                self._packed = None
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
