@@ -308,6 +308,35 @@ def test_resume_scores_the_checkpoints_draft_vocab(distilled, tmp_path):
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6), (got, ref)
 
 
+def test_reduced_vocab_head_is_frozen_unless_asked(distilled, tmp_path):
+    """A reduced vocab's LM head (the target's rows) stays frozen by default; a run that trained
+    it resumes with the head frozen (fresh optimizer moments, the head as it was saved)."""
+    import shutil
+    from sparkserve.training.feature_cache import write_lse
+    _, target, dcfg, fc_dir, *_ = distilled
+    fc = str(tmp_path / "fc")
+    shutil.copytree(fc_dir, fc)
+    write_lse(fc, target.lm_head.weight)
+    cache = FeatureCache.open(fc)
+    size = int((cache.response_token_counts(V) > 0).sum()) - 4
+    cfg = dict(seqs_per_step=2, anchors_per_seq=8, lr=1e-2, save_every=2)
+    head = target.lm_head.weight
+    frozen, vocab, _ = _reduced_draft(dcfg, target, cache, size)
+    start = frozen.lm_head.weight.clone()
+    train(frozen, cache, str(tmp_path / "frozen"), TrainConfig(steps=2, **cfg), target_head=head)
+    assert torch.equal(frozen.lm_head.weight, start)
+    out = str(tmp_path / "trained")
+    trained, _, _ = _reduced_draft(dcfg, target, cache, size)
+    train(trained, cache, out, TrainConfig(steps=2, train_lm_head=True, **cfg), target_head=head)
+    saved = trained.lm_head.weight.clone()
+    assert not torch.equal(saved, start)
+    resumed = init_dspark_draft(dict(dcfg, draft_vocab_size=size), target, vocab=vocab)
+    fc_before = trained.fc.weight.clone()
+    assert train(resumed, cache, out, TrainConfig(steps=4, **cfg), target_head=head)["step"] == 4
+    assert torch.equal(resumed.lm_head.weight, saved)
+    assert not torch.equal(resumed.fc.weight, fc_before)
+
+
 def test_reduced_vocab_draft_trains_and_serves_losslessly(bigram_target, distilled, tmp_path):
     """Reduced draft vocab end to end: lse cache, Markov fit, training, checkpoint with d2t, and
     greedy serving token-identical to plain decoding with a higher acceptance than untrained."""

@@ -175,7 +175,11 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
     if os.path.exists(state_path):
         st = torch.load(state_path, weights_only=False)
         draft.load_state_dict(st["model"], strict=False)
-        opt.load_state_dict(st["opt"])
+        try:
+            opt.load_state_dict(st["opt"])
+        except ValueError:     # another set of trainable weights (train_lm_head changed)
+            print("train draft: the saved optimizer state is for other trainable weights; "
+                  "resuming the weights with fresh AdamW moments")
         gen.set_state(st["gen"])
         step = st["step"]
         best = st.get("best", best)
