@@ -171,14 +171,14 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
     if not dirs:
         raise ValueError(f"no feature cache to train on: run the features stage for {cfg.out}, or give --extra-features")
     dcfg = draft_config(cfg, engine.model_config, engine.tokenizer)
-    vocab = None
-    if dcfg.get("draft_vocab_size"):
-        for d in dirs:
-            if FeatureCache.open(d).lse is None:
-                write_lse(d, target.lm_head.weight)
+    reduced = bool(dcfg.get("draft_vocab_size"))
+    for d in dirs if reduced else []:          # the teacher's log-normaliser, once per cache
+        if FeatureCache.open(d).lse is None:
+            write_lse(d, target.lm_head.weight)
     cache = FeatureCache.open_all(dirs)
     dcfg["target_layer_ids"] = cache.target_layer_ids
-    if dcfg.get("draft_vocab_size"):
+    vocab = None
+    if reduced:
         counts = cache.response_token_counts(engine.model_config.vocab_size)
         vocab, coverage = select_draft_vocab(counts, dcfg["draft_vocab_size"], engine.tokenizer.eos_token_ids)
         if os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt")):
