@@ -220,6 +220,16 @@ def test_heldout_split_is_disjoint():
 
 
 # ---- reduced draft vocab and the closed-form Markov start ------------------------------------
+def _cache_with_lse(target, fc_dir: str, tmp_path) -> FeatureCache:
+    """A copy of the shared cache with the teacher's lse.npy (reduced-vocab training needs it)."""
+    import shutil
+    from sparkserve.training.feature_cache import write_lse
+    fc = str(tmp_path / "fc")
+    shutil.copytree(fc_dir, fc)
+    write_lse(fc, target.lm_head.weight)
+    return FeatureCache.open(fc)
+
+
 def _reduced_draft(dcfg, target, cache, size: int):
     from sparkserve.training.draft_vocab import select_draft_vocab
     vocab, cov = select_draft_vocab(cache.response_token_counts(V), size)
@@ -230,14 +240,9 @@ def test_reduced_vocab_teacher_equals_full_vocab_loss(distilled, tmp_path):
     """The reduced-vocab loss path (teacher rows of the target head + lse.npy, CE through the
     target->draft map, outside mass added to L1) gives the plain full-vocab losses when the draft
     vocab is every id (an identity d2t); and p_t on a strict subset is the full softmax's rows."""
-    import shutil
-    from sparkserve.training.feature_cache import write_lse
     from sparkserve.training.train_dspark import Teacher, block_losses, sample_anchors
     _, target, dcfg, fc_dir, *_ = distilled
-    fc = str(tmp_path / "fc")
-    shutil.copytree(fc_dir, fc)
-    write_lse(fc, target.lm_head.weight)
-    cache = FeatureCache.open(fc)
+    cache = _cache_with_lse(target, fc_dir, tmp_path)
     tokens, taps, final, plen = cache.sequence(2)
     lse = cache.sequence_lse(2)
     anchors = sample_anchors(len(tokens), plen, 8, torch.Generator().manual_seed(0))
@@ -284,12 +289,8 @@ def test_resume_scores_the_checkpoints_draft_vocab(distilled, tmp_path):
     checkpoint's d2t, and the teacher scores that vocab: the resumed step equals the step of a
     run whose draft was built with the checkpoint's vocab in the first place."""
     import shutil
-    from sparkserve.training.feature_cache import write_lse
     _, target, dcfg, fc_dir, *_ = distilled
-    fc = str(tmp_path / "fc")
-    shutil.copytree(fc_dir, fc)
-    write_lse(fc, target.lm_head.weight)
-    cache = FeatureCache.open(fc)
+    cache = _cache_with_lse(target, fc_dir, tmp_path)
     size = int((cache.response_token_counts(V) > 0).sum()) - 4
     draft, vocab, _ = _reduced_draft(dcfg, target, cache, size)
     cfg = dict(seqs_per_step=2, anchors_per_seq=8, lr=1e-3, save_every=2)
@@ -311,13 +312,8 @@ def test_resume_scores_the_checkpoints_draft_vocab(distilled, tmp_path):
 def test_reduced_vocab_head_is_frozen_unless_asked(distilled, tmp_path):
     """A reduced vocab's LM head (the target's rows) stays frozen by default; a run that trained
     it resumes with the head frozen (fresh optimizer moments, the head as it was saved)."""
-    import shutil
-    from sparkserve.training.feature_cache import write_lse
     _, target, dcfg, fc_dir, *_ = distilled
-    fc = str(tmp_path / "fc")
-    shutil.copytree(fc_dir, fc)
-    write_lse(fc, target.lm_head.weight)
-    cache = FeatureCache.open(fc)
+    cache = _cache_with_lse(target, fc_dir, tmp_path)
     size = int((cache.response_token_counts(V) > 0).sum()) - 4
     cfg = dict(seqs_per_step=2, anchors_per_seq=8, lr=1e-2, save_every=2)
     head = target.lm_head.weight
@@ -341,15 +337,10 @@ def test_reduced_vocab_draft_trains_and_serves_losslessly(bigram_target, distill
     """Reduced draft vocab end to end: lse cache, Markov fit, training, checkpoint with d2t, and
     greedy serving token-identical to plain decoding with a higher acceptance than untrained."""
     from sparkserve.models.dspark_draft import load_dspark_draft
-    from sparkserve.training.feature_cache import write_lse
     from sparkserve.training.markov_init import fit_markov_head
     path, _ = bigram_target
     eng, target, dcfg, fc_dir, prompts, outs, _ = distilled
-    import shutil
-    fc = str(tmp_path / "fc")
-    shutil.copytree(fc_dir, fc)
-    write_lse(fc, target.lm_head.weight)
-    cache = FeatureCache.open(fc)
+    cache = _cache_with_lse(target, fc_dir, tmp_path)
     counts = cache.response_token_counts(V)
     size = int((counts > 0).sum()) - 4            # a few emitted ids stay outside the draft vocab
     draft, vocab, cov = _reduced_draft(dcfg, target, cache, size)
