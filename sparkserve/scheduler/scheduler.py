@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from itertools import accumulate
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
@@ -183,8 +184,8 @@ class Scheduler:
         self.forward_count[ForwardMode.EXTEND] += 1
         if self.spec is not None:       # every prompt row becomes draft context
             self.spec.inject(fb.aux_hidden, torch.arange(fb.num_tokens), fb.positions, fb.out_cache_loc)
-        starts = torch.cumsum(torch.tensor([0] + [n for _, _, n in batch]), 0).tolist()
-        self._keep_hidden(fb, [(req, range(o, o + n)) for (req, _, n), o in zip(batch, starts)])
+        starts = accumulate((n for _, _, n in batch), initial=0)
+        self._keep_hidden(fb, ((req, range(o, o + n)) for (req, _, n), o in zip(batch, starts)))
         done = []
         for (req, _, n) in batch:
             req.kv_len += n
@@ -225,7 +226,7 @@ class Scheduler:
         reqs = list(self.running)
         if not props:
             self._inject_rows(fb, torch.arange(fb.num_tokens))
-            self._keep_hidden(fb, [(req, [i]) for i, req in enumerate(reqs)])
+            self._keep_hidden(fb, ((req, [i]) for i, req in enumerate(reqs)))
             for req in reqs:
                 req.kv_len += 1
                 self.cache.slide_window(req)
@@ -260,7 +261,7 @@ class Scheduler:
             self.spec.inject(fb.aux_hidden, rows, fb.positions, fb.out_cache_loc)
 
     @staticmethod
-    def _keep_hidden(fb, groups: list[tuple[Req, range | list[int]]]) -> None:
+    def _keep_hidden(fb, groups: Iterable[tuple[Req, range | list[int]]]) -> None:
         """return_hidden_states: each asking request keeps its committed rows of this forward
         (final normed hidden state, and the aux taps when the model captures any)."""
         for req, rows in groups:
