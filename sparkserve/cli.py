@@ -63,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
                          "and keeps the best draft in OUT/draft/best (0 = no validation)")
     tr.add_argument("--val-every", type=int, default=250, help="validate every N training steps")
     tr.add_argument("--val-seqs", type=int, default=48, help="validation sequences scored each time")
+    tr.add_argument("--init-draft", default=None,
+                    help="start from this draft's weights, config and vocab (fresh optimizer and schedule)")
+    tr.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    tr.add_argument("--dropout", type=float, default=0.0,
+                    help="dropout on the draft's target context and block output while training")
     tr.add_argument("--train-lm-head", action="store_true",
                     help="also train a reduced-vocab draft's LM head (default: frozen, as DeepSpec)")
     tr.add_argument("--eval-prompts", type=int, default=32)
@@ -107,11 +112,11 @@ def _train_draft(ns: argparse.Namespace) -> int:
         block_size=ns.block_size, markov_rank=ns.markov_rank, target_layer_ids=taps,
         draft_vocab_size=ns.draft_vocab_size or None,
         eval_prompts=ns.eval_prompts, eval_max_new_tokens=ns.eval_max_new_tokens, markov_init=not ns.no_markov_init,
-        val_prompts=ns.val_prompts,
+        val_prompts=ns.val_prompts, init_draft=ns.init_draft,
         train={"steps": ns.steps, "lr": ns.lr, "seqs_per_step": ns.seqs_per_step,
                "anchors_per_seq": ns.anchors_per_seq, "final_norm_lr_mult": ns.final_norm_lr_mult,
                "ce_weight": ns.ce_weight, "val_every": ns.val_every, "val_seqs": ns.val_seqs,
-               "train_lm_head": ns.train_lm_head})
+               "train_lm_head": ns.train_lm_head, "weight_decay": ns.weight_decay, "dropout": ns.dropout})
     run_pipeline(cfg, [s.strip() for s in ns.stages.split(",") if s.strip()])
     return 0
 

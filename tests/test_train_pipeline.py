@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from sparkserve import Engine
 from sparkserve.cli import main
@@ -61,6 +62,17 @@ def test_train_draft_cli_end_to_end(tmp_path):
                  "--anchors-per-seq", "4", "--draft-vocab-size", "512", "--markov-rank", "16",
                  "--extra-features", os.path.join(out, "features")]) == 0
     assert os.path.exists(os.path.join(more, "draft", "model.safetensors"))
+
+    # a run started from the first run's draft takes its config and vocab over the flags, and
+    # with lr 0 (weight decay and dropout on) it saves exactly the weights it started from
+    init = str(tmp_path / "init")
+    assert main(["train-draft", "--out", init, "--stages", "train", "--steps", "1", "--lr", "0",
+                 "--seqs-per-step", "2", "--anchors-per-seq", "4", "--draft-vocab-size", "256",
+                 "--weight-decay", "0.1", "--dropout", "0.5", "--extra-features", os.path.join(out, "features"),
+                 "--init-draft", os.path.join(out, "draft")]) == 0
+    start, saved = (load_file(os.path.join(d, "draft", "model.safetensors")) for d in (out, init))
+    assert start.keys() == saved.keys() and all(torch.equal(start[k], saved[k]) for k in start)
+    assert json.load(open(os.path.join(init, "draft", "config.json")))["draft_vocab_size"] == 512
 
     assert main(common + ["--stages", "eval", "--eval-prompts", "1", "--eval-max-new-tokens", "8"]) == 0
     ev = json.load(open(os.path.join(out, "eval.json")))

@@ -11,7 +11,7 @@ from sparkserve import Engine
 from sparkserve.config import ModelConfig
 from sparkserve.models.dspark_draft import dspark_config_dict, init_dspark_draft, load_dspark_draft
 from sparkserve.training.feature_cache import FeatureCache, build_feature_cache, capture
-from sparkserve.training.train_dspark import TrainConfig, train
+from sparkserve.training.train_dspark import TrainConfig, block_forward, sample_anchors, train
 from sparkserve.training.validate import accepted_prefix, greedy_acceptance
 
 V = 64
@@ -184,6 +184,29 @@ def test_training_updates_every_draft_weight(distilled, tmp_path):
     after = draft.state_dict()
     unchanged = sorted(k for k, v in before.items() if torch.equal(v, after[k]))
     assert unchanged == ["embed_tokens.weight", "lm_head.weight"], unchanged
+
+
+def test_dropout_only_while_training(distilled, tmp_path):
+    """Dropout perturbs the training forward (and so the update) and never the evaluation one,
+    which validation and serving rely on."""
+    _, target, dcfg, fc_dir, *_ = distilled
+    cache = FeatureCache.open(fc_dir)
+    tokens, taps, _, plen = cache.sequence(0)
+    anchors = sample_anchors(len(tokens), plen, 8, torch.Generator().manual_seed(0))
+    draft = init_dspark_draft(dcfg, target).eval()
+    with torch.no_grad():
+        ref = block_forward(draft, tokens, taps, anchors)[1]
+        assert torch.equal(block_forward(draft, tokens, taps, anchors, dropout=0.5)[1], ref)
+        draft.train()
+        a, b = (block_forward(draft, tokens, taps, anchors, dropout=0.5)[1] for _ in range(2))
+        assert not torch.allclose(a, ref) and not torch.allclose(a, b)
+        assert torch.equal(block_forward(draft, tokens, taps, anchors)[1], ref)
+    weights = []
+    for p in (0.0, 0.5):
+        d = init_dspark_draft(dcfg, target)
+        train(d, cache, str(tmp_path / f"p{p}"), TrainConfig(steps=1, seqs_per_step=2, lr=1e-3, dropout=p))
+        weights.append(d.fc.weight.detach().clone())
+    assert not torch.equal(*weights)       # the trainer passes its dropout to the forward
 
 
 def test_concatenated_caches_read_as_one(distilled, tmp_path):

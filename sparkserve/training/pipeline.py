@@ -32,6 +32,9 @@ class PipelineConfig:
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
     markov_init: bool = True                # Markov head starts as the responses' bigram fit
+    # Start training from this draft's weights (its config and vocab win over the flags) with a
+    # fresh optimizer and schedule: a shipped draft continued on new data.
+    init_draft: str | None = None
     eval_prompts: int = 32
     # Held-out prompts distilled and captured too (DIR/val/): training scores the draft's greedy
     # tau on them (train.val_every) and keeps the best draft in DIR/draft/best.
@@ -170,23 +173,35 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
     dirs += cfg.extra_features
     if not dirs:
         raise ValueError(f"no feature cache to train on: run the features stage for {cfg.out}, or give --extra-features")
-    dcfg = draft_config(cfg, engine.model_config, engine.tokenizer)
+    if cfg.init_draft:
+        with open(os.path.join(cfg.init_draft, "config.json")) as f:
+            dcfg = json.load(f)
+    else:
+        dcfg = draft_config(cfg, engine.model_config, engine.tokenizer)
     reduced = bool(dcfg.get("draft_vocab_size"))
     for d in dirs if reduced else []:          # the teacher's log-normaliser, once per cache
         if FeatureCache.open(d).lse is None:
             write_lse(d, target.lm_head.weight)
     cache = FeatureCache.open_all(dirs)
+    if cfg.init_draft and cache.target_layer_ids != dcfg["target_layer_ids"]:
+        raise ValueError(f"--init-draft {cfg.init_draft} taps layers {dcfg['target_layer_ids']} but the "
+                         f"feature cache holds {cache.target_layer_ids}: capture with --target-layer-ids "
+                         f"{','.join(map(str, dcfg['target_layer_ids']))}")
     dcfg["target_layer_ids"] = cache.target_layer_ids
+    resuming = os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt"))
     vocab = None
-    if reduced:
+    if reduced and not cfg.init_draft:
         counts = cache.response_token_counts(engine.model_config.vocab_size)
         vocab, coverage = select_draft_vocab(counts, dcfg["draft_vocab_size"], engine.tokenizer.eos_token_ids)
-        if os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt")):
+        if resuming:
             print("draft vocab: resuming, the checkpoint's vocab is kept")
         else:
             print(f"draft vocab: {len(vocab)} ids cover {coverage:.2%} of response tokens")
     draft = init_dspark_draft(dcfg, target, vocab=vocab)
-    if cfg.markov_init and not os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt")):
+    if cfg.init_draft:                 # its vocab (d2t) and weights; a resume then loads the checkpoint's
+        from sparkserve.loader.hf import hf_weights
+        draft.load_weights(hf_weights(cfg.init_draft), target)
+    elif cfg.markov_init and not resuming:
         from sparkserve.training.markov_init import fit_markov_head
         fit_markov_head(draft, cache)     # start from the responses' bigram model
     val = _path(cfg, "val", "features")

@@ -29,6 +29,9 @@ class TrainConfig:
     lr: float = 6e-4
     warmup_frac: float = 0.04
     weight_decay: float = 0.0
+    # Dropout on the fused target context and the block's output (training only): the draft
+    # memorises small data (greedy tau 2.8 on its training sequences, 1.8 held out).
+    dropout: float = 0.0
     clip: float = 1.0
     decay_gamma: float = 4.0
     ce_weight: float = 0.1
@@ -81,10 +84,12 @@ class Teacher:
         return cls(target_head[ids].detach().float(), t2d)
 
 
-def block_forward(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor):
+def block_forward(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
+                  dropout: float = 0.0):
     """The draft's blocks at the given anchors of one sequence, Markov bias teacher-forced on the
-    true previous tokens. Returns (h [A*G, d] after the final norm, logits [A*G, V_draft],
-    Markov embeddings of the previous tokens [A*G, r], valid [A, G], target positions [A*G])."""
+    true previous tokens; `dropout` applies in training mode only. Returns (h [A*G, d] after the
+    final norm, logits [A*G, V_draft], Markov embeddings of the previous tokens [A*G, r],
+    valid [A, G], target positions [A*G])."""
     G = draft.block_size
     S = tokens.shape[0]
     A = anchors.shape[0]
@@ -95,7 +100,7 @@ def block_forward(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, 
     ids = torch.full((A, G), draft.config.mask_token_id, dtype=torch.long)
     ids[:, 0] = tokens[anchors]
     ctx_len = int(anchors.max())                                          # context rows < max anchor
-    ctx = draft.context_hidden([taps[:ctx_len]])
+    ctx = F.dropout(draft.context_hidden([taps[:ctx_len]]), dropout, draft.training)
     cos_ctx = draft.rotary.cos_sin(torch.arange(ctx_len))
     cos_blk = draft.rotary.cos_sin(pos.reshape(-1))
     blk = torch.arange(A).repeat_interleave(G)
@@ -105,7 +110,7 @@ def block_forward(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, 
     for layer in draft.layers:
         kc, vc = layer.self_attn.kv(ctx, cos_ctx)
         x = layer(x, cos_blk, kc[None], vc[None], mask, 1)
-    h = draft.norm(x)                                                     # [A*G, d]
+    h = draft.norm(F.dropout(x, dropout, draft.training))                 # [A*G, d]
     prev = tokens[pos.clamp(max=S - 1).reshape(-1)]                      # x_{a+k}: anchor for k=0
     emb = draft.markov_head.prev_embedding(prev)
     logits = draft.lm_head(h) + draft.markov_head.bias(emb, h)
@@ -118,7 +123,7 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
     """Weighted loss sums and weight sum for the blocks of one sequence."""
     G, A = draft.block_size, anchors.shape[0]
     k = torch.arange(G)
-    h, logits, emb, valid, safe_tgt = block_forward(draft, tokens, taps, anchors)
+    h, logits, emb, valid, safe_tgt = block_forward(draft, tokens, taps, anchors, cfg.dropout)
     logp_d = F.log_softmax(logits.float(), -1)
     with torch.no_grad():                                                 # target dist. of x_{a+k+1}
         if teacher is None:
