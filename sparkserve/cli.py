@@ -45,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--num-layers", type=int, default=1, help="draft depth")
     tr.add_argument("--block-size", type=int, default=7, help="gamma")
     tr.add_argument("--markov-rank", type=int, default=64)
-    tr.add_argument("--draft-vocab-size", type=int, default=8192,
-                    help="score only the most frequent response ids (0 = the full vocab)")
+    tr.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="score only the most frequent response ids (default 8192; 0 = the full vocab). "
+                         "With --init-draft: re-pick that draft's vocab (default: keep it)")
     tr.add_argument("--target-layer-ids", default=None, help="comma-separated taps (default: 1, L/2, L-2)")
     tr.add_argument("--steps", type=int, default=1000)
     tr.add_argument("--lr", type=float, default=6e-4)
@@ -64,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--val-every", type=int, default=250, help="validate every N training steps")
     tr.add_argument("--val-seqs", type=int, default=48, help="validation sequences scored each time")
     tr.add_argument("--init-draft", default=None,
-                    help="start from this draft's weights, config and vocab (fresh optimizer and schedule)")
+                    help="start from this draft's weights and config (fresh optimizer and schedule)")
     tr.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     tr.add_argument("--dropout", type=float, default=0.0,
                     help="dropout on the draft's target context and block output while training")
@@ -110,9 +111,10 @@ def _train_draft(ns: argparse.Namespace) -> int:
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, num_layers=ns.num_layers,
         max_prompt_tokens=ns.max_prompt_tokens,
         block_size=ns.block_size, markov_rank=ns.markov_rank, target_layer_ids=taps,
-        draft_vocab_size=ns.draft_vocab_size or None,
+        draft_vocab_size=8192 if ns.draft_vocab_size is None else (ns.draft_vocab_size or None),
         eval_prompts=ns.eval_prompts, eval_max_new_tokens=ns.eval_max_new_tokens, markov_init=not ns.no_markov_init,
         val_prompts=ns.val_prompts, init_draft=ns.init_draft,
+        init_vocab_size=ns.draft_vocab_size if ns.init_draft else None,
         train={"steps": ns.steps, "lr": ns.lr, "seqs_per_step": ns.seqs_per_step,
                "anchors_per_seq": ns.anchors_per_seq, "final_norm_lr_mult": ns.final_norm_lr_mult,
                "ce_weight": ns.ce_weight, "val_every": ns.val_every, "val_seqs": ns.val_seqs,

@@ -63,16 +63,24 @@ def test_train_draft_cli_end_to_end(tmp_path):
                  "--extra-features", os.path.join(out, "features")]) == 0
     assert os.path.exists(os.path.join(more, "draft", "model.safetensors"))
 
-    # a run started from the first run's draft takes its config and vocab over the flags, and
-    # with lr 0 (weight decay and dropout on) it saves exactly the weights it started from
-    init = str(tmp_path / "init")
-    assert main(["train-draft", "--out", init, "--stages", "train", "--steps", "1", "--lr", "0",
-                 "--seqs-per-step", "2", "--anchors-per-seq", "4", "--draft-vocab-size", "256",
-                 "--weight-decay", "0.1", "--dropout", "0.5", "--extra-features", os.path.join(out, "features"),
-                 "--init-draft", os.path.join(out, "draft")]) == 0
-    start, saved = (load_file(os.path.join(d, "draft", "model.safetensors")) for d in (out, init))
+    # a run started from the first run's draft takes its config over the flags, and with lr 0
+    # (weight decay and dropout on) it saves exactly the weights it started from
+    start = load_file(os.path.join(out, "draft", "model.safetensors"))
+    cont = ["train-draft", "--stages", "train", "--steps", "1", "--lr", "0", "--seqs-per-step", "2",
+            "--anchors-per-seq", "4", "--markov-rank", "8", "--weight-decay", "0.1", "--dropout", "0.5",
+            "--extra-features", os.path.join(out, "features"), "--init-draft", os.path.join(out, "draft")]
+    assert main(cont + ["--out", str(tmp_path / "init")]) == 0
+    saved = load_file(str(tmp_path / "init" / "draft" / "model.safetensors"))
     assert start.keys() == saved.keys() and all(torch.equal(start[k], saved[k]) for k in start)
-    assert json.load(open(os.path.join(init, "draft", "config.json")))["draft_vocab_size"] == 512
+    # --draft-vocab-size re-picks its vocab from the data; the rows of ids it knew stay
+    assert main(cont + ["--out", str(tmp_path / "revocab"), "--draft-vocab-size", "64"]) == 0
+    saved = load_file(str(tmp_path / "revocab" / "draft" / "model.safetensors"))
+    assert json.load(open(tmp_path / "revocab" / "draft" / "config.json"))["draft_vocab_size"] == 64
+    old_ids = (torch.arange(512) + start["d2t"]).tolist()
+    new_ids = (torch.arange(64) + saved["d2t"]).tolist()
+    assert set(new_ids) <= set(old_ids)            # the data's ids: the first vocab had them all
+    torch.testing.assert_close(saved["lm_head.weight"], start["lm_head.weight"][[old_ids.index(i) for i in new_ids]])
+    assert main(cont + ["--out", str(tmp_path / "bad"), "--draft-vocab-size", "0"]) == 2
 
     assert main(common + ["--stages", "eval", "--eval-prompts", "1", "--eval-max-new-tokens", "8"]) == 0
     ev = json.load(open(os.path.join(out, "eval.json")))

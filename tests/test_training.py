@@ -389,3 +389,34 @@ def test_reduced_vocab_draft_trains_and_serves_losslessly(bigram_target, distill
     assert [g["output_ids"] for g in got] == [o["output_ids"] for o in outs[:8]]
     hist = spec.scheduler.accept_hist
     assert _mean_accepted(hist) > 1.0, hist
+
+
+def test_move_to_vocab_keeps_what_the_draft_knew(distilled):
+    """A draft continued with a re-picked vocab keeps its backbone, its LM-head and Markov rows of
+    the ids it knew; a new id's head row is the target's row carried along the drift the trained
+    rows show, and its Markov row starts empty."""
+    from sparkserve.training.draft_vocab import move_to_vocab
+    _, target, dcfg, *_ = distilled
+    head = target.lm_head.weight.detach().float()
+    old_ids, new_ids = torch.arange(0, 40), torch.arange(20, 60)      # 20 known, 20 new ids
+    old = init_dspark_draft(dict(dcfg, draft_vocab_size=40), target, vocab=old_ids, seed=1)
+    new = init_dspark_draft(dict(dcfg, draft_vocab_size=40), target, vocab=new_ids, seed=2)
+    move_to_vocab(old, new, head)         # an untrained (frozen) head: new rows are the target's
+    torch.testing.assert_close(new.lm_head.weight, head[new_ids])
+    drift = torch.eye(head.shape[1]) + 0.3 * torch.randn(head.shape[1], head.shape[1],
+                                                         generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        old.lm_head.weight.copy_(head[old_ids] @ drift)
+    move_to_vocab(old, new, head)
+    got, old_state = new.state_dict(), old.state_dict()
+    for k, v in old_state.items():
+        if k not in ("lm_head.weight", "markov_head.markov_w2.weight", "d2t"):
+            assert torch.equal(got[k], v), k
+    assert torch.equal(new.to_target_ids(torch.arange(40)), new_ids)
+    assert torch.equal(got["lm_head.weight"][:20], old_state["lm_head.weight"][20:])
+    assert torch.equal(got["markov_head.markov_w2.weight"][:20], old_state["markov_head.markov_w2.weight"][20:])
+    assert not got["markov_head.markov_w2.weight"][20:].any()
+    want = head[new_ids[20:]] @ drift
+    err_moved = (got["lm_head.weight"][20:] - want).norm()
+    err_plain = (head[new_ids[20:]] - want).norm()
+    assert err_moved < 0.8 * err_plain, (err_moved, err_plain)

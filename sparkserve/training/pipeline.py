@@ -32,9 +32,11 @@ class PipelineConfig:
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
     markov_init: bool = True                # Markov head starts as the responses' bigram fit
-    # Start training from this draft's weights (its config and vocab win over the flags) with a
-    # fresh optimizer and schedule: a shipped draft continued on new data.
+    # Start training from this draft's weights (its config wins over the flags) with a fresh
+    # optimizer and schedule: a shipped draft continued on new data. init_vocab_size re-picks
+    # its reduced vocab from the data (draft_vocab.move_to_vocab), else the draft's is kept.
     init_draft: str | None = None
+    init_vocab_size: int | None = None      # with init_draft: re-pick a reduced vocab of this size
     eval_prompts: int = 32
     # Held-out prompts distilled and captured too (DIR/val/): training scores the draft's greedy
     # tau on them (train.val_every) and keeps the best draft in DIR/draft/best.
@@ -175,7 +177,14 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
         raise ValueError(f"no feature cache to train on: run the features stage for {cfg.out}, or give --extra-features")
     if cfg.init_draft:
         with open(os.path.join(cfg.init_draft, "config.json")) as f:
-            dcfg = json.load(f)
+            init_cfg = json.load(f)
+        dcfg = dict(init_cfg)
+        if cfg.init_vocab_size is not None:
+            if not 0 < cfg.init_vocab_size < engine.model_config.vocab_size:
+                raise ValueError(f"--draft-vocab-size {cfg.init_vocab_size} with --init-draft re-picks a reduced "
+                                 f"vocab: give 0 < N < {engine.model_config.vocab_size}, or leave it out to keep "
+                                 "the draft's vocab")
+            dcfg["draft_vocab_size"] = cfg.init_vocab_size
     else:
         dcfg = draft_config(cfg, engine.model_config, engine.tokenizer)
     reduced = bool(dcfg.get("draft_vocab_size"))
@@ -190,7 +199,7 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
     dcfg["target_layer_ids"] = cache.target_layer_ids
     resuming = os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt"))
     vocab = None
-    if reduced and not cfg.init_draft:
+    if reduced and (not cfg.init_draft or cfg.init_vocab_size is not None):
         counts = cache.response_token_counts(engine.model_config.vocab_size)
         vocab, coverage = select_draft_vocab(counts, dcfg["draft_vocab_size"], engine.tokenizer.eos_token_ids)
         if resuming:
@@ -198,9 +207,15 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
         else:
             print(f"draft vocab: {len(vocab)} ids cover {coverage:.2%} of response tokens")
     draft = init_dspark_draft(dcfg, target, vocab=vocab)
-    if cfg.init_draft:                 # its vocab (d2t) and weights; a resume then loads the checkpoint's
+    if cfg.init_draft:              # its weights (moved to the new vocab); a resume then loads the checkpoint's
         from sparkserve.loader.hf import hf_weights
-        draft.load_weights(hf_weights(cfg.init_draft), target)
+        from sparkserve.training.draft_vocab import move_to_vocab
+        start = init_dspark_draft(init_cfg, target)
+        start.load_weights(hf_weights(cfg.init_draft), target)
+        if vocab is None:
+            draft = start
+        else:
+            move_to_vocab(start, draft, target.lm_head.weight)
     elif cfg.markov_init and not resuming:
         from sparkserve.training.markov_init import fit_markov_head
         fit_markov_head(draft, cache)     # start from the responses' bigram model

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -125,11 +124,12 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
     k = torch.arange(G)
     h, logits, emb, valid, safe_tgt = block_forward(draft, tokens, taps, anchors, cfg.dropout)
     logp_d = F.log_softmax(logits.float(), -1)
-    with torch.no_grad():                                                 # target dist. of x_{a+k+1}
+    with torch.no_grad():     # target dist. of x_{a+k+1}, once per position (blocks overlap)
+        rows, inv = torch.unique(safe_tgt - 1, return_inverse=True)
         if teacher is None:
-            p_t, outside = F.softmax(draft.lm_head(final[safe_tgt - 1]).float(), -1), 0.0
+            p_t, outside = F.softmax(draft.lm_head(final[rows]).float(), -1)[inv], 0.0
         else:
-            p_t = torch.exp(final[safe_tgt - 1] @ teacher.head_rows.T - lse[safe_tgt - 1, None])
+            p_t = torch.exp(final[rows] @ teacher.head_rows.T - lse[rows, None])[inv]
             outside = (1 - p_t.sum(-1)).clamp_min(0)
     p_d = logp_d.exp()
     l1 = (p_d - p_t).abs().sum(-1) + outside       # teacher mass outside the draft vocab counts fully
