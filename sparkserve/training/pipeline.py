@@ -206,19 +206,20 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
             print("draft vocab: resuming, the checkpoint's vocab is kept")
         else:
             print(f"draft vocab: {len(vocab)} ids cover {coverage:.2%} of response tokens")
-    draft = init_dspark_draft(dcfg, target, vocab=vocab)
     if cfg.init_draft:              # its weights (moved to the new vocab); a resume then loads the checkpoint's
         from sparkserve.loader.hf import hf_weights
         from sparkserve.training.draft_vocab import move_to_vocab
-        start = init_dspark_draft(init_cfg, target)
-        start.load_weights(hf_weights(cfg.init_draft), target)
-        if vocab is None:
-            draft = start
-        else:
-            move_to_vocab(start, draft, target.lm_head.weight)
-    elif cfg.markov_init and not resuming:
-        from sparkserve.training.markov_init import fit_markov_head
-        fit_markov_head(draft, cache)     # start from the responses' bigram model
+        draft = init_dspark_draft(init_cfg, target)
+        draft.load_weights(hf_weights(cfg.init_draft), target)
+        if vocab is not None:
+            moved = init_dspark_draft(dcfg, target, vocab=vocab)
+            move_to_vocab(draft, moved, target.lm_head.weight)
+            draft = moved
+    else:
+        draft = init_dspark_draft(dcfg, target, vocab=vocab)
+        if cfg.markov_init and not resuming:
+            from sparkserve.training.markov_init import fit_markov_head
+            fit_markov_head(draft, cache)     # start from the responses' bigram model
     val = _path(cfg, "val", "features")
     val_cache = FeatureCache.open(val) if os.path.exists(os.path.join(val, "index.json")) else None
     return train(draft, cache, _path(cfg, "draft"), TrainConfig(**cfg.train), target_head=target.lm_head.weight,
