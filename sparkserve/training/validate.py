@@ -3,8 +3,9 @@
 On a cache distilled at temperature 0 the next token of every response position is the target's
 greedy choice, so greedy verification of a block accepts slot k exactly when slots 0..k all
 equal the cached tokens (with the Markov bias fed the accepted, i.e. cached, previous tokens).
-The greedy tau (tokens per cycle, bonus included) is then 1 + the mean accepted prefix over
-every response anchor: seconds for hundreds of prompts, against minutes through the engine."""
+Replaying serving's walk over these prefixes (first cycle at the first response token, the next
+at the bonus token after each accepted prefix) gives the greedy tau that serving would measure
+on the same prompts: seconds for hundreds of prompts, against minutes through the engine."""
 from __future__ import annotations
 
 import torch
@@ -29,24 +30,36 @@ def accepted_prefix(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor
 @torch.no_grad()
 def greedy_acceptance(draft: DSparkDraft, cache: FeatureCache, max_seqs: int | None = None,
                       anchors_per_chunk: int = 64) -> dict:
-    """{"tau": greedy tokens per cycle over every response anchor, "slot_accept":
-    P(slot k accepted | slots < k accepted), "blocks": anchors scored}. Blocks cut by the end
-    of a sequence count only their existing slots, as a request at its token limit does."""
+    """Greedy serving replayed on each cached sequence of length S: a cycle anchored at position
+    a accepts the matching prefix of its block, at most S - a - 2 drafts (a request at its token
+    limit keeps room for the bonus), and the next cycle is anchored at the bonus token; the
+    last token or two are plain decode steps. Returns {"tau": tokens per cycle, bonus included,
+    "slot_accept": P(slot k accepted | slots < k accepted), "blocks": cycles, "accept_hist":
+    {accepted drafts: cycles}} (the engine's scheduler.accept_hist for the same requests).
+    The prefix is computed at every anchor in batches; the walk then picks its anchors."""
     G = draft.block_size
     was_training = draft.training
     draft.eval()
-    n_all, v_all = [], []
+    n_walk, v_walk = [], []
     for i in range(len(cache) if max_seqs is None else min(max_seqs, len(cache))):
         tokens, taps, _, plen = cache.sequence(i)
-        lo, hi = max(plen, 1), len(tokens) - 2
-        for start in range(lo, hi + 1, anchors_per_chunk):
-            n, v = accepted_prefix(draft, tokens, taps, torch.arange(start, min(start + anchors_per_chunk, hi + 1)))
-            n_all.append(n)
-            v_all.append(v)
+        lo, S = max(plen, 1), len(tokens)
+        if S - 2 <= lo:
+            continue
+        n = torch.cat([accepted_prefix(draft, tokens, taps, torch.arange(a, min(a + anchors_per_chunk, S - 2)))[0]
+                       for a in range(lo, S - 2, anchors_per_chunk)])
+        a = lo
+        while a < S - 2:
+            room = min(G, S - a - 2)
+            acc = min(int(n[a - lo]), room)
+            n_walk.append(acc)
+            v_walk.append(room)
+            a += acc + 1
     draft.train(was_training)
-    n, v = (torch.cat(x) if x else torch.zeros(0, dtype=torch.long) for x in (n_all, v_all))
+    n, v = torch.tensor(n_walk, dtype=torch.long), torch.tensor(v_walk, dtype=torch.long)
     k = torch.arange(G)[None, :]
     reached = ((n[:, None] >= k) & (k < v[:, None])).sum(0)
     accepted = (n[:, None] > k).sum(0)
     return {"tau": 1 + float(n.float().mean()) if len(n) else 1.0,
-            "slot_accept": (accepted / reached.clamp_min(1)).tolist(), "blocks": len(n)}
+            "slot_accept": (accepted / reached.clamp_min(1)).tolist(), "blocks": len(n),
+            "accept_hist": {int(c): int((n == c).sum()) for c in n.unique()}}
