@@ -17,14 +17,14 @@ from sparkserve.training.train_dspark import block_forward
 
 @torch.no_grad()
 def accepted_prefix(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor,
-                    anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    anchors: torch.Tensor) -> torch.Tensor:
     """Per anchor: how many drafts greedy verification accepts (the matching prefix of the
-    block against the cached next tokens), and how many slots have a cached token at all."""
+    block against the cached next tokens; slots past the sequence end never match)."""
     G = draft.block_size
     _, logits, _, valid, tgt = block_forward(draft, tokens, taps, anchors)
     guess = draft.to_target_ids(logits.argmax(-1)).view(-1, G)
     match = (guess == tokens[tgt].view(-1, G)) & valid
-    return torch.cumprod(match.long(), dim=1).sum(1), valid.sum(1)
+    return torch.cumprod(match.long(), dim=1).sum(1)
 
 
 @torch.no_grad()
@@ -46,7 +46,7 @@ def greedy_acceptance(draft: DSparkDraft, cache: FeatureCache, max_seqs: int | N
         lo, S = max(plen, 1), len(tokens)
         if S - 2 <= lo:
             continue
-        n = torch.cat([accepted_prefix(draft, tokens, taps, torch.arange(a, min(a + anchors_per_chunk, S - 2)))[0]
+        n = torch.cat([accepted_prefix(draft, tokens, taps, torch.arange(a, min(a + anchors_per_chunk, S - 2)))
                        for a in range(lo, S - 2, anchors_per_chunk)])
         a = lo
         while a < S - 2:
