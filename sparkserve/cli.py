@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-new-tokens", type=int, default=256, help="distillation answer length")
     tr.add_argument("--temperature", type=float, default=0.0, help="distillation temperature")
     tr.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts when distilling")
+    tr.add_argument("--distill-batch", type=int, default=32, help="requests in flight while distilling")
     tr.add_argument("--num-layers", type=int, default=1, help="draft depth")
     tr.add_argument("--block-size", type=int, default=7, help="gamma")
     tr.add_argument("--markov-rank", type=int, default=64)
@@ -109,7 +110,7 @@ def _train_draft(ns: argparse.Namespace) -> int:
         prompts_offset=ns.prompts_offset,
         extra_features=[d for d in (ns.extra_features or "").split(",") if d],
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, num_layers=ns.num_layers,
-        max_prompt_tokens=ns.max_prompt_tokens,
+        max_prompt_tokens=ns.max_prompt_tokens, distill_batch=ns.distill_batch,
         block_size=ns.block_size, markov_rank=ns.markov_rank, target_layer_ids=taps,
         draft_vocab_size=8192 if ns.draft_vocab_size is None else (ns.draft_vocab_size or None),
         eval_prompts=ns.eval_prompts, eval_max_new_tokens=ns.eval_max_new_tokens, markov_init=not ns.no_markov_init,

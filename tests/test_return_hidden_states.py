@@ -9,6 +9,7 @@ from sparkserve import Engine
 from sparkserve.args import ServerArgs
 from sparkserve.training.feature_cache import capture
 
+from conftest import assert_no_kv_leak
 from dspark_fixtures import dspark_single_thread, make_random_draft  # noqa: F401
 
 TAPS = [-1, 1]
@@ -73,3 +74,42 @@ def test_hidden_states_flags_are_checked(llama_dir):
     eng = Engine(llama_dir, max_total_tokens=1024)
     with pytest.raises(ValueError, match="enable_return_hidden_states"):
         eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, return_hidden_states=True)
+
+
+def test_generate_many_keeps_order_and_the_batch_full(llama_dir):
+    """A long stream through generate_many: results in input order, equal to one generate() call
+    on the whole list (tokens and hidden rows), never more than max_in_flight requests in the
+    scheduler, and a finished request replaced before the long one at the head is done."""
+    eng = _engine(llama_dir, max_total_tokens=4096)
+    prompts = _prompts(9)
+    params = [{**GREEDY, "max_new_tokens": n} for n in (24, 2, 3, 2, 5, 2, 3, 4, 2)]
+    want = eng.generate(input_ids=prompts, sampling_params=params, return_hidden_states=True)
+    sched, steps = eng.scheduler, []
+    step = sched.step
+
+    def counted_step():
+        steps.append(len(sched.waiting) + len(sched.running) + (sched.chunked is not None))
+        step()
+    sched.step = counted_step
+    got = list(eng.generate_many(prompts, params, max_in_flight=3, return_hidden_states=True))
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g["meta_info"]["aux_hidden_states"], w["meta_info"]["aux_hidden_states"])
+    # the 8 short answers pass through beside the 24-token one at the head, 3 at a time
+    # (a batch-at-a-time loop would drop to 1 in flight after the first short answers)
+    assert max(steps) == 3 and steps[:12] == [3] * 12
+    assert not sched.has_work()
+    assert_no_kv_leak(sched.cache)
+
+
+def test_generate_many_rejects_bad_input_without_leaking(llama_dir):
+    eng = _engine(llama_dir, max_total_tokens=4096)
+    with pytest.raises(ValueError, match="max_in_flight"):
+        eng.generate_many([[5, 6]], GREEDY, max_in_flight=0)
+    with pytest.raises(ValueError, match="empty"):
+        list(eng.generate_many([[5, 6, 7], [8, 9], []], GREEDY, max_in_flight=2))
+    it = eng.generate_many(_prompts(5), GREEDY, max_in_flight=2)
+    next(it)
+    it.close()                       # the consumer stops early: nothing stays in the scheduler
+    assert not eng.scheduler.has_work()
+    assert_no_kv_leak(eng.scheduler.cache)

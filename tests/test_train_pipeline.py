@@ -89,3 +89,36 @@ def test_train_draft_cli_end_to_end(tmp_path):
     assert ev.pop("val_greedy_offline")["tau"] == pytest.approx(best)     # all of val = val_seqs
     assert set(ev) == {"sharegpt_heldout_T0", "sharegpt_heldout_T1", "humaneval_T0", "humaneval_T1"}
     assert all(v["cycles"] > 0 and 1.0 <= v["tau"] <= 8.0 for v in ev.values()), ev
+
+
+def test_distill_resumes_with_requests_in_flight(tmp_path, capsys):
+    """Distillation keeps distill_batch requests in flight and writes finished lines in prompt
+    order: a run stopped after the first prompt and resumed on the longer file gives the
+    engine's own greedy answers, an empty line for a prompt over --max-prompt-tokens, and
+    logged hidden rows that equal a fresh prefill capture."""
+    from sparkserve.training.pipeline import PipelineConfig, distill, stage_features
+    prompts = PROMPTS[:2] + [" ".join(["word"] * 60)] + PROMPTS[2:]
+    cfg = PipelineConfig(model_path=None, out=str(tmp_path), max_new_tokens=8, distill_batch=2,
+                         max_prompt_tokens=40, target_layer_ids=[2, 20])
+    eng = Engine(None, max_total_tokens=2048, enable_return_hidden_states=True, disable_radix_cache=True)
+
+    def write(ps):
+        (tmp_path / "prompts.jsonl").write_text(
+            "".join(json.dumps({"prompt": p}) + "\n" for p in ps))
+    write(prompts[:1])
+    distill(cfg, eng, str(tmp_path))
+    write(prompts)
+    distill(cfg, eng, str(tmp_path))
+    rows = [json.loads(line) for line in open(tmp_path / "distill.jsonl")]
+    assert len(rows) == len(prompts) and rows[2]["output_ids"] == [] and "feature_rows" not in rows[2]
+    short = [[{"role": "user", "content": p}] for i, p in enumerate(prompts) if i != 2]
+    want = eng.generate(messages=short, sampling_params={"temperature": 0, "max_new_tokens": 8})
+    assert [r["output_ids"] for r in rows if r["output_ids"]] == [w["output_ids"] for w in want]
+    stage_features(cfg, eng)
+    assert "capturing by prefill" not in capsys.readouterr().out    # built from the distill log
+    cache = FeatureCache.open(str(tmp_path / "features"))
+    assert len(cache) == len(short)
+    for i in range(len(cache)):
+        tokens, taps, _, _ = cache.sequence(i)
+        want_taps, _ = capture(eng.scheduler.runner.model, [tokens.tolist()], [2, 20])[0]
+        torch.testing.assert_close(taps[:-1], want_taps[:-1].half().float(), atol=2e-2, rtol=1e-2)

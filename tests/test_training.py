@@ -205,8 +205,14 @@ def test_concatenated_caches_read_as_one(distilled, tmp_path):
 def test_heldout_split_is_disjoint():
     from sparkserve.training.prompts import humaneval_prompts, split_sharegpt
     train_p, held = split_sharegpt(holdout=2000)
-    assert len(held) > 1000 and len(train_p) > 10000
-    key = lambda p: p[0]["content"]
+    assert len(held) > 1000 and all(len(p) == 1 for p in held)
+    first = [p for p in train_p if len(p) == 1]
+    assert len(first) > 10000 and train_p[:len(first)] == first     # first turns keep their offsets
+    later = train_p[len(first):]
+    assert len(later) > 10000
+    assert all(p[-1]["role"] == "user" and sum(m["role"] == "user" for m in p) >= 2
+               and sum(len(m["content"]) for m in p) <= 4000 for p in later)
+    key = lambda p: p[-1]["content"]
     train_keys = {key(p) for p in train_p}
     assert not train_keys & {key(p) for p in held}
     he = humaneval_prompts()

