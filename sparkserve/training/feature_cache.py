@@ -133,7 +133,9 @@ class RawFeatureLog:
 
     @staticmethod
     def usable(path: str, layer_ids: list[int], rows: int) -> bool:
-        """The log holds exactly `rows` rows of these taps (else: capture by prefill)."""
+        """The log holds `rows` rows of these taps (else: capture by prefill); rows past them
+        belong to answers cut off before their distill.jsonl lines were written (a distillation
+        stopped mid-batch) and are ignored."""
         try:
             with open(os.path.join(path, "meta.json")) as f:
                 meta = json.load(f)
@@ -141,8 +143,8 @@ class RawFeatureLog:
             return False
         d = meta["hidden_size"]
         return (meta["target_layer_ids"] == list(layer_ids)
-                and os.path.getsize(os.path.join(path, "final.bin")) == rows * d * 2
-                and os.path.getsize(os.path.join(path, "taps.bin")) == rows * len(layer_ids) * d * 2)
+                and os.path.getsize(os.path.join(path, "final.bin")) >= rows * d * 2
+                and os.path.getsize(os.path.join(path, "taps.bin")) >= rows * len(layer_ids) * d * 2)
 
 
 def feature_cache_from_log(log_dir: str, seqs: list[list[int]], prompt_lens: list[int],
