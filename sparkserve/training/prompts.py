@@ -86,7 +86,7 @@ def later_user_turns(conv: list[dict], max_chars: int) -> list[list[dict]]:
             continue
         users += 1
         if users > 1 and len(m["content"]) <= max_chars and total <= 2 * max_chars:
-            out.append([{"role": x["role"], "content": x["content"]} for x in conv[:i + 1]])
+            out.append([dict(x) for x in conv[:i + 1]])
     return out
 
 
