@@ -77,7 +77,9 @@ class Engine:
         self._check_hidden_states(return_hidden_states)
         per_prompt = isinstance(sampling_params, Sequence)
         shared = None if per_prompt else params_list(sampling_params, 1)[0]
-        items = zip(input_ids, sampling_params) if per_prompt else ((ids, None) for ids in input_ids)
+        if per_prompt and isinstance(input_ids, Sequence) and len(input_ids) != len(sampling_params):
+            raise ValueError(f"sampling_params: {len(sampling_params)} dicts for {len(input_ids)} prompts")
+        items = zip(input_ids, sampling_params, strict=True) if per_prompt else ((ids, None) for ids in input_ids)
         return self._ordered_results(iter(items), shared, max_in_flight, return_hidden_states)
 
     def _ordered_results(self, items, shared, max_in_flight, return_hidden_states) -> Iterator[dict]:
