@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     tr.add_argument("--dropout", type=float, default=0.0,
                     help="dropout on the draft's target context and block output while training")
+    tr.add_argument("--walk-anchor-frac", type=float, default=0.0,
+                    help="share of training anchors moved to their greedy walk successor (where "
+                         "serving anchors: right after the draft's miss); needs greedy distillation")
     tr.add_argument("--train-lm-head", action="store_true",
                     help="also train a reduced-vocab draft's LM head (default: frozen, as DeepSpec)")
     tr.add_argument("--eval-prompts", type=int, default=32)
@@ -119,7 +122,8 @@ def _train_draft(ns: argparse.Namespace) -> int:
         train={"steps": ns.steps, "lr": ns.lr, "seqs_per_step": ns.seqs_per_step,
                "anchors_per_seq": ns.anchors_per_seq, "final_norm_lr_mult": ns.final_norm_lr_mult,
                "ce_weight": ns.ce_weight, "val_every": ns.val_every, "val_seqs": ns.val_seqs,
-               "train_lm_head": ns.train_lm_head, "weight_decay": ns.weight_decay, "dropout": ns.dropout})
+               "train_lm_head": ns.train_lm_head, "weight_decay": ns.weight_decay, "dropout": ns.dropout,
+               "walk_anchor_frac": ns.walk_anchor_frac})
     run_pipeline(cfg, [s.strip() for s in ns.stages.split(",") if s.strip()])
     return 0
 

@@ -56,12 +56,15 @@ def test_train_draft_cli_end_to_end(tmp_path):
     cfg = json.load(open(os.path.join(out, "draft", "config.json")))
     assert cfg["draft_vocab_size"] == 512 and cfg["block_size"] == 7
 
-    # a second run trains on the first run's cache (data grown over several runs)
-    more = str(tmp_path / "more")
-    assert main(["train-draft", "--out", more, "--stages", "train", "--steps", "1", "--seqs-per-step", "2",
-                 "--anchors-per-seq", "4", "--draft-vocab-size", "512", "--markov-rank", "16",
-                 "--extra-features", os.path.join(out, "features")]) == 0
-    assert os.path.exists(os.path.join(more, "draft", "model.safetensors"))
+    # a second run trains on the first run's cache (data grown over several runs), some
+    # anchors where greedy serving would anchor (needs greedy answers)
+    more = ["train-draft", "--out", str(tmp_path / "more"), "--stages", "train", "--steps", "1",
+            "--seqs-per-step", "2", "--anchors-per-seq", "4", "--draft-vocab-size", "512", "--markov-rank", "16",
+            "--extra-features", os.path.join(out, "features"), "--walk-anchor-frac", "0.5"]
+    assert main(more) == 0
+    assert os.path.exists(os.path.join(tmp_path, "more", "draft", "model.safetensors"))
+    assert main(more + ["--temperature", "1"]) == 2
+    assert main(more + ["--walk-anchor-frac", "1.5"]) == 2
 
     # a run started from the first run's draft takes its config over the flags, and with lr 0
     # (weight decay and dropout on) it saves exactly the weights it started from

@@ -11,7 +11,7 @@ from sparkserve import Engine
 from sparkserve.config import ModelConfig
 from sparkserve.models.dspark_draft import dspark_config_dict, init_dspark_draft, load_dspark_draft
 from sparkserve.training.feature_cache import FeatureCache, build_feature_cache, capture
-from sparkserve.training.train_dspark import TrainConfig, block_forward, sample_anchors, train
+from sparkserve.training.train_dspark import TrainConfig, block_forward, sample_anchors, train, walk_anchors
 from sparkserve.training.validate import greedy_acceptance
 
 V = 64
@@ -126,6 +126,43 @@ def test_offline_acceptance_replays_serving(bigram_target, distilled, tmp_path):
     assert res["blocks"] == sum(hist.values())
     reached0 = res["blocks"]
     assert res["slot_accept"][0] == pytest.approx(sum(v for k, v in hist.items() if k > 0) / reached0)
+
+
+def test_walk_anchors_step_like_serving(bigram_target, distilled, tmp_path):
+    """Walk anchors are where the engine anchors its next verify cycle: stepping from the first
+    response token with walk_anchors alone gives the engine's accept histogram on the same
+    greedy requests; training with them runs; a share outside [0, 1] is an error."""
+    path, _ = bigram_target
+    _, target, dcfg, fc_dir, prompts, _, _ = distilled
+    out = str(tmp_path / "draft")
+    cache = FeatureCache.open(fc_dir)
+    train(init_dspark_draft(dcfg, target), cache, out,
+          TrainConfig(steps=30, seqs_per_step=4, anchors_per_seq=16, lr=1e-2, save_every=30))
+    draft = load_dspark_draft(out, target)
+    spec = Engine(path, max_total_tokens=4096, speculative_algorithm="DSPARK", speculative_draft_model_path=out)
+    spec.generate(input_ids=prompts[:8], sampling_params={"temperature": 0, "max_new_tokens": 32, "ignore_eos": True})
+    assert len(spec.scheduler.accept_hist) >= 3, spec.scheduler.accept_hist
+    hist: dict[int, int] = {}
+    for i in range(8):
+        tokens, taps, _, plen = cache.sequence(i)
+        S, a = len(tokens), plen
+        while a < S - 2:
+            nxt = walk_anchors(draft, tokens, taps, torch.tensor([a]), 1.0)
+            m = int(nxt[0]) if len(nxt) else S - 1          # dropped: the cycle ran to the end
+            hist[m - a - 1] = hist.get(m - a - 1, 0) + 1
+            a = m
+    assert hist == spec.scheduler.accept_hist
+    tokens, taps, _, plen = cache.sequence(0)
+    anchors = sample_anchors(len(tokens), plen, 16, torch.Generator().manual_seed(0))
+    assert torch.equal(walk_anchors(draft, tokens, taps, anchors, 0.0), anchors)
+    half = walk_anchors(draft, tokens, taps, anchors, 0.5)
+    kept = [a for a in anchors.tolist() if a in half.tolist()]
+    assert len(half) <= 16 and len(kept) >= 8 and not torch.equal(half, anchors)
+    log = train(draft, cache, str(tmp_path / "walk"), TrainConfig(steps=3, seqs_per_step=2, anchors_per_seq=8,
+                                                                   walk_anchor_frac=0.5))
+    assert log["step"] == 3 and log["loss"] > 0
+    with pytest.raises(ValueError, match="walk_anchor_frac"):
+        train(draft, cache, str(tmp_path / "bad"), TrainConfig(steps=1, walk_anchor_frac=1.5))
 
 
 def _mean_accepted(hist: dict[int, int]) -> float:

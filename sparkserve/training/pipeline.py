@@ -263,6 +263,12 @@ def run_pipeline(cfg: PipelineConfig, stages: list[str]) -> None:
     bad = [s for s in stages if s not in STAGES]
     if bad:
         raise ValueError(f"--stages: unknown {bad}; choose from {', '.join(STAGES)}")
+    walk = cfg.train.get("walk_anchor_frac", 0.0)
+    if not 0 <= walk <= 1:
+        raise ValueError(f"--walk-anchor-frac must be within [0, 1], got {walk}")
+    if walk and cfg.temperature > 0:
+        raise ValueError("--walk-anchor-frac follows greedy verification along the cached answers: "
+                         f"distill them with --temperature 0 (got {cfg.temperature})")
     engine = None
     if {"distill", "features", "train"} & set(stages):
         from sparkserve.entrypoints.engine import Engine

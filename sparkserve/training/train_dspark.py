@@ -31,6 +31,11 @@ class TrainConfig:
     # Dropout on the fused target context and the block's output (training only): the draft
     # memorises small data (greedy tau 2.4 on its training sequences, 1.7 held out).
     dropout: float = 0.0
+    # Share of each sequence's anchors moved to where serving would anchor next: the bonus token
+    # after the current draft's accepted prefix at a uniform anchor (one greedy walk step).
+    # Serving's anchors sit right after misses and accept 0.76 drafts there against 1.04 at
+    # uniform positions (shipped draft, held-out val), so uniform anchors train on easier blocks.
+    walk_anchor_frac: float = 0.0
     clip: float = 1.0
     decay_gamma: float = 4.0
     ce_weight: float = 0.1
@@ -65,6 +70,22 @@ def sample_anchors(seq_len: int, prompt_len: int, n: int, gen: torch.Generator) 
         return torch.empty(0, dtype=torch.long)
     cand = torch.arange(lo, hi + 1)
     return cand[torch.randperm(len(cand), generator=gen)[:n]].sort().values
+
+
+def walk_anchors(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
+                 frac: float) -> torch.Tensor:
+    """Replace an evenly spread `frac` of the sorted anchors by their greedy walk successors on
+    this cached greedy sequence: a + accepted + 1, where serving's next cycle would anchor.
+    Successors past the last usable anchor are dropped."""
+    from sparkserve.training.validate import accepted_prefix
+    n = int(round(len(anchors) * frac))
+    if n == 0:
+        return anchors
+    pick = torch.zeros(len(anchors), dtype=torch.bool)
+    pick[torch.linspace(0, len(anchors) - 1, n).round().long()] = True
+    seeds = anchors[pick]
+    nxt = seeds + accepted_prefix(draft, tokens, taps, seeds) + 1
+    return torch.cat([anchors[~pick], nxt[nxt <= len(tokens) - 2]]).sort().values
 
 
 @dataclass
@@ -158,6 +179,8 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
     """Resumable: picks up train_state.pt in out_dir. Returns the last logged metrics.
     A reduced-vocab draft needs the target's LM head weight and a cache with lse.npy; its LM
     head (the target's rows of its vocab) is trained only with cfg.train_lm_head."""
+    if not 0 <= cfg.walk_anchor_frac <= 1:
+        raise ValueError(f"walk_anchor_frac must be within [0, 1], got {cfg.walk_anchor_frac}")
     os.makedirs(out_dir, exist_ok=True)
     if draft.d2t is not None and (target_head is None or cache.lse is None):
         raise ValueError("a reduced-vocab draft trains against the target's LM head and the "
@@ -205,6 +228,8 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
                 cursor += 1
                 tokens, taps, final, plen = cache.sequence(i)
                 anchors = sample_anchors(len(tokens), plen, cfg.anchors_per_seq, gen)
+                if cfg.walk_anchor_frac > 0 and len(anchors):
+                    anchors = walk_anchors(draft, tokens, taps, anchors, cfg.walk_anchor_frac)
                 if len(anchors) == 0:
                     continue
                 lse = cache.sequence_lse(i) if teacher is not None else None
