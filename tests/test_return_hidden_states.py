@@ -2,6 +2,8 @@
 decode steps, retracted and recomputed requests, DSpark verify cycles) equal the rows one fresh
 prefill of the whole sequence gives (feature_cache.capture, itself checked against
 transformers in test_training) — so draft data can be captured while it is distilled."""
+import json
+
 import pytest
 import torch
 
@@ -115,3 +117,72 @@ def test_generate_many_rejects_bad_input_without_leaking(llama_dir):
     it.close()                       # the consumer stops early: nothing stays in the scheduler
     assert not eng.scheduler.has_work()
     assert_no_kv_leak(eng.scheduler.cache)
+
+
+def test_prefill_only_hidden_states(llama_dir):
+    """max_new_tokens 0 with return_hidden_states runs the prompt and returns every row of it
+    (how draft-training data is captured from a fixed dataset); without it nothing runs."""
+    eng = _engine(llama_dir, max_total_tokens=4096)
+    prompts = _prompts(3)
+    outs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 0}, return_hidden_states=True)
+    model = eng.scheduler.runner.model
+    for p, o in zip(prompts, outs):
+        assert o["output_ids"] == [] and o["meta_info"]["completion_tokens"] == 0
+        assert o["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+        want_taps, want_final = capture(model, [p], TAPS)[0]
+        torch.testing.assert_close(o["meta_info"]["hidden_states"], want_final, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(o["meta_info"]["aux_hidden_states"], want_taps, atol=1e-4, rtol=1e-4)
+    model.set_aux_layers(TAPS)
+    assert not eng.scheduler.has_work()
+    assert_no_kv_leak(eng.scheduler.cache)
+
+
+def test_http_generate_returns_hidden_states(llama_dir, tmp_path):
+    """SGLang's /generate with return_hidden_states on a DSpark server (its target taps the
+    draft's layers): rows [position][hidden] equal a fresh prefill capture, for a batch, a
+    stream (on its last chunk) and a prefill-only request; a bad per-prompt list is a 400."""
+    import httpx
+    from server_harness import ServerProcess
+    taps = [0, 1]
+    draft = make_random_draft(llama_dir, str(tmp_path / "draft"), target_layer_ids=taps)
+    server = ServerProcess("--model-path", llama_dir, "--max-total-tokens", "4096", "--enable-return-hidden-states",
+                           "--disable-radix-cache", "--speculative-algorithm", "DSPARK",
+                           "--speculative-draft-model-path", draft)
+    try:
+        eng = Engine(llama_dir, max_total_tokens=1024)
+        model = eng.scheduler.runner.model
+        prompts = _prompts(3)
+
+        def check(seq, meta, rows=None):         # the last output token never runs
+            rows = len(seq) - 1 if rows is None else rows
+            want_taps, want_final = capture(model, [seq], taps)[0]
+            torch.testing.assert_close(torch.tensor(meta["hidden_states"]), want_final[:rows], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(torch.tensor(meta["aux_hidden_states"]), want_taps[:rows], atol=1e-4, rtol=1e-4)
+
+        body = {"input_ids": prompts[:2], "sampling_params": GREEDY, "return_hidden_states": [True, False]}
+        r = httpx.post(server.url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        first, second = r.json()
+        assert first["meta_info"]["spec_verify_ct"] > 0
+        assert len(first["output_ids"]) == GREEDY["max_new_tokens"]
+        check(prompts[0] + first["output_ids"], first["meta_info"])
+        assert "hidden_states" not in second["meta_info"]
+
+        with httpx.stream("POST", server.url + "/generate", timeout=120,
+                          json={"input_ids": prompts[2], "sampling_params": GREEDY, "stream": True,
+                                "return_hidden_states": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert all("hidden_states" not in c["meta_info"] for c in chunks[:-1])
+        check(prompts[2] + chunks[-1]["output_ids"], chunks[-1]["meta_info"])
+
+        r = httpx.post(server.url + "/generate", timeout=120, json={
+            "input_ids": prompts[1], "sampling_params": {"max_new_tokens": 0}, "return_hidden_states": True})
+        assert r.status_code == 200 and r.json()["output_ids"] == []
+        check(prompts[1], r.json()["meta_info"], len(prompts[1]))
+
+        r = httpx.post(server.url + "/generate", json={**body, "return_hidden_states": [True]}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "return_hidden_states"
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
+        server.remove_log()

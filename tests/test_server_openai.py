@@ -243,6 +243,11 @@ def test_sglang_generate_equals_engine(server, engine):
     lps = chunks[-1]["meta_info"]["output_token_logprobs"]
     assert [t for _, t, _ in lps] == ref["output_ids"]
     assert all(len(top) == 2 for top in chunks[-1]["meta_info"]["output_top_logprobs"])
+    # hidden states need --enable-return-hidden-states (test_return_hidden_states has a server with it)
+    r = httpx.post(server.url + "/generate", timeout=30,
+                   json={"text": PROMPTS[0], "sampling_params": greedy(), "return_hidden_states": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_hidden_states", r.text
+    assert "--enable-return-hidden-states" in r.json()["error"]["message"]
 
 
 def test_server_and_model_info(server):

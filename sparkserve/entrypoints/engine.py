@@ -42,7 +42,8 @@ class Engine:
         With stream=True (single prompt), yields chunks {"text": delta, "output_ids": new ids,
         "finished": bool, "meta_info": ...}. return_hidden_states (engine started with
         enable_return_hidden_states) adds meta_info "hidden_states" (final normed hidden state
-        of every position but the last output token) and, when the model captures aux layers
+        of every position but the last output token; with max_new_tokens 0, of every prompt
+        position: the prompt runs, nothing is generated) and, when the model captures aux layers
         (set_aux_layers; a DSpark target does), "aux_hidden_states" (those layers, concatenated)."""
         self._check_hidden_states(return_hidden_states)
         if return_hidden_states and stream:
@@ -51,10 +52,7 @@ class Engine:
         params = params_list(sampling_params, len(prompts))
         for ids, p in zip(prompts, params):
             check_prompt(ids, p, self.limits)
-        groups = [self._submit(ids, p) for ids, p in zip(prompts, params)]
-        if return_hidden_states:
-            for req in (r for g in groups for r in g):
-                req.hidden_parts = []
+        groups = [self._submit(ids, p, return_hidden_states) for ids, p in zip(prompts, params)]
         if stream:
             if not single or len(groups[0]) != 1:
                 raise ValueError("stream=True takes a single prompt with n=1")
@@ -99,9 +97,7 @@ class Engine:
                     if params.n != 1:
                         raise ValueError("generate_many takes n=1")
                     check_prompt(ids, params, self.limits)
-                    req = self._submit(ids, params)[0]
-                    if return_hidden_states:
-                        req.hidden_parts = []
+                    req = self._submit(ids, params, return_hidden_states)[0]
                     order.append(req)
                 while order and order[0].finished:
                     yield self._result(order.popleft())
@@ -154,13 +150,16 @@ class Engine:
                              "skip_tokenizer_init): pass input_ids")
         return self.tokenizer
 
-    def _submit(self, ids: list[int], params: SamplingParams) -> list[Req]:
+    def _submit(self, ids: list[int], params: SamplingParams, hidden: bool = False) -> list[Req]:
+        """Queue the request (n fanned out). max_new_tokens 0 ends at once, unless it asks for
+        hidden states: then its prompt runs (prefill only)."""
         eos = self.scheduler.eos_ids
         reqs = []
         for rid, p in fan_out(uuid.uuid4().hex[:16], params):
             req = Req(rid, list(ids), p, RequestSamplingState(p, ids, eos))
+            req.hidden_parts = [] if hidden else None
             reqs.append(req)
-            if params.max_new_tokens == 0:
+            if params.max_new_tokens == 0 and not hidden:
                 req.finished_reason = {"type": "length", "length": 0}
             else:
                 self.scheduler.add_request(req)

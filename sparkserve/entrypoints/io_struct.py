@@ -27,6 +27,7 @@ class GenerateReq:
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    return_hidden_states: bool = False
 
 
 @dataclass
@@ -105,6 +106,9 @@ class ReqOutput:
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     spec_verify_ct: int = 0            # DSpark verify cycles so far
     spec_accepted_tokens: int = 0      # tokens those cycles committed (accepted drafts + bonus)
+    # return_hidden_states, on the finishing output: rows [position][hidden] (Req.hidden_states)
+    hidden_states: list[list[float]] | None = None
+    aux_hidden_states: list[list[float]] | None = None
 
 
 @dataclass

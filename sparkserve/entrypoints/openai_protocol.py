@@ -145,6 +145,10 @@ class GenerateRequest(_Request):
     top_logprobs_num: int | list[int] = 0
     logprob_start_len: int | list[int] = -1
     return_text_in_logprobs: bool = False
+    # final normed hidden state of every position run (prompt, output but the last token) in
+    # meta_info "hidden_states", with the tapped aux layers in "aux_hidden_states"; needs
+    # --enable-return-hidden-states. max_new_tokens 0 runs the prompt only.
+    return_hidden_states: bool | list[bool] = False
     # PD disaggregation fields that sglang-router adds (accepted; no disaggregation yet)
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None

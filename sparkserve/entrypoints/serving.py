@@ -286,6 +286,10 @@ class Serving:
         sps = per_prompt(req.sampling_params, k, "sampling_params")
         ret_lp = per_prompt(req.return_logprob, k, "return_logprob")
         top_n = per_prompt(req.top_logprobs_num, k, "top_logprobs_num")
+        hidden = per_prompt(req.return_hidden_states, k, "return_hidden_states")
+        if any(hidden) and not self.tm.args.enable_return_hidden_states:
+            raise ApiError(400, "return_hidden_states: this server was started without "
+                                "--enable-return-hidden-states", "return_hidden_states")
         rids = per_prompt(req.rid, k, "rid") if isinstance(req.rid, list) else None
         base = req.rid if isinstance(req.rid, str) else uuid.uuid4().hex
         seqs: list[Seq] = []
@@ -305,7 +309,7 @@ class Serving:
             if not isinstance(rid, str) or not rid:
                 raise ApiError(400, "rid: must be a non-empty string", "rid")
             for r, sp_i in fan_out(rid, params):
-                seqs.append(Seq(r, ids, sp_i, index, p))
+                seqs.append(Seq(r, ids, sp_i, index, p, bool(hidden[p])))
                 index += 1
         try:
             self.tm.check_capacity(len(seqs))
@@ -322,6 +326,10 @@ class Serving:
             piece = (lambda t: self.tm.token_piece(t)[0]) if with_text and self.tm.tokenizer else (lambda t: None)
             extra["output_token_logprobs"] = [[lp, t, piece(t)] for lp, t in zip(lps, ids)]
             extra["output_top_logprobs"] = [[[v, t, piece(t)] for t, v in (top or [])] for top in tops]
+        if last is not None and last.hidden_states is not None:
+            extra["hidden_states"] = last.hidden_states
+            if last.aux_hidden_states is not None:
+                extra["aux_hidden_states"] = last.aux_hidden_states
         meta = meta_info(s.rid, last.finish_reason if last else None, len(s.input_ids),
                          last.completion_tokens if last else 0, last.cached_tokens if last else 0,
                          last.spec_verify_ct if last else 0, last.spec_accepted_tokens if last else 0, **extra)

@@ -46,6 +46,7 @@ class Seq:
     params: SamplingParams
     index: int = 0          # choice index in the response
     prompt: int = 0         # which prompt of the request (usage counts each prompt once)
+    return_hidden_states: bool = False
 
 
 @dataclass
@@ -64,6 +65,8 @@ class SeqOut:
     e2e_latency: float = 0.0
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    hidden_states: list[list[float]] | None = None
+    aux_hidden_states: list[list[float]] | None = None
 
     @property
     def error_status(self) -> int | None:
@@ -205,7 +208,7 @@ class TokenizerManager:
             for s in seqs:
                 stream = OutputStream(self.tokenizer, s.params) if self.tokenizer is not None else None
                 self.states[s.rid] = _SeqState(s, sub.queue, stream)
-                self._send(GenerateReq(s.rid, s.input_ids, s.params))
+                self._send(GenerateReq(s.rid, s.input_ids, s.params, s.return_hidden_states))
         except BaseException:
             sub.close()                      # no state or admission left behind
             raise
@@ -340,7 +343,8 @@ class TokenizerManager:
             st.queue.put_nowait(SeqOut(st.seq.index, o.rid, text, list(o.new_token_ids), list(o.new_logprobs),
                                        list(o.new_top_logprobs), finished, o.prompt_tokens,
                                        o.completion_tokens, o.cached_tokens, now - st.created,
-                                       o.spec_verify_ct, o.spec_accepted_tokens))
+                                       o.spec_verify_ct, o.spec_accepted_tokens, o.hidden_states,
+                                       o.aux_hidden_states))
             if finished is not None:
                 del self.states[o.rid]
 

@@ -95,7 +95,11 @@ class SchedulerLoop:
                 for o in self.scheduler.step():
                     outputs.append(o)
                     if o.finished_reason is not None:
-                        self.reqs.pop(o.rid, None)
+                        req = self.reqs.pop(o.rid, None)
+                        if req is not None and req.hidden_parts is not None:
+                            final, taps = req.hidden_states()
+                            o.hidden_states = final.tolist()
+                            o.aux_hidden_states = None if taps is None else taps.tolist()
             if outputs:
                 self.send.send_pyobj(BatchOut(outputs, self.load()))
 
@@ -147,7 +151,9 @@ class SchedulerLoop:
         from sparkserve.scheduler.req import Req
         req = Req(msg.rid, list(msg.input_ids), msg.params,
                   RequestSamplingState(msg.params, msg.input_ids, self.scheduler.eos_ids))
-        if msg.params.max_new_tokens == 0:
+        if msg.return_hidden_states:       # max_new_tokens 0 too: the prompt runs (prefill only)
+            req.hidden_parts = []
+        elif msg.params.max_new_tokens == 0:
             self.pending.append(ReqOutput(msg.rid, [], {"type": "length", "length": 0},
                                           len(req.input_ids), 0, 0))
             return

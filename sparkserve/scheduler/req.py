@@ -47,9 +47,10 @@ class Req:
 
     def hidden_states(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final [n, d], aux taps [n, n_taps*d] or None) for positions 0..n-1, n = prompt +
-        output - 1: the last output token is sampled, never run through the model. Rows
-        computed again after a retraction replace the first ones."""
-        n = len(self.input_ids) + len(self.output_ids) - 1
+        output - 1: the last output token is sampled, never run through the model (n = prompt
+        when there is no output: a prefill-only request). Rows computed again after a
+        retraction replace the first ones."""
+        n = len(self.input_ids) + max(0, len(self.output_ids) - 1)
         parts = self.hidden_parts or []
         final = torch.full((n, parts[0][1].shape[-1] if parts else 0), float("nan"))
         taps = None if not parts or parts[0][2] is None else torch.full((n, parts[0][2].shape[-1]), float("nan"))

@@ -320,7 +320,12 @@ class Scheduler:
 
     def _commit(self, req: Req, toks: list[int], lps: list[float], tops: list,
                 spec: bool = False) -> ReqOutput:
-        """Append tokens one by one, stopping exactly where the request finishes."""
+        """Append tokens one by one, stopping exactly where the request finishes. A request
+        with max_new_tokens 0 only wanted its prompt run (return_hidden_states): it ends here."""
+        if req.params.max_new_tokens == 0:
+            req.finished_reason = {"type": "length", "length": 0}
+            self.cache.release(req)
+            return self._output(req, [], [], [])
         taken = []
         for n, tok in enumerate(toks):
             req.output_ids.append(tok)
