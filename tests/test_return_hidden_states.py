@@ -140,7 +140,8 @@ def test_prefill_only_hidden_states(llama_dir):
 def test_http_generate_returns_hidden_states(llama_dir, tmp_path):
     """SGLang's /generate with return_hidden_states on a DSpark server (its target taps the
     draft's layers): rows [position][hidden] equal a fresh prefill capture, for a batch, a
-    stream (on its last chunk) and a prefill-only request; a bad per-prompt list is a 400."""
+    stream (on its last chunk) and a prefill-only request; /v1/completions gives the last row
+    run; a bad per-prompt list is a 400."""
     import httpx
     from server_harness import ServerProcess
     taps = [0, 1]
@@ -179,6 +180,20 @@ def test_http_generate_returns_hidden_states(llama_dir, tmp_path):
             "input_ids": prompts[1], "sampling_params": {"max_new_tokens": 0}, "return_hidden_states": True})
         assert r.status_code == 200 and r.json()["output_ids"] == []
         check(prompts[1], r.json()["meta_info"], len(prompts[1]))
+
+        # OpenAI completions (SGLang's extra field): the last row run, on the finished choice
+        seq = prompts[0] + first["output_ids"]
+        want_last = capture(model, [seq], taps)[0][1][len(seq) - 2]
+        oai = {"prompt": prompts[0], "max_tokens": GREEDY["max_new_tokens"], "temperature": 0, "ignore_eos": True,
+               "return_hidden_states": True}
+        r = httpx.post(server.url + "/v1/completions", json=oai, timeout=120)
+        assert r.status_code == 200, r.text
+        torch.testing.assert_close(torch.tensor(r.json()["choices"][0]["hidden_states"]), want_last, atol=1e-4, rtol=1e-4)
+        with httpx.stream("POST", server.url + "/v1/completions", json={**oai, "stream": True}, timeout=120) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        ends = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
+        assert len(ends) == 1 and all("hidden_states" not in c["choices"][0] for c in chunks if c["choices"][0] not in ends)
+        torch.testing.assert_close(torch.tensor(ends[0]["hidden_states"]), want_last, atol=1e-4, rtol=1e-4)
 
         r = httpx.post(server.url + "/generate", json={**body, "return_hidden_states": [True]}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "return_hidden_states"

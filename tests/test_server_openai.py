@@ -248,6 +248,9 @@ def test_sglang_generate_equals_engine(server, engine):
                    json={"text": PROMPTS[0], "sampling_params": greedy(), "return_hidden_states": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "return_hidden_states", r.text
     assert "--enable-return-hidden-states" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                   json={"messages": CHATS[0], "max_tokens": 4, "return_hidden_states": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_hidden_states", r.text
 
 
 def test_server_and_model_info(server):

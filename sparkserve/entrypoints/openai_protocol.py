@@ -113,6 +113,9 @@ class OpenAISampling(_Request):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: str | None = None
+    # SGLang: each finished choice gets "hidden_states", the final normed hidden state of the
+    # last position run (needs --enable-return-hidden-states; /generate returns every row)
+    return_hidden_states: bool = False
 
 
 class ChatCompletionRequest(OpenAISampling):

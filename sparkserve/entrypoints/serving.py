@@ -95,12 +95,18 @@ class Serving:
             raise ApiError.bad_request(e) from None
         return params
 
-    def fan(self, rid: str, prompts: list[tuple[list[int], SamplingParams]]) -> list[Seq]:
+    def check_hidden_states(self, wanted: bool) -> None:
+        if wanted and not self.tm.args.enable_return_hidden_states:
+            raise ApiError(400, "return_hidden_states: this server was started without "
+                                "--enable-return-hidden-states", "return_hidden_states")
+
+    def fan(self, rid: str, prompts: list[tuple[list[int], SamplingParams]], hidden: bool = False) -> list[Seq]:
+        self.check_hidden_states(hidden)
         seqs = []
         for p, (ids, params) in enumerate(prompts):
             base = rid if len(prompts) == 1 else f"{rid}-{p}"
             for i, (r, sp) in enumerate(fan_out(base, params)):
-                seqs.append(Seq(r, ids, sp, p * params.n + i, p))
+                seqs.append(Seq(r, ids, sp, p * params.n + i, p, hidden))
         try:
             self.tm.check_capacity(len(seqs))
         except ValueError as e:
@@ -134,7 +140,8 @@ class Serving:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         names = {"top_logprobs_num": "top_logprobs"}
-        return self.fan(rid, [(ids, self.openai_params(req, ids, max_tokens, None, top, names))])
+        return self.fan(rid, [(ids, self.openai_params(req, ids, max_tokens, None, top, names))],
+                        req.return_hidden_states)
 
     async def chat_stream(self, req: ChatCompletionRequest, rid: str, seqs: list[Seq],
                           sub: Submission) -> AsyncIterator[str]:
@@ -161,7 +168,7 @@ class Serving:
                               "finish_reason": None}])
             if o.finish_reason is not None:
                 yield chunk([{"index": o.index, "delta": {}, "logprobs": None,
-                              "finish_reason": finish_reason(o.finish_reason)}])
+                              "finish_reason": finish_reason(o.finish_reason), **last_hidden(req, o)}])
 
     async def chat_full(self, req: ChatCompletionRequest, rid: str, seqs: list[Seq], sub: Submission) -> dict:
         outs = await self._collect(sub, seqs)
@@ -170,7 +177,7 @@ class Serving:
             parts = outs[idx]
             msg = {"role": "assistant", "content": "".join(o.text for o in parts)}
             choice = {"index": idx, "message": msg, "logprobs": None,
-                      "finish_reason": finish_reason(parts[-1].finish_reason)}
+                      "finish_reason": finish_reason(parts[-1].finish_reason), **last_hidden(req, parts[-1])}
             if req.logprobs:
                 choice["logprobs"] = {"content": [c for o in parts for c in self._chat_logprobs(o)]}
             choices.append(choice)
@@ -213,7 +220,7 @@ class Serving:
         for ids in prompts:
             default = min(16, room_left(ids, self.tm.limits))
             checked.append((ids, self.openai_params(req, ids, req.max_tokens, default, req.logprobs, names)))
-        return self.fan(rid, checked)
+        return self.fan(rid, checked, req.return_hidden_states)
 
     async def completion_stream(self, req: CompletionRequest, rid: str, seqs: list[Seq],
                                 sub: Submission) -> AsyncIterator[str]:
@@ -235,7 +242,7 @@ class Serving:
             if o.text or o.finish_reason is not None or (req.logprobs is not None and o.token_ids):
                 lp = self._completion_logprobs(o, offsets) if req.logprobs is not None else None
                 yield chunk([{"index": o.index, "text": o.text, "logprobs": lp,
-                              "finish_reason": finish_reason(o.finish_reason)}])
+                              "finish_reason": finish_reason(o.finish_reason), **last_hidden(req, o)}])
 
     async def completion_full(self, req: CompletionRequest, rid: str, seqs: list[Seq],
                               sub: Submission) -> dict:
@@ -251,7 +258,7 @@ class Serving:
                     for k, v in self._completion_logprobs(o, offsets).items():
                         lp[k] += v
             choices.append({"index": idx, "text": "".join(o.text for o in parts), "logprobs": lp,
-                            "finish_reason": finish_reason(parts[-1].finish_reason)})
+                            "finish_reason": finish_reason(parts[-1].finish_reason), **last_hidden(req, parts[-1])})
         return {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": self.served_name, "choices": choices, "usage": usage(outs, seqs)}
 
@@ -287,9 +294,7 @@ class Serving:
         ret_lp = per_prompt(req.return_logprob, k, "return_logprob")
         top_n = per_prompt(req.top_logprobs_num, k, "top_logprobs_num")
         hidden = per_prompt(req.return_hidden_states, k, "return_hidden_states")
-        if any(hidden) and not self.tm.args.enable_return_hidden_states:
-            raise ApiError(400, "return_hidden_states: this server was started without "
-                                "--enable-return-hidden-states", "return_hidden_states")
+        self.check_hidden_states(any(hidden))
         rids = per_prompt(req.rid, k, "rid") if isinstance(req.rid, list) else None
         base = req.rid if isinstance(req.rid, str) else uuid.uuid4().hex
         seqs: list[Seq] = []
@@ -418,6 +423,14 @@ def usage(outs: dict[int, list[SeqOut]], seqs: list[Seq]) -> dict:
             cached += last.cached_tokens
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def last_hidden(req: OpenAISampling, o: SeqOut) -> dict:
+    """SGLang's OpenAI `hidden_states` of a finished choice: the final normed hidden state of the
+    last position the model ran (its full rows are on /generate)."""
+    if not req.return_hidden_states or o.finish_reason is None:
+        return {}
+    return {"hidden_states": o.hidden_states[-1] if o.hidden_states else []}
 
 
 def per_prompt(value: Any, k: int, name: str) -> list:
