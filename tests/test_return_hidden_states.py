@@ -121,7 +121,7 @@ def test_generate_many_rejects_bad_input_without_leaking(llama_dir):
 
 def test_prefill_only_hidden_states(llama_dir):
     """max_new_tokens 0 with return_hidden_states runs the prompt and returns every row of it
-    (how draft-training data is captured from a fixed dataset); without it nothing runs."""
+    (how draft-training data is captured from a fixed dataset), and frees its KV."""
     eng = _engine(llama_dir, max_total_tokens=4096)
     prompts = _prompts(3)
     outs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 0}, return_hidden_states=True)
