@@ -15,8 +15,8 @@ import sys
 import time
 
 import torch
-
 from results_io import write_results
+
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
@@ -49,7 +49,8 @@ class Transformers:
 
     def __init__(self):
         from transformers import AutoModelForCausalLM
-        from sparkserve.loader.gguf_file import default_model_path
+
+        from sparkserve.embedded import default_model_path
         path = default_model_path()
         self.model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()

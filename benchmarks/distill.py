@@ -14,7 +14,6 @@ import statistics
 import time
 
 import torch
-
 from results_io import write_results
 
 
@@ -60,13 +59,15 @@ def main() -> int:
         raise SystemExit("the two ways gave different answers")
     med = {w: statistics.median(v) for w, v in speed.items()}
     n_tok = sum(map(len, answers["generate_many"]))
-    lines = [f"# Distillation throughput, SmolLM2-135M-Instruct, {a.threads} threads ({time.strftime('%Y-%m-%d %H:%M')})",
+    lines = [f"# Distillation throughput, SmolLM2-135M-Instruct, {a.threads} threads "
+             f"({time.strftime('%Y-%m-%d %H:%M')})",
              "", f"{len(ids)} ShareGPT training prompts, greedy, up to {a.new_tokens} new tokens "
              f"({n_tok} response tokens), hidden states of taps [1, 15, 28] returned; {a.batch} requests "
              f"per batch / in flight; median of {a.reps}.", "",
              "| way | response tok/s |", "|---|---|"]
     lines += [f"| {w} | {v:.1f} |" for w, v in med.items()]
-    lines += ["", f"generate_many / one batch at a time: **{med['generate_many'] / med['one batch at a time']:.2f}x**"]
+    lines += ["", f"generate_many / one batch at a time: "
+              f"**{med['generate_many'] / med['one batch at a time']:.2f}x**"]
     write_results("distill", {"args": vars(a), "tok_s": speed, "response_tokens": n_tok}, lines)
     return 0
 

@@ -15,7 +15,7 @@ PORT=${PORT:-31555}
 python - "$TOK" <<'PY'
 import os, sys
 from transformers import AutoConfig, AutoTokenizer
-from sparkserve.loader.gguf_file import default_model_path
+from sparkserve.embedded import default_model_path
 p, out = default_model_path(), sys.argv[1]
 AutoTokenizer.from_pretrained(os.path.dirname(p), gguf_file=os.path.basename(p)).save_pretrained(out)
 AutoConfig.from_pretrained(os.path.dirname(p), gguf_file=os.path.basename(p)).save_pretrained(out)

@@ -19,8 +19,8 @@ import sys
 import time
 
 import httpx
-
 from results_io import RESULTS, write_results
+
 TOPICS = ["the ocean", "a city at night", "learning to code", "the moon", "autumn leaves", "trains",
           "friendship", "coffee", "mountains", "a thunderstorm", "libraries", "gardening", "robots",
           "the desert", "music", "winter mornings"]
@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 
 def _start(engine: str, port: int, threads: int) -> subprocess.Popen:
-    from sparkserve.loader.gguf_file import default_model_path
+    from sparkserve.embedded import default_model_path
     model = default_model_path()
     if engine == "sparkserve":
         cmd = [sys.executable, "-m", "sparkserve.cli", "serve", "--port", str(port),
@@ -93,7 +93,8 @@ async def _level(base: str, conc: int, n_req: int, max_tokens: int) -> dict:
         res = await asyncio.gather(*(run(p) for p in prompts))
         wall = time.perf_counter() - t
     itl = [x for r in res for x in r["itl"]]
-    return {"concurrency": conc, "requests": n_req, "ttft_median_s": statistics.median(r["ttft"] for r in res),
+    return {"concurrency": conc, "requests": n_req,
+            "ttft_median_s": statistics.median(r["ttft"] for r in res),
             "itl_median_ms": 1000 * statistics.median(itl) if itl else float("nan"),
             "output_tok_s": sum(r["tokens"] for r in res) / wall, "wall_s": wall}
 
@@ -146,13 +147,16 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    lines = [f"# Online serving, SmolLM2-135M-Instruct GGUF, {a.threads} threads ({time.strftime('%Y-%m-%d %H:%M')})",
+    lines = [f"# Online serving, SmolLM2-135M-Instruct GGUF, {a.threads} threads "
+             f"({time.strftime('%Y-%m-%d %H:%M')})",
              "", f"chat completions, streaming, temperature 0, max_tokens {a.max_tokens}; "
              "each server alone on the machine while measured", "",
-             "| engine | concurrency | TTFT median (s) | ITL median (ms) | output tok/s |", "|---|---|---|---|---|"]
+             "| engine | concurrency | TTFT median (s) | ITL median (ms) | output tok/s |",
+             "|---|---|---|---|---|"]
     for engine, rows in results.items():
         for r in rows:
-            lines.append(f"| {engine} | {r['concurrency']} | {r['ttft_median_s']:.3f} | {r['itl_median_ms']:.1f} "
+            lines.append(f"| {engine} | {r['concurrency']} | {r['ttft_median_s']:.3f} | "
+                         f"{r['itl_median_ms']:.1f} "
                          f"| {r['output_tok_s']:.1f} |")
     write_results("serving", results, lines)
     plot(results)

@@ -13,11 +13,12 @@ import sys
 import time
 
 import torch
-
 from results_io import write_results
+
 QUESTIONS = ["Explain how a refrigerator works.", "Write a Python function that reverses a string.",
              "What are the benefits of regular exercise?", "Describe the water cycle.",
-             "Give three tips for learning a new language.", "What is the capital of Japan and why is it important?",
+             "Give three tips for learning a new language.",
+             "What is the capital of Japan and why is it important?",
              "Write a haiku about autumn.", "How do vaccines work?"]
 
 
@@ -27,14 +28,15 @@ def run(engine, prompts, new) -> tuple[float, float]:
                            sampling_params={"temperature": 0, "max_new_tokens": new, "ignore_eos": True})
     dt = time.perf_counter() - t
     cycles = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
-    acc = sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in outs)
+    acc = cycles + sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs)   # bonus included
     return sum(len(o["output_ids"]) for o in outs) / dt, (acc / cycles if cycles else float("nan"))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--draft", default=None)
-    ap.add_argument("--modes", default="full,adaptive", help="verify modes to compare (full, threshold, adaptive)")
+    ap.add_argument("--modes", default="full,adaptive",
+                    help="verify modes to compare (full, threshold, adaptive)")
     ap.add_argument("--threshold", type=float, default=None)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
@@ -44,7 +46,8 @@ def main() -> int:
     from sparkserve import Engine
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     plain = Engine(max_total_tokens=16384)
-    specs = {m: Engine(max_total_tokens=16384, speculative_algorithm="DSPARK", speculative_draft_model_path=a.draft,
+    specs = {m: Engine(max_total_tokens=16384, speculative_algorithm="DSPARK",
+                       speculative_draft_model_path=a.draft,
                        speculative_dspark_verify_mode=m,
                        speculative_dspark_confidence_threshold=a.threshold if m == "threshold" else None)
              for m in modes}
@@ -67,7 +70,8 @@ def main() -> int:
     res = {"draft": a.draft or "shipped", "modes": modes, "threads": a.threads, "new_tokens": a.new_tokens,
            "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M")}
     lines = [f"# DSpark vs plain decoding, SmolLM2-135M-Instruct, {a.threads} threads ({res['date']})", "",
-             f"draft: {res['draft']}, {a.new_tokens} new tokens, greedy, chat prompts, medians of {a.reps}", "",
+             f"draft: {res['draft']}, {a.new_tokens} new tokens, greedy, chat prompts, medians of {a.reps}",
+             "",
              "| batch | verify mode | plain tok/s | DSpark tok/s | speedup | tokens per cycle (tau) |",
              "|---|---|---|---|---|---|"]
     for bs, r in rows.items():

@@ -1,5 +1,5 @@
 """ServerArgs: every engine/server option under SGLang's flag names, one validate() that
-refuses bad combinations at start-up naming the flags, and the argparse wiring for the CLI."""
+refuses bad combinations at start-up naming the flags, and the CLI flags generated from the fields."""
 from __future__ import annotations
 
 import argparse
@@ -8,48 +8,76 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkserve.loader.gguf_file import default_model_path
+from sparkserve.dataclass_cli import add_dataclass_args, dataclass_from_args
+from sparkserve.embedded import EMBEDDED_NAME, default_model_path, is_embedded, shipped_draft_path
+
+VERIFY_MODES = ("full", "threshold", "adaptive")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+NOT_YET = "only 1 until the distributed runtime lands"
+
+
+def _opt(help_: str, **meta: Any) -> dict[str, Any]:
+    return {"help": help_, **meta}
 
 
 @dataclass
 class ServerArgs:
-    model_path: str | None = field(default=None, metadata={"help": "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"})
-    tokenizer_path: str | None = field(default=None, metadata={"help": "tokenizer directory or .gguf (default: the model path)"})
-    served_model_name: str | None = field(default=None, metadata={"help": "model name reported by the API (default: the model path)"})
-    skip_tokenizer_init: bool = field(default=False, metadata={"help": "no tokenizer: requests must give input_ids"})
-    context_length: int | None = field(default=None, metadata={"help": "max prompt + output tokens (default: the model's)"})
+    model_path: str | None = field(default=None, metadata=_opt(
+        "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"))
+    tokenizer_path: str | None = field(default=None, metadata=_opt(
+        "tokenizer directory or .gguf (default: the model path)"))
+    served_model_name: str | None = field(default=None, metadata=_opt(
+        f"model name the API reports (default: {EMBEDDED_NAME} for the embedded model, else the model "
+        "path); 'default' is accepted as an alias", server_only=True))
+    skip_tokenizer_init: bool = field(default=False, metadata=_opt(
+        "no tokenizer: requests must give input_ids", server_only=True))
+    context_length: int | None = field(default=None, metadata=_opt(
+        "max prompt + output tokens (default: the model's)"))
     # memory
-    max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens (overrides --mem-fraction-static)"})
-    mem_fraction_static: float = field(default=0.05, metadata={"help": "fraction of RAM for the KV pool on CPU"})
-    page_size: int = field(default=1, metadata={"help": "tokens per KV page"})
-    disable_radix_cache: bool = field(default=False, metadata={"help": "turn off prefix caching"})
-    enable_return_hidden_states: bool = field(default=False, metadata={
-        "help": "let requests ask for their final (and tapped aux) hidden states; needs --disable-radix-cache"})
+    max_total_tokens: int | None = field(default=None, metadata=_opt(
+        "KV pool size in tokens (overrides --mem-fraction-static)"))
+    mem_fraction_static: float = field(default=0.05, metadata=_opt("fraction of RAM for the KV pool on CPU"))
+    page_size: int = field(default=1, metadata=_opt("tokens per KV page"))
+    disable_radix_cache: bool = field(default=False, metadata=_opt("turn off prefix caching"))
+    enable_return_hidden_states: bool = field(default=False, metadata=_opt(
+        "let requests ask for their final (and tapped aux) hidden states; needs --disable-radix-cache",
+        server_only=True))
     # scheduling
-    max_running_requests: int = field(default=64, metadata={"help": "max requests decoding at once"})
-    chunked_prefill_size: int = field(default=512, metadata={"help": "max prompt tokens per prefill step (-1: no chunking)"})
-    max_prefill_tokens: int = field(default=8192, metadata={"help": "max tokens in one prefill batch when chunking is off"})
-    max_queued_requests: int | None = field(default=None, metadata={"help": "waiting requests beyond which new ones get 503"})
+    max_running_requests: int = field(default=64, metadata=_opt("max requests decoding at once"))
+    chunked_prefill_size: int = field(default=512, metadata=_opt(
+        "max prompt tokens per prefill step (-1: no chunking)"))
+    max_prefill_tokens: int = field(default=8192, metadata=_opt(
+        "max tokens in one prefill batch when chunking is off"))
+    decode_log_interval: int = field(default=40, metadata=_opt("log one decode batch in this many steps"))
+    max_queued_requests: int | None = field(default=None, metadata=_opt(
+        "waiting requests beyond which new ones get 503 (default: no limit)", server_only=True))
     # runtime
-    num_threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's)"})
-    random_seed: int | None = field(default=None, metadata={"help": "seed of the global RNG"})
+    num_threads: int | None = field(default=None, metadata=_opt("torch CPU threads (default: torch's)"))
+    random_seed: int | None = field(default=None, metadata=_opt("seed of the global RNG"))
     # server
-    host: str = field(default="127.0.0.1", metadata={"help": "HTTP host"})
-    port: int = field(default=30000, metadata={"help": "HTTP port"})
-    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' on every endpoint but /health"})
-    log_level: str = field(default="info", metadata={"help": "logging level"})
+    host: str = field(default="127.0.0.1", metadata=_opt("HTTP host", server_only=True))
+    port: int = field(default=30000, metadata=_opt("HTTP port", server_only=True))
+    api_key: str | None = field(default=None, metadata=_opt(
+        "require 'Authorization: Bearer KEY' on every endpoint but /health", server_only=True))
+    log_level: str = field(default="info", metadata=_opt("logging level", choices=LOG_LEVELS))
     # speculative decoding
-    speculative_algorithm: str | None = field(default=None, metadata={"help": "DSPARK to enable DSpark speculative decoding"})
-    speculative_draft_model_path: str | None = field(default=None, metadata={"help": "DSpark draft checkpoint (DeepSpec format); default: the draft shipped for the embedded model"})
-    speculative_dspark_block_size: int | None = field(default=None, metadata={"help": "draft block size gamma (default: the checkpoint's block_size)"})
-    speculative_dspark_verify_mode: str | None = field(default=None, metadata={"help": "full | threshold | adaptive (default: threshold if a threshold is given, else full)"})
-    speculative_dspark_confidence_threshold: float | None = field(default=None, metadata={"help": "verify the leading drafts whose confidence is >= this"})
-    speculative_dspark_sps_table_path: str | None = field(default=None, metadata={"help": "step-cost table (JSON) for adaptive verify; measured at start-up if unset"})
-    disaggregation_mode: str = field(default="null", metadata={"help": "PD disaggregation role: null (not disaggregated); prefill/decode are not built yet"})
-    # parallelism (one process for now; the flags exist so that refusals are explicit)
-    tp_size: int = field(default=1, metadata={"help": "tensor parallel size"})
-    pp_size: int = field(default=1, metadata={"help": "pipeline parallel size"})
-    dp_size: int = field(default=1, metadata={"help": "data parallel size"})
+    speculative_algorithm: str | None = field(default=None, metadata=_opt(
+        "DSPARK to enable DSpark speculative decoding"))
+    speculative_draft_model_path: str | None = field(default=None, metadata=_opt(
+        "DSpark draft checkpoint (DeepSpec format) (default: the draft shipped for the embedded model)"))
+    speculative_dspark_block_size: int | None = field(default=None, metadata=_opt(
+        "draft block size gamma (default: the checkpoint's block_size)"))
+    speculative_dspark_verify_mode: str | None = field(default=None, metadata=_opt(
+        "which drafts to verify (default: threshold if a threshold is given, else full)",
+        choices=VERIFY_MODES))
+    speculative_dspark_confidence_threshold: float | None = field(default=None, metadata=_opt(
+        "verify the leading drafts whose confidence is >= this"))
+    speculative_dspark_sps_table_path: str | None = field(default=None, metadata=_opt(
+        "step-cost table (JSON) for adaptive verify (default: measured at start-up)"))
+    # parallelism: one process for now
+    tp_size: int = field(default=1, metadata=_opt(f"tensor parallel size ({NOT_YET})"))
+    pp_size: int = field(default=1, metadata=_opt(f"pipeline parallel size ({NOT_YET})"))
+    dp_size: int = field(default=1, metadata=_opt(f"data parallel size ({NOT_YET})"))
 
     def __post_init__(self) -> None:
         if self.model_path is None:
@@ -57,65 +85,82 @@ class ServerArgs:
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
         if self.served_model_name is None:
-            self.served_model_name = self.model_path
+            self.served_model_name = EMBEDDED_NAME if is_embedded(self.model_path) else self.model_path
+
+    @property
+    def verify_mode(self) -> str:
+        """The DSpark verify mode in force (threshold when only a threshold is given)."""
+        if self.speculative_dspark_verify_mode:
+            return self.speculative_dspark_verify_mode
+        return "threshold" if self.speculative_dspark_confidence_threshold is not None else "full"
 
     def validate(self) -> "ServerArgs":
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)
         need(self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}")
-        need(self.max_running_requests >= 1, f"--max-running-requests must be >= 1, got {self.max_running_requests}")
-        need(0 < self.mem_fraction_static < 1, f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        need(self.max_running_requests >= 1,
+             f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        need(0 < self.mem_fraction_static < 1,
+             f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
              f"--max-total-tokens must be at least one page (--page-size {self.page_size})")
-        need(self.chunked_prefill_size != 0, "--chunked-prefill-size must be positive, or -1 to disable chunking")
+        need(self.chunked_prefill_size != 0,
+             "--chunked-prefill-size must be positive, or -1 to disable chunking")
         need(self.max_queued_requests is None or self.max_queued_requests >= 0,
              "--max-queued-requests must be >= 0")
+        need(self.log_level.lower() in LOG_LEVELS,
+             f"--log-level {self.log_level}: use one of {', '.join(LOG_LEVELS)}")
+        need(os.path.exists(self.model_path), f"--model-path {self.model_path} does not exist")
         if self.speculative_algorithm is not None:
-            need(self.speculative_algorithm.upper() == "DSPARK",
-                 f"--speculative-algorithm {self.speculative_algorithm}: only DSPARK is supported")
-            self.speculative_algorithm = "DSPARK"
-            mode = self.speculative_dspark_verify_mode
-            need(mode in (None, "full", "threshold", "adaptive"),
-                 f"--speculative-dspark-verify-mode {mode}: use full, threshold or adaptive")
-            thr = self.speculative_dspark_confidence_threshold
-            need(thr is None or 0.0 <= thr <= 1.0,
-                 f"--speculative-dspark-confidence-threshold must be in [0, 1], got {thr}")
-            need(not (mode == "threshold" and thr is None),
-                 "--speculative-dspark-verify-mode threshold needs --speculative-dspark-confidence-threshold")
-            need(self.speculative_dspark_block_size is None or self.speculative_dspark_block_size >= 1,
-                 "--speculative-dspark-block-size must be >= 1")
+            self._validate_dspark(need)
         else:
             need(self.speculative_draft_model_path is None,
                  "--speculative-draft-model-path needs --speculative-algorithm DSPARK")
-        need(os.path.exists(self.model_path), f"--model-path {self.model_path} does not exist")
         need(not self.enable_return_hidden_states or self.disable_radix_cache,
              "--enable-return-hidden-states needs --disable-radix-cache: a prompt prefix served from the "
              "cache is not recomputed, so it has no hidden states to return")
-        need(self.disaggregation_mode == "null",
-             f"--disaggregation-mode {self.disaggregation_mode}: PD disaggregation is not built yet; use null")
         need(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
         for name in ("tp_size", "pp_size", "dp_size"):
-            need(getattr(self, name) == 1,
-                 f"--{name.replace('_', '-')} {getattr(self, name)}: multi-process parallelism is not built yet; "
-                 f"run with --{name.replace('_', '-')} 1")
+            flag = "--" + name.replace("_", "-")
+            need(getattr(self, name) == 1, f"{flag} {getattr(self, name)}: multi-process parallelism is not "
+                                           f"built yet; run with {flag} 1")
         return self
+
+    def _validate_dspark(self, need) -> None:
+        """DSpark flags, and the draft checked before any model loads (a one-line error, not a
+        traceback after the target's load)."""
+        need(self.speculative_algorithm.upper() == "DSPARK",
+             f"--speculative-algorithm {self.speculative_algorithm}: only DSPARK is supported")
+        self.speculative_algorithm = "DSPARK"
+        mode, thr = self.speculative_dspark_verify_mode, self.speculative_dspark_confidence_threshold
+        need(mode in (None, *VERIFY_MODES),
+             f"--speculative-dspark-verify-mode {mode}: use {', '.join(VERIFY_MODES)}")
+        need(thr is None or 0.0 <= thr <= 1.0,
+             f"--speculative-dspark-confidence-threshold must be in [0, 1], got {thr}")
+        need(not (mode == "threshold" and thr is None),
+             "--speculative-dspark-verify-mode threshold needs --speculative-dspark-confidence-threshold")
+        need(self.speculative_dspark_block_size is None or self.speculative_dspark_block_size >= 1,
+             "--speculative-dspark-block-size must be >= 1")
+        if self.speculative_draft_model_path is None:
+            self.speculative_draft_model_path = shipped_draft_path(self.model_path)
+        path = self.speculative_draft_model_path
+        need(os.path.isfile(os.path.join(path, "config.json")),
+             f"--speculative-draft-model-path {path}: not a draft checkpoint directory "
+             "(no config.json there)")
+        table = self.speculative_dspark_sps_table_path
+        need(table is None or os.path.isfile(table),
+             f"--speculative-dspark-sps-table-path {table} does not exist")
 
     # ---- argparse --------------------------------------------------------------------------
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            help_ = f.metadata.get("help", "")
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=help_)
-                continue
-            typ = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-            parser.add_argument(flag, type=typ, default=f.default, help=help_)
+    def add_cli_args(cls, parser: argparse.ArgumentParser, server: bool = True) -> None:
+        """The flags of every field; `server=False` leaves out those only a server uses."""
+        add_dataclass_args(parser, cls, skip=lambda f: not server and f.metadata.get("server_only", False))
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
-        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+        return dataclass_from_args(cls, ns)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

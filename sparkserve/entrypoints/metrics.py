@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from sparkserve.entrypoints.io_struct import SchedulerLoad
+from sparkserve.messages import SchedulerLoad
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

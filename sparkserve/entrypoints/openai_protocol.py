@@ -39,7 +39,8 @@ class ApiError(Exception):
         msg = str(e)
         if param is None:                   # our ValueErrors start with the parameter's name
             head = msg.split(" ", 1)[0].rstrip(":")
-            param = head if head.replace("_", "").replace(".", "").replace("[", "").replace("]", "").isalnum() else None
+            bare = head.replace("_", "").replace(".", "").replace("[", "").replace("]", "")
+            param = head if bare.isalnum() else None
         return cls(400, msg, param)
 
     @classmethod
@@ -59,7 +60,8 @@ class ApiError(Exception):
         return cls(400, f"{loc}: {err.get('msg')}{more}", field)
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|json-or-python|is-instance|function-\w+)(\[.*\])?$")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|json-or-python|is-instance|function-\w+)"
+                        r"(\[.*\])?$")
 
 
 def _field_path(loc: tuple) -> str:

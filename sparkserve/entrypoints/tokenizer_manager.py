@@ -18,14 +18,23 @@ import zmq
 import zmq.asyncio
 
 from sparkserve.args import ServerArgs
-from sparkserve.entrypoints.io_struct import (AbortReq, BatchOut, FlushCacheOut, FlushCacheReq, GenerateReq,
-                                              LoadReq, SchedulerFailed, SchedulerLoad, SchedulerReady,
-                                              ShutdownReq)
+from sparkserve.core.finish_reason import FINISH_ABORT, FINISH_MATCHED_STR, BaseFinishReason
 from sparkserve.entrypoints.metrics import Metrics
 from sparkserve.frontend.output_stream import OutputStream
 from sparkserve.frontend.prepare import Limits
 from sparkserve.frontend.tokenizer import Tokenizer, _bytes_to_unicode
-from sparkserve.sampling_params import SamplingParams
+from sparkserve.messages import (
+    AbortReq,
+    BatchOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GenerateReq,
+    LoadReq,
+    SchedulerFailed,
+    SchedulerLoad,
+    SchedulerReady,
+    ShutdownReq,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +48,6 @@ class Unavailable(Exception):
 
 
 @dataclass
-class Seq:
-    """One sequence to generate: already checked, n already fanned out."""
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    index: int = 0          # choice index in the response
-    prompt: int = 0         # which prompt of the request (usage counts each prompt once)
-    return_hidden_states: bool = False
-
-
-@dataclass
 class SeqOut:
     """What one step produced for one sequence."""
     index: int
@@ -58,13 +56,12 @@ class SeqOut:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
-    finish_reason: dict | None
+    finish_reason: BaseFinishReason | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     e2e_latency: float = 0.0
-    spec_verify_ct: int = 0
-    spec_accepted_tokens: int = 0
+    spec: tuple[int, int, int] = (0, 0, 0)    # verify cycles, drafts verified, drafts accepted
     hidden_states: list[list[float]] | None = None
     aux_hidden_states: list[list[float]] | None = None
 
@@ -72,12 +69,17 @@ class SeqOut:
     def error_status(self) -> int | None:
         """HTTP status when the sequence ended in an error (scheduler gone, shutdown)."""
         fr = self.finish_reason
-        return fr.get("status_code") if fr and fr.get("type") == "abort" else None
+        return fr.status_code if isinstance(fr, FINISH_ABORT) else None
+
+    @property
+    def error_message(self) -> str:
+        fr = self.finish_reason
+        return fr.message if isinstance(fr, FINISH_ABORT) else "aborted"
 
 
 @dataclass
 class _SeqState:
-    seq: Seq
+    seq: GenerateReq
     queue: asyncio.Queue
     stream: OutputStream | None
     created: float = field(default_factory=time.monotonic)
@@ -91,7 +93,7 @@ class Submission:
     """The outputs of one request's sequences, in arrival order, until all are finished.
     Closing it (or abandoning its iterator) aborts the unfinished ones: their KV is freed now."""
 
-    def __init__(self, tm: "TokenizerManager", seqs: Sequence[Seq]):
+    def __init__(self, tm: "TokenizerManager", seqs: Sequence[GenerateReq]):
         self.tm = tm
         self.count = len(seqs)
         self.open = {s.rid for s in seqs}
@@ -165,7 +167,7 @@ class TokenizerManager:
         """Refuse new work; end every in-flight sequence with an abort (503)."""
         self.shutting_down = True
         for rid in list(self.states):
-            self._end(rid, {"type": "abort", "message": message, "status_code": 503})
+            self._end(rid, FINISH_ABORT(message, 503))
             self._send(AbortReq(rid, message))
 
     def stop_scheduler(self) -> None:
@@ -190,7 +192,7 @@ class TokenizerManager:
             raise ValueError(f"n: {count} sequences exceed what this server admits at once ({self.capacity}: "
                              f"--max-running-requests + --max-queued-requests)")
 
-    def submit(self, seqs: Sequence[Seq]) -> "Submission":
+    def submit(self, seqs: Sequence[GenerateReq]) -> "Submission":
         """Admit and send `seqs` (raises Unavailable, Overloaded, or ValueError for a bad rid).
         Iterate the result for their outputs; `close()` it in every case (idempotent)."""
         if not self.healthy:
@@ -208,7 +210,7 @@ class TokenizerManager:
             for s in seqs:
                 stream = OutputStream(self.tokenizer, s.params) if self.tokenizer is not None else None
                 self.states[s.rid] = _SeqState(s, sub.queue, stream)
-                self._send(GenerateReq(s.rid, s.input_ids, s.params, s.return_hidden_states))
+                self._send(s)
         except BaseException:
             sub.close()                      # no state or admission left behind
             raise
@@ -219,7 +221,7 @@ class TokenizerManager:
         hits = [r for r in self.states
                 if r == rid or (r.startswith(rid + "-") and r[len(rid) + 1:].replace("-", "").isdigit())]
         for r in hits:
-            self._end(r, {"type": "abort", "message": message})
+            self._end(r, FINISH_ABORT(message))
             self._send(AbortReq(r, message))
         return len(hits)
 
@@ -257,7 +259,8 @@ class TokenizerManager:
         if hit is None:
             tok = self.need_tokenizer()
             spelled = tok.id_to_token(tid) if 0 <= tid < tok.vocab_size else None
-            if spelled is not None and all(c in self._byte_decoder for c in spelled) and tid not in tok.all_special_ids:
+            plain = spelled is not None and all(c in self._byte_decoder for c in spelled)
+            if plain and tid not in tok.all_special_ids:
                 raw = bytes(self._byte_decoder[c] for c in spelled)
             else:
                 raw = tok.decode([tid], skip_special_tokens=False).encode("utf-8")
@@ -315,7 +318,7 @@ class TokenizerManager:
         if self.dead is not None:
             return
         for rid in list(self.states):
-            self._end(rid, {"type": "abort", "message": message, "status_code": 500})
+            self._end(rid, FINISH_ABORT(message, 500))
         self.dead = message
         for fut in self._calls.values():
             if not fut.done():
@@ -337,29 +340,28 @@ class TokenizerManager:
             if st.stream is not None:
                 text = st.stream.push(o.new_token_ids, finished is not None)
                 if st.stream.done and finished is None:  # stop string seen here first
-                    finished = {"type": "stop", "matched": st.stream.stops[0] if st.stream.stops else None}
+                    finished = FINISH_MATCHED_STR(st.stream.stops[0] if st.stream.stops else None)
                     self._send(AbortReq(o.rid, "stop string"))
             self._metrics_step(st, o.new_token_ids, o.prompt_tokens, o.cached_tokens, now, finished)
             st.queue.put_nowait(SeqOut(st.seq.index, o.rid, text, list(o.new_token_ids), list(o.new_logprobs),
                                        list(o.new_top_logprobs), finished, o.prompt_tokens,
                                        o.completion_tokens, o.cached_tokens, now - st.created,
-                                       o.spec_verify_ct, o.spec_accepted_tokens, o.hidden_states,
-                                       o.aux_hidden_states))
+                                       (o.spec_verify_ct, o.spec_draft_token_num, o.spec_accept_token_num),
+                                       o.hidden_states, o.aux_hidden_states))
             if finished is not None:
                 del self.states[o.rid]
 
-    def _end(self, rid: str, reason: dict) -> None:
+    def _end(self, rid: str, reason: FINISH_ABORT) -> None:
         """Finish `rid` here (abort, error): its consumer sees a final SeqOut with `reason`."""
         st = self.states.pop(rid, None)
         if st is None:
             return
-        if reason.get("type") == "abort":
-            self.metrics.aborted.inc()
+        self.metrics.aborted.inc()
         st.queue.put_nowait(SeqOut(st.seq.index, rid, "", [], [], [], reason, len(st.seq.input_ids),
                                    st.num_tokens, 0, time.monotonic() - st.created))
 
     def _metrics_step(self, st: _SeqState, new_ids: list[int], prompt_tokens: int, cached: int,
-                      now: float, finished: dict | None) -> None:
+                      now: float, finished: BaseFinishReason | None) -> None:
         m = self.metrics
         if not st.prompt_counted:
             st.prompt_counted = True

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from sparkserve.executor.forward_batch import ForwardBatch, ForwardMode
-from sparkserve.mem.kv_pool import KVPool
+from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.core.pool import Pool
+from sparkserve.models.causal_lm import CausalLM
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ScheduledReq:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_pool: KVPool, req_to_token: torch.Tensor,
+    def __init__(self, model: CausalLM, kv_pool: Pool, req_to_token: torch.Tensor,
                  full_to_swa: torch.Tensor | None = None):
         self.model = model
         self.kv_pool = kv_pool
@@ -40,7 +40,7 @@ class ModelRunner:
             rows_wanted.extend(range(offset - r.logit_rows, offset))
         seq_lens = [r.start + len(r.tokens) for r in reqs]
         rows = torch.tensor([r.row for r in reqs])
-        kv_start = self.first_visible_position(reqs, getattr(self.kv_pool, "window", None))
+        kv_start = self.first_visible_position(reqs, self.kv_pool.window)
         kv_indices = self.req_to_token[rows, kv_start:max(seq_lens)]
         out_cache_loc = torch.cat([r.slots for r in reqs])
         swa = {}
@@ -97,6 +97,4 @@ class ModelRunner:
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:
         """After a VERIFY forward: request i keeps the state after its first kept[i] tokens.
         KV rows need nothing (rejected slots are just freed); recurrent state does."""
-        hook = getattr(self.model, "commit_verify", None)
-        if hook is not None:
-            hook(batch, kept)
+        self.model.commit_verify(batch, kept)

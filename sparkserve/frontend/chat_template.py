@@ -65,7 +65,8 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+    sort_keys: bool = False
 ) -> str:
     # HF semantics: no HTML escaping, unicode kept, indent/separators/sort_keys exposed.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -104,7 +105,8 @@ def _content_text(content: Any, i: int) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ValueError(f"messages[{i}].content must be a string or a list of parts, got {type(content).__name__}")
+        raise ValueError(f"messages[{i}].content must be a string or a list of parts, got "
+                         f"{type(content).__name__}")
     texts: list[str] = []
     for j, part in enumerate(content):
         if not isinstance(part, Mapping):
@@ -165,7 +167,8 @@ def render_chat_template(
     special_tokens: Mapping[str, str | None] | None = None,
     **extra: Any,
 ) -> str:
-    """Render `messages` with `template`; `special_tokens` (bos_token, eos_token, ...) are template variables."""
+    """Render `messages` with `template`; `special_tokens` (bos_token, eos_token, ...) are
+    template variables."""
     if template is None:
         raise ValueError("this model has no chat template; send a plain prompt (completions API) instead")
     variables: dict[str, Any] = dict(special_tokens or {})

@@ -16,6 +16,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _RustTokenizer
 
+from sparkserve.args import ServerArgs
 from sparkserve.frontend.chat_template import render_chat_template
 from sparkserve.loader.gguf_file import gguf_metadata, open_gguf
 
@@ -51,10 +52,12 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
-def _byte_level_pre(pre: str | None) -> tuple[pre_tokenizers.PreTokenizer, normalizers.Normalizer | None, bool]:
+def _byte_level_pre(pre: str | None) -> tuple[pre_tokenizers.PreTokenizer, normalizers.Normalizer | None,
+                                              bool]:
     """(pre-tokenizer, normalizer, ignore_merges) matching the model's own tokenizer.json for `pre`."""
     if pre in _DIGITS_PRE:
-        seq = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        seq = [pre_tokenizers.Digits(individual_digits=True),
+               pre_tokenizers.ByteLevel(add_prefix_space=False)]
         return pre_tokenizers.Sequence(seq), None, False
     if pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
         split = _LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT
@@ -69,7 +72,8 @@ def _byte_level_pre(pre: str | None) -> tuple[pre_tokenizers.PreTokenizer, norma
     return pre_tokenizers.ByteLevel(add_prefix_space=False), None, False
 
 
-def _special_post(tok: _RustTokenizer, bos: int | None, eos: int | None, add_bos: bool, add_eos: bool) -> None:
+def _special_post(tok: _RustTokenizer, bos: int | None, eos: int | None, add_bos: bool,
+                  add_eos: bool) -> None:
     """Post-processor adding BOS/EOS when the model asks for them (llama.cpp's add_bos/add_eos flags)."""
     single, specials = "$A:0", []
     for flag, tid, left in ((add_bos, bos, True), (add_eos, eos, False)):
@@ -173,7 +177,8 @@ class Tokenizer:
         template = self.chat_templates.get("tool_use") if tools is not None else None
         template = template or self.chat_template
         if template is None and self.chat_templates:
-            raise ValueError(f"this model has several chat templates and no default: {sorted(self.chat_templates)}")
+            raise ValueError(f"this model has several chat templates and no default: "
+                             f"{sorted(self.chat_templates)}")
         return render_chat_template(
             template,
             messages,
@@ -182,6 +187,20 @@ class Tokenizer:
             special_tokens=self.special_tokens,
             **extra,
         )
+
+    def save_pretrained(self, directory: str) -> None:
+        """Write an HF tokenizer directory (tokenizer.json, tokenizer_config.json,
+        special_tokens_map.json) that transformers' AutoTokenizer loads as this tokenizer."""
+        os.makedirs(directory, exist_ok=True)
+        self._tok.save(os.path.join(directory, "tokenizer.json"))
+        special = {k: v for k, v in self.special_tokens.items() if v is not None}
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
+                                  "add_bos_token": self._prepend_bos, "clean_up_tokenization_spaces": False}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        for name, body in (("tokenizer_config.json", config), ("special_tokens_map.json", special)):
+            with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+                json.dump(body, f, indent=1, ensure_ascii=False)
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -199,7 +218,8 @@ class Tokenizer:
         types: list[int] = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         spelling = _bytes_to_unicode()
         alphabet = set(spelling.values())
-        spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
+        spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
+                   for t in tokens]
         vocab = {t: i for i, t in enumerate(spelled)}
         merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
         pre, norm, ignore_merges = _byte_level_pre(md.get("tokenizer.ggml.pre"))
@@ -238,7 +258,8 @@ class Tokenizer:
         templates = {
             ("default" if k == "tokenizer.chat_template" else k[len("tokenizer.chat_template.") :]): v
             for k, v in md.items()
-            if (k == "tokenizer.chat_template" or k.startswith("tokenizer.chat_template.")) and isinstance(v, str)
+            if (k == "tokenizer.chat_template" or k.startswith("tokenizer.chat_template."))
+            and isinstance(v, str)
         }
         return cls(tok, special_tokens=special, eos_token_ids=eos_ids, chat_templates=templates)
 
@@ -248,15 +269,18 @@ class Tokenizer:
         d = os.fspath(directory)
         tj = os.path.join(d, "tokenizer.json")
         if not os.path.isfile(tj):
-            raise FileNotFoundError(f"{tj} not found (only fast tokenizers with a tokenizer.json are supported)")
+            raise FileNotFoundError(f"{tj} not found (only fast tokenizers with a tokenizer.json are "
+                                    f"supported)")
         tok = _RustTokenizer.from_file(tj)
         cfg = _read_json(os.path.join(d, "tokenizer_config.json"))
-        special = {k: _token_content(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        special = {k: _token_content(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token",
+                                                           "pad_token")}
         templates = _hf_chat_templates(d, cfg)
         eos_ids = _ids(_read_json(os.path.join(d, "generation_config.json")).get("eos_token_id"))
         prepend_bos = bool(cfg.get("add_bos_token", False))
         return cls(
-            tok, special_tokens=special, eos_token_ids=eos_ids, chat_templates=templates, prepend_bos=prepend_bos
+            tok, special_tokens=special, eos_token_ids=eos_ids, chat_templates=templates,
+            prepend_bos=prepend_bos
         )
 
 
@@ -267,6 +291,14 @@ def has_tokenizer_files(path: str) -> bool:
 
 def load_tokenizer(path: str) -> Tokenizer:
     return Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_pretrained(path)
+
+
+def load_tokenizer_for(args: ServerArgs) -> Tokenizer | None:
+    """The tokenizer a server or engine uses: none with --skip-tokenizer-init or when the
+    tokenizer path carries no tokenizer files (requests must then give token ids)."""
+    if args.skip_tokenizer_init or not has_tokenizer_files(args.tokenizer_path):
+        return None
+    return load_tokenizer(args.tokenizer_path)
 
 
 def _hf_chat_templates(d: str, cfg: dict[str, Any]) -> dict[str, str]:

@@ -13,7 +13,8 @@ import torch
 from sparkserve.kernels.blocks import BF16, BLOCK_BYTES, F16, Q4_1, Q8_0, BlockWeight
 from sparkserve.kernels.build import load_extension
 
-__all__ = ["BlockWeight", "Q4_1", "Q8_0", "BF16", "F16", "BLOCK_BYTES", "available", "load_extension", "quant_linear"]
+__all__ = ["BlockWeight", "Q4_1", "Q8_0", "BF16", "F16", "BLOCK_BYTES", "available", "load_extension",
+           "quant_linear"]
 
 
 def available() -> bool:

@@ -17,7 +17,6 @@ import torch
 
 Q4_1, Q8_0, BF16, F16 = 3, 8, 30, 1
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34, BF16: 64, F16: 64}
-TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16", F16: "F16"}
 _HALF_TYPES = {torch.bfloat16: BF16, torch.float16: F16}
 
 
@@ -34,7 +33,8 @@ class BlockWeight:
             raise ValueError(f"K={self.in_features} is not a multiple of 32")
         want = self.in_features // 32 * BLOCK_BYTES[self.qtype]
         if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] != want:
-            raise ValueError(f"blocks {tuple(self.blocks.shape)} {self.blocks.dtype}: expected uint8 [N, {want}]")
+            raise ValueError(f"blocks {tuple(self.blocks.shape)} {self.blocks.dtype}: expected uint8 [N, "
+                             f"{want}]")
         self.blocks = self.blocks.contiguous()
 
     @property
@@ -44,10 +44,6 @@ class BlockWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.numel()
 
     @classmethod
     def supports(cls, qtype: int, shape: Sequence[int]) -> bool:
@@ -76,7 +72,8 @@ class BlockWeight:
 
     def rows(self, index: torch.Tensor | np.ndarray) -> "BlockWeight":
         """The block rows `index` (a permutation or selection of output rows)."""
-        return BlockWeight(self.qtype, self.blocks[torch.as_tensor(index, dtype=torch.long)], self.in_features)
+        return BlockWeight(self.qtype, self.blocks[torch.as_tensor(index, dtype=torch.long)],
+                           self.in_features)
 
     @staticmethod
     def cat(parts: Sequence["BlockWeight | None"]) -> "BlockWeight | None":
@@ -84,9 +81,11 @@ class BlockWeight:
         if not parts or any(p is None for p in parts):
             return None
         first = parts[0]
-        if any(p.qtype != first.qtype or p.in_features != first.in_features for p in parts):  # type: ignore[union-attr]
+        # type: ignore[union-attr]
+        if any(p.qtype != first.qtype or p.in_features != first.in_features for p in parts):
             return None
-        return BlockWeight(first.qtype, torch.cat([p.blocks for p in parts]), first.in_features)  # type: ignore[union-attr]
+        # type: ignore[union-attr]
+        return BlockWeight(first.qtype, torch.cat([p.blocks for p in parts]), first.in_features)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K], bit-identical to gguf-py's `dequantize` (reference for the kernels)."""

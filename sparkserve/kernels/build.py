@@ -1,16 +1,20 @@
-"""JIT build of the C++ kernels (torch.utils.cpp_extension), once per source version.
+"""JIT build of the C++ kernels (torch.utils.cpp_extension), once per build command.
 
-The extension is compiled on first use into ~/.cache/sparkserve/kernels/<hash of source, flags
-and torch version>/ and loaded from there by every later process (ninja finds it up to date).
-Without an x86-64 CPU with AVX2 + FMA + F16C, without a compiler, or if the build fails, one
-warning is logged and `load_extension()` returns None: callers keep their pure-torch path.
+The extension is compiled on first use into ~/.cache/sparkserve/kernels/<hash>/ and loaded from
+there by every later process. The hash covers everything the build command holds (sources,
+flags, torch version, and the include paths, which differ between virtualenvs), so two
+environments never rebuild each other's build; a file lock makes concurrent first starts build
+once. Without an x86-64 CPU with AVX2 + FMA + F16C, without a compiler, or if the build fails,
+one warning is logged and `load_extension()` returns None: callers keep their pure-torch path.
 SPARKSERVE_DISABLE_KERNELS=1 forces that fallback."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import sysconfig
 import threading
 from types import ModuleType
 
@@ -50,8 +54,15 @@ def cpu_problem() -> str | None:
     return f"CPU lacks {', '.join(missing)}" if missing else None
 
 
+def _build_command() -> list[str]:
+    """What the compiler command depends on besides the sources."""
+    from torch.utils.cpp_extension import include_paths
+    return [torch.__version__, sysconfig.get_paths()["include"], os.environ.get("CXX", "c++"),
+            *CFLAGS, *include_paths()]
+
+
 def build_dir() -> str:
-    h = hashlib.sha256(" ".join(CFLAGS).encode() + torch.__version__.encode())
+    h = hashlib.sha256("\0".join(_build_command()).encode())
     for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             h.update(f.read())
@@ -64,8 +75,13 @@ def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
     path = build_dir()
     os.makedirs(path, exist_ok=True)
-    return load(name=f"sparkserve_kernels_{os.path.basename(path)}", sources=SOURCES,
-                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=path, verbose=False)
+    name = f"sparkserve_kernels_{os.path.basename(path)}"
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)        # another process building this: wait for it
+        if not os.path.exists(os.path.join(path, name + ".so")):
+            log.info("building the CPU kernels (first run, about a minute) in %s", path)
+        return load(name=name, sources=SOURCES, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                    build_directory=path, verbose=False)
 
 
 def load_extension() -> ModuleType | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparkserve.executor.forward_batch import ForwardBatch
+from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.kernels.build import load_extension
 
 # Most query tokens per request for the kernel: it attends one query at a time (GEMV-like), so

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sparkserve.executor.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
 from sparkserve.layers.linear import FusedLinear, Linear
 from sparkserve.layers.norm import RMSNorm
 
@@ -87,7 +87,8 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     for i in range(n):
         qi, ki, vi, gi, bi = q[:, :, i], k[:, :, i], v[:, :, i], g[:, :, i], beta[:, :, i]
         # decay[r, c] = exp(g_r - g_c) per channel for c <= r (never exp of a positive number)
-        decay = (gi[..., :, None, :] - gi[..., None, :, :]).masked_fill(~lower[..., None], float("-inf")).exp()
+        decay = (gi[..., :, None, :] - gi[..., None, :, :]).masked_fill(~lower[..., None],
+                                                                        float("-inf")).exp()
         kk = ((ki * bi)[..., :, None, :] * ki[..., None, :, :] * decay).sum(-1).tril(-1)
         a = eye + kk
         t = torch.linalg.solve_triangular(a, eye.expand_as(a), upper=False, unitriangular=True)

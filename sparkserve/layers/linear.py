@@ -1,8 +1,8 @@
 """Linear layers that own how checkpoint tensors load into them, and how they run fast on CPU.
 
 Fused projections (q|k|v, gate|up) cut the number of GEMV calls per decode step. `pack()`
-reorders a weight into oneDNN's blocked layout once at load time: on these CPUs that runs
-fp32 GEMV ~1.9x faster than `F.linear` and small-M GEMM (verify, batched decode) ~1.5x faster.
+reorders a weight into oneDNN's blocked layout once at load time, which runs fp32 GEMV and
+small-M GEMM (verify, batched decode) faster than `F.linear`.
 
 A layer loaded from GGUF blocks (Q4_1, Q8_0) or bf16 also keeps those blocks (`set_blocks`):
 for up to QUANT_MAX_M rows (decode, batched decode, verify blocks) the C++ kernel in
@@ -20,12 +20,7 @@ from sparkserve.kernels import BlockWeight
 # Most rows that go to the block kernel rather than oneDNN fp32 (the kernel does the same fp32
 # FMAs plus the block expansion; oneDNN reads 4-6x more bytes). From 8 rows the kernel expands each
 # panel of weights once into L1 and runs a 4x3 register-blocked micro-kernel on it (quant_gemv.cpp).
-# Measured on the 2-core AVX2 dev machine (AMD EPYC Zen 3, no AVX-512), SmolLM2 shapes, weights
-# rotated over the 30 layers as in a decode step, CPU-time medians, kernel time / oneDNN time,
-# 1 thread (2 threads, best of 15 wall times: M=32 0.78):
-#   all 121 GEMMs of a step: M=1 0.33, M=8 0.60, M=16 0.69, M=32 0.82, M=64 0.88, M=96 0.96, M=128 1.05
-#     (q|k|v, o, gate|up: 0.75-0.80 at M=32, 0.87-0.88 at M=96; LM head 0.96 at M=32, 1.09 at M=96)
-#   down_proj (K=1536):      M=16 0.71, M=32 0.81, M=64 0.93-0.97, M=80 1.03, M=96 1.08
+# The cut-offs are where the kernel stops beating oneDNN (docs/kernel-notes.md has the measurements).
 QUANT_MAX_M = 96
 QUANT_MAX_M_WIDE_K = 64        # in_features > 1024
 
@@ -66,7 +61,8 @@ class Linear(nn.Module):
 
     def pack(self) -> None:
         """Keep a oneDNN-packed copy of the weight for inference (CPU fp32 only)."""
-        if self._packed is None and _mkldnn_ok() and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
+        w = self.weight
+        if self._packed is None and _mkldnn_ok() and w.device.type == "cpu" and w.dtype == torch.float32:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
             self._packed_version = _version(self.weight)   # like the blocks: stale once trained
 

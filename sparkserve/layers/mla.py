@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparkserve.executor.forward_batch import ForwardBatch
+from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.layers.linear import Linear
 from sparkserve.layers.norm import RMSNorm
 

@@ -102,7 +102,8 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
                  activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden),
+                                         requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
         self.activation = activation
 

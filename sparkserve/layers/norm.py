@@ -32,7 +32,8 @@ class RMSNorm(nn.Module):
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, norm(x + residual)) in one pass."""
-        if self._kernel_ok(x) and residual.is_contiguous() and residual.dtype == x.dtype and residual.shape == x.shape:
+        same = residual.dtype == x.dtype and residual.shape == x.shape
+        if self._kernel_ok(x) and residual.is_contiguous() and same:
             return _kernels().add_rms_norm(x, residual, self.weight, self.eps)
         s = x + residual
         return s, self(s)

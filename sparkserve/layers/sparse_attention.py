@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparkserve.executor.forward_batch import ForwardBatch
+from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.layers.sparse_indexer import padded_queries, unpad_queries
 
 GATHER_MAX_QUERIES = 16   # per request; past this, per-query gathered K/V outgrow one masked pass
@@ -21,7 +21,8 @@ class BlockSparseAttention(nn.Module):
                  block_size: int, num_index_heads: int):
         super().__init__()
         if num_heads % num_index_heads:
-            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of index heads {num_index_heads}")
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of index heads "
+                             f"{num_index_heads}")
         self.layer_id = layer_id
         self.h, self.hkv, self.d, self.hi = num_heads, num_kv_heads, head_dim, num_index_heads
         self.block_size = block_size

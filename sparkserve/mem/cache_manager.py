@@ -36,7 +36,7 @@ from sparkserve.mem.radix_cache import RadixCache
 from sparkserve.mem.req_to_token import ReqToTokenPool
 
 if TYPE_CHECKING:
-    from sparkserve.scheduler.req import Req
+    from sparkserve.core.req import Req
 
 
 class KVCacheManager:

@@ -1,19 +1,17 @@
 """HybridPool: named per-layer buffers of two kinds, for models whose layers keep different
 things — full-attention KV and sparse index K/V per token (`token_page`), linear-attention
 recurrent and conv state per request (`request_row`). Layers fetch their buffers by name;
-transfer, retraction and rollback code walks `components()` (DESIGN.md contract 3)."""
+transfer, retraction and rollback code walks `components()` (docs/design.md, contract 3)."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from sparkserve.mem.kv_pool import PoolComponent
-
-KINDS = ("token_page", "window_page", "request_row")
+from sparkserve.core.pool import POOL_KINDS, Pool, PoolComponent
 
 
-class HybridPool:
+class HybridPool(Pool):
     def __init__(self, num_slots: int, num_rows: int):
         self.num_slots = num_slots
         self.num_rows = num_rows
@@ -24,8 +22,8 @@ class HybridPool:
             dtype: torch.dtype = torch.float32) -> None:
         """One buffer per layer: [num_slots + 1, *item_shape] for token kinds (slot 0 is the
         padding dummy), [num_rows, *item_shape] for request_row."""
-        if kind not in KINDS:
-            raise ValueError(f"pool kind {kind!r} is not one of {KINDS}")
+        if kind not in POOL_KINDS:
+            raise ValueError(f"pool kind {kind!r} is not one of {POOL_KINDS}")
         n = self.num_rows if kind == "request_row" else self.num_slots + 1
         self._kinds[name] = kind
         self._buffers[name] = {i: torch.zeros((n, *item_shape), dtype=dtype) for i in layer_ids}

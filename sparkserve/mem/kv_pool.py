@@ -2,20 +2,9 @@
 Slot 0 is a dummy that padding reads from and never holds a real token."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class PoolComponent:
-    """How a pool's storage is laid out, for transfer / retraction / rollback code that must
-    not know pool internals (DESIGN.md contract 3)."""
-    name: str
-    kind: str                     # token_page | window_page | request_row
-    tensors: list[torch.Tensor]   # one per layer that has this component
-    bytes_per_item: int
-    layer_ids: list[int] | None = None   # which layers the tensors belong to; None = all, in order
+from sparkserve.core.pool import Pool, PoolComponent
 
 
 def uniform_window(layer_windows: list[int | None]) -> int | None:
@@ -37,7 +26,7 @@ def split_windows(layer_windows: list[int | None]) -> tuple[list[int], int] | No
     return windowed, max(layer_windows[i] for i in windowed)
 
 
-class KVPool:
+class KVPool(Pool):
     """`window`: every layer is sliding-window with at most this window, so pages that leave it
     are freed while a request runs (KVCacheManager.slide_window) and the K/V components are
     `window_page`; None: full attention, `token_page`.

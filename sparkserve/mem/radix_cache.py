@@ -84,10 +84,6 @@ class RadixCache:
             else:
                 self.swa_evictable_size += n
 
-    @property
-    def total_size(self) -> int:
-        return self.evictable_size + self.protected_size
-
     def aligned(self, n: int) -> int:
         return n // self.page * self.page
 

@@ -272,7 +272,8 @@ class DSparkDraft(nn.Module):
         for shared in ("embed_tokens", "lm_head"):
             if f"{shared}.weight" not in loader.loaded:
                 if target is None:
-                    raise ValueError(f"DSpark checkpoint lacks {shared}.weight and no target to share it from")
+                    raise ValueError(f"DSpark checkpoint lacks {shared}.weight and no target to share "
+                                     "it from")
                 if shared == "lm_head" and self.d2t is not None:
                     raise ValueError("a reduced-vocab DSpark checkpoint must contain lm_head.weight")
                 src = target.model.embed_tokens if shared == "embed_tokens" else target.lm_head
@@ -362,7 +363,8 @@ def init_dspark_draft(config: dict[str, Any], target: nn.Module | None = None, s
     if vocab is not None:
         vocab = torch.as_tensor(vocab, dtype=torch.long).sort().values
         if draft.d2t is None or len(vocab) != len(draft.d2t):
-            raise ValueError(f"draft vocab of {len(vocab)} ids needs draft_vocab_size={len(vocab)} in the config")
+            raise ValueError(f"draft vocab of {len(vocab)} ids needs draft_vocab_size={len(vocab)} in the "
+                             f"config")
         draft.d2t.copy_(vocab - torch.arange(len(vocab)))
     if target is not None:
         draft.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)

@@ -17,14 +17,14 @@ import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
-from sparkserve.executor.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
 from sparkserve.layers.kda import KimiDeltaAttention
 from sparkserve.layers.mla import MLAttention
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.hybrid_pool import HybridPool
-from sparkserve.models.causal_lm import CausalLM
+from sparkserve.models.causal_lm import CausalLM, DecoderStack
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -81,7 +81,8 @@ class KimiArgs:
             layer_types=list(types), mlp_types=list(mlp),
             linear_heads=_first(lin, "num_heads", default=_first(d, "linear_num_heads", default=32)),
             linear_head_dim=_first(lin, "head_dim", default=_first(d, "linear_head_dim", default=128)),
-            conv_kernel=_first(lin, "short_conv_kernel_size", default=_first(d, "linear_conv_kernel_dim", default=4)),
+            conv_kernel=_first(lin, "short_conv_kernel_size", default=_first(d, "linear_conv_kernel_dim",
+                                                                             default=4)),
             q_lora_rank=d.get("q_lora_rank"), kv_lora_rank=d.get("kv_lora_rank", 512),
             nope_dim=d.get("qk_nope_head_dim", 128), rope_dim=d.get("qk_rope_head_dim", 64),
             v_dim=_first(d, "v_head_dim", default=128),
@@ -119,7 +120,7 @@ class KimiDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class KimiLinearModel(nn.Module):
+class KimiLinearModel(DecoderStack):
     def __init__(self, cfg: ModelConfig, a: KimiArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -172,7 +173,8 @@ class KimiLinearForCausalLM(CausalLM):
         kda = self._kda_layers()
         if not kda:
             return 0
-        return HybridPool.row_bytes([(len(kda), shape, torch.float32) for shape in kda[0].state_shapes().values()])
+        return HybridPool.row_bytes([(len(kda), shape,
+                                      torch.float32) for shape in kda[0].state_shapes().values()])
 
     # ---- loading ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -183,7 +185,8 @@ class KimiLinearForCausalLM(CausalLM):
         modules = dict(self.named_modules())
         pieces: dict[str, set] = {}      # parameters assembled from several checkpoint tensors
         for name, t in weights:
-            name = name.replace(".block_sparse_moe.", ".mlp.").replace(".self_attn.forget_gate.", ".self_attn.")
+            name = name.replace(".block_sparse_moe.", ".mlp.").replace(".self_attn.forget_gate.",
+                                                                       ".self_attn.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             m = re.match(r"(.*\.self_attn)\.(q|k|v|f_a|g_a|b)_proj\.weight$", name)

@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama, Qwen3 with q/k norm, Mistral with sliding windows, SmolLM2).
 
-Contract (DESIGN.md): `forward(input_ids, positions, batch)` returns final normed hidden states;
+Contract (docs/design.md): `forward(input_ids, positions, batch)` returns final normed hidden states;
 logits come from `compute_logits(hidden)` so callers choose the rows; `set_aux_layers(ids)`
 makes the forward record the output of those decoder layers into `batch.aux_hidden`."""
 from __future__ import annotations
@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
-from sparkserve.executor.forward_batch import ForwardBatch
+from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.linear import FusedLinear, Linear
-from sparkserve.loader.weights import WeightLoader
-from sparkserve.mem.kv_pool import KVPool, split_windows, uniform_window
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
-from sparkserve.models.causal_lm import CausalLM
+from sparkserve.loader.weights import WeightLoader
+from sparkserve.mem.kv_pool import KVPool, split_windows, uniform_window
+from sparkserve.models.causal_lm import CausalLM, DecoderStack
 
 
 class LlamaAttention(nn.Module):
@@ -67,11 +67,12 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, x, cos_sin, batch):
-        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), cos_sin, batch))
+        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), cos_sin,
+                                                                        batch))
         return x + self.mlp(h)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -90,7 +91,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, LlamaModel(cfg))
 
-    # Pool contract (DESIGN.md 3): every model builds the pools its layers read, and says what
+    # Pool contract (docs/design.md, contract 3): every model builds the pools its layers read, and says what
     # one token and one request row cost so the runtime can size them. Hybrid models add
     # request_row state; with full and windowed layers mixed, the windowed ones get slots of
     # their own (swa_slots, priced by pool_bytes_per_swa_token).

@@ -7,7 +7,7 @@ and partial RoPE; every RMSNorm is Gemma-style (scale 1 + w), folded into the we
 
 Sparse layers may add the index value path (SGLang's per-layer `sparse_disable_index_value`
 flag, 0 = on); absent flag = K-only, as transformers and the released M3 checkpoint have it.
-Interface as LlamaForCausalLM (DESIGN.md contracts 1-3)."""
+Interface as LlamaForCausalLM (docs/design.md, contracts 1-3)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
-from sparkserve.executor.forward_batch import ForwardBatch
+from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.layers.activation import swiglu_oai
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.linear import FusedLinear, Linear
@@ -29,7 +29,7 @@ from sparkserve.layers.sparse_attention import BlockSparseAttention
 from sparkserve.layers.sparse_indexer import LightningIndexer
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.hybrid_pool import HybridPool
-from sparkserve.models.causal_lm import CausalLM
+from sparkserve.models.causal_lm import CausalLM, DecoderStack
 
 
 @dataclass
@@ -74,7 +74,8 @@ class M3Spec:
         else:
             moe = [bool(f) for f in raw.get("moe_layer_freq", [1] * n)]
         rope = raw.get("rope_parameters") or {}
-        rotary_dim = int(cfg.head_dim * rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+        rotary_dim = int(cfg.head_dim * rope.get("partial_rotary_factor", raw.get("partial_rotary_factor",
+                                                                                  1.0)))
         spec = cls(
             sparse=sparse, index_value=[s and not o for s, o in zip(sparse, off)], moe=moe,
             index_heads=int(pick("index_n_heads", "sparse_num_index_heads", 4)),
@@ -92,7 +93,8 @@ class M3Spec:
             swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
         if any(spec.sparse) and spec.index_head_dim < rotary_dim:
-            raise ValueError(f"index_head_dim {spec.index_head_dim} < rotary dim {rotary_dim} is not supported")
+            raise ValueError(f"index_head_dim {spec.index_head_dim} < rotary dim {rotary_dim} is not "
+                             f"supported")
         if len(sparse) != n or len(moe) != n or len(off) != n:
             raise ValueError(f"per-layer lists must have num_hidden_layers={n} entries")
         return spec
@@ -169,14 +171,15 @@ class M3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = M3Attention(cfg, spec, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = M3MoE(cfg, spec) if spec.moe[layer_id] else OAIMLP(cfg.hidden_size, spec.dense_intermediate, spec)
+        self.mlp = M3MoE(cfg, spec) if spec.moe[layer_id] else OAIMLP(cfg.hidden_size,
+                                                                      spec.dense_intermediate, spec)
 
     def forward(self, x, cos_sin, batch):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class M3Model(nn.Module):
+class M3Model(DecoderStack):
     def __init__(self, cfg: ModelConfig, spec: M3Spec):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -196,12 +199,13 @@ class MiniMaxM3ForCausalLM(CausalLM):
         super().__init__(cfg, M3Model(cfg, spec))
         self.spec = spec
 
-    # ---- pools (DESIGN.md contract 3): main KV on every layer, index K on sparse layers, index V
+    # ---- pools (docs/design.md, contract 3): main KV on every layer, index K on sparse layers, index V
     # on sparse layers with the value path; all token_page at the same slots.
     def _pool_specs(self) -> list[tuple[str, list[int], tuple[int, ...]]]:
         c, s = self.config, self.spec
         every = list(range(c.num_hidden_layers))
-        specs = [("k", every, (c.num_key_value_heads, c.head_dim)), ("v", every, (c.num_key_value_heads, c.head_dim)),
+        specs = [("k", every, (c.num_key_value_heads, c.head_dim)), ("v", every, (c.num_key_value_heads,
+                                                                                  c.head_dim)),
                  ("index_k", [i for i in every if s.sparse[i]], (s.index_head_dim,)),
                  ("index_v", [i for i in every if s.index_value[i]], (s.index_head_dim,))]
         return [sp for sp in specs if sp[1]]

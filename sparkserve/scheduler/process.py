@@ -1,10 +1,11 @@
 """The scheduler process of the HTTP server: model + scheduler behind two ZMQ sockets.
 
 Loop: block on the socket while idle (waking every second to notice a dead frontend), else drain
-whatever arrived without blocking, run one `scheduler.step()`, and send everything that step
-produced (plus aborts since the last step and the current load) as one BatchOut. Messages are the
-dataclasses of `entrypoints/io_struct.py`. Any exception at start-up or inside a step is reported
-as SchedulerFailed and ends the process: the frontend fails the requests it holds, never hangs."""
+whatever arrived without blocking, run one `scheduler.step()`, and send what the requests it
+advanced produced (plus aborts since the last step and the current load) as one BatchOut.
+Messages are the dataclasses of `sparkserve/messages.py`. Any exception at start-up or inside a
+step is reported as SchedulerFailed and ends the process: the frontend fails the requests it
+holds, never hangs."""
 from __future__ import annotations
 
 import logging
@@ -17,9 +18,25 @@ import traceback
 import zmq
 
 from sparkserve.args import ServerArgs
-from sparkserve.entrypoints.io_struct import (AbortReq, BatchOut, FlushCacheOut, FlushCacheReq, GenerateReq,
-                                              LoadReq, ReqOutput, SchedulerFailed, SchedulerLoad,
-                                              SchedulerReady, ShutdownReq)
+from sparkserve.core.finish_reason import FINISH_ABORT
+from sparkserve.core.req import Req
+from sparkserve.core.sampling_state import RequestSamplingState
+from sparkserve.frontend.tokenizer import load_tokenizer_for
+from sparkserve.messages import (
+    AbortReq,
+    BatchOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GenerateReq,
+    LoadReq,
+    ReqOutput,
+    SchedulerFailed,
+    SchedulerLoad,
+    SchedulerReady,
+    ShutdownReq,
+)
+from sparkserve.scheduler.runtime import build_scheduler, context_length
+from sparkserve.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("sparkserve.scheduler")
 
@@ -53,30 +70,43 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, pare
     sys.exit(code)
 
 
+def req_output(req: Req, sent: int) -> ReqOutput:
+    """What `req` produced since its first `sent` output tokens went out; its hidden rows once
+    it finished (the only copy: the rows are large)."""
+    out = ReqOutput(req.rid, req.output_ids[sent:], req.finished_reason, len(req.input_ids),
+                    len(req.output_ids), req.cached_tokens, req.output_logprobs[sent:],
+                    req.output_top_logprobs[sent:], req.spec_verify_ct, req.spec_draft_token_num,
+                    req.spec_accept_token_num)
+    rows = req.pop_hidden_states() if req.finished else None
+    if rows is not None:
+        out.hidden_states = rows[0].tolist()
+        out.aux_hidden_states = None if rows[1] is None else rows[1].tolist()
+    return out
+
+
 class SchedulerLoop:
-    def __init__(self, scheduler, recv: zmq.Socket, send: zmq.Socket, parent_pid: int):
+    def __init__(self, scheduler: Scheduler, recv: zmq.Socket, send: zmq.Socket, parent_pid: int):
         self.scheduler = scheduler
         self.recv = recv
         self.send = send
         self.parent_pid = parent_pid
-        self.reqs: dict = {}                 # rid -> Req, while the scheduler holds it
-        self.pending: list[ReqOutput] = []   # outputs made outside a step (aborts, zero-length)
+        self.sent: dict[str, tuple[Req, int]] = {}   # rid -> (request, output tokens sent), while held
+        self.pending: list[ReqOutput] = []   # outputs made outside a step (aborts)
         self.stopped = False
 
     @classmethod
     def build(cls, args: ServerArgs, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> "SchedulerLoop":
-        from sparkserve.frontend.tokenizer import has_tokenizer_files, load_tokenizer
-        from sparkserve.scheduler.runtime import build_scheduler, context_length
-        tokenizer = None
-        if not args.skip_tokenizer_init and has_tokenizer_files(args.tokenizer_path):
-            tokenizer = load_tokenizer(args.tokenizer_path)
-        scheduler, cfg = build_scheduler(args, tokenizer)
+        scheduler, cfg = build_scheduler(args, load_tokenizer_for(args))
         loop = cls(scheduler, recv, send, parent_pid)
+        spec = None
+        if scheduler.spec is not None:
+            spec = {"draft_model_path": args.speculative_draft_model_path, **scheduler.spec.describe()}
         send.send_pyobj(SchedulerReady(
             pid=os.getpid(), vocab_size=cfg.vocab_size, context_length=context_length(args, cfg),
             max_total_num_tokens=scheduler.cache.num_slots, max_running_requests=args.max_running_requests,
             eos_token_ids=sorted(scheduler.eos_ids), architecture=cfg.architecture,
-            bos_token_id=cfg.bos_token_id, max_sequence_tokens=scheduler.max_sequence_tokens))
+            bos_token_id=cfg.bos_token_id, max_sequence_tokens=scheduler.max_sequence_tokens,
+            speculative=spec))
         return loop
 
     # ---- loop -------------------------------------------------------------------------------
@@ -92,16 +122,15 @@ class SchedulerLoop:
                 break
             outputs, self.pending = self.pending, []
             if self.scheduler.has_work():
-                for o in self.scheduler.step():
-                    outputs.append(o)
-                    if o.finished_reason is not None:
-                        req = self.reqs.pop(o.rid, None)
-                        if req is not None and req.hidden_parts is not None:
-                            final, taps = req.hidden_states()
-                            o.hidden_states = final.tolist()
-                            o.aux_hidden_states = None if taps is None else taps.tolist()
+                outputs += [self._output(req) for req in self.scheduler.step()]
             if outputs:
                 self.send.send_pyobj(BatchOut(outputs, self.load()))
+
+    def _output(self, req: Req) -> ReqOutput:
+        _, sent = self.sent.pop(req.rid) if req.finished else self.sent[req.rid]
+        if not req.finished:
+            self.sent[req.rid] = (req, len(req.output_ids))
+        return req_output(req, sent)
 
     def _receive(self, block: bool) -> list:
         msgs = []
@@ -121,12 +150,18 @@ class SchedulerLoop:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
-            self._add(msg)
+            req = Req(msg.rid, list(msg.input_ids), msg.params,
+                      RequestSamplingState(msg.params, msg.input_ids, self.scheduler.eos_ids),
+                      hidden_parts=[] if msg.return_hidden_states else None)
+            if self.scheduler.add_request(req):
+                self.sent[msg.rid] = (req, 0)
+            else:
+                self.pending.append(req_output(req, 0))
         elif isinstance(msg, AbortReq):
-            req = self.reqs.pop(msg.rid, None)
-            if req is not None and self.scheduler.abort(msg.rid):
-                self.pending.append(ReqOutput(msg.rid, [], {"type": "abort", "message": msg.reason},
-                                              len(req.input_ids), len(req.output_ids), req.cached_tokens))
+            held = self.sent.pop(msg.rid, None)
+            if held is not None and self.scheduler.abort(msg.rid):
+                held[0].finished_reason = FINISH_ABORT(msg.reason)
+                self.pending.append(req_output(*held))
         elif isinstance(msg, FlushCacheReq):
             if self.scheduler.has_work():
                 out = FlushCacheOut(msg.cid, False, "cannot flush the cache while requests are running")
@@ -139,32 +174,18 @@ class SchedulerLoop:
             load.cid = msg.cid
             self.send.send_pyobj(load)
         elif isinstance(msg, ShutdownReq):
-            for rid in list(self.reqs):
+            for rid in list(self.sent):
                 self.scheduler.abort(rid)
-            self.reqs.clear()
+            self.sent.clear()
             self.stopped = True
         else:
             log.error("unknown message %r", type(msg).__name__)
-
-    def _add(self, msg: GenerateReq) -> None:
-        from sparkserve.executor.sampler import RequestSamplingState
-        from sparkserve.scheduler.req import Req
-        req = Req(msg.rid, list(msg.input_ids), msg.params,
-                  RequestSamplingState(msg.params, msg.input_ids, self.scheduler.eos_ids))
-        if msg.return_hidden_states:       # max_new_tokens 0 too: the prompt runs (prefill only)
-            req.hidden_parts = []
-        elif msg.params.max_new_tokens == 0:
-            self.pending.append(ReqOutput(msg.rid, [], {"type": "length", "length": 0},
-                                          len(req.input_ids), 0, 0))
-            return
-        self.reqs[msg.rid] = req
-        self.scheduler.add_request(req)
 
     def load(self) -> SchedulerLoad:
         return scheduler_load(self.scheduler)
 
 
-def scheduler_load(scheduler) -> SchedulerLoad:
+def scheduler_load(scheduler: Scheduler) -> SchedulerLoad:
     """The scheduler's load and KV usage, for /metrics and /server_info."""
     cache = scheduler.cache
     by_requests = cache.num_slots - cache.available_tokens

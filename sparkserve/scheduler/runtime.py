@@ -35,11 +35,6 @@ def pool_memory_budget(args: ServerArgs) -> int:
     return int(ram * args.mem_fraction_static)
 
 
-def kv_pool_tokens(args: ServerArgs, cfg: ModelConfig, per_token: int, per_request: int = 0) -> int:
-    """KV slots to allocate (see pool_sizes)."""
-    return pool_sizes(args, cfg, per_token, per_request)[0]
-
-
 def swa_tokens_cap(args: ServerArgs, cfg: ModelConfig) -> int | None:
     """Most windowed-layer slots a split pool can use (None: no split, or unbounded): every
     running request's window, one prefill chunk and two pages (chunking off: a whole prompt)."""
@@ -103,18 +98,18 @@ def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Sche
     ctx = context_length(args, cfg)
     num_rows = request_rows(args)
     pool = model.make_pool(num_slots, num_rows, swa_slots)
-    no_radix = args.disable_radix_cache or getattr(model, "has_request_state", False)
+    no_radix = args.disable_radix_cache or model.has_request_state
     if no_radix and not args.disable_radix_cache:
         # A recurrent state summarises a whole prefix; it cannot be shared page by page.
         log.info("prefix cache off: %s keeps per-request recurrent state", cfg.architecture)
     cache = KVCacheManager(num_slots, args.page_size, num_rows, ctx + 1, no_radix,
-                           window=getattr(pool, "window", None),   # pools that free pages leaving the window
-                           swa_slots=swa_slots, swa_window=getattr(pool, "swa_window", None))
+                           window=pool.window, swa_slots=swa_slots, swa_window=pool.swa_window)
     runner = ModelRunner(model, pool, cache.req_to_token.table, cache.full_to_swa)
     spec = build_dspark_worker(args, runner, num_slots, cache) if args.speculative_algorithm else None
     eos = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
     decode_tail = (lambda ids: tokenizer.decode(ids)) if tokenizer else None
-    sched_cfg = SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens)
+    sched_cfg = SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens,
+                                args.decode_log_interval)
     log.info("KV pool: %d tokens (%.1f MiB), windowed layers %d tokens (%.1f MiB), request state %d rows "
              "(%.1f MiB), context %d", num_slots, num_slots * per_token / 2**20, swa_slots,
              swa_slots * per_swa_token / 2**20, num_rows, num_rows * per_request / 2**20, ctx)
@@ -126,12 +121,11 @@ def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, c
     from sparkserve.speculative.dspark_worker import DSparkWorker
     from sparkserve.speculative.planner import StepCostTable, VerifyPlanner
     from sparkserve.speculative.profile import measure_step_costs
-    path = args.speculative_draft_model_path or shipped_draft_path(args.model_path)
+    path = args.speculative_draft_model_path
     draft = load_dspark_draft(path, runner.model)   # also sets the target's aux taps
     if args.speculative_dspark_block_size:
         draft.config.block_size = args.speculative_dspark_block_size
-    thr = args.speculative_dspark_confidence_threshold
-    mode = args.speculative_dspark_verify_mode or ("threshold" if thr is not None else "full")
+    thr, mode = args.speculative_dspark_confidence_threshold, args.verify_mode
     if mode != "full" and draft.confidence_head is None:
         raise ValueError(f"--speculative-dspark-verify-mode {mode} needs a draft with a confidence head "
                          f"(enable_confidence_head); {path} has none")
@@ -139,18 +133,9 @@ def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, c
     if mode == "adaptive":
         costs = (StepCostTable.load(args.speculative_dspark_sps_table_path)
                  if args.speculative_dspark_sps_table_path
-                 else measure_step_costs(runner, cache, max_tokens=args.max_running_requests * (draft.block_size + 1)))
+                 else measure_step_costs(runner, cache,
+                                         max_tokens=args.max_running_requests * (draft.block_size + 1)))
     planner = VerifyPlanner(mode, thr or 0.0, costs)
     log.info("DSpark: draft %s, %d layers, gamma %d, verify mode %s", path, draft.config.num_hidden_layers,
              draft.block_size, mode)
     return DSparkWorker(draft, draft.new_kv_pool(num_slots), planner, cache.req_to_token.table)
-
-
-def shipped_draft_path(model_path: str) -> str:
-    """The DSpark draft this project ships for the embedded default model."""
-    from sparkserve.loader.gguf_file import default_model_path
-    here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "drafts", "smollm2-135m-instruct")
-    if os.path.abspath(model_path) != os.path.abspath(default_model_path()) or not os.path.isdir(here):
-        raise ValueError("--speculative-algorithm DSPARK needs --speculative-draft-model-path "
-                         "(a draft is shipped only for the embedded default model)")
-    return here

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from sparkserve.entrypoints.io_struct import ReqOutput
-from sparkserve.executor.forward_batch import ForwardMode
+from sparkserve.core.finish_reason import FINISH_ABORT, FINISH_LENGTH, BaseFinishReason
+from sparkserve.core.forward_batch import ForwardMode
+from sparkserve.core.req import Req
 from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
 from sparkserve.executor.sampler import Sampler
 from sparkserve.mem.cache_manager import KVCacheManager
-from sparkserve.scheduler.req import Req
+from sparkserve.scheduler.batch_log import BatchLog
 from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class SchedulerConfig:
     max_running_requests: int = 64
     chunked_prefill_size: int = 512       # <= 0: no chunking
     max_prefill_tokens: int = 4096
+    decode_log_interval: int = 40         # log one decode batch in this many (SGLang's default)
 
 
 IN_BATCH_PREFIX_MIN = 32     # shared prompt tokens worth waiting one step for
@@ -65,21 +67,29 @@ class Scheduler:
         self.forward_count = {m: 0 for m in ForwardMode}
         self.spec = spec
         self.accept_hist: dict[int, int] = {}     # accepted drafts per verify -> count
+        self.batch_log = BatchLog(cfg.decode_log_interval)
 
     # ---- queue ------------------------------------------------------------------------------
-    def add_request(self, req: Req) -> None:
+    def add_request(self, req: Req) -> bool:
+        """Queue `req`; False when it ended at once (max_new_tokens 0), for the caller to hand
+        out. One that asks for hidden states with max_new_tokens 0 runs its prompt (prefill only)
+        and ends there."""
+        if req.params.max_new_tokens == 0 and not req.prefill_only:
+            req.finished_reason = FINISH_LENGTH(0)
+            return False
         self.waiting.append(req)
+        return True
 
     def abort(self, rid: str) -> bool:
         for queue in (self.waiting, self.running):
             for req in list(queue):
                 if req.rid == rid:
                     queue.remove(req)
-                    self._finish(req, {"type": "abort"})
+                    self._finish(req, FINISH_ABORT())
                     return True
         if self.chunked is not None and self.chunked.rid == rid:
             req, self.chunked = self.chunked, None
-            self._finish(req, {"type": "abort"})
+            self._finish(req, FINISH_ABORT())
             return True
         return False
 
@@ -99,13 +109,19 @@ class Scheduler:
         return len(self.running) + (self.chunked is not None)
 
     # ---- one step ---------------------------------------------------------------------------
-    def step(self) -> list[ReqOutput]:
+    def step(self) -> list[Req]:
+        """Run one forward; returns the requests it advanced (new tokens, or finished)."""
+        advanced: list[Req] = []
         prefill = self._schedule_prefill()
         if prefill:
-            return self._run_prefill(prefill)
-        if self.running:
-            return self._run_decode()
-        return []
+            self.batch_log.prefill(self, prefill)
+            advanced += self._run_prefill(prefill)
+        elif self.running:
+            before = sum(len(r.output_ids) for r in self.running)
+            decoded = self._run_decode()
+            self.batch_log.decode(self, sum(len(r.output_ids) for r in decoded) - before)
+            advanced += decoded
+        return advanced
 
     def _schedule_prefill(self) -> list[tuple[Req, torch.Tensor, int]]:
         batch: list[tuple[Req, torch.Tensor, int]] = []
@@ -176,7 +192,7 @@ class Scheduler:
                 break
         return batch
 
-    def _run_prefill(self, batch: list[tuple[Req, torch.Tensor, int]]) -> list[ReqOutput]:
+    def _run_prefill(self, batch: list[tuple[Req, torch.Tensor, int]]) -> list[Req]:
         sched = [ScheduledReq(r.row, r.kv_len, r.fill_ids[r.kv_len:r.kv_len + n], slots,
                               logit_rows=int(r.kv_len + n == len(r.fill_ids))) for r, slots, n in batch]
         fb = self.runner.build_batch(ForwardMode.EXTEND, sched)
@@ -193,28 +209,25 @@ class Scheduler:
             self.cache.slide_window(req)
             if req.kv_len == len(req.fill_ids):
                 done.append(req)
-        outputs = []
         if done:
-            outputs = self._sample_and_commit(done, logits)
-        for req in done:
-            if not req.finished:
-                self.running.append(req)
-        return outputs
+            self._sample_and_commit(done, logits)
+        self.running += [req for req in done if not req.finished]
+        return done
 
-    def _run_decode(self) -> list[ReqOutput]:
+    def _run_decode(self) -> list[Req]:
         """One DECODE step; with DSpark, one VERIFY step: speculating requests score their
         anchor + drafts, the others their next token, in the same forward."""
-        spec_ids = self._ensure_decode_memory({id(r) for r in self.running if self._speculates(r)})
-        spec_reqs = [r for r in self.running if id(r) in spec_ids]
+        speculating = self._ensure_decode_memory({r for r in self.running if self._speculates(r)})
+        spec_reqs = [r for r in self.running if r in speculating]
         props = {}
         if spec_reqs:
             plain = len(self.running) - len(spec_reqs)
-            props = dict(zip(map(id, spec_reqs), self.spec.propose(spec_reqs, plain)))
+            props = dict(zip(spec_reqs, self.spec.propose(spec_reqs, plain)))
             for r in spec_reqs:
-                self._note_verify_budget(r, props[id(r)].verify_len)
+                self._note_verify_budget(r, props[r].verify_len)
         sched = []
         for req in self.running:
-            p = props.get(id(req))
+            p = props.get(req)
             toks = [req.fill_ids[-1]] + (p.tokens[:p.verify_len] if p else [])
             slots = self.cache.alloc(req, len(toks))
             assert slots is not None, "decode memory was reserved"
@@ -230,11 +243,11 @@ class Scheduler:
             for req in reqs:
                 req.kv_len += 1
                 self.cache.slide_window(req)
-            outputs = self._sample_and_commit(reqs, logits)
+            self._sample_and_commit(reqs, logits)
         else:
-            outputs = self._verify_and_commit(reqs, sched, props, fb, logits)
+            self._verify_and_commit(reqs, sched, props, fb, logits)
         self.running = [r for r in self.running if not r.finished]
-        return outputs
+        return reqs
 
     def _speculates(self, req: Req) -> bool:
         # Penalties change the target distribution with every drafted token, and min_new_tokens
@@ -281,11 +294,11 @@ class Scheduler:
         return VerifyLogits(self.runner.compute_logits, hidden, starts, lens)
 
     def _verify_and_commit(self, reqs: list[Req], sched: list[ScheduledReq], props: dict,
-                           fb, logits: VerifyLogits) -> list[ReqOutput]:
+                           fb, logits: VerifyLogits) -> None:
         starts = logits.starts
-        plain = [i for i, r in enumerate(reqs) if id(r) not in props]
+        plain = [i for i, r in enumerate(reqs) if r not in props]
         items = {i: (r, p.tokens[:p.verify_len], p.q_probs, first_rows(p.confidence, p.verify_len))
-                 for i, r in enumerate(reqs) if (p := props.get(id(r))) is not None}
+                 for i, r in enumerate(reqs) if (p := props.get(r)) is not None}
         verdicts = accept_batch(items, logits, plain)
         plain_out = (self.sampler.sample(torch.cat([logits.rows[i][:1] for i in plain]),
                                          [reqs[i].sampling for i in plain]) if plain else None)
@@ -293,17 +306,19 @@ class Scheduler:
         committed_rows: list[int] = []
         kept_rows: list[tuple[Req, range]] = []
         kept: list[int] = []
-        results: list[tuple[Req, list[int], list[float], list]] = []
+        results: list[tuple[Req, list[int], list[float], list, int | None]] = []
         for i, req in enumerate(reqs):
             if i not in items:
                 j = plain_pos[i]
-                toks, n_acc = [plain_out.next_token_ids[j]], 0
+                toks, n_acc, verified = [plain_out.next_token_ids[j]], 0, None
                 lps = [plain_out.logprobs[j]] if req.params.return_logprob else []
                 tops = [plain_out.top_logprobs[j] or []] if req.params.return_logprob else []
             else:
                 n_acc, toks = verdicts[i]
+                verified = n_acc
                 lps, tops = raw_logprobs(logits.rows[i][:n_acc + 1], toks, req.params)
                 req.spec_verify_ct += 1
+                req.spec_draft_token_num += len(items[i][1])
                 self.accept_hist[n_acc] = self.accept_hist.get(n_acc, 0) + 1
             committed_rows.extend(range(starts[i], starts[i] + n_acc + 1))
             kept_rows.append((req, range(starts[i], starts[i] + n_acc + 1)))
@@ -312,20 +327,21 @@ class Scheduler:
             req.kv_len += n_acc + 1
             self.cache.truncate(req, alloc_end)
             self.cache.slide_window(req)      # after the truncate: only committed tokens count
-            results.append((req, toks, lps, tops))
+            results.append((req, toks, lps, tops, verified))
         self._inject_rows(fb, torch.tensor(committed_rows))
         self._keep_hidden(fb, kept_rows)
         self.runner.commit_verify(fb, kept)
-        return [self._commit(req, toks, lps, tops, spec=id(req) in props) for req, toks, lps, tops in results]
+        for req, toks, lps, tops, accepted in results:
+            self._commit(req, toks, lps, tops, accepted)
 
     def _commit(self, req: Req, toks: list[int], lps: list[float], tops: list,
-                spec: bool = False) -> ReqOutput:
-        """Append tokens one by one, stopping exactly where the request finishes. A request
-        with max_new_tokens 0 only wanted its prompt run (return_hidden_states): it ends here."""
-        if req.params.max_new_tokens == 0:
-            req.finished_reason = {"type": "length", "length": 0}
-            self.cache.release(req)
-            return self._output(req, [], [], [])
+                accepted: int | None = None) -> None:
+        """Append tokens one by one, stopping exactly where the request finishes; `accepted`:
+        how many of them are verified drafts (None: not a verify). A prefill-only request
+        (max_new_tokens 0 with hidden states) ends here."""
+        if req.prefill_only:
+            self._finish(req, FINISH_LENGTH(0))
+            return
         taken = []
         for n, tok in enumerate(toks):
             req.output_ids.append(tok)
@@ -338,55 +354,46 @@ class Scheduler:
             req.check_finished(self.eos_ids, tail)
             if req.finished:
                 break
-        if spec:
-            req.spec_accepted_tokens += len(taken)
+        if accepted is not None:               # drafts kept; a stop inside the block keeps fewer
+            req.spec_accept_token_num += min(accepted, len(taken))
         if req.finished:
             if req.kv_len > len(req.fill_ids):    # stopped inside an accepted block: drop the
                 end, req.kv_len = req.kv_len, len(req.fill_ids)   # KV of drafts after the stop
                 self.cache.truncate(req, end)
             self.cache.release(req)
-        k = len(taken)
-        return self._output(req, taken, lps[:k] if req.params.return_logprob else [],
-                            tops[:k] if req.params.return_logprob else [])
 
-    def _ensure_decode_memory(self, spec_ids: set[int]) -> set[int]:
+    def _ensure_decode_memory(self, speculating: set[Req]) -> set[Req]:
         """Retract the newest requests until every running one can take its next tokens; when
         memory is short, requests drop their drafts first. Returns who still speculates."""
         page = self.cache.allocator.page_size
         extra = self.spec.num_drafts if self.spec is not None else 0
-        spec_ids = set(spec_ids)
+        speculating = set(speculating)
         while True:
-            need = sum(self.cache.pages_needed(r, 1 + (extra if id(r) in spec_ids else 0))
+            need = sum(self.cache.pages_needed(r, 1 + (extra if r in speculating else 0))
                        for r in self.running) * page
             if self.cache.room(need):
-                return spec_ids
-            if spec_ids:                      # plain decode needs fewer slots than a verify
-                spec_ids.pop()
+                return speculating
+            if speculating:                   # plain decode needs fewer slots than a verify
+                speculating.pop()
                 continue
             if self.chunked is not None:      # a half-prefilled request pins KV too: retract it first
                 victim, self.chunked = self.chunked, None
             elif len(self.running) > 1:
                 victim = self.running.pop()
             else:
-                return spec_ids
+                return speculating
             self.cache.release(victim)
-            victim.num_retractions += 1
             self.num_retractions += 1
             self.waiting.appendleft(victim)
 
-    def _sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
+    def _sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> None:
         out = self.sampler.sample(logits, [r.sampling for r in reqs])
-        lp = [r.params.return_logprob for r in reqs]
-        return [self._commit(r, [out.next_token_ids[i]], [out.logprobs[i]] if lp[i] else [],
-                             [out.top_logprobs[i] or []] if lp[i] else []) for i, r in enumerate(reqs)]
+        for i, r in enumerate(reqs):
+            lp = r.params.return_logprob
+            self._commit(r, [out.next_token_ids[i]], [out.logprobs[i]] if lp else [],
+                         [out.top_logprobs[i] or []] if lp else [])
 
-    def _finish(self, req: Req, reason: dict) -> None:
+    def _finish(self, req: Req, reason: BaseFinishReason) -> None:
         req.finished_reason = reason
         self.cache.release(req)
-
-    @staticmethod
-    def _output(req: Req, toks: list[int], lps: list[float], tops: list) -> ReqOutput:
-        return ReqOutput(req.rid, toks, req.finished_reason, len(req.input_ids),
-                          len(req.output_ids), req.cached_tokens, lps, tops,
-                          req.spec_verify_ct, req.spec_accepted_tokens)
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from sparkserve.core.req import Req
 from sparkserve.executor.sampler import processed_probs, sample_from_probs
 from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.dspark_draft import DSparkDraft
-from sparkserve.scheduler.req import Req
 from sparkserve.speculative.planner import VerifyPlanner
 
 
@@ -31,6 +31,11 @@ class DSparkWorker:
         self.req_to_token = req_to_token
         self.shift = 1 if draft.config.sample_from_anchor else 0   # speculators: slot j -> anchor+j
         self.num_drafts = draft.block_size - self.shift
+
+    def describe(self) -> dict:
+        """What /server_info reports of the drafter."""
+        return {"verify_mode": self.planner.mode, "block_size": self.draft.block_size,
+                "num_layers": self.draft.config.num_hidden_layers}
 
     @torch.inference_mode()
     def inject(self, aux: list[torch.Tensor], rows: torch.Tensor, positions: torch.Tensor,

@@ -47,7 +47,8 @@ class StepCostTable:
         with open(path) as f:
             d = json.load(f)
         if len(d.get("tokens", [])) < 2 or len(d["tokens"]) != len(d.get("seconds", [])):
-            raise ValueError(f"{path}: a step cost table needs matching 'tokens' and 'seconds' lists of >= 2 points")
+            raise ValueError(f"{path}: a step cost table needs matching 'tokens' and 'seconds' lists of >= 2 "
+                             f"points")
         return cls(list(d["tokens"]), list(d["seconds"]), float(d.get("draft_seconds", 0.0)))
 
 

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from sparkserve.executor.forward_batch import ForwardMode
+from sparkserve.core.forward_batch import ForwardMode
 from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.speculative.planner import StepCostTable

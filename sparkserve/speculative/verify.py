@@ -10,8 +10,8 @@ draft, so the output has exactly the target's sampling distribution.
 Both rules read the target's rows in order and stop at the first rejection, so the rows after it
 are never needed: `accept_batch` computes the LM head lazily (VerifyLogits), in at most two head
 calls per cycle — the rows the draft's confidence says will likely be read, then the rest for the
-requests that got that far. (SmolLM2's head, 49152 x 576: 3 ms for 1 row, 11 ms for 8, on the
-2-core dev machine; most drafts of a weak draft are rejected at the first slot.)"""
+requests that got that far. (A big-vocab LM head costs several times more for 8 rows than for one,
+and most drafts of a weak draft are rejected at the first slot.)"""
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
@@ -20,7 +20,6 @@ import torch
 
 from sparkserve.executor.sampler import processed_probs, sample_from_probs
 from sparkserve.sampling_params import SamplingParams
-
 
 # An accept rule as a generator: it yields how many target logits rows (a prefix) it needs, and
 # is sent every row computed so far (at least that many); it returns (number accepted, bonus).

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sparkserve.executor.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
 
 
 @torch.inference_mode()
@@ -74,7 +74,8 @@ def build_feature_cache(model, seqs: list[list[int]], prompt_lens: list[int], la
     lens = [len(s) for s in seqs]
     N, d = sum(lens), model.config.hidden_size
     tokens = np.lib.format.open_memmap(os.path.join(out_dir, "tokens.npy"), "w+", np.int32, (N,))
-    taps = np.lib.format.open_memmap(os.path.join(out_dir, "taps.npy"), "w+", np.float16, (N, len(layer_ids) * d))
+    taps = np.lib.format.open_memmap(os.path.join(out_dir, "taps.npy"), "w+", np.float16,
+                                     (N, len(layer_ids) * d))
     final = np.lib.format.open_memmap(os.path.join(out_dir, "final.npy"), "w+", np.float16, (N, d))
     offsets = np.cumsum([0] + lens[:-1]).tolist()
     i = 0
@@ -170,7 +171,8 @@ def feature_cache_from_log(log_dir: str, seqs: list[list[int]], prompt_lens: lis
 def write_index(out_dir: str, lens: list[int], prompt_lens: list[int], layer_ids: list[int], d: int) -> None:
     with open(os.path.join(out_dir, "index.json"), "w") as f:
         json.dump({"offsets": np.cumsum([0] + lens[:-1]).tolist(), "lengths": lens,
-                   "prompt_lens": list(prompt_lens), "target_layer_ids": list(layer_ids), "hidden_size": d}, f)
+                   "prompt_lens": list(prompt_lens), "target_layer_ids": list(layer_ids), "hidden_size": d},
+                   f)
 
 
 @dataclass

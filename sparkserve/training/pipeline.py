@@ -6,43 +6,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-STAGES = ("prompts", "distill", "features", "train", "eval")
-
-
-@dataclass
-class PipelineConfig:
-    model_path: str | None
-    out: str
-    prompts_file: str | None = None
-    num_prompts: int = 2000
-    prompts_offset: int = 0                 # skip the first training prompts (grow data in runs)
-    extra_features: list[str] = field(default_factory=list)   # more caches to train on
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    distill_batch: int = 32
-    max_prompt_tokens: int = 1024          # longer prompts are skipped (prefill would dominate)
-    num_layers: int = 1
-    block_size: int = 7
-    markov_rank: int = 64
-    draft_vocab_size: int | None = 8192     # None or >= vocab: the full vocab
-    mask_token_id: int | None = None
-    target_layer_ids: list[int] | None = None
-    markov_init: bool = True                # Markov head starts as the responses' bigram fit
-    # Start training from this draft's weights (its config wins over the flags) with a fresh
-    # optimizer and schedule: a shipped draft continued on new data. init_vocab_size re-picks
-    # its reduced vocab from the data (draft_vocab.move_to_vocab), else the draft's is kept.
-    init_draft: str | None = None
-    init_vocab_size: int | None = None      # with init_draft: re-pick a reduced vocab of this size
-    eval_prompts: int = 32
-    # Held-out prompts distilled and captured too (DIR/val/): training scores the draft's greedy
-    # tau on them (train.val_every) and keeps the best draft in DIR/draft/best.
-    val_prompts: int = 0
-    eval_max_new_tokens: int = 128
-    train: dict = field(default_factory=dict)
+from sparkserve.training.config import DEFAULT_DRAFT_VOCAB, STAGES, PipelineConfig
 
 
 def _path(cfg: PipelineConfig, *names: str) -> str:
@@ -64,7 +31,8 @@ def stage_prompts(cfg: PipelineConfig) -> None:
     if cfg.prompts_file:
         prompts = jsonl_prompts(cfg.prompts_file)
         if cfg.val_prompts >= len(prompts):
-            raise ValueError(f"--val-prompts {cfg.val_prompts} leaves no training prompt in {cfg.prompts_file} "
+            raise ValueError(f"--val-prompts {cfg.val_prompts} leaves no training prompt in "
+                             f"{cfg.prompts_file} "
                              f"({len(prompts)} prompts): lower --val-prompts (0 = no validation)")
         val = prompts[len(prompts) - cfg.val_prompts:] if cfg.val_prompts else []
         train = prompts[:len(prompts) - len(val)]
@@ -138,7 +106,8 @@ def draft_config(cfg: PipelineConfig, target_cfg, tokenizer) -> dict:
         special = sorted(set(tokenizer.all_special_ids) - set(tokenizer.eos_token_ids)
                          - {tokenizer.bos_token_id}) if tokenizer else []
         mask = special[-1] if special else 0
-    reduced = cfg.draft_vocab_size if cfg.draft_vocab_size and cfg.draft_vocab_size < target_cfg.vocab_size else None
+    size = DEFAULT_DRAFT_VOCAB if cfg.draft_vocab_size is None else cfg.draft_vocab_size
+    reduced = size if size and size < target_cfg.vocab_size else None
     return dspark_config_dict(target_cfg, cfg.num_layers, cfg.block_size, cfg.target_layer_ids,
                               mask, cfg.markov_rank, draft_vocab_size=reduced)
 
@@ -169,22 +138,25 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
     from sparkserve.models.dspark_draft import init_dspark_draft
     from sparkserve.training.draft_vocab import select_draft_vocab
     from sparkserve.training.feature_cache import FeatureCache, write_lse
-    from sparkserve.training.train_dspark import TrainConfig, train
+    from sparkserve.training.train_dspark import train
     target = engine.scheduler.runner.model
     dirs = [d for d in [_path(cfg, "features")] if os.path.exists(os.path.join(d, "index.json"))]
     dirs += cfg.extra_features
     if not dirs:
-        raise ValueError(f"no feature cache to train on: run the features stage for {cfg.out}, or give --extra-features")
+        raise ValueError(f"no feature cache to train on: run the features stage for {cfg.out}, or give "
+                         f"--extra-features")
     if cfg.init_draft:
         with open(os.path.join(cfg.init_draft, "config.json")) as f:
             init_cfg = json.load(f)
         dcfg = dict(init_cfg)
-        if cfg.init_vocab_size is not None:
-            if not 0 < cfg.init_vocab_size < engine.model_config.vocab_size:
-                raise ValueError(f"--draft-vocab-size {cfg.init_vocab_size} with --init-draft re-picks a reduced "
-                                 f"vocab: give 0 < N < {engine.model_config.vocab_size}, or leave it out to keep "
+        if cfg.draft_vocab_size is not None:
+            if not 0 < cfg.draft_vocab_size < engine.model_config.vocab_size:
+                raise ValueError(f"--draft-vocab-size {cfg.draft_vocab_size} with --init-draft re-picks a "
+                                 f"reduced "
+                                 f"vocab: give 0 < N < {engine.model_config.vocab_size}, or leave it out to "
+                                 f"keep "
                                  "the draft's vocab")
-            dcfg["draft_vocab_size"] = cfg.init_vocab_size
+            dcfg["draft_vocab_size"] = cfg.draft_vocab_size
     else:
         dcfg = draft_config(cfg, engine.model_config, engine.tokenizer)
     reduced = bool(dcfg.get("draft_vocab_size"))
@@ -199,14 +171,15 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
     dcfg["target_layer_ids"] = cache.target_layer_ids
     resuming = os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt"))
     vocab = None
-    if reduced and (not cfg.init_draft or cfg.init_vocab_size is not None):
+    if reduced and (not cfg.init_draft or cfg.draft_vocab_size is not None):
         counts = cache.response_token_counts(engine.model_config.vocab_size)
         vocab, coverage = select_draft_vocab(counts, dcfg["draft_vocab_size"], engine.tokenizer.eos_token_ids)
         if resuming:
             print("draft vocab: resuming, the checkpoint's vocab is kept")
         else:
             print(f"draft vocab: {len(vocab)} ids cover {coverage:.2%} of response tokens")
-    if cfg.init_draft:              # its weights (moved to the new vocab); a resume then loads the checkpoint's
+    # its weights (moved to the new vocab); a resume then loads the checkpoint's
+    if cfg.init_draft:
         from sparkserve.loader.hf import hf_weights
         from sparkserve.training.draft_vocab import move_to_vocab
         draft = init_dspark_draft(init_cfg, target)
@@ -222,7 +195,7 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
             fit_markov_head(draft, cache)     # start from the responses' bigram model
     val = _path(cfg, "val", "features")
     val_cache = FeatureCache.open(val) if os.path.exists(os.path.join(val, "index.json")) else None
-    return train(draft, cache, _path(cfg, "draft"), TrainConfig(**cfg.train), target_head=target.lm_head.weight,
+    return train(draft, cache, _path(cfg, "draft"), cfg.train, target_head=target.lm_head.weight,
                  val_cache=val_cache)
 
 
@@ -250,7 +223,7 @@ def stage_eval(cfg: PipelineConfig) -> dict:
             outs = eng.generate(messages=prompts, sampling_params={
                 "temperature": temp, "max_new_tokens": cfg.eval_max_new_tokens, "seed": 0})
             cycles = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
-            tokens = sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in outs)
+            tokens = cycles + sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs)
             res[f"{name}_T{temp:g}"] = {"tau": tokens / max(cycles, 1), "cycles": cycles,
                                         "prompts": len(prompts), "seconds": time.time() - t}
     with open(_path(cfg, "eval.json"), "w") as f:
@@ -258,12 +231,13 @@ def stage_eval(cfg: PipelineConfig) -> dict:
     return res
 
 
-def run_pipeline(cfg: PipelineConfig, stages: list[str]) -> None:
-    os.makedirs(cfg.out, exist_ok=True)
+def run_pipeline(cfg: PipelineConfig) -> None:
+    stages = cfg.stages
     bad = [s for s in stages if s not in STAGES]
     if bad:
         raise ValueError(f"--stages: unknown {bad}; choose from {', '.join(STAGES)}")
-    walk = cfg.train.get("walk_anchor_frac", 0.0)
+    os.makedirs(cfg.out, exist_ok=True)
+    walk = cfg.train.walk_anchor_frac
     if not 0 <= walk <= 1:
         raise ValueError(f"--walk-anchor-frac must be within [0, 1], got {walk}")
     if walk and cfg.temperature > 0:

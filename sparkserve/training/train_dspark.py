@@ -17,42 +17,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from sparkserve.models.dspark_draft import DSparkDraft, save_dspark_draft
+from sparkserve.training.config import TrainConfig
 from sparkserve.training.feature_cache import FeatureCache
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 1000
-    seqs_per_step: int = 4
-    anchors_per_seq: int = 32
-    lr: float = 6e-4
-    warmup_frac: float = 0.04
-    weight_decay: float = 0.0
-    # Dropout on the fused target context and the block's output (training only): the draft
-    # memorises small data (greedy tau 2.4 on its training sequences, 1.7 held out).
-    dropout: float = 0.0
-    # Share of each sequence's anchors moved to where serving would anchor next: the bonus token
-    # after the current draft's accepted prefix at a uniform anchor (one greedy walk step).
-    # Serving's anchors sit right after misses and accept 0.76 drafts there against 1.04 at
-    # uniform positions (shipped draft, held-out val), so uniform anchors train on easier blocks.
-    walk_anchor_frac: float = 0.0
-    clip: float = 1.0
-    decay_gamma: float = 4.0
-    ce_weight: float = 0.1
-    l1_weight: float = 0.9
-    conf_weight: float = 1.0
-    seed: int = 0
-    save_every: int = 200
-    # The final norm starts small (init_dspark_draft: no anchor echo through a tied head); a
-    # faster rate lets the backbone's share of the logits grow within a short CPU run.
-    final_norm_lr_mult: float = 1.0
-    # A reduced-vocab draft's LM head is a copy of the target's rows; DeepSpec freezes it, and on
-    # small data a trainable one (half of a 1-layer draft's weights) mostly memorises.
-    train_lm_head: bool = False
-    # Held-out greedy tau (validate.greedy_acceptance) every val_every steps on val_seqs
-    # sequences of the validation cache; the best-scoring draft is also saved to DIR/best.
-    val_every: int = 0
-    val_seqs: int = 48
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -173,6 +139,39 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
     return out
 
 
+def _optimizer(draft: DSparkDraft, cfg: TrainConfig) -> tuple[list[torch.Tensor], torch.optim.AdamW]:
+    """AdamW over the trainable weights; the final norm at its own rate multiple."""
+    # Inference layers (Linear) are made with requires_grad=False: switch everything on first,
+    # then freeze what is shared with the target.
+    draft.requires_grad_(True)
+    frozen = ("embed_tokens",) if draft.d2t is not None and cfg.train_lm_head else ("embed_tokens", "lm_head")
+    for name in frozen:
+        getattr(draft, name).requires_grad_(False)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    norm_w = draft.norm.weight
+    groups = [{"params": [p for p in params if p is not norm_w], "mult": 1.0},
+              {"params": [norm_w], "mult": cfg.final_norm_lr_mult}]
+    return params, torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _resume(draft: DSparkDraft, opt: torch.optim.Optimizer, gen: torch.Generator,
+            out_dir: str) -> tuple[int, dict]:
+    """(step, best validation) from out_dir/train_state.pt, the weights, optimizer and RNG loaded."""
+    best = {"tau": 0.0, "step": 0, "last": 0.0}
+    state_path = os.path.join(out_dir, "train_state.pt")
+    if not os.path.exists(state_path):
+        return 0, best
+    st = torch.load(state_path, weights_only=False)
+    draft.load_state_dict(st["model"], strict=False)
+    try:
+        opt.load_state_dict(st["opt"])
+    except ValueError:     # another set of trainable weights (train_lm_head changed)
+        print("train draft: the saved optimizer state is for other trainable weights; "
+              "resuming the weights with fresh AdamW moments")
+    gen.set_state(st["gen"])
+    return st["step"], st.get("best", best)
+
+
 def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfig,
           log_every: int = 10, target_head: torch.Tensor | None = None,
           val_cache: FeatureCache | None = None) -> dict:
@@ -185,32 +184,9 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
     if draft.d2t is not None and (target_head is None or cache.lse is None):
         raise ValueError("a reduced-vocab draft trains against the target's LM head and the "
                          "cache's lse.npy (feature_cache.write_lse)")
-    # Inference layers (Linear) are made with requires_grad=False: switch everything on first,
-    # then freeze what is shared with the target.
-    draft.requires_grad_(True)
-    frozen = ("embed_tokens",) if draft.d2t is not None and cfg.train_lm_head else ("embed_tokens", "lm_head")
-    for name in frozen:
-        getattr(draft, name).requires_grad_(False)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    norm_w = draft.norm.weight
-    groups = [{"params": [p for p in params if p is not norm_w], "mult": 1.0},
-              {"params": [norm_w], "mult": cfg.final_norm_lr_mult}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    params, opt = _optimizer(draft, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
-    step = 0
-    best = {"tau": 0.0, "step": 0, "last": 0.0}
-    state_path = os.path.join(out_dir, "train_state.pt")
-    if os.path.exists(state_path):
-        st = torch.load(state_path, weights_only=False)
-        draft.load_state_dict(st["model"], strict=False)
-        try:
-            opt.load_state_dict(st["opt"])
-        except ValueError:     # another set of trainable weights (train_lm_head changed)
-            print("train draft: the saved optimizer state is for other trainable weights; "
-                  "resuming the weights with fresh AdamW moments")
-        gen.set_state(st["gen"])
-        step = st["step"]
-        best = st.get("best", best)
+    step, best = _resume(draft, opt, gen, out_dir)
     # After the resume: a checkpoint brings its own draft vocab (d2t), which may differ from the
     # one this cache would select (more data since), and the teacher must score that one.
     teacher = Teacher.for_draft(draft, target_head) if draft.d2t is not None else None
@@ -281,7 +257,8 @@ def validate_step(draft: DSparkDraft, val_cache: FeatureCache, cfg: TrainConfig,
 
 
 def save_checkpoint(draft, opt, gen, step, out_dir, cfg, best=None) -> None:
-    shared = ("embed_tokens",) if draft.d2t is not None else ("embed_tokens", "lm_head")   # re-made from the target
+    # re-made from the target
+    shared = ("embed_tokens",) if draft.d2t is not None else ("embed_tokens", "lm_head")
     trainable = {k: v for k, v in draft.state_dict().items() if not k.startswith(shared)}
     torch.save({"model": trainable, "opt": opt.state_dict(), "gen": gen.get_state(), "step": step,
                 "config": asdict(cfg), "best": best}, os.path.join(out_dir, "train_state.pt"))

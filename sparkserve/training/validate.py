@@ -46,7 +46,8 @@ def greedy_acceptance(draft: DSparkDraft, cache: FeatureCache, max_seqs: int | N
         lo, S = max(plen, 1), len(tokens)
         if S - 2 <= lo:
             continue
-        n = torch.cat([accepted_prefix(draft, tokens, taps, torch.arange(a, min(a + anchors_per_chunk, S - 2)))
+        n = torch.cat([accepted_prefix(draft, tokens, taps, torch.arange(a, min(a + anchors_per_chunk,
+                                                                                S - 2)))
                        for a in range(lo, S - 2, anchors_per_chunk)])
         a = lo
         while a < S - 2:

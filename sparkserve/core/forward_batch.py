@@ -1,0 +1,102 @@
+"""ForwardBatch: what one model forward needs, as tensors. Built by the ModelRunner from a
+scheduled batch; attention reads its padded views (built once, shared by every layer)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from sparkserve.core.pool import Pool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"      # prefill new tokens over a cached prefix
+    DECODE = "decode"      # one token per request
+    VERIFY = "verify"      # target scores anchor + draft tokens
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor         # [T] flat tokens of all requests, request after request
+    positions: torch.Tensor         # [T]
+    out_cache_loc: torch.Tensor     # [T] KV slots the new tokens write to
+    extend_lens: list[int]          # new tokens per request
+    seq_lens: list[int]             # KV length per request after this forward
+    # [B, max(seq_lens) - kv_start] slot of positions kv_start.., padded with 0
+    kv_indices: torch.Tensor
+    kv_pool: Pool
+    logits_rows: torch.Tensor | None = None   # flat rows whose logits are wanted
+    req_rows: torch.Tensor | None = None      # [B] request-table rows: where request_row state lives
+    # Position of kv_indices[:, 0]. 0 unless every layer is sliding-window: then no query of the
+    # batch sees a key before the earliest window start, so attention gathers O(W) keys, not O(seq).
+    kv_start: int = 0
+    # Split pool (full and windowed layers mixed): the windowed layers' own slots of the new
+    # tokens and of positions swa_kv_start.. (the batch's earliest window start); None otherwise.
+    swa_out_cache_loc: torch.Tensor | None = None
+    swa_kv_indices: torch.Tensor | None = None
+    swa_kv_start: int = 0
+    aux_hidden: list[torch.Tensor] = field(default_factory=list)
+    final_hidden: torch.Tensor | None = None  # [T, d] final normed hidden (ModelRunner.hidden_states)
+    _meta: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def query_layout(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(q_index [B, Qmax] flat row per padded query slot, flat_index [T]); both None when
+        every request has the same number of query tokens, so [T] is a view of [B, Qmax]."""
+        if "q" not in self._meta:
+            lens = self.extend_lens
+            qmax = max(lens)
+            if all(n == qmax for n in lens):
+                q_index = flat = None
+            else:
+                starts = torch.tensor([0] + lens[:-1]).cumsum(0)
+                ar = torch.arange(qmax)
+                lens_t = torch.tensor(lens)
+                valid = ar[None, :] < lens_t[:, None]
+                q_index = torch.where(valid, starts[:, None] + ar[None, :], torch.zeros((), dtype=torch.long))
+                flat = (torch.arange(len(lens))[:, None] * qmax + ar[None, :])[valid]
+            self._meta["q"] = (q_index, flat)
+        return self._meta["q"]
+
+    def kv_view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(slots the new tokens write to, slots of the gathered positions, first gathered
+        position) for a layer with this window: a split pool's windowed layers use their own."""
+        if window is not None and self.swa_kv_indices is not None:
+            return self.swa_out_cache_loc, self.swa_kv_indices, self.swa_kv_start
+        return self.out_cache_loc, self.kv_indices, self.kv_start
+
+    def attn_mask(self, window: int | None) -> torch.Tensor | None:
+        """Bool [B, 1, Qmax, Lmax] over the key positions kv_view(window) gathers: causal over
+        absolute positions, within seq_len, inside the sliding window. None when everything is
+        visible (batch-1 decode, equal lengths)."""
+        key = ("mask", window)
+        if key not in self._meta:
+            self._meta[key] = self._build_mask(window)
+        return self._meta[key]
+
+    def _build_mask(self, window: int | None) -> torch.Tensor | None:
+        _, kv_indices, kv_start = self.kv_view(window)
+        lmax = kv_indices.shape[1]
+        all_decode = all(n == 1 for n in self.extend_lens)
+        same_len = all(s == kv_start + lmax for s in self.seq_lens)
+        if all_decode and same_len and (window is None or lmax <= window):
+            return None
+        q_index, _ = self.query_layout()
+        B = len(self.seq_lens)
+        qpos = self.positions.view(B, -1) if q_index is None else self.positions[q_index]
+        # padded query rows reuse flat row 0's position; their outputs are dropped
+        kpos = kv_start + torch.arange(lmax)
+        seq = torch.tensor(self.seq_lens)
+        mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < seq[:, None, None])
+        if window is not None:
+            mask &= qpos[:, :, None] - kpos[None, None, :] < window
+        return mask.unsqueeze(1)

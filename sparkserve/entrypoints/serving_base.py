@@ -1,0 +1,206 @@
+"""What the three generation endpoints share: checked sequences out of a request (model name,
+OpenAI sampling fields, tokenization, n fanned out), the events of a submission, usage, and the
+JSON/SSE encoding. Choice i of prompt p has index p*n + i; each is its own sequence (rid-i) with
+seed+i. An error inside one request becomes that request's error response or stream event."""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from sparkserve.core.finish_reason import BaseFinishReason
+from sparkserve.entrypoints.openai_protocol import ApiError, OpenAISampling
+from sparkserve.entrypoints.tokenizer_manager import SeqOut, Submission, TokenizerManager
+from sparkserve.frontend.prepare import as_batch, check_prompt, fan_out, room_left
+from sparkserve.frontend.tokenizer import Tokenizer
+from sparkserve.messages import GenerateReq
+from sparkserve.sampling_params import SamplingParams
+
+# OpenAI field name -> SamplingParams field name (for building params and renaming errors back).
+_OPENAI_TO_SP = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "stop": "stop",
+                 "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
+                 "presence_penalty": "presence_penalty", "seed": "seed", "n": "n",
+                 "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
+                 "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim"}
+_SP_TO_OPENAI = {v: k for k, v in _OPENAI_TO_SP.items()}
+
+
+def dumps(obj: Any) -> str:
+    """JSON text that is always valid: -inf logprobs clamped, non-ASCII escaped (so an echoed
+    lone surrogate from a client cannot break the UTF-8 encoding of a response)."""
+    return json.dumps(_finite(obj), ensure_ascii=True, allow_nan=False)
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no -inf: logprobs of impossible tokens become -9999.0 (as vLLM does)."""
+    if isinstance(obj, float):
+        return obj if obj == obj and abs(obj) != float("inf") else (-9999.0 if obj < 0 else 9999.0)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def sse(obj: Any) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class StreamError(Exception):
+    """Raised inside a stream: the SSE writer turns it into an error event + [DONE]."""
+
+    def __init__(self, error: ApiError):
+        super().__init__(error.message)
+        self.error = error
+
+
+class ServingBase:
+    def __init__(self, tm: TokenizerManager, model_names: set[str], served_name: str):
+        self.tm = tm
+        self.model_names = model_names
+        self.served_name = served_name
+
+    # ---- request -> sequences -------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name and name not in self.model_names:
+            raise ApiError(404, f"model: the model {name!r} does not exist; this server serves "
+                                f"{self.served_name!r} (see /v1/models)", "model")
+
+    def check_hidden_states(self, wanted: bool) -> None:
+        if wanted and not self.tm.args.enable_return_hidden_states:
+            raise ApiError(400, "return_hidden_states: this server was started without "
+                                "--enable-return-hidden-states", "return_hidden_states")
+
+    def openai_params(self, req: OpenAISampling, ids: list[int], max_tokens: int | None,
+                      default_max: int | None, top_logprobs: int | None,
+                      names: dict[str, str]) -> SamplingParams:
+        """SamplingParams from an OpenAI request, checked against the model; errors name
+        the OpenAI field (max_tokens, not max_new_tokens; `names` adds endpoint-specific ones)."""
+        if req.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", "logit_bias")
+        values = {sp: getattr(req, k) for k, sp in _OPENAI_TO_SP.items()
+                  if k != "max_tokens" and getattr(req, k) is not None}
+        if max_tokens is None:
+            max_tokens = default_max if default_max is not None else room_left(ids, self.tm.limits)
+            if max_tokens == 0:
+                raise ApiError(400,
+                               f"max_tokens: the prompt ({len(ids)} tokens) leaves no room in the context "
+                                    f"length {self.tm.limits.context_length}", "max_tokens")
+        values["max_new_tokens"] = max_tokens
+        if top_logprobs is not None:
+            values["return_logprob"] = True
+            values["top_logprobs_num"] = top_logprobs
+        try:
+            params = SamplingParams(**values)
+            check_prompt(ids, params, self.tm.limits, "max_tokens")
+        except ValueError as e:
+            head, _, rest = str(e).partition(" ")
+            name = head.rstrip(":")
+            rename = {**_SP_TO_OPENAI, **names}
+            if name in rename:
+                e = ValueError(f"{rename[name]}{head[len(name):]} {rest}")
+            raise ApiError.bad_request(e) from None
+        return params
+
+    def fan(self, rid: str, prompts: list[tuple[list[int], SamplingParams]],
+            hidden: list[bool] | bool = False, rids: list[str] | None = None) -> list[GenerateReq]:
+        """One GenerateReq per choice (n fanned out); `rids`: one per prompt, else rid or rid-p."""
+        hidden = hidden if isinstance(hidden, list) else [hidden] * len(prompts)
+        self.check_hidden_states(any(hidden))
+        seqs: list[GenerateReq] = []
+        for p, (ids, params) in enumerate(prompts):
+            base = rids[p] if rids else (rid if len(prompts) == 1 else f"{rid}-{p}")
+            if not isinstance(base, str) or not base:
+                raise ApiError(400, "rid: must be a non-empty string", "rid")
+            for r, sp in fan_out(base, params):
+                seqs.append(GenerateReq(r, ids, sp, bool(hidden[p]), len(seqs), p))
+        try:
+            self.tm.check_capacity(len(seqs))
+        except ValueError as e:
+            raise ApiError.bad_request(e) from None
+        return seqs
+
+    def prompts(self, value: Any, name: str, kinds: tuple[str, ...]) -> tuple[list[list[int]], bool]:
+        """Token ids of a single prompt or a batch (text tokenized), and whether it was single."""
+        try:
+            items, single = as_batch(value, name, kinds)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e), name) from None
+        ids = [self.tokenize(x, name if single else f"{name}[{i}]") if isinstance(x, str) else list(x)
+               for i, x in enumerate(items)]
+        return ids, single
+
+    def tokenize(self, text: str, param: str) -> list[int]:
+        try:
+            return self.tm.encode(text)
+        except ValueError as e:
+            raise ApiError(400, f"{param}: {e}", param) from None
+        except Exception as e:  # noqa: BLE001 - e.g. lone surrogates the tokenizer cannot encode
+            raise ApiError(400, f"{param}: cannot be tokenized ({type(e).__name__}: {e})", param) from None
+
+    def tokenizer(self, param: str) -> Tokenizer:
+        try:
+            return self.tm.need_tokenizer()
+        except ValueError as e:
+            raise ApiError(400, f"{param}: {e}", param) from None
+
+    # ---- submission -> results ------------------------------------------------------------
+    async def events(self, sub: Submission, seqs: list[GenerateReq],
+                     usage_on: bool) -> AsyncIterator[SeqOut | dict]:
+        """SeqOuts in arrival order; an error ends the stream via StreamError; then usage."""
+        last: dict[int, SeqOut] = {}
+        async for o in sub:
+            if o.error_status is not None:
+                raise StreamError(ApiError(o.error_status, o.error_message))
+            last[o.index] = o
+            yield o
+        if usage_on:
+            yield usage({i: [o] for i, o in last.items()}, seqs)
+
+    async def collect(self, sub: Submission, seqs: list[GenerateReq]) -> dict[int, list[SeqOut]]:
+        outs: dict[int, list[SeqOut]] = {s.index: [] for s in seqs}
+        async for o in sub:
+            if o.error_status is not None:
+                raise ApiError(o.error_status, o.error_message)
+            outs[o.index].append(o)
+        return outs
+
+
+def finish_reason(fr: BaseFinishReason | None) -> str | None:
+    """OpenAI's finish_reason: stop, length (abort shows as abort)."""
+    return None if fr is None else fr.type
+
+
+def usage(outs: dict[int, list[SeqOut]], seqs: list[GenerateReq]) -> dict:
+    """Prompt tokens once per prompt (not per choice), completion tokens of every choice."""
+    prompt_tokens, cached, seen = 0, 0, set()
+    completion = 0
+    index_prompt = {s.index: s.prompt_index for s in seqs}
+    for idx, parts in outs.items():
+        last = parts[-1] if parts else None
+        if last is None:
+            continue
+        completion += last.completion_tokens
+        key = index_prompt.get(idx)
+        if key not in seen:
+            seen.add(key)
+            prompt_tokens += last.prompt_tokens
+            cached += last.cached_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def per_prompt(value: Any, k: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != k:
+            raise ApiError(400, f"{name}: got {len(value)} values for {k} prompts", name)
+        return value
+    return [value] * k
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"

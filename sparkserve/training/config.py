@@ -1,0 +1,87 @@
+"""The settings of `sparkserve train-draft`, written once: each field is a flag (dataclass_cli),
+with its default and help here. No torch here, so the CLI builds its parser cheaply."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STAGES = ("prompts", "distill", "features", "train", "eval")
+DEFAULT_DRAFT_VOCAB = 8192
+
+
+def _h(default, help_: str):
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help_})
+    return field(default=default, metadata={"help": help_})
+
+
+@dataclass
+class TrainConfig:
+    """Training settings; `sparkserve train-draft` makes a flag of each field (dataclass_cli)."""
+    steps: int = _h(1000, "training steps")
+    seqs_per_step: int = _h(4, "sequences per step")
+    anchors_per_seq: int = _h(32, "draft blocks (anchors) per sequence")
+    lr: float = _h(6e-4, "peak learning rate (warmup, then cosine)")
+    warmup_frac: float = _h(0.04, "share of the steps spent warming up")
+    weight_decay: float = _h(0.0, "AdamW weight decay")
+    # The draft memorises small data; dropout is there to find out whether that binds.
+    dropout: float = _h(0.0, "dropout on the draft's target context and block output while training")
+    # Serving anchors right after a miss, where drafts are harder than at uniform positions.
+    walk_anchor_frac: float = _h(0.0, "share of training anchors moved to their greedy walk successor "
+                                      "(where serving anchors: right after the draft's miss); needs "
+                                      "greedy distillation")
+    clip: float = _h(1.0, "gradient norm clip")
+    decay_gamma: float = _h(4.0, "slot weights exp(-k / gamma)")
+    ce_weight: float = _h(0.1, "weight of the cross-entropy term (DeepSpec: 0.1 CE + 0.9 L1 + 1.0 BCE)")
+    l1_weight: float = _h(0.9, "weight of the L1 distance to the target distribution")
+    conf_weight: float = _h(1.0, "weight of the confidence head's BCE")
+    seed: int = _h(0, "seed of anchor sampling and initialisation")
+    save_every: int = _h(200, "checkpoint every N steps (resumable)")
+    # The final norm starts small (init_dspark_draft: no anchor echo through a tied head); a
+    # faster rate lets the backbone's share of the logits grow within a short CPU run.
+    final_norm_lr_mult: float = _h(20.0,
+                                   "learning-rate multiple for the draft's small-initialised final norm")
+    # A reduced-vocab draft's LM head is a copy of the target's rows; DeepSpec freezes it, and on
+    # small data a trainable one mostly memorises.
+    train_lm_head: bool = _h(False,
+                             "also train a reduced-vocab draft's LM head (default: frozen, as DeepSpec)")
+    val_every: int = _h(250, "validate every N steps (greedy tau on the validation prompts; the best "
+                             "draft is kept in OUT/draft/best)")
+    val_seqs: int = _h(48, "validation sequences scored each time")
+
+
+@dataclass
+class PipelineConfig:
+    """The pipeline's settings; `sparkserve train-draft` makes a flag of each field (dataclass_cli)
+    and of each TrainConfig field."""
+    out: str = field(metadata={"help": "output directory (every stage resumes from what is there)"})
+    model_path: str | None = _h(None, "target model (default: the embedded SmolLM2)")
+    stages: list[str] = _h(list(STAGES), "comma-separated subset of " + ",".join(STAGES))
+    prompts_file: str | None = _h(None, "JSONL prompts (default: ShareGPT minus the held-out 2,000)")
+    num_prompts: int = _h(2000, "training prompts to distill")
+    prompts_offset: int = _h(0, "skip this many training prompts (add data in a new run without "
+                                "repeating prompts)")
+    extra_features: list[str] = _h([], "comma-separated feature caches (other runs' OUT/features) to "
+                                       "train on as well")
+    max_new_tokens: int = _h(256, "distillation answer length")
+    temperature: float = _h(0.0, "distillation temperature")
+    distill_batch: int = _h(32, "requests in flight while distilling")
+    max_prompt_tokens: int = _h(1024, "skip longer prompts when distilling (prefill would dominate)")
+    num_layers: int = _h(1, "draft depth")
+    block_size: int = _h(7, "gamma")
+    markov_rank: int = _h(64, "rank of the Markov head")
+    draft_vocab_size: int | None = _h(None, f"score only the most frequent response ids (default "
+                                            f"{DEFAULT_DRAFT_VOCAB}; 0 = the full vocab); with --init-draft: "
+                                            "re-pick that draft's vocab at this size (default: keep it)")
+    mask_token_id: int | None = _h(None, "the draft's mask token (default: a spare special token)")
+    target_layer_ids: list[int] | None = _h(None, "comma-separated taps (default: 1, L/2, L-2)")
+    markov_init: bool = _h(True, "start the Markov head as the responses' bigram fit")
+    # A shipped draft continued on new data: its config wins over the architecture flags.
+    init_draft: str | None = _h(None, "start from this draft's weights and config (fresh optimizer and "
+                                      "schedule)")
+    val_prompts: int = _h(64, "held-out prompts distilled for validation: training logs their greedy tau "
+                              "and keeps the best draft in OUT/draft/best (0 = no validation)")
+    eval_prompts: int = _h(32, "held-out prompts per set scored by the eval stage")
+    eval_max_new_tokens: int = _h(128, "answer length in the eval stage")
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"cli": False})
+
+

