@@ -16,6 +16,29 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 NOT_YET = "only 1 until the distributed runtime lands"
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks, and which of them run on this machine (distributed/parallel_state.py
+    builds the groups from it)."""
+    tp_size: int = 1
+    pp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def local_ranks(self) -> list[int]:
+        """Global ranks that run on this node (contiguous, as torchrun places them)."""
+        n = self.ranks_per_node
+        return list(range(self.node_rank * n, (self.node_rank + 1) * n))
+
+
 def _opt(help_: str, **meta: Any) -> dict[str, Any]:
     return {"help": help_, **meta}
 
@@ -74,10 +97,17 @@ class ServerArgs:
         "verify the leading drafts whose confidence is >= this"))
     speculative_dspark_sps_table_path: str | None = field(default=None, metadata=_opt(
         "step-cost table (JSON) for adaptive verify (default: measured at start-up)"))
-    # parallelism: one process for now
-    tp_size: int = field(default=1, metadata=_opt(f"tensor parallel size ({NOT_YET})"))
+    # parallelism: one process per rank, on torch.distributed
+    tp_size: int = field(default=1, metadata=_opt("tensor parallel size (Llama-family models so far)"))
     pp_size: int = field(default=1, metadata=_opt(f"pipeline parallel size ({NOT_YET})"))
     dp_size: int = field(default=1, metadata=_opt(f"data parallel size ({NOT_YET})"))
+    nnodes: int = field(default=1, metadata=_opt("machines the ranks run on"))
+    node_rank: int = field(default=0, metadata=_opt(
+        "this machine's index; nodes above 0 run their ranks only (node 0 serves)"))
+    dist_init_addr: str | None = field(default=None, metadata=_opt(
+        "HOST:PORT where the ranks meet (default with one node: a free port on 127.0.0.1)"))
+    dist_timeout: float = field(default=300.0, metadata=_opt(
+        "seconds a collective may wait for a rank before the server fails"))
 
     def __post_init__(self) -> None:
         if self.model_path is None:
@@ -121,11 +151,25 @@ class ServerArgs:
              "--enable-return-hidden-states needs --disable-radix-cache: a prompt prefix served from the "
              "cache is not recomputed, so it has no hidden states to return")
         need(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
-        for name in ("tp_size", "pp_size", "dp_size"):
-            flag = "--" + name.replace("_", "-")
-            need(getattr(self, name) == 1, f"{flag} {getattr(self, name)}: multi-process parallelism is not "
-                                           f"built yet; run with {flag} 1")
+        self._validate_parallel(need)
         return self
+
+    def _validate_parallel(self, need) -> None:
+        need(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")
+        for name in ("pp_size", "dp_size"):
+            flag = "--" + name.replace("_", "-")
+            need(getattr(self, name) == 1, f"{flag} {getattr(self, name)}: not built yet; run with {flag} 1")
+        world = self.parallel_config().world_size
+        need(self.nnodes >= 1 and world % self.nnodes == 0,
+             f"--nnodes {self.nnodes}: the {world} ranks (--tp-size x --pp-size) must spread evenly over "
+             "the nodes")
+        need(0 <= self.node_rank < self.nnodes, f"--node-rank {self.node_rank}: must be in [0, --nnodes)")
+        need(self.nnodes == 1 or self.dist_init_addr is not None,
+             "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, reachable from every node)")
+        need(self.dist_timeout > 0, f"--dist-timeout must be positive, got {self.dist_timeout}")
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tp_size, self.pp_size, self.nnodes, self.node_rank)
 
     def _validate_dspark(self, need) -> None:
         """DSpark flags, and the draft checked before any model loads (a one-line error, not a

@@ -2,6 +2,7 @@
 scheduled batch; attention reads its padded views (built once, shared by every layer)."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -14,6 +15,9 @@ class ForwardMode(enum.Enum):
     EXTEND = "extend"      # prefill new tokens over a cached prefix
     DECODE = "decode"      # one token per request
     VERIFY = "verify"      # target scores anchor + draft tokens
+
+
+_RANK_LOCAL = ("kv_pool", "aux_hidden", "final_hidden", "_meta")
 
 
 @dataclass
@@ -40,6 +44,10 @@ class ForwardBatch:
     aux_hidden: list[torch.Tensor] = field(default_factory=list)
     final_hidden: torch.Tensor | None = None  # [T, d] final normed hidden (ModelRunner.hidden_states)
     _meta: dict = field(default_factory=dict)
+
+    def wire(self) -> dict:
+        """What another rank needs to run the same forward on its own pool (tensor parallel)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _RANK_LOCAL}
 
     @property
     def batch_size(self) -> int:

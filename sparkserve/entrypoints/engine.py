@@ -11,6 +11,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from sparkserve.args import ServerArgs
 from sparkserve.core.req import Req
 from sparkserve.core.sampling_state import RequestSamplingState
+from sparkserve.entrypoints.ranks import start_worker_ranks, stop_worker_ranks
 from sparkserve.frontend.output_stream import OutputStream
 from sparkserve.frontend.prepare import (
     Limits,
@@ -26,15 +27,26 @@ from sparkserve.sampling_params import SamplingParams
 from sparkserve.scheduler.runtime import build_scheduler, context_length
 
 Messages = list[dict[str, Any]]
-# The argument that takes each kind of prompt (for the hint when one is given to another).
-ARG_FOR = {"text": "prompt", "ids": "input_ids", "messages": "messages"}
+# The kind of prompt each argument takes, and back (for the hint when one is given to another).
+PROMPT_ARGS = {"prompt": "text", "input_ids": "ids", "messages": "messages"}
+ARG_FOR = {kind: arg for arg, kind in PROMPT_ARGS.items()}
 
 
 class Engine:
+    """`Engine(...)`, or `with Engine(...) as engine:`; with --tp-size > 1 this process is the
+    driver (rank 0) and the other ranks run in processes it starts; `shutdown()` stops them."""
+
     def __init__(self, model_path: str | None = None, **kwargs: Any):
         self.args = ServerArgs(model_path=model_path, **kwargs).validate()
+        if self.args.node_rank > 0:
+            raise ValueError("--node-rank > 0 runs only that node's ranks: use `sparkserve serve` there")
         self.tokenizer = load_tokenizer_for(self.args)
-        self.scheduler, self.model_config = build_scheduler(self.args, self.tokenizer)
+        self._ranks = start_worker_ranks(self.args)
+        try:
+            self.scheduler, self.model_config = build_scheduler(self.args, self.tokenizer)
+        except BaseException:
+            stop_worker_ranks(self._ranks, timeout=0)
+            raise
         self.context_length = context_length(self.args, self.model_config)
         self.limits = Limits(self.model_config.vocab_size, self.context_length,
                              self.scheduler.max_sequence_tokens)
@@ -122,6 +134,18 @@ class Engine:
     def flush_cache(self) -> bool:
         return self.scheduler.cache.flush()
 
+    def shutdown(self) -> None:
+        """Stop the other ranks (tensor parallel); the engine cannot generate afterwards."""
+        self.scheduler.runner.close()
+        stop_worker_ranks(self._ranks)
+        self._ranks = []
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     # ---- internals --------------------------------------------------------------------------
     def _check_hidden_states(self, wanted: bool) -> None:
         if wanted and not self.args.enable_return_hidden_states:
@@ -135,7 +159,7 @@ class Engine:
         if len(given) != 1:
             raise ValueError("give exactly one of prompt, input_ids, messages")
         (name, value), = given.items()
-        kind = next(k for k, arg in ARG_FOR.items() if arg == name)
+        kind = PROMPT_ARGS[name]
         items, single = as_batch(value, name, (kind,), ARG_FOR)
         batch = [self._encode(x, kind) for x in items]
         for ids in batch:

@@ -24,6 +24,7 @@ import sparkserve
 from sparkserve.args import ServerArgs
 from sparkserve.entrypoints.http_server import create_app
 from sparkserve.entrypoints.metrics import Metrics
+from sparkserve.entrypoints.ranks import serve_worker_node, start_worker_ranks, stop_worker_ranks
 from sparkserve.entrypoints.tokenizer_manager import TokenizerManager
 from sparkserve.frontend.hf_export import served_tokenizer_path
 from sparkserve.frontend.tokenizer import load_tokenizer_for
@@ -50,6 +51,8 @@ class _Server(uvicorn.Server):
 
 def launch_server(args: ServerArgs) -> int:
     """Run the server until SIGTERM/SIGINT (returns 0) or a scheduler failure (returns 1)."""
+    if args.node_rank > 0:
+        return serve_worker_node(args)
     try:
         return asyncio.run(serve(args))
     except StartupFailed as e:
@@ -139,6 +142,7 @@ def _load_frontend_tokenizer(args: ServerArgs):
 
 async def serve(args: ServerArgs) -> int:
     sock = bind(args.host, args.port)         # before the model loads: a busy port fails fast
+    workers = start_worker_ranks(args)         # the driver is the scheduler process (rank 0)
     sched = SchedulerProcess(args)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -182,6 +186,7 @@ async def serve(args: ServerArgs) -> int:
             with contextlib.suppress(zmq.ZMQError):
                 sched.send.send_pyobj(ShutdownReq(), zmq.NOBLOCK)
         await asyncio.to_thread(sched.stop)
+        await asyncio.to_thread(stop_worker_ranks, workers)
         sock.close()
         sched.close()
 

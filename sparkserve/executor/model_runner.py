@@ -8,6 +8,8 @@ import torch
 
 from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
 from sparkserve.core.pool import Pool
+from sparkserve.distributed import parallel_state as ps
+from sparkserve.distributed.mirror import ForwardMirror
 from sparkserve.models.causal_lm import CausalLM
 
 
@@ -24,8 +26,9 @@ class ScheduledReq:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: Pool, req_to_token: torch.Tensor,
-                 full_to_swa: torch.Tensor | None = None):
+                 full_to_swa: torch.Tensor | None = None, mirror: ForwardMirror | None = None):
         self.model = model
+        self.mirror = mirror                # tensor parallel: the other ranks run each forward too
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.full_to_swa = full_to_swa      # split pool: windowed layers' slot of each full slot
@@ -86,8 +89,17 @@ class ModelRunner:
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         """The final normed hidden state of every row, no LM head: VERIFY asks compute_logits
         only for the rows acceptance reads."""
+        if self.mirror is not None:
+            self.mirror.forward(batch)
         batch.final_hidden = self.model(batch.input_ids, batch.positions, batch)
         return batch.final_hidden
+
+    def close(self) -> None:
+        """Tensor parallel: the other ranks stop, and this one leaves the world."""
+        if self.mirror is not None:
+            self.mirror.stop()
+            self.mirror = None
+            ps.destroy()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

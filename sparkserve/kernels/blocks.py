@@ -75,6 +75,13 @@ class BlockWeight:
         return BlockWeight(self.qtype, self.blocks[torch.as_tensor(index, dtype=torch.long)],
                            self.in_features)
 
+    def cols(self, k0: int, k1: int) -> "BlockWeight | None":
+        """Input columns k0..k1 (a row-parallel shard); None unless both fall on block edges."""
+        if k0 % 32 or k1 % 32:
+            return None
+        width = BLOCK_BYTES[self.qtype]
+        return BlockWeight(self.qtype, self.blocks[:, k0 // 32 * width:k1 // 32 * width], k1 - k0)
+
     @staticmethod
     def cat(parts: Sequence["BlockWeight | None"]) -> "BlockWeight | None":
         """Row concatenation (fused projections); None unless every part has the same format."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from sparkserve import kernels
+from sparkserve.distributed import parallel_state as ps
 from sparkserve.kernels import BlockWeight
 
 # Most rows that go to the block kernel rather than oneDNN fp32 (the kernel does the same fp32
@@ -66,24 +67,58 @@ class Linear(nn.Module):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
             self._packed_version = _version(self.weight)   # like the blocks: stale once trained
 
+    def local_shard(self, tensor: torch.Tensor, blocks: BlockWeight | None
+                    ) -> tuple[torch.Tensor, BlockWeight | None]:
+        """This rank's part of a checkpoint tensor (and its blocks): all of it unless sharded."""
+        return tensor, blocks
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and not torch.is_grad_enabled():
             b = self._blocks
             if b is not None and x.shape[0] <= self._max_m and x.dtype == torch.float32:
                 if _version(self.weight) == self._blocks_version:
-                    return self._block_fn(x, b.blocks, b.qtype, self.bias)
+                    return self._block_fn(x, b.blocks, b.qtype, bias)
                 self._blocks = None                         # weight was trained / overwritten
             if self._packed is not None:
                 if _version(self.weight) == self._packed_version:
-                    return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+                    return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
                 self._packed = None
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.weight, bias)
+
+
+class RowParallelLinear(Linear):
+    """in_features split over the tensor-parallel ranks: each multiplies its slice of the input
+    by its slice of the columns, the partial outputs are summed (all-reduce), and the bias is
+    added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
+        super().__init__(in_features // self.tp_size, out_features, bias)
+
+    def local_shard(self, tensor, blocks):
+        if self.tp_size == 1 or tensor.dim() == 1:
+            return tensor, blocks
+        k0, k1 = self.tp_rank * self.in_features, (self.tp_rank + 1) * self.in_features
+        return tensor[:, k0:k1], None if blocks is None else blocks.cols(k0, k1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self._matmul(x, self.bias)
+        y = ps.all_reduce(self._matmul(x, None))
+        return y if self.bias is None else y + self.bias
 
 
 class FusedLinear(Linear):
     """One weight holding several stacked projections; `load(shard, w)` fills one of them."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False):
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False,
+                 tp_parts: dict[str, tuple[int, int]] | None = None):
+        """`shard_sizes`: this rank's rows of each projection; `tp_parts`: (index, parts) of the
+        checkpoint rows it keeps (column parallel), whole tensors when None."""
+        self.tp_parts = tp_parts or {}
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         off = 0
         for name, size in shard_sizes.items():
@@ -96,6 +131,11 @@ class FusedLinear(Linear):
              blocks: BlockWeight | None = None) -> None:
         start, size = self.shard_offsets[shard]
         target = self.weight if kind == "weight" else self.bias
+        if shard in self.tp_parts:
+            index, parts = self.tp_parts[shard]
+            rows = tensor.shape[0] // parts
+            tensor = tensor[index * rows:(index + 1) * rows]
+            blocks = None if blocks is None else blocks.rows(torch.arange(index * rows, (index + 1) * rows))
         if tensor.shape[0] != size:
             raise ValueError(f"shard {shard} {kind}: expected {size} rows, got {tuple(tensor.shape)}")
         target.data[start:start + size].copy_(tensor)

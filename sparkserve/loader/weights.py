@@ -52,6 +52,9 @@ class WeightLoader:
                 return
         if name not in self.params:
             raise ValueError(f"{self.what} tensor {name} has no matching parameter")
+        owner = self.modules.get(name.rsplit(".", 1)[0])
+        if isinstance(owner, Linear):          # a tensor-parallel rank keeps its part only
+            tensor, blocks = owner.local_shard(tensor, blocks)
         p = self.params[name]
         if p.shape != tensor.shape:
             raise ValueError(f"{name}: {self.what} shape {tuple(tensor.shape)} != {tuple(p.shape)}")

@@ -12,9 +12,10 @@ from torch import nn
 
 from sparkserve.config import ModelConfig
 from sparkserve.core.forward_batch import ForwardBatch
+from sparkserve.distributed.sharding import heads_shard, kv_heads_shard, width_shard
 from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.attention import PagedAttention
-from sparkserve.layers.linear import FusedLinear, Linear
+from sparkserve.layers.linear import FusedLinear, RowParallelLinear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.loader.weights import WeightLoader
@@ -23,12 +24,19 @@ from sparkserve.models.causal_lm import CausalLM, DecoderStack
 
 
 class LlamaAttention(nn.Module):
+    """Heads split over the tensor-parallel ranks (KV heads replicated when fewer than ranks);
+    o_proj sums the ranks' partial outputs."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_index, q_parts, self.h = heads_shard(cfg.num_attention_heads)
+        kv_index, kv_parts, self.hkv = kv_heads_shard(cfg.num_key_value_heads)
+        self.d = cfg.head_dim
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": self.h * self.d, "k": self.hkv * self.d,
-                                                      "v": self.hkv * self.d}, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
+                                                      "v": self.hkv * self.d}, bias=cfg.attention_bias,
+                                    tp_parts={"q": (q_index, q_parts), "k": (kv_index, kv_parts),
+                                              "v": (kv_index, kv_parts)})
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(layer_id, self.h, self.hkv, self.d, cfg.layer_windows[layer_id])
@@ -50,9 +58,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
-                                                          "up": cfg.intermediate_size})
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        index, parts, width = width_shard(cfg.intermediate_size)
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": width, "up": width},
+                                        tp_parts={"gate": (index, parts), "up": (index, parts)})
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -98,7 +107,7 @@ class LlamaForCausalLM(CausalLM):
     def make_pool(self, num_slots: int, num_rows: int, swa_slots: int = 0) -> KVPool:
         c = self.config
         split = split_windows(c.layer_windows) if swa_slots else None
-        return KVPool(num_slots, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+        return KVPool(num_slots, c.num_hidden_layers, self._kv_heads(), c.head_dim,
                       window=uniform_window(c.layer_windows), swa_layers=split[0] if split else (),
                       swa_slots=swa_slots, swa_window=split[1] if split else None)
 
@@ -108,13 +117,17 @@ class LlamaForCausalLM(CausalLM):
         c = self.config
         split = split_windows(c.layer_windows)
         n = c.num_hidden_layers - (len(split[0]) if split else 0)
-        return KVPool.bytes_per_token(n, c.num_key_value_heads, c.head_dim, torch.float32)
+        return KVPool.bytes_per_token(n, self._kv_heads(), c.head_dim, torch.float32)
 
     def pool_bytes_per_swa_token(self) -> int:
         c = self.config
         split = split_windows(c.layer_windows)
-        return KVPool.bytes_per_token(len(split[0]), c.num_key_value_heads, c.head_dim,
+        return KVPool.bytes_per_token(len(split[0]), self._kv_heads(), c.head_dim,
                                       torch.float32) if split else 0
+
+    def _kv_heads(self) -> int:
+        """KV heads this rank keeps (all of them on one rank)."""
+        return self.model.layers[0].self_attn.hkv
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.stacked_params)

@@ -59,6 +59,7 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, pare
     try:
         loop = SchedulerLoop.build(args, recv, send, parent_pid)
         loop.run()
+        loop.scheduler.runner.close()
     except BaseException as e:  # noqa: BLE001 - reported to the frontend, then the process exits
         log.exception("scheduler failed")
         send.send_pyobj(SchedulerFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))

@@ -9,10 +9,14 @@ import torch
 
 from sparkserve.args import ServerArgs
 from sparkserve.config import ModelConfig
+from sparkserve.distributed import parallel_state as ps
+from sparkserve.distributed.mirror import ForwardMirror
+from sparkserve.distributed.sharding import check_tp
 from sparkserve.executor.model_runner import ModelRunner
 from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.mem.kv_pool import split_windows, uniform_window
+from sparkserve.models.causal_lm import CausalLM
 from sparkserve.models.registry import load_config, load_model
 from sparkserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -85,18 +89,31 @@ def pool_sizes(args: ServerArgs, cfg: ModelConfig, per_token: int, per_request: 
     return tokens, max(page, swa // page * page)
 
 
-def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Scheduler, ModelConfig]:
+def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]:
+    """This rank's model: threads and seed set, the world joined first when there are several
+    ranks (layers take their shard of the weights as they are built)."""
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     cfg = load_config(args.model_path)
-    model = load_model(args.model_path, cfg)
+    check_tp(cfg, args.tp_size)
+    if args.parallel_config().world_size > 1:
+        ps.init_distributed(args.parallel_config(), rank, args.dist_init_addr, args.dist_timeout)
+    return load_model(args.model_path, cfg), cfg
+
+
+def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Scheduler, ModelConfig]:
+    model, cfg = load_rank_model(args, rank=0)
     per_token, per_request = model.pool_bytes_per_token(), model.pool_bytes_per_request()
     per_swa_token = model.pool_bytes_per_swa_token()
     num_slots, swa_slots = pool_sizes(args, cfg, per_token, per_request, per_swa_token)
     ctx = context_length(args, cfg)
     num_rows = request_rows(args)
+    mirror = None
+    if args.parallel_config().world_size > 1:      # every rank sizes its pool as the driver does
+        ps.broadcast_object((num_slots, num_rows, swa_slots))
+        mirror = ForwardMirror()
     pool = model.make_pool(num_slots, num_rows, swa_slots)
     no_radix = args.disable_radix_cache or model.has_request_state
     if no_radix and not args.disable_radix_cache:
@@ -104,7 +121,7 @@ def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Sche
         log.info("prefix cache off: %s keeps per-request recurrent state", cfg.architecture)
     cache = KVCacheManager(num_slots, args.page_size, num_rows, ctx + 1, no_radix,
                            window=pool.window, swa_slots=swa_slots, swa_window=pool.swa_window)
-    runner = ModelRunner(model, pool, cache.req_to_token.table, cache.full_to_swa)
+    runner = ModelRunner(model, pool, cache.req_to_token.table, cache.full_to_swa, mirror)
     spec = build_dspark_worker(args, runner, num_slots, cache) if args.speculative_algorithm else None
     eos = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
     decode_tail = (lambda ids: tokenizer.decode(ids)) if tokenizer else None

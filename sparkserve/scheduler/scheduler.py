@@ -111,17 +111,16 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Run one forward; returns the requests it advanced (new tokens, or finished)."""
-        advanced: list[Req] = []
         prefill = self._schedule_prefill()
         if prefill:
             self.batch_log.prefill(self, prefill)
-            advanced += self._run_prefill(prefill)
-        elif self.running:
-            before = sum(len(r.output_ids) for r in self.running)
-            decoded = self._run_decode()
-            self.batch_log.decode(self, sum(len(r.output_ids) for r in decoded) - before)
-            advanced += decoded
-        return advanced
+            return self._run_prefill(prefill)
+        if not self.running:
+            return []
+        before = sum(len(r.output_ids) for r in self.running)
+        decoded = self._run_decode()
+        self.batch_log.decode(self, sum(len(r.output_ids) for r in decoded) - before)
+        return decoded
 
     def _schedule_prefill(self) -> list[tuple[Req, torch.Tensor, int]]:
         batch: list[tuple[Req, torch.Tensor, int]] = []
@@ -310,12 +309,12 @@ class Scheduler:
         for i, req in enumerate(reqs):
             if i not in items:
                 j = plain_pos[i]
-                toks, n_acc, verified = [plain_out.next_token_ids[j]], 0, None
+                toks, n_acc, accepted = [plain_out.next_token_ids[j]], 0, None
                 lps = [plain_out.logprobs[j]] if req.params.return_logprob else []
                 tops = [plain_out.top_logprobs[j] or []] if req.params.return_logprob else []
             else:
                 n_acc, toks = verdicts[i]
-                verified = n_acc
+                accepted = n_acc
                 lps, tops = raw_logprobs(logits.rows[i][:n_acc + 1], toks, req.params)
                 req.spec_verify_ct += 1
                 req.spec_draft_token_num += len(items[i][1])
@@ -327,7 +326,7 @@ class Scheduler:
             req.kv_len += n_acc + 1
             self.cache.truncate(req, alloc_end)
             self.cache.slide_window(req)      # after the truncate: only committed tokens count
-            results.append((req, toks, lps, tops, verified))
+            results.append((req, toks, lps, tops, accepted))
         self._inject_rows(fb, torch.tensor(committed_rows))
         self._keep_hidden(fb, kept_rows)
         self.runner.commit_verify(fb, kept)

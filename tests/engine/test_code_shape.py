@@ -22,7 +22,7 @@ LAYERS = [
     ("models",),
     ("loader",),
     ("layers",),
-    ("mem", "kernels"),
+    ("mem", "kernels", "distributed"),
     ("args", "messages"),
     ("core",),
     ("config", "sampling_params", "embedded", "dataclass_cli"),

@@ -1,0 +1,146 @@
+"""Tensor parallelism on torch.distributed (gloo, 1 torch thread per rank): two ranks give the
+single-process engine's greedy tokens and logprobs, with chunked prefill, a prefix-cache hit,
+retraction, return_hidden_states and DSpark; KV heads split or replicated; two launches on
+127.0.0.1 as two nodes; bad layouts refused at start-up naming the flags."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS, assert_no_kv_leak
+from dspark_fixtures import make_oracle_draft
+from server_harness import free_port
+
+from sparkserve import Engine
+
+COMMON = dict(num_threads=1, chunked_prefill_size=16, max_total_tokens=2048)
+# last: cache hit
+PROMPTS = [list(range(3, 8)), list(range(10, 50)), [7, 3, 9] * 6, list(range(10, 40)) + [5, 6]]
+SP = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "return_logprob": True,
+      "top_logprobs_num": 3}
+
+
+def _run(eng: Engine) -> list[dict]:
+    first = eng.generate(input_ids=PROMPTS[:3], sampling_params=SP)
+    return first + [eng.generate(input_ids=PROMPTS[3], sampling_params=SP)]   # reads prompt 2's prefix
+
+
+def _same(got: list[dict], want: list[dict]) -> None:
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    for g, w in zip(got, want):
+        lp = torch.tensor([x[0] for x in g["meta_info"]["output_token_logprobs"]])
+        ref = torch.tensor([x[0] for x in w["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(lp, ref, atol=1e-4, rtol=0)
+        assert [[t for t, _ in top] for top in g["meta_info"]["output_top_logprobs"]] == \
+            [[t for t, _ in top] for top in w["meta_info"]["output_top_logprobs"]]
+
+
+@pytest.fixture(scope="module")
+def mqa_dir(tmp_path_factory) -> str:
+    """Llama with a single KV head: two ranks replicate it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(5)
+    cfg = AutoConfig.for_model("llama", **dict(TINY_CONFIGS["llama"], num_key_value_heads=1))
+    path = str(tmp_path_factory.mktemp("mqa"))
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "mqa"])
+def test_two_ranks_equal_one(arch, tiny_dirs, mqa_dir):
+    path = mqa_dir if arch == "mqa" else tiny_dirs[arch]
+    want = _run(Engine(path, **COMMON))
+    with Engine(path, tp_size=2, **COMMON) as eng:
+        got = _run(eng)
+        assert got[3]["meta_info"]["cached_tokens"] >= 16             # the prefix cache served it
+        assert_no_kv_leak(eng.scheduler.cache)
+    _same(got, want)
+
+
+def test_retraction_and_hidden_states_under_tp(llama_dir):
+    kw = dict(COMMON, max_total_tokens=96, max_running_requests=4, disable_radix_cache=True,
+              enable_return_hidden_states=True)
+    sp = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+    prompts = [list(range(3, 3 + n)) for n in (9, 13, 11, 7)]       # 4 x (~10 + 20) > 96 slots
+    want = Engine(llama_dir, **kw).generate(input_ids=prompts, sampling_params=sp, return_hidden_states=True)
+    with Engine(llama_dir, tp_size=2, **kw) as eng:
+        got = eng.generate(input_ids=prompts, sampling_params=sp, return_hidden_states=True)
+        assert eng.scheduler.num_retractions > 0
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g["meta_info"]["hidden_states"], w["meta_info"]["hidden_states"],
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_dspark_under_tp_is_lossless(llama_dir, tmp_path):
+    """The draft runs on the driver over the full hidden rows every rank computes; drafts that
+    follow the plain answers' bigrams accept some tokens and miss others."""
+    sp = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    plain = Engine(llama_dir, **COMMON).generate(input_ids=PROMPTS, sampling_params=sp)
+    bigram = [0] * TINY_CONFIGS["llama"]["vocab_size"]
+    for p, o in zip(PROMPTS, plain):
+        seq = p[-1:] + o["output_ids"]
+        for a, b in zip(seq, seq[1:]):
+            bigram[a] = b
+    draft = make_oracle_draft(llama_dir, str(tmp_path / "draft"), bigram, block_size=4)
+    with Engine(llama_dir, tp_size=2, speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
+                **COMMON) as eng:
+        got = eng.generate(input_ids=PROMPTS, sampling_params=sp)
+        hist = eng.scheduler.accept_hist
+    assert [g["output_ids"] for g in got] == [o["output_ids"] for o in plain]
+    assert sum(k * v for k, v in hist.items()) > 0 and hist.get(0, 0) + hist.get(1, 0) > 0, hist
+
+
+def test_two_nodes_on_one_machine(llama_dir):
+    """`sparkserve serve --nnodes 2 --node-rank 1` runs rank 1 only; node 0 (this Engine) drives."""
+    addr = f"127.0.0.1:{free_port()}"
+    flags = ["--model-path", llama_dir, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr,
+             "--num-threads", "1", "--chunked-prefill-size", "16", "--max-total-tokens", "2048"]
+    node1 = subprocess.Popen([sys.executable, "-m", "sparkserve", "serve", "--node-rank", "1", *flags],
+                             env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+    try:
+        want = _run(Engine(llama_dir, **COMMON))
+        with Engine(llama_dir, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, **COMMON) as eng:
+            got = _run(eng)
+        assert node1.wait(60) == 0
+    finally:
+        node1.kill()
+    _same(got, want)
+
+
+def test_bad_layouts_are_refused(llama_dir, tmp_path):
+    from kimi_fixtures import make_kimi
+    with pytest.raises(ValueError, match=r"--tp-size 3: the model's 4 attention heads .* use one of 1, 2, 4"):
+        Engine(llama_dir, tp_size=3, **COMMON)
+    kimi = make_kimi(str(tmp_path / "kimi"), "kda_mla")
+    with pytest.raises(ValueError, match="--tp-size 2: tensor parallelism is built for .* not KimiLinear"):
+        Engine(kimi, tp_size=2, **COMMON)
+    with pytest.raises(ValueError, match="--nnodes 3: the 2 ranks"):
+        Engine(llama_dir, tp_size=2, nnodes=3, dist_init_addr="127.0.0.1:1", **COMMON)
+    with pytest.raises(ValueError, match="--nnodes > 1 needs --dist-init-addr"):
+        Engine(llama_dir, tp_size=2, nnodes=2, **COMMON)
+    with pytest.raises(ValueError, match="--node-rank 2: must be in"):
+        Engine(llama_dir, tp_size=2, nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:1", **COMMON)
+    with pytest.raises(ValueError, match="--pp-size 2: not built yet"):
+        Engine(llama_dir, pp_size=2, **COMMON)
+
+
+def test_gguf_blocks_shard(smollm2_path):
+    """The embedded SmolLM2 GGUF on 3 ranks (9 heads, 3 KV heads): every rank keeps its slice of
+    the Q4_1 blocks (row slices for q|k|v and gate|up, column slices for o_proj and down_proj) and
+    the block kernel runs on them; greedy chat answers equal one rank's."""
+    kw = dict(num_threads=1, max_total_tokens=1024)
+    chats = [[{"role": "user", "content": "Name a color."}], [{"role": "user", "content": "What is 2+3?"}]]
+    sp = {"temperature": 0, "max_new_tokens": 12}
+    want = Engine(smollm2_path, **kw).generate(messages=chats, sampling_params=sp)
+    with pytest.raises(ValueError, match="9 attention heads .* use one of 1, 3, 9"):
+        Engine(smollm2_path, tp_size=2, **kw)
+    with Engine(smollm2_path, tp_size=3, **kw) as eng:
+        layer = eng.scheduler.runner.model.model.layers[0]
+        assert layer.self_attn.o_proj._blocks is not None and layer.self_attn.o_proj.in_features == 192
+        assert layer.mlp.down_proj._blocks is not None and layer.mlp.gate_up_proj._blocks is not None
+        got = eng.generate(messages=chats, sampling_params=sp)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]

@@ -1,0 +1,62 @@
+"""`sparkserve serve --tp-size 2`: the OpenAI client gets the single-process engine's tokens; a
+killed rank fails the next request with a 5xx naming the failure and the server exits non-zero
+instead of hanging."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+from server_harness import ServerProcess
+
+from sparkserve import Engine
+
+FLAGS = ["--tp-size", "2", "--max-total-tokens", "2048", "--chunked-prefill-size", "16", "--dist-timeout",
+         "20"]
+
+
+def _rank_pids(server_pid: int, scheduler_pid: int) -> list[int]:
+    """The spawned children of the server other than the scheduler (the worker ranks)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == server_pid and int(pid) != scheduler_pid and b"spawn_main" in cmd:
+            out.append(int(pid))
+    return out
+
+
+def test_tp_server_serves_and_fails_cleanly(llama_dir):
+    server = ServerProcess("--model-path", llama_dir, *FLAGS)
+    try:
+        prompts = [list(range(3, 9)), list(range(20, 60))]
+        want = Engine(llama_dir, num_threads=1, max_total_tokens=2048, chunked_prefill_size=16).generate(
+            input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        for p, w in zip(prompts, want):
+            r = client.completions.create(model="default", prompt=p, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.usage.completion_tokens == 8
+            ids = httpx.post(server.url + "/generate", timeout=60, json={
+                "input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 8,
+                                                    "ignore_eos": True}})
+            assert ids.json()["output_ids"] == w["output_ids"]
+        info = httpx.get(server.url + "/server_info", timeout=10).json()
+        assert info["tp_size"] == 2
+        ranks = _rank_pids(server.proc.pid, info["scheduler_pid"])
+        assert len(ranks) == 1, ranks
+        os.kill(ranks[0], signal.SIGKILL)
+        time.sleep(0.5)
+        r = httpx.post(server.url + "/generate", timeout=60, json={
+            "input_ids": prompts[0], "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code >= 500 and "scheduler" in r.json()["error"]["message"], r.text
+        assert server.proc.wait(60) != 0               # the server stops, non-zero, within the timeout
+    finally:
+        server.stop()
