@@ -2,6 +2,7 @@
 runs the forward, and returns logits for the rows the scheduler asked for."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,8 @@ from sparkserve.core.pool import Pool
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.mirror import ForwardMirror
 from sparkserve.models.causal_lm import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,10 +99,14 @@ class ModelRunner:
 
     def close(self) -> None:
         """Tensor parallel: the other ranks stop, and this one leaves the world."""
-        if self.mirror is not None:
-            self.mirror.stop()
-            self.mirror = None
-            ps.destroy()
+        if self.mirror is None:
+            return
+        mirror, self.mirror = self.mirror, None
+        try:
+            mirror.stop()
+        except RuntimeError as e:          # a rank is gone already: nothing left to tell
+            log.warning("tensor-parallel ranks could not be told to stop: %s", e)
+        ps.destroy()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

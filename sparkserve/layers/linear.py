@@ -131,8 +131,8 @@ class FusedLinear(Linear):
              blocks: BlockWeight | None = None) -> None:
         start, size = self.shard_offsets[shard]
         target = self.weight if kind == "weight" else self.bias
-        if shard in self.tp_parts:
-            index, parts = self.tp_parts[shard]
+        index, parts = self.tp_parts.get(shard, (0, 1))
+        if parts > 1:
             rows = tensor.shape[0] // parts
             tensor = tensor[index * rows:(index + 1) * rows]
             blocks = None if blocks is None else blocks.rows(torch.arange(index * rows, (index + 1) * rows))
