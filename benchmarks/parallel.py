@@ -1,9 +1,11 @@
-"""Tensor parallelism on this machine: TP=2 with 1 torch thread per rank against TP=1 with 2
-threads, batch-1 decode and batch-32 throughput, on a random Llama of 0.2B parameters made for
-the run (SmolLM2's 9 heads do not split over 2 ranks), with the bytes the ranks exchange per
-token (two all-reduces of the hidden state per layer). Honest about 2 cores: TP splits the same
-arithmetic over processes and adds the all-reduces, so at best it matches threads here; the
-layout pays on machines with more cores or devices per rank.
+"""Parallel layouts on this machine: TP=2 and PP=2 with 1 torch thread per rank against one
+process with 1 and 2 threads, batch-1 decode and batch-32 throughput, on a random Llama of 0.2B
+parameters made for the run (SmolLM2's 9 heads do not split over 2 ranks), with the bytes a rank
+sends per token (TP: two all-reduces of the hidden state per layer; PP: one hidden row per stage
+boundary and the final row back to the driver). Honest about 2 cores: the layouts split the same
+arithmetic over processes and add communication, so at best they match threads here; they pay
+where a rank has cores or a device of its own. The step overhead over half the 1-thread step is
+what docs/parallel-scaling.md builds its model from.
 
     python benchmarks/parallel.py [--reps 3] [--new-tokens 64]
 
@@ -22,6 +24,10 @@ from results_io import write_results
 CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
               num_key_value_heads=8, vocab_size=8192, max_position_embeddings=2048, tie_word_embeddings=True,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+HIDDEN_BYTES = CONFIG["hidden_size"] * 4
+SENT = {"TP=2, 1 thread per rank": 2 * CONFIG["num_hidden_layers"] * HIDDEN_BYTES,
+        "PP=2, 1 thread per rank": HIDDEN_BYTES}   # each stage sends one row: onward, or back to the driver
 
 
 def make_model(path: str) -> str:
@@ -47,8 +53,9 @@ def main() -> int:
     a = ap.parse_args()
     from sparkserve import Engine
     path = make_model(tempfile.mkdtemp(prefix="parallel-bench-"))
-    layouts = {"TP=1, 2 threads": dict(num_threads=2), "TP=2, 1 thread per rank": dict(tp_size=2,
-                                                                                       num_threads=1)}
+    layouts = {"1 process, 1 thread": dict(num_threads=1), "1 process, 2 threads": dict(num_threads=2),
+               "TP=2, 1 thread per rank": dict(tp_size=2, num_threads=1),
+               "PP=2, 1 thread per rank": dict(pp_size=2, num_threads=1)}
     engines = {k: Engine(path, max_total_tokens=32 * 128, **kw) for k, kw in layouts.items()}
     res: dict = {k: {"decode": [], "batch32": []} for k in layouts}
     for _ in range(a.reps):
@@ -58,21 +65,28 @@ def main() -> int:
             res[name]["batch32"].append(32 * a.new_tokens / timed(eng, 32, a.new_tokens))
     for eng in engines.values():
         eng.shutdown()
-    per_token = 2 * CONFIG["num_hidden_layers"] * CONFIG["hidden_size"] * 4
-    base = statistics.median(res["TP=1, 2 threads"]["decode"])
-    base32 = statistics.median(res["TP=1, 2 threads"]["batch32"])
-    lines = ["# Tensor parallelism on 2 cores, random Llama (hidden 1024, 12 layers, 16 heads, fp32)", "",
-             f"{a.new_tokens} new tokens, greedy, prompts of 32 tokens, medians of {a.reps}; "
-             f"all-reduce volume per token per rank: {per_token / 1024:.0f} KiB "
-             "(2 per layer x hidden x 4 bytes)", "",
-             "| layout | batch-1 decode tok/s | vs TP=1 | batch-32 tok/s | vs TP=1 |",
-             "|---|---|---|---|---|"]
-    for name, r in res.items():
-        d, b = statistics.median(r["decode"]), statistics.median(r["batch32"])
-        lines.append(f"| {name} | {d:.1f} | {d / base:.2f}x | {b:.1f} | {b / base32:.2f}x |")
     write_results("parallel", {"config": CONFIG, "new_tokens": a.new_tokens, "results": res,
-                               "allreduce_bytes_per_token": per_token}, lines)
+                               "bytes_per_token": SENT}, table(res, a))
     return 0
+
+
+def table(res: dict, a) -> list[str]:
+    med = {k: {m: statistics.median(v) for m, v in r.items()} for k, r in res.items()}
+    base, single = med["1 process, 2 threads"], med["1 process, 1 thread"]
+    lines = ["# Parallel layouts on 2 cores, random Llama (hidden 1024, 12 layers, 16 heads, fp32)", "",
+             f"{a.new_tokens} new tokens, greedy, prompts of 32 tokens, medians of {a.reps}; ratios against "
+             f"one "
+             "process with 2 threads; step overhead = decode step - half the 1-thread step", "",
+             "| layout | batch-1 decode tok/s | vs 2 threads | batch-32 tok/s | vs 2 threads | sent per "
+             "token "
+             "per rank | step overhead (ms) |", "|---|---|---|---|---|---|---|"]
+    for name, m in med.items():
+        over = f"{(1 / m['decode'] - 0.5 / single['decode']) * 1e3:.1f}" if name in SENT else ""
+        sent = f"{SENT[name] / 1024:.0f} KiB" if name in SENT else ""
+        lines.append(f"| {name} | {m['decode']:.1f} | {m['decode'] / base['decode']:.2f}x | "
+                     f"{m['batch32']:.1f} | "
+                     f"{m['batch32'] / base['batch32']:.2f}x | {sent} | {over} |")
+    return lines
 
 
 if __name__ == "__main__":

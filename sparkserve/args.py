@@ -13,7 +13,7 @@ from sparkserve.embedded import EMBEDDED_NAME, default_model_path, is_embedded, 
 
 VERIFY_MODES = ("full", "threshold", "adaptive")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-NOT_YET = "only 1 until the distributed runtime lands"
+NOT_YET = "only 1 until DP attention lands"
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class ParallelConfig:
     pp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
+    pp_layer_partition: tuple[int, ...] | None = None
+    ep_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -99,7 +101,12 @@ class ServerArgs:
         "step-cost table (JSON) for adaptive verify (default: measured at start-up)"))
     # parallelism: one process per rank, on torch.distributed
     tp_size: int = field(default=1, metadata=_opt("tensor parallel size (Llama-family models so far)"))
-    pp_size: int = field(default=1, metadata=_opt(f"pipeline parallel size ({NOT_YET})"))
+    pp_size: int = field(default=1, metadata=_opt("pipeline parallel size (stages of contiguous layers)"))
+    pp_layer_partition: list[int] | None = field(default=None, metadata=_opt(
+        "comma-separated layer counts per pipeline stage (default: as even as they split)"))
+    ep_size: int = field(default=1, metadata=_opt(
+        "expert parallel size: MoE models' routed experts split over each tensor-parallel group (1 or "
+        "--tp-size)"))
     dp_size: int = field(default=1, metadata=_opt(f"data parallel size ({NOT_YET})"))
     nnodes: int = field(default=1, metadata=_opt("machines the ranks run on"))
     node_rank: int = field(default=0, metadata=_opt(
@@ -156,9 +163,13 @@ class ServerArgs:
 
     def _validate_parallel(self, need) -> None:
         need(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")
-        for name in ("pp_size", "dp_size"):
-            flag = "--" + name.replace("_", "-")
-            need(getattr(self, name) == 1, f"{flag} {getattr(self, name)}: not built yet; run with {flag} 1")
+        need(self.pp_size >= 1, f"--pp-size must be >= 1, got {self.pp_size}")
+        need(self.dp_size == 1, f"--dp-size {self.dp_size}: not built yet; run with --dp-size 1")
+        need(self.ep_size in (1, self.tp_size),
+             f"--ep-size {self.ep_size}: experts split over a tensor-parallel group; use 1 or --tp-size "
+             f"({self.tp_size})")
+        need(self.pp_layer_partition is None or len(self.pp_layer_partition) == self.pp_size,
+             f"--pp-layer-partition needs one layer count per stage (--pp-size {self.pp_size})")
         world = self.parallel_config().world_size
         need(self.nnodes >= 1 and world % self.nnodes == 0,
              f"--nnodes {self.nnodes}: the {world} ranks (--tp-size x --pp-size) must spread evenly over "
@@ -169,7 +180,9 @@ class ServerArgs:
         need(self.dist_timeout > 0, f"--dist-timeout must be positive, got {self.dist_timeout}")
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tp_size, self.pp_size, self.nnodes, self.node_rank)
+        partition = tuple(self.pp_layer_partition) if self.pp_layer_partition else None
+        return ParallelConfig(self.tp_size, self.pp_size, self.nnodes, self.node_rank, partition,
+                              self.ep_size)
 
     def _validate_dspark(self, need) -> None:
         """DSpark flags, and the draft checked before any model loads (a one-line error, not a

@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="sample from the k most likely tokens (default: -1, all)")
     sampling.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
     ServerArgs.add_cli_args(gen.add_argument_group("engine"), server=False)
+    gen.set_defaults(log_level="warning")      # the answer, not the batch log, on the terminal
 
     tr = sub.add_parser("train-draft", help="train a DSpark draft for a model (self-distillation)")
     add_dataclass_args(tr.add_argument_group("pipeline"), PipelineConfig)

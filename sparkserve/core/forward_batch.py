@@ -21,6 +21,14 @@ _RANK_LOCAL = ("kv_pool", "aux_hidden", "final_hidden", "_meta")
 
 
 @dataclass
+class PPProxy:
+    """What a pipeline stage that is not the last one hands on: the residual stream after its
+    layers and the aux taps captured so far (docs/design.md, contract 1)."""
+    hidden: torch.Tensor
+    aux: list[torch.Tensor]
+
+
+@dataclass
 class ForwardBatch:
     mode: ForwardMode
     input_ids: torch.Tensor         # [T] flat tokens of all requests, request after request

@@ -33,6 +33,11 @@ class _State:
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: object = None
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
+    data_group: object = None       # every rank, with the collective timeout: pipeline sends
+    ep_size: int = 1                # experts split over the tp group (1: every rank has them all)
 
 
 _state = _State()
@@ -49,7 +54,9 @@ def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: 
         g = dist.new_group(ranks, timeout=timeout, backend="gloo")
         if rank in ranks:
             tp_group = g
-    _state.__init__(rank, cfg.world_size, rank % cfg.tp_size, cfg.tp_size, tp_group)
+    data_group = dist.new_group(list(range(cfg.world_size)), timeout=timeout, backend="gloo")
+    _state.__init__(rank, cfg.world_size, rank % cfg.tp_size, cfg.tp_size, tp_group, rank // cfg.tp_size,
+                    cfg.pp_size, cfg.pp_layer_partition, data_group, cfg.ep_size)
 
 
 def destroy() -> None:
@@ -68,6 +75,75 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _state.tp_size
+
+
+def ep_rank() -> int:
+    """This rank's part of the experts (its index in the tp group)."""
+    return _state.tp_rank if _state.ep_size > 1 else 0
+
+
+def ep_size() -> int:
+    return _state.ep_size
+
+
+def pp_rank() -> int:
+    return _state.pp_rank
+
+
+def pp_size() -> int:
+    return _state.pp_size
+
+
+def stage_layers(num_layers: int, stage: int | None = None) -> range:
+    """The decoder layers a pipeline stage owns: contiguous, as even as they split, or as
+    --pp-layer-partition gives them."""
+    stage = _state.pp_rank if stage is None else stage
+    return layer_partition(num_layers, _state.pp_size, _state.pp_layer_partition)[stage]
+
+
+def layer_partition(num_layers: int, stages: int, counts: tuple[int, ...] | None = None) -> list[range]:
+    """Layer ranges of every stage; ValueError naming the flags when they cannot be met."""
+    if counts is None:
+        if stages > num_layers:
+            raise ValueError(f"--pp-size {stages}: the model has only {num_layers} layers; use at most that")
+        counts = tuple(num_layers // stages + (s < num_layers % stages) for s in range(stages))
+    if len(counts) != stages or sum(counts) != num_layers or min(counts) < 1:
+        raise ValueError(f"--pp-layer-partition {','.join(map(str, counts))}: give {stages} positive layer "
+                         f"counts (one per stage) that sum to the model's {num_layers} layers")
+    starts = [sum(counts[:s]) for s in range(stages)]
+    return [range(a, a + n) for a, n in zip(starts, counts)]
+
+
+def is_first_stage() -> bool:
+    return _state.pp_rank == 0
+
+
+def is_last_stage() -> bool:
+    return _state.pp_rank == _state.pp_size - 1
+
+
+def stage_peer(stage: int) -> int:
+    """The rank of `stage` with this rank's tensor-parallel index."""
+    return stage * _state.tp_size + _state.tp_rank
+
+
+def send(x: torch.Tensor, dst: int) -> None:
+    dist.send(x.contiguous(), dst, group=_state.data_group)
+
+
+def recv(shape: tuple[int, ...], src: int) -> torch.Tensor:
+    x = torch.empty(shape)
+    dist.recv(x, src, group=_state.data_group)
+    return x
+
+
+def agree_min(values: list[int]) -> list[int]:
+    """The smallest of every rank's values, on every rank (pool sizes that fit them all)."""
+    if _state.world_size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_state.data_group)
+    return t.tolist()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -1,26 +1,36 @@
 """How a model's dimensions split over the tensor-parallel ranks, written once: attention heads
 and MLP width divide by --tp-size; KV heads divide too, or are replicated when there are fewer
-of them than ranks (rank r keeps KV head r * kv_heads // tp)."""
+of them than ranks (rank r keeps KV head r * kv_heads // tp). MoE models (Kimi-Linear,
+MiniMax-M3) split their routed experts over the group (--ep-size = --tp-size) and replicate the
+rest."""
 from __future__ import annotations
 
 from sparkserve.config import ModelConfig
 from sparkserve.distributed import parallel_state as ps
 
 TP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+MOE_ARCHITECTURES = ("KimiLinearForCausalLM", "MiniMaxM3VLForCausalLM")
 
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Start-up check of --tp-size against the model, naming the flag and the sizes that work."""
+def check_tp(cfg: ModelConfig, tp: int, ep: int = 1) -> None:
+    """Start-up check of --tp-size / --ep-size against the model, naming the flags and the
+    sizes that work."""
+    if ep > 1 and cfg.architecture not in MOE_ARCHITECTURES:
+        raise ValueError(f"--ep-size {ep}: {cfg.architecture} has no experts to split; run with --ep-size 1")
     if tp == 1:
         return
+    if cfg.architecture in MOE_ARCHITECTURES:
+        if ep != tp:
+            raise ValueError(f"--tp-size {tp}: {cfg.architecture} splits its experts over the ranks "
+                             f"(--ep-size {tp}) and replicates its attention on them; give --ep-size {tp}")
+        return
     if cfg.architecture not in TP_ARCHITECTURES:
-        raise ValueError(f"--tp-size {tp}: tensor parallelism is built for {', '.join(TP_ARCHITECTURES)} so "
-                         f"far, "
-                         f"not {cfg.architecture}; run it with --tp-size 1")
+        raise ValueError(f"--tp-size {tp}: tensor parallelism is built for {', '.join(TP_ARCHITECTURES)} "
+                         f"so far, not {cfg.architecture}; run it with --tp-size 1")
     h, hkv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     if h % tp:
         raise ValueError(f"--tp-size {tp}: the model's {h} attention heads do not split over {tp} ranks; "
@@ -31,6 +41,19 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
                          "that divides it")
     if inter % tp:
         raise ValueError(f"--tp-size {tp}: the MLP width {inter} does not split over {tp} ranks")
+
+
+PP_ARCHITECTURES = TP_ARCHITECTURES + ("KimiLinearForCausalLM",)
+
+
+def check_pp(cfg: ModelConfig, pp: int, partition: tuple[int, ...] | None) -> None:
+    """Start-up check of --pp-size / --pp-layer-partition against the model."""
+    if pp == 1:
+        return
+    if cfg.architecture not in PP_ARCHITECTURES:
+        raise ValueError(f"--pp-size {pp}: pipeline parallelism is built for {', '.join(PP_ARCHITECTURES)} "
+                         f"so far, not {cfg.architecture}; run it with --pp-size 1")
+    ps.layer_partition(cfg.num_hidden_layers, pp, partition)
 
 
 def heads_shard(num_heads: int) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ log = logging.getLogger("sparkserve.server")
 
 def _worker_main(args: ServerArgs, rank: int, parent_pid: int) -> None:
     """A spawned tensor-parallel rank's entry (torch imported there, not here)."""
-    from sparkserve.scheduler.tp_worker import run_worker
+    from sparkserve.scheduler.rank_worker import run_worker
     run_worker(args, rank, parent_pid)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.core.forward_batch import ForwardBatch, ForwardMode, PPProxy
 from sparkserve.core.pool import Pool
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.mirror import ForwardMirror
@@ -93,9 +93,12 @@ class ModelRunner:
         """The final normed hidden state of every row, no LM head: VERIFY asks compute_logits
         only for the rows acceptance reads."""
         if self.mirror is not None:
-            self.mirror.forward(batch)
-        batch.final_hidden = self.model(batch.input_ids, batch.positions, batch)
-        return batch.final_hidden
+            self.mirror.forward(batch, self.model.aux_layer_ids)
+        out = self.model(batch.input_ids, batch.positions, batch)
+        if isinstance(out, PPProxy):          # the first of several pipeline stages
+            out = self.mirror.finish(out, batch, self.model.aux_layer_ids)
+        batch.final_hidden = out
+        return out
 
     def close(self) -> None:
         """Tensor parallel: the other ranks stop, and this one leaves the world."""
@@ -115,5 +118,7 @@ class ModelRunner:
     @torch.inference_mode()
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:
         """After a VERIFY forward: request i keeps the state after its first kept[i] tokens.
-        KV rows need nothing (rejected slots are just freed); recurrent state does."""
+        KV rows need nothing (rejected slots are just freed); recurrent state does, on every rank."""
+        if self.mirror is not None and self.model.has_request_state:
+            self.mirror.commit(kept)
         self.model.commit_verify(batch, kept)

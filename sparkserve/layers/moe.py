@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from sparkserve.distributed import parallel_state as ps
 from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.linear import FusedLinear, Linear
 
@@ -97,18 +98,36 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Stacked routed-expert weights; `activation` as in fused_experts."""
+    """Stacked routed-expert weights; `activation` as in fused_experts. Expert parallel: this
+    rank keeps experts first .. first + local - 1, runs them for every token routed to them (the
+    tokens are on every rank of the group), and the group sums the outputs (all-reduce)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
                  activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden),
+        ep = ps.ep_size()
+        if num_experts % ep:
+            raise ValueError(f"--ep-size {ep}: the model's {num_experts} experts do not split over "
+                             f"{ep} ranks")
+        self.local = num_experts // ep
+        self.first = ps.ep_rank() * self.local
+        self.gate_up_proj = nn.Parameter(torch.empty(self.local, 2 * intermediate, hidden),
                                          requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(self.local, hidden, intermediate), requires_grad=False)
         self.activation = activation
 
+    def local_index(self, expert: int) -> int | None:
+        """Where global expert `expert` sits on this rank, or None when another rank has it."""
+        i = expert - self.first
+        return i if 0 <= i < self.local else None
+
+    def local_shard(self, tensor: torch.Tensor, blocks=None) -> tuple[torch.Tensor, None]:
+        """This rank's experts of a stacked [num_experts, ...] checkpoint tensor."""
+        return tensor[self.first:self.first + self.local], None
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.activation)
+        out = fused_experts(x, weights, ids - self.first, self.gate_up_proj, self.down_proj, self.activation)
+        return ps.all_reduce(out) if ps.ep_size() > 1 else out
 
 
 class SharedExpertMoE(nn.Module):

@@ -12,6 +12,7 @@ from torch import nn
 
 from sparkserve.kernels.blocks import BlockWeight
 from sparkserve.layers.linear import FusedLinear, Linear
+from sparkserve.layers.moe import Experts
 
 _BLOCKS_ATTR = "_sparkserve_blocks"
 
@@ -53,7 +54,7 @@ class WeightLoader:
         if name not in self.params:
             raise ValueError(f"{self.what} tensor {name} has no matching parameter")
         owner = self.modules.get(name.rsplit(".", 1)[0])
-        if isinstance(owner, Linear):          # a tensor-parallel rank keeps its part only
+        if isinstance(owner, (Linear, Experts)):     # a tensor/expert-parallel rank keeps its part only
             tensor, blocks = owner.local_shard(tensor, blocks)
         p = self.params[name]
         if p.shape != tensor.shape:

@@ -37,13 +37,17 @@ class KVPool(Pool):
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, window: int | None = None,
-                 swa_layers: list[int] = (), swa_slots: int = 0, swa_window: int | None = None):
+                 swa_layers: list[int] = (), swa_slots: int = 0, swa_window: int | None = None,
+                 layers: range | None = None):
+        """`layers`: those this pipeline stage owns (the others get only the dummy slot)."""
         self.num_slots = num_slots
         self.window = window
         self.swa_layers = sorted(swa_layers)
         self.swa_slots = swa_slots
         self.swa_window = swa_window if self.swa_layers else None
-        rows = [(swa_slots if i in self.swa_layers else num_slots) + 1 for i in range(num_layers)]
+        owned = range(num_layers) if layers is None else layers
+        rows = [(swa_slots if i in self.swa_layers else num_slots) + 1 if i in owned else 1
+                for i in range(num_layers)]
         self.k = [torch.zeros((n, num_kv_heads, head_dim), dtype=dtype) for n in rows]
         self.v = [torch.zeros((n, num_kv_heads, head_dim), dtype=dtype) for n in rows]
 

@@ -4,14 +4,28 @@ and the defaults of the model contract that hybrid models override (request stat
 pool costs). A model builds `self.model` (a DecoderStack) and its pools."""
 from __future__ import annotations
 
+import re
+from typing import Callable
+
 import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
-from sparkserve.core.forward_batch import ForwardBatch
+from sparkserve.core.forward_batch import ForwardBatch, PPProxy
+from sparkserve.distributed import parallel_state as ps
 from sparkserve.layers.linear import Linear
 from sparkserve.layers.rotary import RotaryEmbedding
 from sparkserve.models.aux_capture import AuxCaptureMixin
+
+
+class PPMissingLayer(nn.Module):
+    """Stands in for what another pipeline stage owns: no weights, never called."""
+
+
+def stage_layer_list(num_layers: int, make: Callable[[int], nn.Module]) -> nn.ModuleList:
+    """Layer i built by `make(i)` when this pipeline stage owns it, a PPMissingLayer otherwise."""
+    owned = ps.stage_layers(num_layers)
+    return nn.ModuleList(make(i) if i in owned else PPMissingLayer() for i in range(num_layers))
 
 
 class DecoderStack(nn.Module):
@@ -30,34 +44,61 @@ class CausalLM(AuxCaptureMixin, nn.Module):
     has_request_state = False
 
     def __init__(self, cfg: ModelConfig, model: nn.Module, lm_head_bias: bool = False):
+        """Under pipeline parallelism a stage keeps its layers only; the first one (the driver's)
+        also the embedding and the LM head, the last one the final norm."""
         super().__init__()
         self.config = cfg
         self.model = model
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=lm_head_bias)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.layer_range = ps.stage_layers(cfg.num_hidden_layers)
+        self.first_stage, self.last_stage = ps.is_first_stage(), ps.is_last_stage()
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=lm_head_bias) if self.first_stage \
+            else PPMissingLayer()
+        if not self.first_stage:
+            self.model.embed_tokens = PPMissingLayer()
+        if not self.last_stage:
+            self.model.norm = PPMissingLayer()
+        self._tie()
         self.init_aux_capture(cfg.num_hidden_layers)
+
+    def _tie(self) -> None:
+        if self.config.tie_word_embeddings and self.first_stage:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def owns(self, name: str) -> bool:
+        """Whether this pipeline stage holds the checkpoint tensor `name`."""
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m:
+            return int(m[1]) in self.layer_range
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
+            return self.first_stage
+        if name.startswith("model.norm."):
+            return self.last_stage
+        return True
 
     def post_materialize(self) -> None:
         """After `to_empty`: re-tie the LM head and refill the rope tables."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self._tie()
         if self.model.rotary is not None:
             self.model.rotary.build()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        """Final normed hidden states [T, d]; taps go to batch.aux_hidden."""
-        x = self.model.embed_tokens(input_ids)
-        if -1 in self.aux_layer_set:
-            batch.aux_hidden.append(x)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                proxy: PPProxy | None = None) -> torch.Tensor | PPProxy:
+        """Final normed hidden states [T, d] on the last pipeline stage, else a PPProxy for the
+        next one (which passes it in as `proxy`); taps go to batch.aux_hidden."""
+        if proxy is None:
+            x = self.model.embed_tokens(input_ids)
+            if -1 in self.aux_layer_set:
+                batch.aux_hidden.append(x)
+        else:
+            x = proxy.hidden
+            batch.aux_hidden[:0] = proxy.aux
         rotary = self.model.rotary
         extra = (rotary.cos_sin(positions),) if rotary is not None else ()
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, *extra, batch)
+        for i in self.layer_range:
+            x = self.model.layers[i](x, *extra, batch)
             if i in self.aux_layer_set:
                 batch.aux_hidden.append(x)
-        return self.model.norm(x)
+        return self.model.norm(x) if self.last_stage else PPProxy(x, batch.aux_hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

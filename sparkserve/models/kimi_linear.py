@@ -24,7 +24,7 @@ from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.hybrid_pool import HybridPool
-from sparkserve.models.causal_lm import CausalLM, DecoderStack
+from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -124,7 +124,7 @@ class KimiLinearModel(DecoderStack):
     def __init__(self, cfg: ModelConfig, a: KimiArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(KimiDecoderLayer(cfg, a, i) for i in range(cfg.num_hidden_layers))
+        self.layers = stage_layer_list(cfg.num_hidden_layers, lambda i: KimiDecoderLayer(cfg, a, i))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -144,11 +144,14 @@ class KimiLinearForCausalLM(CausalLM):
             layer.commit_verify(batch, kept)
 
     # ---- pools ------------------------------------------------------------------------------
+    def _own_layers(self) -> list[KimiDecoderLayer]:
+        return [self.model.layers[i] for i in self.layer_range]
+
     def _kda_layers(self) -> list[KimiDeltaAttention]:
-        return [l.self_attn for l in self.model.layers if isinstance(l.self_attn, KimiDeltaAttention)]
+        return [l.self_attn for l in self._own_layers() if isinstance(l.self_attn, KimiDeltaAttention)]
 
     def _mla_ids(self) -> list[int]:
-        return [i for i, l in enumerate(self.model.layers) if isinstance(l.self_attn, MLAttention)]
+        return [i for i in self.layer_range if isinstance(self.model.layers[i].self_attn, MLAttention)]
 
     def _latent_dim(self) -> int:
         return self.args.kv_lora_rank + self.args.rope_dim
@@ -206,7 +209,9 @@ class KimiLinearForCausalLM(CausalLM):
                 t = t.reshape(-1)
             m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$", name)
             if m:
-                ex, e = modules[m[1]], int(m[2])
+                ex, e = modules[m[1]], modules[m[1]].local_index(int(m[2]))
+                if e is None:
+                    continue                           # another expert-parallel rank's expert
                 I = ex.down_proj.shape[2]
                 if m[3] == "w2":
                     ex.down_proj.data[e].copy_(t)

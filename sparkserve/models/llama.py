@@ -20,7 +20,7 @@ from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.kv_pool import KVPool, split_windows, uniform_window
-from sparkserve.models.causal_lm import CausalLM, DecoderStack
+from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
 
 
 class LlamaAttention(nn.Module):
@@ -85,7 +85,7 @@ class LlamaModel(DecoderStack):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = stage_layer_list(cfg.num_hidden_layers, lambda i: LlamaDecoderLayer(cfg, i))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
@@ -107,7 +107,7 @@ class LlamaForCausalLM(CausalLM):
     def make_pool(self, num_slots: int, num_rows: int, swa_slots: int = 0) -> KVPool:
         c = self.config
         split = split_windows(c.layer_windows) if swa_slots else None
-        return KVPool(num_slots, c.num_hidden_layers, self._kv_heads(), c.head_dim,
+        return KVPool(num_slots, c.num_hidden_layers, self._kv_heads(), c.head_dim, layers=self.layer_range,
                       window=uniform_window(c.layer_windows), swa_layers=split[0] if split else (),
                       swa_slots=swa_slots, swa_window=split[1] if split else None)
 
@@ -116,18 +116,20 @@ class LlamaForCausalLM(CausalLM):
         their own slots (pool_bytes_per_swa_token)."""
         c = self.config
         split = split_windows(c.layer_windows)
-        n = c.num_hidden_layers - (len(split[0]) if split else 0)
+        n = len([i for i in self.layer_range if not split or i not in split[0]])
         return KVPool.bytes_per_token(n, self._kv_heads(), c.head_dim, torch.float32)
 
     def pool_bytes_per_swa_token(self) -> int:
         c = self.config
         split = split_windows(c.layer_windows)
-        return KVPool.bytes_per_token(len(split[0]), self._kv_heads(), c.head_dim,
-                                      torch.float32) if split else 0
+        if not split:
+            return 0
+        n = len([i for i in split[0] if i in self.layer_range])
+        return KVPool.bytes_per_token(n, self._kv_heads(), c.head_dim, torch.float32)
 
     def _kv_heads(self) -> int:
         """KV heads this rank keeps (all of them on one rank)."""
-        return self.model.layers[0].self_attn.hkv
+        return kv_heads_shard(self.config.num_key_value_heads)[2]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.stacked_params)

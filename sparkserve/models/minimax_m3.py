@@ -220,7 +220,6 @@ class MiniMaxM3ForCausalLM(CausalLM):
         return HybridPool.token_bytes([(len(layers), shape, torch.float32)
                                        for _, layers, shape in self._pool_specs()])
 
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.stacked_params)
         for name, tensor in weights:

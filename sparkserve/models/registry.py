@@ -52,7 +52,7 @@ def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = Tru
         from sparkserve.loader.hf import hf_weights
         weights = hf_weights(model_path)
     model.post_materialize()
-    model.load_weights(weights)
+    model.load_weights((name, t) for name, t in weights if model.owns(name))   # a pipeline stage's share
     model = model.eval().requires_grad_(False)
     if pack:
         pack_linears(model)

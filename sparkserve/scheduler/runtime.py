@@ -11,7 +11,7 @@ from sparkserve.args import ServerArgs
 from sparkserve.config import ModelConfig
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.mirror import ForwardMirror
-from sparkserve.distributed.sharding import check_tp
+from sparkserve.distributed.sharding import check_pp, check_tp
 from sparkserve.executor.model_runner import ModelRunner
 from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.mem.cache_manager import KVCacheManager
@@ -97,23 +97,41 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     cfg = load_config(args.model_path)
-    check_tp(cfg, args.tp_size)
+    check_tp(cfg, args.tp_size, args.ep_size)
+    check_pp(cfg, args.pp_size, args.parallel_config().pp_layer_partition)
     if args.parallel_config().world_size > 1:
         ps.init_distributed(args.parallel_config(), rank, args.dist_init_addr, args.dist_timeout)
     return load_model(args.model_path, cfg), cfg
 
 
+def rank_pool_sizes(args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> tuple[int, int]:
+    """(KV slots, windowed-layer slots) that fit this rank's memory budget and every other
+    rank's (each holds its shard or stage, all index the same slots)."""
+    sizes = pool_sizes(args, cfg, model.pool_bytes_per_token(), model.pool_bytes_per_request(),
+                       model.pool_bytes_per_swa_token())
+    num_slots, swa_slots = ps.agree_min(list(sizes))
+    return num_slots, swa_slots
+
+
 def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Scheduler, ModelConfig]:
+    """The driver's scheduler; a failure leaves no process group behind (the Engine's process
+    may build another)."""
+    try:
+        return _build_scheduler(args, tokenizer)
+    except BaseException:
+        ps.destroy()
+        raise
+
+
+def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Scheduler, ModelConfig]:
     model, cfg = load_rank_model(args, rank=0)
     per_token, per_request = model.pool_bytes_per_token(), model.pool_bytes_per_request()
     per_swa_token = model.pool_bytes_per_swa_token()
-    num_slots, swa_slots = pool_sizes(args, cfg, per_token, per_request, per_swa_token)
+    num_slots, swa_slots = rank_pool_sizes(args, cfg, model)
     ctx = context_length(args, cfg)
     num_rows = request_rows(args)
-    mirror = None
-    if args.parallel_config().world_size > 1:      # every rank sizes its pool as the driver does
-        ps.broadcast_object((num_slots, num_rows, swa_slots))
-        mirror = ForwardMirror()
+    multi = args.parallel_config().world_size > 1
+    mirror = ForwardMirror(cfg.num_hidden_layers, cfg.hidden_size) if multi else None
     pool = model.make_pool(num_slots, num_rows, swa_slots)
     no_radix = args.disable_radix_cache or model.has_request_state
     if no_radix and not args.disable_radix_cache:

@@ -12,30 +12,10 @@ import pytest
 import torch
 from conftest import TINY_CONFIGS, assert_no_kv_leak
 from dspark_fixtures import make_oracle_draft
+from parallel_fixtures import COMMON, PROMPTS, assert_same, bigram_of, run_mixed
 from server_harness import free_port
 
 from sparkserve import Engine
-
-COMMON = dict(num_threads=1, chunked_prefill_size=16, max_total_tokens=2048)
-# last: cache hit
-PROMPTS = [list(range(3, 8)), list(range(10, 50)), [7, 3, 9] * 6, list(range(10, 40)) + [5, 6]]
-SP = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "return_logprob": True,
-      "top_logprobs_num": 3}
-
-
-def _run(eng: Engine) -> list[dict]:
-    first = eng.generate(input_ids=PROMPTS[:3], sampling_params=SP)
-    return first + [eng.generate(input_ids=PROMPTS[3], sampling_params=SP)]   # reads prompt 2's prefix
-
-
-def _same(got: list[dict], want: list[dict]) -> None:
-    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
-    for g, w in zip(got, want):
-        lp = torch.tensor([x[0] for x in g["meta_info"]["output_token_logprobs"]])
-        ref = torch.tensor([x[0] for x in w["meta_info"]["output_token_logprobs"]])
-        torch.testing.assert_close(lp, ref, atol=1e-4, rtol=0)
-        assert [[t for t, _ in top] for top in g["meta_info"]["output_top_logprobs"]] == \
-            [[t for t, _ in top] for top in w["meta_info"]["output_top_logprobs"]]
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +32,12 @@ def mqa_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "mqa"])
 def test_two_ranks_equal_one(arch, tiny_dirs, mqa_dir):
     path = mqa_dir if arch == "mqa" else tiny_dirs[arch]
-    want = _run(Engine(path, **COMMON))
+    want = run_mixed(Engine(path, **COMMON))
     with Engine(path, tp_size=2, **COMMON) as eng:
-        got = _run(eng)
+        got = run_mixed(eng)
         assert got[3]["meta_info"]["cached_tokens"] >= 16             # the prefix cache served it
         assert_no_kv_leak(eng.scheduler.cache)
-    _same(got, want)
+    assert_same(got, want)
 
 
 def test_retraction_and_hidden_states_under_tp(llama_dir):
@@ -80,11 +60,7 @@ def test_dspark_under_tp_is_lossless(llama_dir, tmp_path):
     follow the plain answers' bigrams accept some tokens and miss others."""
     sp = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     plain = Engine(llama_dir, **COMMON).generate(input_ids=PROMPTS, sampling_params=sp)
-    bigram = [0] * TINY_CONFIGS["llama"]["vocab_size"]
-    for p, o in zip(PROMPTS, plain):
-        seq = p[-1:] + o["output_ids"]
-        for a, b in zip(seq, seq[1:]):
-            bigram[a] = b
+    bigram = bigram_of(PROMPTS, [o["output_ids"] for o in plain], TINY_CONFIGS["llama"]["vocab_size"])
     draft = make_oracle_draft(llama_dir, str(tmp_path / "draft"), bigram, block_size=4)
     with Engine(llama_dir, tp_size=2, speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
                 **COMMON) as eng:
@@ -102,30 +78,31 @@ def test_two_nodes_on_one_machine(llama_dir):
     node1 = subprocess.Popen([sys.executable, "-m", "sparkserve", "serve", "--node-rank", "1", *flags],
                              env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
     try:
-        want = _run(Engine(llama_dir, **COMMON))
+        want = run_mixed(Engine(llama_dir, **COMMON))
         with Engine(llama_dir, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, **COMMON) as eng:
-            got = _run(eng)
+            got = run_mixed(eng)
         assert node1.wait(60) == 0
     finally:
         node1.kill()
-    _same(got, want)
+    assert_same(got, want)
 
 
-def test_bad_layouts_are_refused(llama_dir, tmp_path):
-    from kimi_fixtures import make_kimi
+def test_bad_layouts_are_refused(llama_dir):
     with pytest.raises(ValueError, match=r"--tp-size 3: the model's 4 attention heads .* use one of 1, 2, 4"):
         Engine(llama_dir, tp_size=3, **COMMON)
-    kimi = make_kimi(str(tmp_path / "kimi"), "kda_mla")
-    with pytest.raises(ValueError, match="--tp-size 2: tensor parallelism is built for .* not KimiLinear"):
-        Engine(kimi, tp_size=2, **COMMON)
     with pytest.raises(ValueError, match="--nnodes 3: the 2 ranks"):
         Engine(llama_dir, tp_size=2, nnodes=3, dist_init_addr="127.0.0.1:1", **COMMON)
     with pytest.raises(ValueError, match="--nnodes > 1 needs --dist-init-addr"):
         Engine(llama_dir, tp_size=2, nnodes=2, **COMMON)
     with pytest.raises(ValueError, match="--node-rank 2: must be in"):
         Engine(llama_dir, tp_size=2, nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:1", **COMMON)
-    with pytest.raises(ValueError, match="--pp-size 2: not built yet"):
-        Engine(llama_dir, pp_size=2, **COMMON)
+    with pytest.raises(ValueError, match="--pp-size 4: the model has only 3 layers"):
+        Engine(llama_dir, pp_size=4, **COMMON)
+    with pytest.raises(ValueError,
+                       match="--pp-layer-partition 1,1: give 2 positive layer counts .* 3 layers"):
+        Engine(llama_dir, pp_size=2, pp_layer_partition=[1, 1], **COMMON)
+    with pytest.raises(ValueError, match="--pp-layer-partition needs one layer count per stage"):
+        Engine(llama_dir, pp_size=2, pp_layer_partition=[3], **COMMON)
 
 
 def test_gguf_blocks_shard(smollm2_path):

@@ -23,6 +23,7 @@ from dspark_fixtures import (
     make_oracle_draft,
     make_random_draft,
 )
+from minimax_fixtures import TINY, VOCAB
 from test_model_logits import Driver
 
 from sparkserve.executor.model_runner import ModelRunner
@@ -30,15 +31,6 @@ from sparkserve.layers import sparse_indexer
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.models.registry import load_config, load_model
 
-VOCAB, BLOCK, TOPK = 256, 4, 3
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, dense_intermediate_size=96,
-            shared_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, index_n_heads=2,
-            index_head_dim=16, index_block_size=BLOCK, index_topk_blocks=TOPK, index_local_blocks=1,
-            layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
-            mlp_layer_types=["dense", "sparse", "sparse"], max_position_embeddings=512,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-            initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 VALUE_FLAGS = [1, 1, 0]     # sparse_disable_index_value: layer 1 K-only, layer 2 with index value
 
 

@@ -1,6 +1,6 @@
-"""`sparkserve serve --tp-size 2`: the OpenAI client gets the single-process engine's tokens; a
-killed rank fails the next request with a 5xx naming the failure and the server exits non-zero
-instead of hanging."""
+"""`sparkserve serve --tp-size 2` and `--pp-size 2`: the OpenAI client gets the single-process
+engine's tokens; a killed rank fails the next request with a 5xx naming the failure and the server
+exits non-zero instead of hanging."""
 from __future__ import annotations
 
 import os
@@ -9,12 +9,12 @@ import time
 
 import httpx
 import openai
+import pytest
 from server_harness import ServerProcess
 
 from sparkserve import Engine
 
-FLAGS = ["--tp-size", "2", "--max-total-tokens", "2048", "--chunked-prefill-size", "16", "--dist-timeout",
-         "20"]
+FLAGS = ["--max-total-tokens", "2048", "--chunked-prefill-size", "16", "--dist-timeout", "20"]
 
 
 def _rank_pids(server_pid: int, scheduler_pid: int) -> list[int]:
@@ -33,8 +33,9 @@ def _rank_pids(server_pid: int, scheduler_pid: int) -> list[int]:
     return out
 
 
-def test_tp_server_serves_and_fails_cleanly(llama_dir):
-    server = ServerProcess("--model-path", llama_dir, *FLAGS)
+@pytest.mark.parametrize("layout", [["--tp-size", "2"], ["--pp-size", "2"]])
+def test_parallel_server_serves_and_fails_cleanly(llama_dir, layout):
+    server = ServerProcess("--model-path", llama_dir, *layout, *FLAGS)
     try:
         prompts = [list(range(3, 9)), list(range(20, 60))]
         want = Engine(llama_dir, num_threads=1, max_total_tokens=2048, chunked_prefill_size=16).generate(
@@ -49,7 +50,7 @@ def test_tp_server_serves_and_fails_cleanly(llama_dir):
                                                     "ignore_eos": True}})
             assert ids.json()["output_ids"] == w["output_ids"]
         info = httpx.get(server.url + "/server_info", timeout=10).json()
-        assert info["tp_size"] == 2
+        assert (info["tp_size"], info["pp_size"]) == ((2, 1) if "--tp-size" in layout else (1, 2))
         ranks = _rank_pids(server.proc.pid, info["scheduler_pid"])
         assert len(ranks) == 1, ranks
         os.kill(ranks[0], signal.SIGKILL)

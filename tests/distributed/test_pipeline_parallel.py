@@ -1,0 +1,75 @@
+"""Pipeline parallelism on torch.distributed (gloo, 1 torch thread per rank): stages of
+contiguous layers give the single-process engine's greedy tokens and logprobs (with TP inside the
+stages too); DSpark captures its taps on every stage — Llama and Kimi-Linear, SGLang's
+"DSPARK aux hidden capture requires PP=1" case — and stays token-identical to plain decoding,
+with retraction forced; return_hidden_states under PP equals the single-process capture."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS, assert_no_kv_leak
+from dspark_fixtures import make_oracle_draft
+from kimi_fixtures import VOCAB as KIMI_VOCAB
+from kimi_fixtures import make_kimi
+from parallel_fixtures import COMMON, PROMPTS, assert_same, bigram_of, run_mixed
+
+from sparkserve import Engine
+
+
+@pytest.mark.parametrize("layout,first", [(dict(pp_size=2), 2), (dict(pp_size=2, pp_layer_partition=[1, 2]),
+                                                                 1),
+                                          (dict(pp_size=3), 1), (dict(pp_size=2, tp_size=2), 2)])
+def test_stages_equal_one_process(layout, first, llama_dir):
+    """The tiny Llama's 3 layers over 2 or 3 stages (the driver keeps the first `first`)."""
+    want = run_mixed(Engine(llama_dir, **COMMON))
+    with Engine(llama_dir, **layout, **COMMON) as eng:
+        got = run_mixed(eng)
+        assert eng.scheduler.runner.model.layer_range == range(0, first)
+        assert_no_kv_leak(eng.scheduler.cache)
+    assert_same(got, want)
+
+
+def _dspark_case(path: str, draft_dir: str, vocab: int, **kw):
+    sp = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    plain = Engine(path, **COMMON).generate(input_ids=PROMPTS, sampling_params=sp)
+    draft = make_oracle_draft(path, draft_dir, bigram_of(PROMPTS, [o["output_ids"] for o in plain], vocab),
+                              block_size=4)
+    args = dict(COMMON, **kw)
+    with Engine(path, pp_size=2, speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
+                **args) as eng:
+        got = eng.generate(input_ids=PROMPTS, sampling_params=sp)
+        hist, retracted = dict(eng.scheduler.accept_hist), eng.scheduler.num_retractions
+    assert [g["output_ids"] for g in got] == [o["output_ids"] for o in plain]
+    assert sum(k * v for k, v in hist.items()) > 0 and hist.get(0, 0) > 0, hist    # accepts and misses
+    return retracted
+
+
+def test_dspark_llama_pp2(llama_dir, tmp_path):
+    _dspark_case(llama_dir, str(tmp_path / "draft"), TINY_CONFIGS["llama"]["vocab_size"])
+
+
+@pytest.mark.parametrize("pool", [2048, 96])
+def test_dspark_kimi_linear_pp2(tmp_path, pool):
+    """Kimi-Linear's KDA state lives on the stage of its layer: after each VERIFY every stage
+    commits its own accepted tokens; a small pool retracts requests on both stages."""
+    path = make_kimi(str(tmp_path / "kimi"), "kda_mla")
+    retracted = _dspark_case(path, str(tmp_path / "draft"), KIMI_VOCAB, max_total_tokens=pool)
+    assert (retracted > 0) == (pool < 2048)
+
+
+def test_hidden_states_under_pp(llama_dir, tmp_path):
+    """Final rows from the last stage, aux taps from both (layers 0 and 1 of stages [0, 1] and
+    [2])."""
+    from dspark_fixtures import make_random_draft
+    draft = make_random_draft(llama_dir, str(tmp_path / "draft"), target_layer_ids=[0, 1])
+    kw = dict(COMMON, disable_radix_cache=True, enable_return_hidden_states=True,
+              speculative_algorithm="DSPARK", speculative_draft_model_path=draft)
+    sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    want = Engine(llama_dir, **kw).generate(input_ids=PROMPTS[:3], sampling_params=sp,
+                                            return_hidden_states=True)
+    with Engine(llama_dir, pp_size=2, **kw) as eng:
+        got = eng.generate(input_ids=PROMPTS[:3], sampling_params=sp, return_hidden_states=True)
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w["output_ids"]
+        for key in ("hidden_states", "aux_hidden_states"):
+            torch.testing.assert_close(g["meta_info"][key], w["meta_info"][key], atol=1e-4, rtol=1e-4)

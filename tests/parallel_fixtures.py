@@ -1,0 +1,39 @@
+"""What the multi-rank tests share: a mixed batch (a prompt longer than the 16-token prefill
+chunk, and a prompt that reads another's prefix from the cache) run on an Engine, and the check
+that two runs gave the same tokens and logprobs."""
+from __future__ import annotations
+
+import torch
+
+COMMON = dict(num_threads=1, chunked_prefill_size=16, max_total_tokens=2048)
+PROMPTS = [list(range(3, 8)), list(range(10, 50)), [7, 3, 9] * 6,
+           list(range(10, 40)) + [5, 6]]                      # the last one: a prefix-cache hit
+SP = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "return_logprob": True,
+      "top_logprobs_num": 3}
+
+
+def run_mixed(eng) -> list[dict]:
+    first = eng.generate(input_ids=PROMPTS[:3], sampling_params=SP)
+    return first + [eng.generate(input_ids=PROMPTS[3], sampling_params=SP)]   # reads prompt 2's prefix
+
+
+def assert_same(got: list[dict], want: list[dict]) -> None:
+    """Same tokens, logprobs within 1e-4, same top-3 ids."""
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    for g, w in zip(got, want):
+        lp = torch.tensor([x[0] for x in g["meta_info"]["output_token_logprobs"]])
+        ref = torch.tensor([x[0] for x in w["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(lp, ref, atol=1e-4, rtol=0)
+        assert [[t for t, _ in top] for top in g["meta_info"]["output_top_logprobs"]] == \
+            [[t for t, _ in top] for top in w["meta_info"]["output_top_logprobs"]]
+
+
+def bigram_of(prompts: list[list[int]], outputs: list[list[int]], vocab: int) -> list[int]:
+    """next-token map that follows the given greedy answers: an oracle draft built on it accepts
+    where the answers repeat their bigrams and misses elsewhere."""
+    bigram = [0] * vocab
+    for p, o in zip(prompts, outputs):
+        seq = p[-1:] + o
+        for a, b in zip(seq, seq[1:]):
+            bigram[a] = b
+    return bigram
