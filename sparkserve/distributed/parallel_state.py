@@ -45,6 +45,9 @@ _state = _State()
 
 def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: float) -> None:
     """Join the world as `rank` and build every group (each rank builds all of them, in order)."""
+    if dist.is_initialized():
+        raise ValueError("this process already drives a parallel engine (--tp-size/--pp-size > 1); "
+                         "shut that one down first (Engine.shutdown())")
     dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=cfg.world_size,
                             timeout=CONTROL_TIMEOUT)
     timeout = datetime.timedelta(seconds=timeout_s)

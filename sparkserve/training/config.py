@@ -82,6 +82,8 @@ class PipelineConfig:
                               "and keeps the best draft in OUT/draft/best (0 = no validation)")
     eval_prompts: int = _h(32, "held-out prompts per set scored by the eval stage")
     eval_max_new_tokens: int = _h(128, "answer length in the eval stage")
+    tp_size: int = _h(1, "the target's tensor-parallel size while distilling, capturing and evaluating")
+    pp_size: int = _h(1, "the target's pipeline-parallel size (stages capture their own taps)")
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"cli": False})
 
 

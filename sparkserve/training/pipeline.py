@@ -115,7 +115,7 @@ def draft_config(cfg: PipelineConfig, target_cfg, tokenizer) -> dict:
 def stage_features(cfg: PipelineConfig, engine) -> None:
     """The feature cache from the rows logged while distilling; by a prefill pass of the target
     over every sequence when that log is missing or incomplete (e.g. other taps)."""
-    from sparkserve.training.feature_cache import RawFeatureLog, build_feature_cache, feature_cache_from_log
+    from sparkserve.training.feature_cache import RawFeatureLog, feature_cache_from_log
     taps = draft_config(cfg, engine.model_config, engine.tokenizer)["target_layer_ids"]
     for part in _parts(cfg):
         out = os.path.join(part, "features")
@@ -127,11 +127,23 @@ def stage_features(cfg: PipelineConfig, engine) -> None:
         seqs = [r["prompt_ids"] + r["output_ids"] for r in rows]
         plens = [len(r["prompt_ids"]) for r in rows]
         log = os.path.join(part, "features.log")
-        if all("feature_rows" in r for r in rows) and RawFeatureLog.usable(log, taps, sum(map(len, seqs))):
-            feature_cache_from_log(log, seqs, plens, taps, out)
-        else:
+        if not (all("feature_rows" in r for r in rows) and RawFeatureLog.usable(log, taps, sum(map(len,
+                                                                                                   seqs)))):
             print(f"features: no complete distillation log in {log}: capturing by prefill")
-            build_feature_cache(engine.scheduler.runner.model, seqs, plens, taps, out)
+            prefill_log(engine, seqs, taps, log)
+        feature_cache_from_log(log, seqs, plens, taps, out)
+
+
+def prefill_log(engine, seqs: list[list[int]], taps: list[int], path: str) -> None:
+    """A distillation log of `seqs` by the engine's prefill-only capture (max_new_tokens 0 with
+    hidden states returns every position's rows), on whatever ranks the target runs."""
+    from sparkserve.training.feature_cache import RawFeatureLog
+    engine.scheduler.runner.model.set_aux_layers(taps)
+    log = RawFeatureLog(path, taps, engine.model_config.hidden_size, 0)
+    for res in engine.generate_many(seqs, {"max_new_tokens": 0}, return_hidden_states=True):
+        meta = res["meta_info"]
+        log.append(meta["aux_hidden_states"][:-1], meta["hidden_states"][:-1])   # as distilled: last row NaN
+    log.close()
 
 
 def stage_train(cfg: PipelineConfig, engine) -> dict:
@@ -210,7 +222,15 @@ def stage_eval(cfg: PipelineConfig) -> dict:
             "humaneval": humaneval_prompts()[:cfg.eval_prompts]}
     best = _path(cfg, "draft", "best")
     draft_dir = best if os.path.exists(os.path.join(best, "config.json")) else _path(cfg, "draft")
-    eng = Engine(cfg.model_path, speculative_algorithm="DSPARK", speculative_draft_model_path=draft_dir)
+    with Engine(cfg.model_path, speculative_algorithm="DSPARK", speculative_draft_model_path=draft_dir,
+                tp_size=cfg.tp_size, pp_size=cfg.pp_size) as eng:
+        res = _eval_sets(cfg, eng, sets, draft_dir)
+    with open(_path(cfg, "eval.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+def _eval_sets(cfg: PipelineConfig, eng, sets: dict, draft_dir: str) -> dict:
     res: dict = {"draft": draft_dir}
     val = _path(cfg, "val", "features")
     if os.path.exists(os.path.join(val, "index.json")):
@@ -226,8 +246,6 @@ def stage_eval(cfg: PipelineConfig) -> dict:
             tokens = cycles + sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs)
             res[f"{name}_T{temp:g}"] = {"tau": tokens / max(cycles, 1), "cycles": cycles,
                                         "prompts": len(prompts), "seconds": time.time() - t}
-    with open(_path(cfg, "eval.json"), "w") as f:
-        json.dump(res, f, indent=1)
     return res
 
 
@@ -250,16 +268,21 @@ def run_pipeline(cfg: PipelineConfig) -> None:
         if cfg.distill_batch < 1:
             raise ValueError(f"--distill-batch must be >= 1, got {cfg.distill_batch}")
         engine = Engine(cfg.model_path, max_total_tokens=cfg.distill_batch * (cfg.max_new_tokens + 2048),
-                        max_running_requests=max(64, cfg.distill_batch),
-                        enable_return_hidden_states=True, disable_radix_cache=True)
-    for s in STAGES:
-        if s not in stages:
-            continue
-        if s == "prompts":
-            stage_prompts(cfg)
-        elif s == "eval":
-            print(json.dumps(stage_eval(cfg), indent=1))
-        else:
-            out = {"distill": stage_distill, "features": stage_features, "train": stage_train}[s](cfg, engine)
-            if out:
-                print(json.dumps(out))
+                        max_running_requests=max(64, cfg.distill_batch), tp_size=cfg.tp_size,
+                        pp_size=cfg.pp_size, enable_return_hidden_states=True, disable_radix_cache=True)
+    try:
+        for s in STAGES:
+            if s not in stages:
+                continue
+            if s == "prompts":
+                stage_prompts(cfg)
+            elif s == "eval":
+                print(json.dumps(stage_eval(cfg), indent=1))
+            else:
+                out = {"distill": stage_distill, "features": stage_features, "train": stage_train}[s](cfg,
+                                                                                                      engine)
+                if out:
+                    print(json.dumps(out))
+    finally:
+        if engine is not None:
+            engine.shutdown()
