@@ -18,17 +18,14 @@ from sparkserve.args import ParallelConfig
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
-def group_ranks(world_size: int, tp_size: int) -> dict[str, list[list[int]]]:
-    """Ranks of every group: a tp group is tp_size consecutive ranks (one pipeline stage); a pp
-    group takes one rank of each stage."""
-    stages = world_size // tp_size
-    return {"tp": [list(range(s * tp_size, (s + 1) * tp_size)) for s in range(stages)],
-            "pp": [list(range(t, world_size, tp_size)) for t in range(tp_size)]}
+def tp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
+    """A tp group is tp_size consecutive ranks: one pipeline stage. (Stage s, tp rank t is
+    global rank s * tp_size + t; pipeline messages go between the same t of neighbouring stages.)"""
+    return [list(range(s * tp_size, (s + 1) * tp_size)) for s in range(world_size // tp_size)]
 
 
 @dataclass
 class _State:
-    rank: int = 0
     world_size: int = 1
     tp_rank: int = 0
     tp_size: int = 1
@@ -51,14 +48,13 @@ def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: 
     dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=cfg.world_size,
                             timeout=CONTROL_TIMEOUT)
     timeout = datetime.timedelta(seconds=timeout_s)
-    groups = group_ranks(cfg.world_size, cfg.tp_size)
     tp_group = None
-    for ranks in groups["tp"]:
+    for ranks in tp_group_ranks(cfg.world_size, cfg.tp_size):
         g = dist.new_group(ranks, timeout=timeout, backend="gloo")
         if rank in ranks:
             tp_group = g
     data_group = dist.new_group(list(range(cfg.world_size)), timeout=timeout, backend="gloo")
-    _state.__init__(rank, cfg.world_size, rank % cfg.tp_size, cfg.tp_size, tp_group, rank // cfg.tp_size,
+    _state.__init__(cfg.world_size, rank % cfg.tp_size, cfg.tp_size, tp_group, rank // cfg.tp_size,
                     cfg.pp_size, cfg.pp_layer_partition, data_group, cfg.ep_size)
 
 
@@ -66,10 +62,6 @@ def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _state.__init__()
-
-
-def rank() -> int:
-    return _state.rank
 
 
 def tp_rank() -> int:
