@@ -6,6 +6,7 @@ both are the single-process values when nothing was initialised."""
 from __future__ import annotations
 
 import datetime
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ class _State:
     pp_layer_partition: tuple[int, ...] | None = None
     data_group: object = None       # every rank, with the collective timeout: pipeline sends
     ep_size: int = 1                # experts split over the tp group (1: every rank has them all)
+    timeout: datetime.timedelta = datetime.timedelta(seconds=300)
 
 
 _state = _State()
@@ -55,7 +57,7 @@ def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: 
             tp_group = g
     data_group = dist.new_group(list(range(cfg.world_size)), timeout=timeout, backend="gloo")
     _state.__init__(cfg.world_size, rank % cfg.tp_size, cfg.tp_size, tp_group, rank // cfg.tp_size,
-                    cfg.pp_size, cfg.pp_layer_partition, data_group, cfg.ep_size)
+                    cfg.pp_size, cfg.pp_layer_partition, data_group, cfg.ep_size, timeout)
 
 
 def destroy() -> None:
@@ -149,7 +151,23 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_object(obj: object = None) -> object:
-    """The driver's `obj` on every rank (the driver passes it, the others receive it)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    """The driver's `obj` on every rank (the driver passes it, the others receive it). The
+    others wait as long as it takes (an idle server sends nothing); the driver gives up after
+    the collective timeout, so a hung rank fails requests instead of hanging them."""
+    driver = dist.get_rank() == 0
+    size = torch.zeros(1, dtype=torch.long)
+    if driver:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size[0] = data.numel()
+    _wait(dist.broadcast(size, 0, async_op=True), driver)
+    if not driver:
+        data = torch.empty(int(size[0]), dtype=torch.uint8)
+    _wait(dist.broadcast(data, 0, async_op=True), driver)
+    return obj if driver else pickle.loads(data.numpy().tobytes())
+
+
+def _wait(work, bounded: bool) -> None:
+    if bounded:
+        work.wait(_state.timeout)
+    else:
+        work.wait()

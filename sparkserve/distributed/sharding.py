@@ -43,17 +43,10 @@ def check_tp(cfg: ModelConfig, tp: int, ep: int = 1) -> None:
         raise ValueError(f"--tp-size {tp}: the MLP width {inter} does not split over {tp} ranks")
 
 
-PP_ARCHITECTURES = TP_ARCHITECTURES + ("KimiLinearForCausalLM",)
-
-
 def check_pp(cfg: ModelConfig, pp: int, partition: tuple[int, ...] | None) -> None:
-    """Start-up check of --pp-size / --pp-layer-partition against the model."""
-    if pp == 1:
-        return
-    if cfg.architecture not in PP_ARCHITECTURES:
-        raise ValueError(f"--pp-size {pp}: pipeline parallelism is built for {', '.join(PP_ARCHITECTURES)} "
-                         f"so far, not {cfg.architecture}; run it with --pp-size 1")
-    ps.layer_partition(cfg.num_hidden_layers, pp, partition)
+    """Start-up check of --pp-size / --pp-layer-partition against the model's layers."""
+    if pp > 1:
+        ps.layer_partition(cfg.num_hidden_layers, pp, partition)
 
 
 def heads_shard(num_heads: int) -> tuple[int, int, int]:

@@ -51,6 +51,9 @@ def stop_worker_ranks(procs: list[mp.Process], timeout: float = 10.0) -> None:
         if p.is_alive():
             p.terminate()
             p.join(5)
+        if p.is_alive():                 # a stopped (hung) process does not act on SIGTERM
+            p.kill()
+            p.join(5)
 
 
 def serve_worker_node(args: ServerArgs) -> int:

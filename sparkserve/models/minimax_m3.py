@@ -29,7 +29,7 @@ from sparkserve.layers.sparse_attention import BlockSparseAttention
 from sparkserve.layers.sparse_indexer import LightningIndexer
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.hybrid_pool import HybridPool
-from sparkserve.models.causal_lm import CausalLM, DecoderStack
+from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
 
 
 @dataclass
@@ -183,7 +183,7 @@ class M3Model(DecoderStack):
     def __init__(self, cfg: ModelConfig, spec: M3Spec):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(M3DecoderLayer(cfg, spec, i) for i in range(cfg.num_hidden_layers))
+        self.layers = stage_layer_list(cfg.num_hidden_layers, lambda i: M3DecoderLayer(cfg, spec, i))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
@@ -203,7 +203,7 @@ class MiniMaxM3ForCausalLM(CausalLM):
     # on sparse layers with the value path; all token_page at the same slots.
     def _pool_specs(self) -> list[tuple[str, list[int], tuple[int, ...]]]:
         c, s = self.config, self.spec
-        every = list(range(c.num_hidden_layers))
+        every = list(self.layer_range)            # this pipeline stage's layers
         specs = [("k", every, (c.num_key_value_heads, c.head_dim)), ("v", every, (c.num_key_value_heads,
                                                                                   c.head_dim)),
                  ("index_k", [i for i in every if s.sparse[i]], (s.index_head_dim,)),

@@ -1,6 +1,6 @@
 """`sparkserve serve --tp-size 2` and `--pp-size 2`: the OpenAI client gets the single-process
-engine's tokens; a killed rank fails the next request with a 5xx naming the failure and the server
-exits non-zero instead of hanging."""
+engine's tokens; a killed or hung rank fails the next request with a 5xx naming the failure and
+the server exits non-zero instead of hanging."""
 from __future__ import annotations
 
 import os
@@ -33,8 +33,11 @@ def _rank_pids(server_pid: int, scheduler_pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("layout", [["--tp-size", "2"], ["--pp-size", "2"]])
-def test_parallel_server_serves_and_fails_cleanly(llama_dir, layout):
+@pytest.mark.parametrize("layout,sig", [(["--tp-size", "2"], signal.SIGKILL), (["--pp-size", "2"],
+                                                                               signal.SIGKILL),
+                                        (["--tp-size", "2"], signal.SIGSTOP)])
+def test_parallel_server_serves_and_fails_cleanly(llama_dir, layout, sig):
+    """SIGKILL: a dead rank; SIGSTOP: a hung one, found by the --dist-timeout of 20 s."""
     server = ServerProcess("--model-path", llama_dir, *layout, *FLAGS)
     try:
         prompts = [list(range(3, 9)), list(range(20, 60))]
@@ -53,7 +56,7 @@ def test_parallel_server_serves_and_fails_cleanly(llama_dir, layout):
         assert (info["tp_size"], info["pp_size"]) == ((2, 1) if "--tp-size" in layout else (1, 2))
         ranks = _rank_pids(server.proc.pid, info["scheduler_pid"])
         assert len(ranks) == 1, ranks
-        os.kill(ranks[0], signal.SIGKILL)
+        os.kill(ranks[0], sig)
         time.sleep(0.5)
         r = httpx.post(server.url + "/generate", timeout=60, json={
             "input_ids": prompts[0], "sampling_params": {"max_new_tokens": 4}})
