@@ -30,8 +30,8 @@ def recv_proxy(num_tokens: int, hidden_size: int, num_aux: int, src: int) -> PPP
 
 
 class ForwardMirror:
-    def __init__(self, num_layers: int, hidden_size: int):
-        self.num_layers, self.hidden_size = num_layers, hidden_size
+    def __init__(self, hidden_size: int):
+        self.hidden_size = hidden_size
 
     def forward(self, batch: ForwardBatch, aux_ids: list[int]) -> None:
         ps.broadcast_object(("forward", batch.wire(), list(aux_ids)))

@@ -1,6 +1,6 @@
-"""The processes of the ranks other than the driver (tensor parallel): started by the offline
-Engine or by `sparkserve serve` on node 0 (whose scheduler process is the driver, rank 0), or,
-on a node above 0, they are all that `sparkserve serve` runs there."""
+"""The processes of the ranks other than the driver (tensor, pipeline, expert parallel): started
+by the offline Engine or by `sparkserve serve` on node 0 (whose scheduler process is the driver,
+rank 0), or, on a node above 0, they are all that `sparkserve serve` runs there."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +15,7 @@ log = logging.getLogger("sparkserve.server")
 
 
 def _worker_main(args: ServerArgs, rank: int, parent_pid: int) -> None:
-    """A spawned tensor-parallel rank's entry (torch imported there, not here)."""
+    """A spawned rank's entry (torch imported there, not here)."""
     from sparkserve.scheduler.rank_worker import run_worker
     run_worker(args, rank, parent_pid)
 

@@ -131,7 +131,7 @@ def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Sch
     ctx = context_length(args, cfg)
     num_rows = request_rows(args)
     multi = args.parallel_config().world_size > 1
-    mirror = ForwardMirror(cfg.num_hidden_layers, cfg.hidden_size) if multi else None
+    mirror = ForwardMirror(cfg.hidden_size) if multi else None
     pool = model.make_pool(num_slots, num_rows, swa_slots)
     no_radix = args.disable_radix_cache or model.has_request_state
     if no_radix and not args.disable_radix_cache:
