@@ -44,14 +44,16 @@ class CausalLM(AuxCaptureMixin, nn.Module):
     has_request_state = False
 
     def __init__(self, cfg: ModelConfig, model: nn.Module, lm_head_bias: bool = False):
-        """Under pipeline parallelism a stage keeps its layers only; the first one (the driver's)
-        also the embedding and the LM head, the last one the final norm."""
+        """Under pipeline parallelism a stage keeps its layers only, the first one also the
+        embedding, the last one the final norm. Only the driver (rank 0) computes logits, so only
+        it keeps the LM head."""
         super().__init__()
         self.config = cfg
         self.model = model
         self.layer_range = ps.stage_layers(cfg.num_hidden_layers)
         self.first_stage, self.last_stage = ps.is_first_stage(), ps.is_last_stage()
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=lm_head_bias) if self.first_stage \
+        self.has_lm_head = self.first_stage and ps.tp_rank() == 0
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=lm_head_bias) if self.has_lm_head \
             else PPMissingLayer()
         if not self.first_stage:
             self.model.embed_tokens = PPMissingLayer()
@@ -61,7 +63,7 @@ class CausalLM(AuxCaptureMixin, nn.Module):
         self.init_aux_capture(cfg.num_hidden_layers)
 
     def _tie(self) -> None:
-        if self.config.tie_word_embeddings and self.first_stage:
+        if self.config.tie_word_embeddings and self.has_lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def owns(self, name: str) -> bool:
@@ -69,7 +71,9 @@ class CausalLM(AuxCaptureMixin, nn.Module):
         m = re.match(r"model\.layers\.(\d+)\.", name)
         if m:
             return int(m[1]) in self.layer_range
-        if name.startswith(("model.embed_tokens.", "lm_head.")):
+        if name.startswith("lm_head."):
+            return self.has_lm_head
+        if name.startswith("model.embed_tokens."):
             return self.first_stage
         if name.startswith("model.norm."):
             return self.last_stage
