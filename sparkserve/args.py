@@ -104,6 +104,11 @@ class ServerArgs:
     pp_size: int = field(default=1, metadata=_opt("pipeline parallel size (stages of contiguous layers)"))
     pp_layer_partition: list[int] | None = field(default=None, metadata=_opt(
         "comma-separated layer counts per pipeline stage (default: as even as they split)"))
+    pp_micro_batches: int = field(default=0, metadata=_opt(
+        "micro-batches a pipeline step splits its requests into, so the stages overlap (0: one per stage)"))
+    pp_micro_batch_min_tokens: int = field(default=64, metadata=_opt(
+        "fewest tokens a pipeline micro-batch keeps; smaller steps run whole (a step of few tokens is bound "
+        "by reading the stage's weights, which every micro-batch reads again)"))
     ep_size: int = field(default=1, metadata=_opt(
         "expert parallel size: MoE models' routed experts split over each tensor-parallel group (1 or "
         "--tp-size)"))
@@ -164,6 +169,10 @@ class ServerArgs:
     def _validate_parallel(self, need) -> None:
         need(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")
         need(self.pp_size >= 1, f"--pp-size must be >= 1, got {self.pp_size}")
+        need(self.pp_micro_batch_min_tokens >= 1, f"--pp-micro-batch-min-tokens must be >= 1, got "
+                                                  f"{self.pp_micro_batch_min_tokens}")
+        need(self.pp_micro_batches >= 0, f"--pp-micro-batches must be >= 0 (0: one per stage), got "
+                                         f"{self.pp_micro_batches}")
         need(self.dp_size == 1, f"--dp-size {self.dp_size}: not built yet; run with --dp-size 1")
         need(self.ep_size in (1, self.tp_size),
              f"--ep-size {self.ep_size}: experts split over a tensor-parallel group; use 1 or --tp-size "

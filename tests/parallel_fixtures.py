@@ -24,8 +24,8 @@ def assert_same(got: list[dict], want: list[dict]) -> None:
         lp = torch.tensor([x[0] for x in g["meta_info"]["output_token_logprobs"]])
         ref = torch.tensor([x[0] for x in w["meta_info"]["output_token_logprobs"]])
         torch.testing.assert_close(lp, ref, atol=1e-4, rtol=0)
-        assert [[t for t, _ in top] for top in g["meta_info"]["output_top_logprobs"]] == \
-            [[t for t, _ in top] for top in w["meta_info"]["output_top_logprobs"]]
+        assert [[t for _, t in top] for top in g["meta_info"]["output_top_logprobs"]] == \
+            [[t for _, t in top] for top in w["meta_info"]["output_top_logprobs"]]
 
 
 def bigram_of(prompts: list[list[int]], outputs: list[list[int]], vocab: int) -> list[int]:
@@ -37,3 +37,16 @@ def bigram_of(prompts: list[list[int]], outputs: list[list[int]], vocab: int) ->
         for a, b in zip(seq, seq[1:]):
             bigram[a] = b
     return bigram
+
+
+def make_tp3_llama(path: str, tied: bool) -> str:
+    """A tiny Llama that splits over 3 ranks (6 heads, 3 KV heads, 96 MLP channels, hidden 96)
+    with the conftest vocab of 320: 3 ranks pad it to 321, so the last one keeps one zero row."""
+    from conftest import TINY_CONFIGS
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(7)
+    cfg = AutoConfig.for_model("llama", **dict(TINY_CONFIGS["llama"], hidden_size=96, num_attention_heads=6,
+                                               num_key_value_heads=3, intermediate_size=96,
+                                               tie_word_embeddings=tied))
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return path

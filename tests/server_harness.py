@@ -72,6 +72,21 @@ class ServerProcess:
         with open(self.log.name, errors="replace") as f:
             return f.read()[-n:]
 
+    def rank_pids(self, scheduler_pid: int) -> list[int]:
+        """The server's spawned children other than the scheduler (rank 0): the worker ranks."""
+        out = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if ppid == self.proc.pid and int(pid) != scheduler_pid and b"spawn_main" in cmd:
+                out.append(int(pid))
+        return out
+
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
 

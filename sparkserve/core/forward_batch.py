@@ -17,7 +17,7 @@ class ForwardMode(enum.Enum):
     VERIFY = "verify"      # target scores anchor + draft tokens
 
 
-_RANK_LOCAL = ("kv_pool", "aux_hidden", "final_hidden", "_meta")
+_RANK_LOCAL = ("kv_pool", "aux_hidden", "final_hidden", "micro_batches", "_meta")
 
 
 @dataclass
@@ -51,11 +51,33 @@ class ForwardBatch:
     swa_kv_start: int = 0
     aux_hidden: list[torch.Tensor] = field(default_factory=list)
     final_hidden: torch.Tensor | None = None  # [T, d] final normed hidden (ModelRunner.hidden_states)
+    # Pipeline parallel: the (first request, end, part) micro-batches the stages ran this batch as;
+    # a VERIFY commits each part with its own requests' kept lengths.
+    micro_batches: list[tuple[int, int, ForwardBatch]] = field(default_factory=list)
     _meta: dict = field(default_factory=dict)
 
     def wire(self) -> dict:
         """What another rank needs to run the same forward on its own pool (tensor parallel)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _RANK_LOCAL}
+
+    def select(self, lo: int, hi: int) -> ForwardBatch:
+        """Requests lo..hi-1 as a batch of their own (a pipeline micro-batch): the same pool and
+        slots, the key columns cut to its longest request; no logits rows (the caller picks those
+        from the whole batch)."""
+        a, b = sum(self.extend_lens[:lo]), sum(self.extend_lens[:hi])
+        seq = self.seq_lens[lo:hi]
+        swa = {}
+        if self.swa_kv_indices is not None:
+            swa = dict(swa_out_cache_loc=self.swa_out_cache_loc[a:b], swa_kv_start=self.swa_kv_start,
+                       swa_kv_indices=self.swa_kv_indices[lo:hi, :max(seq) - self.swa_kv_start])
+        return ForwardBatch(self.mode, self.input_ids[a:b], self.positions[a:b], self.out_cache_loc[a:b],
+                            self.extend_lens[lo:hi], seq, self.kv_indices[lo:hi, :max(seq) - self.kv_start],
+                            self.kv_pool, req_rows=None if self.req_rows is None else self.req_rows[lo:hi],
+                            kv_start=self.kv_start, **swa)
+
+    def parts(self) -> list[tuple[int, int, ForwardBatch]]:
+        """The micro-batches this batch ran as, or the batch itself as its only part."""
+        return self.micro_batches or [(0, self.batch_size, self)]
 
     @property
     def batch_size(self) -> int:

@@ -2,7 +2,8 @@
 --tp-size, --pp-size, --nnodes, --node-rank, --dist-init-addr), on torch.distributed: gloo on
 CPU. One process per rank; global rank 0 is the driver (it schedules), the others mirror its
 forwards. Layers ask `tp_rank()` / `tp_size()` while they are built and `all_reduce` in forward;
-both are the single-process values when nothing was initialised."""
+both are the single-process values when nothing was initialised. `tp_broadcast` / `tp_gather`
+carry the LM head's input rows out from the driver and its vocab slices back."""
 from __future__ import annotations
 
 import datetime
@@ -37,6 +38,7 @@ class _State:
     data_group: object = None       # every rank, with the collective timeout: pipeline sends
     ep_size: int = 1                # experts split over the tp group (1: every rank has them all)
     timeout: datetime.timedelta = datetime.timedelta(seconds=300)
+    sent_bytes: int = 0             # payload this rank put into collectives and sends (benchmarks)
 
 
 _state = _State()
@@ -124,14 +126,28 @@ def stage_peer(stage: int) -> int:
     return stage * _state.tp_size + _state.tp_rank
 
 
-def send(x: torch.Tensor, dst: int) -> None:
-    dist.send(x.contiguous(), dst, group=_state.data_group)
+class PendingSend:
+    """A send in flight (a pipeline stage goes on with its next micro-batch meanwhile); it keeps
+    the tensor alive until `wait`."""
+
+    def __init__(self, x: torch.Tensor, dst: int):
+        self.x = x.contiguous()
+        _state.sent_bytes += self.x.numel() * self.x.element_size()
+        self.work = dist.isend(self.x, dst, group=_state.data_group)
+
+    def wait(self) -> None:
+        self.work.wait(_state.timeout)
 
 
 def recv(shape: tuple[int, ...], src: int) -> torch.Tensor:
     x = torch.empty(shape)
     dist.recv(x, src, group=_state.data_group)
     return x
+
+
+def sent_bytes() -> int:
+    """Payload bytes this rank has put into collectives and pipeline sends since it joined."""
+    return _state.sent_bytes
 
 
 def agree_min(values: list[int]) -> list[int]:
@@ -146,8 +162,35 @@ def agree_min(values: list[int]) -> list[int]:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the tensor-parallel group, in place; nothing to do on one rank."""
     if _state.tp_size > 1:
+        _state.sent_bytes += x.numel() * x.element_size()
         dist.all_reduce(x, group=_state.tp_group)
     return x
+
+
+def tp_broadcast(x: torch.Tensor) -> torch.Tensor:
+    """The tp group's rank 0's `x` on every rank of the group (the others pass a tensor of the
+    same shape to receive into; in place). The driver hands its stage-0 peers the rows to run
+    the LM head on (under pipeline parallel they do not have the final hidden rows)."""
+    if _state.tp_size > 1:
+        if _state.tp_rank == 0:
+            _state.sent_bytes += x.numel() * x.element_size()
+        src = _state.pp_rank * _state.tp_size
+        dist.broadcast(x, src, group=_state.tp_group, async_op=True).wait(_state.timeout)
+    return x
+
+
+def tp_gather(x: torch.Tensor) -> torch.Tensor | None:
+    """Every tp rank's `x` (all of one shape) concatenated along the last dimension in tp-rank
+    order, on the group's rank 0; None on the others (the LM head's vocab slices)."""
+    if _state.tp_size == 1:
+        return x
+    x = x.contiguous()
+    dst = _state.pp_rank * _state.tp_size
+    parts = [torch.empty_like(x) for _ in range(_state.tp_size)] if _state.tp_rank == 0 else None
+    if _state.tp_rank != 0:
+        _state.sent_bytes += x.numel() * x.element_size()
+    dist.gather(x, parts, dst, group=_state.tp_group, async_op=True).wait(_state.timeout)
+    return None if parts is None else torch.cat(parts, -1)
 
 
 def broadcast_object(obj: object = None) -> object:
@@ -159,6 +202,7 @@ def broadcast_object(obj: object = None) -> object:
     if driver:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size[0] = data.numel()
+        _state.sent_bytes += data.numel()
     _wait(dist.broadcast(size, 0, async_op=True), driver)
     if not driver:
         data = torch.empty(int(size[0]), dtype=torch.uint8)

@@ -1,46 +1,60 @@
-"""How a model's dimensions split over the tensor-parallel ranks, written once: attention heads
-and MLP width divide by --tp-size; KV heads divide too, or are replicated when there are fewer
-of them than ranks (rank r keeps KV head r * kv_heads // tp). MoE models (Kimi-Linear,
-MiniMax-M3) split their routed experts over the group (--ep-size = --tp-size) and replicate the
-rest."""
+"""How a model's dimensions split over the tensor-parallel ranks, written once: query heads (MLA,
+KDA and full attention alike) and MLP widths divide by --tp-size; KV heads and MiniMax-M3's index
+heads divide too, or are replicated when there are fewer of them than ranks (rank r keeps head
+r * heads // tp); routed experts divide by --ep-size, which MoE models set to --tp-size; the
+vocabulary (embedding and LM head rows) is padded up to a multiple of --tp-size and split, so any
+vocab size splits. Each model lists its dimensions (`tp_dims`) and `check_tp` refuses, at start-up,
+what does not split."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
 
 from sparkserve.config import ModelConfig
 from sparkserve.distributed import parallel_state as ps
 
-TP_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-MOE_ARCHITECTURES = ("KimiLinearForCausalLM", "MiniMaxM3VLForCausalLM")
+
+@dataclass(frozen=True)
+class Dim:
+    """A dimension a model splits: `what` names it in errors (plural), `size` is its count;
+    `serves` (the query heads they serve) marks KV-like heads, replicated when fewer than the ranks;
+    `flag` is the flag that splits it."""
+    what: str
+    size: int
+    serves: int = 0
+    flag: str = "--tp-size"
 
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def check_tp(cfg: ModelConfig, tp: int, ep: int = 1) -> None:
-    """Start-up check of --tp-size / --ep-size against the model, naming the flags and the
-    sizes that work."""
-    if ep > 1 and cfg.architecture not in MOE_ARCHITECTURES:
+def _check_dim(d: Dim, parts: int) -> None:
+    n = d.size
+    if not d.serves and n % parts:
+        raise ValueError(f"{d.flag} {parts}: the model's {n} {d.what} do not split over {parts} ranks; "
+                         f"use one of {_divisors(n)}")
+    if d.serves and n % parts and parts % n:
+        ok = ", ".join(str(s) for s in range(1, d.serves + 1)
+                       if d.serves % s == 0 and (n % s == 0 or s % n == 0))
+        raise ValueError(f"{d.flag} {parts}: the model's {n} {d.what} neither split over {parts} ranks nor "
+                         f"replicate evenly onto them; use one of {ok}")
+
+
+def check_tp(cfg: ModelConfig, tp: int, ep: int, dims: list[Dim]) -> None:
+    """Start-up check of --tp-size / --ep-size against the model's `dims`, naming the flags and
+    the sizes that work. Experts are checked first (a MoE model splits them with its heads)."""
+    has_experts = any(d.flag == "--ep-size" for d in dims)
+    if ep > 1 and not has_experts:
         raise ValueError(f"--ep-size {ep}: {cfg.architecture} has no experts to split; run with --ep-size 1")
     if tp == 1:
         return
-    if cfg.architecture in MOE_ARCHITECTURES:
-        if ep != tp:
-            raise ValueError(f"--tp-size {tp}: {cfg.architecture} splits its experts over the ranks "
-                             f"(--ep-size {tp}) and replicates its attention on them; give --ep-size {tp}")
-        return
-    if cfg.architecture not in TP_ARCHITECTURES:
-        raise ValueError(f"--tp-size {tp}: tensor parallelism is built for {', '.join(TP_ARCHITECTURES)} "
-                         f"so far, not {cfg.architecture}; run it with --tp-size 1")
-    h, hkv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
-    if h % tp:
-        raise ValueError(f"--tp-size {tp}: the model's {h} attention heads do not split over {tp} ranks; "
-                         f"use one of {_divisors(h)}")
-    if hkv % tp and tp % hkv:
-        raise ValueError(f"--tp-size {tp}: the model's {hkv} KV heads neither split over {tp} ranks nor "
-                         f"replicate evenly onto them; use one of {_divisors(h)} that {hkv} divides or "
-                         "that divides it")
-    if inter % tp:
-        raise ValueError(f"--tp-size {tp}: the MLP width {inter} does not split over {tp} ranks")
+    if has_experts and ep != tp:
+        raise ValueError(f"--tp-size {tp}: {cfg.architecture} splits its experts over the ranks "
+                         f"(--ep-size {tp}) as it splits its heads; give --ep-size {tp}")
+    for d in sorted(dims, key=lambda d: d.flag != "--ep-size"):
+        _check_dim(d, ep if d.flag == "--ep-size" else tp)
 
 
 def check_pp(cfg: ModelConfig, pp: int, partition: tuple[int, ...] | None) -> None:
@@ -64,6 +78,38 @@ def kv_heads_shard(num_kv_heads: int) -> tuple[int, int, int]:
     return r * num_kv_heads // tp, num_kv_heads, 1
 
 
+def leads_replica(num_kv_heads: int) -> bool:
+    """Whether this rank is the first of those that share its replicated KV-like head (always
+    true when the heads split): a sum over the group counts each head once through these."""
+    tp = ps.tp_size()
+    return num_kv_heads >= tp or ps.tp_rank() % (tp // num_kv_heads) == 0
+
+
 def width_shard(width: int) -> tuple[int, int, int]:
     tp = ps.tp_size()
     return ps.tp_rank(), tp, width // tp
+
+
+def vocab_shard(vocab_size: int) -> tuple[int, int, int]:
+    """(first row, rows, real rows) of this rank's slice of the vocabulary: padded up to Vp, a
+    multiple of the tp size, rank r keeps rows [r * Vp / tp, (r + 1) * Vp / tp); the rows past
+    vocab_size (`rows - real` of them, on the last ranks) are padding: zero, never sampled."""
+    tp = ps.tp_size()
+    rows = -(-vocab_size // tp)
+    start = ps.tp_rank() * rows
+    return start, rows, max(0, min(rows, vocab_size - start))
+
+
+def experts_shard(num_experts: int) -> tuple[int, int]:
+    """(first expert, experts per rank) of this rank's routed experts."""
+    local = num_experts // ps.ep_size()
+    return ps.ep_rank() * local, local
+
+
+def shard_rows(n: int, index: int, parts: int, stacks: int = 1) -> torch.Tensor:
+    """Row ids of part `index` of `parts` of each of `stacks` equal blocks of n rows (one block
+    per stacked projection, e.g. q|k|v conv weights or a gate|up weight stored as one tensor)."""
+    block = n // stacks
+    per = block // parts
+    return torch.cat([torch.arange(s * block + index * per, s * block + (index + 1) * per)
+                      for s in range(stacks)])

@@ -240,5 +240,5 @@ class Engine:
                                              req.spec_accept_token_num))
         if req.params.return_logprob:
             meta["output_token_logprobs"] = [(lp, t) for lp, t in zip(req.output_logprobs, req.output_ids)]
-            meta["output_top_logprobs"] = req.output_top_logprobs
+            meta["output_top_logprobs"] = [[(lp, t) for t, lp in top] for top in req.output_top_logprobs]
         return meta

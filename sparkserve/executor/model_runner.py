@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sparkserve.core.forward_batch import ForwardBatch, ForwardMode, PPProxy
+from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
 from sparkserve.core.pool import Pool
 from sparkserve.distributed import parallel_state as ps
-from sparkserve.distributed.mirror import ForwardMirror
+from sparkserve.distributed.mirror import ForwardMirror, commit_parts
 from sparkserve.models.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
@@ -92,11 +92,10 @@ class ModelRunner:
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         """The final normed hidden state of every row, no LM head: VERIFY asks compute_logits
         only for the rows acceptance reads."""
-        if self.mirror is not None:
-            self.mirror.forward(batch, self.model.aux_layer_ids)
-        out = self.model(batch.input_ids, batch.positions, batch)
-        if isinstance(out, PPProxy):          # the first of several pipeline stages
-            out = self.mirror.finish(out, batch, self.model.aux_layer_ids)
+        if self.mirror is None:
+            out = self.model(batch.input_ids, batch.positions, batch)
+        else:
+            out = self.mirror.run(self.model, batch, self.model.aux_layer_ids)
         batch.final_hidden = out
         return out
 
@@ -113,7 +112,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
+        """[rows, vocab] fp32 logits of final hidden rows; under tensor parallelism the first
+        stage's tp ranks compute them together (each its vocab slice: ForwardMirror.logits)."""
+        if self.mirror is None or not self.model.vocab_sharded:
+            return self.model.compute_logits(hidden)
+        if hidden.shape[0] == 0:
+            return hidden.new_zeros(0, self.model.config.vocab_size)
+        return self.mirror.logits(self.model.compute_logits, hidden)
 
     @torch.inference_mode()
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:
@@ -121,4 +126,4 @@ class ModelRunner:
         KV rows need nothing (rejected slots are just freed); recurrent state does, on every rank."""
         if self.mirror is not None and self.model.has_request_state:
             self.mirror.commit(kept)
-        self.model.commit_verify(batch, kept)
+        commit_parts(self.model.commit_verify, batch, kept)

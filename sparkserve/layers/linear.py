@@ -16,7 +16,9 @@ from torch import nn
 
 from sparkserve import kernels
 from sparkserve.distributed import parallel_state as ps
+from sparkserve.distributed.sharding import shard_rows
 from sparkserve.kernels import BlockWeight
+from sparkserve.layers.sharded import Sharded
 
 # Most rows that go to the block kernel rather than oneDNN fp32 (the kernel does the same fp32
 # FMAs plus the block expansion; oneDNN reads 4-6x more bytes). From 8 rows the kernel expands each
@@ -35,7 +37,7 @@ def _mkldnn_ok() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-class Linear(nn.Module):
+class Linear(Sharded):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -67,11 +69,6 @@ class Linear(nn.Module):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
             self._packed_version = _version(self.weight)   # like the blocks: stale once trained
 
-    def local_shard(self, tensor: torch.Tensor, blocks: BlockWeight | None
-                    ) -> tuple[torch.Tensor, BlockWeight | None]:
-        """This rank's part of a checkpoint tensor (and its blocks): all of it unless sharded."""
-        return tensor, blocks
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
@@ -92,23 +89,47 @@ class Linear(nn.Module):
 class RowParallelLinear(Linear):
     """in_features split over the tensor-parallel ranks: each multiplies its slice of the input
     by its slice of the columns, the partial outputs are summed (all-reduce), and the bias is
-    added once, after the sum."""
+    added once, after the sum. `part` (index, parts): which slice, when not the rank's tp slice
+    (replicated heads); `reduce=False` returns the partial output, for a caller that sums several
+    partials with one all-reduce (attention + index value, routed + shared experts)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        self.tp_rank, self.tp_size = ps.tp_rank(), ps.tp_size()
-        super().__init__(in_features // self.tp_size, out_features, bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 part: tuple[int, int] | None = None, reduce: bool = True):
+        self.index, self.parts = part or (ps.tp_rank(), ps.tp_size())
+        self.reduce = reduce and ps.tp_size() > 1
+        if bias and not reduce and ps.tp_size() > 1:
+            raise ValueError("a RowParallelLinear that leaves the sum to its caller takes no bias")
+        super().__init__(in_features // self.parts, out_features, bias)
 
     def local_shard(self, tensor, blocks):
-        if self.tp_size == 1 or tensor.dim() == 1:
+        if self.parts == 1 or tensor.dim() == 1:
             return tensor, blocks
-        k0, k1 = self.tp_rank * self.in_features, (self.tp_rank + 1) * self.in_features
+        k0, k1 = self.index * self.in_features, (self.index + 1) * self.in_features
         return tensor[:, k0:k1], None if blocks is None else blocks.cols(k0, k1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if not self.reduce:
             return self._matmul(x, self.bias)
         y = ps.all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias
+
+
+class ColumnParallelLinear(Linear):
+    """out_features split over the tensor-parallel ranks (heads, MLP width): this rank keeps part
+    `index` of `parts` of the checkpoint's rows, of each of `stacks` equal row blocks when one
+    tensor stacks several projections (gate|up), so its output is its slice of the full one."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 part: tuple[int, int] | None = None, stacks: int = 1):
+        self.index, self.parts = part or (ps.tp_rank(), ps.tp_size())
+        self.stacks = stacks
+        super().__init__(in_features, out_features // self.parts, bias)
+
+    def local_shard(self, tensor, blocks):
+        if self.parts == 1:
+            return tensor, blocks
+        rows = shard_rows(tensor.shape[0], self.index, self.parts, self.stacks)
+        return tensor[rows], None if blocks is None else blocks.rows(rows)
 
 
 class FusedLinear(Linear):

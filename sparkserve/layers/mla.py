@@ -10,24 +10,35 @@ attended latent back per head. Nothing is expanded per cached token, in prefill 
 
 Positions: Kimi-Linear's MLA layers are NoPE, as the reference applies no rotary embedding: k_pe /
 q_pe are plain (unrotated) dimensions. A config asking for rope in MLA (`mla_use_nope: false`) is
-refused at model construction rather than served differently from the reference."""
+refused at model construction rather than served differently from the reference.
+
+Tensor parallel (SGLang's split): each rank keeps its query heads' rows of q_proj / q_b_proj and
+kv_b_proj, attends them to the whole latent (one shared MQA row per token, so kv_a_proj_with_mqa,
+kv_a_layernorm and the pool's latent are replicated), and o_proj sums the heads' partial outputs
+over the ranks."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from sparkserve.core.forward_batch import ForwardBatch
-from sparkserve.layers.linear import Linear
+from sparkserve.distributed.sharding import heads_shard, shard_rows
+from sparkserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from sparkserve.layers.norm import RMSNorm
+from sparkserve.layers.sharded import Sharded
 
 
-class _AbsorbedWeight(nn.Module):
+class _AbsorbedWeight(Sharded):
     """kv_b_proj: only its weight is used (split into the q-side and o-side absorptions), so it is
-    not a Linear and never gets a packed copy."""
+    not a Linear and never gets a packed copy. Rows are per head: a rank keeps its heads' rows."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, part: tuple[int, int]):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.index, self.parts = part
+        self.weight = nn.Parameter(torch.empty(out_features // self.parts, in_features), requires_grad=False)
+
+    def local_shard(self, tensor: torch.Tensor, blocks=None) -> tuple[torch.Tensor, None]:
+        return tensor[shard_rows(tensor.shape[0], self.index, self.parts)], None
 
 
 class MLAttention(nn.Module):
@@ -35,19 +46,20 @@ class MLAttention(nn.Module):
                  kv_lora_rank: int, nope_dim: int, rope_dim: int, v_dim: int, bias: bool = False):
         super().__init__()
         self.layer_id = layer_id
-        self.h, self.r, self.nope, self.rope, self.vd = num_heads, kv_lora_rank, nope_dim, rope_dim, v_dim
+        index, parts, self.h = heads_shard(num_heads)
+        self.r, self.nope, self.rope, self.vd = kv_lora_rank, nope_dim, rope_dim, v_dim
         qk = nope_dim + rope_dim
         if q_lora_rank is None:
-            self.q_proj = Linear(hidden, num_heads * qk)
+            self.q_proj = ColumnParallelLinear(hidden, num_heads * qk, part=(index, parts))
         else:
             self.q_a_proj = Linear(hidden, q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, 1e-6)      # the reference's default eps
-            self.q_b_proj = Linear(q_lora_rank, num_heads * qk)
+            self.q_b_proj = ColumnParallelLinear(q_lora_rank, num_heads * qk, part=(index, parts))
         self.q_lora = q_lora_rank is not None
         self.kv_a_proj_with_mqa = Linear(hidden, kv_lora_rank + rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6)
-        self.kv_b_proj = _AbsorbedWeight(kv_lora_rank, num_heads * (nope_dim + v_dim))
-        self.o_proj = Linear(num_heads * v_dim, hidden, bias=bias)
+        self.kv_b_proj = _AbsorbedWeight(kv_lora_rank, num_heads * (nope_dim + v_dim), (index, parts))
+        self.o_proj = RowParallelLinear(num_heads * v_dim, hidden, bias=bias)
         self.scale = qk ** -0.5
 
     @property

@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from sparkserve.distributed import parallel_state as ps
+from sparkserve.distributed.sharding import experts_shard, width_shard
 from sparkserve.layers.activation import silu_and_mul
-from sparkserve.layers.linear import FusedLinear, Linear
+from sparkserve.layers.linear import FusedLinear, RowParallelLinear
+from sparkserve.layers.sharded import Sharded
 
 
 def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -69,12 +71,17 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, bias: torch.Tensor | N
 
 
 class GatedMLP(nn.Module):
-    """Dense SwiGLU MLP with a fused gate|up projection (dense layers and shared experts)."""
+    """Dense SwiGLU MLP with a fused gate|up projection (dense layers and shared experts), its
+    width split over the tensor-parallel ranks like LlamaMLP. `reduce=False` (shared experts)
+    returns this rank's partial sum, which the MoE block adds to the experts' before its one
+    all-reduce."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, reduce: bool = True):
         super().__init__()
-        self.gate_up_proj = FusedLinear(hidden, {"gate": intermediate, "up": intermediate})
-        self.down_proj = Linear(intermediate, hidden)
+        index, parts, width = width_shard(intermediate)
+        self.gate_up_proj = FusedLinear(hidden, {"gate": width, "up": width},
+                                        tp_parts={"gate": (index, parts), "up": (index, parts)})
+        self.down_proj = RowParallelLinear(intermediate, hidden, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -97,20 +104,16 @@ class Router(nn.Module):
                             self.topk_groups, self.renormalize, self.scaling)
 
 
-class Experts(nn.Module):
+class Experts(Sharded):
     """Stacked routed-expert weights; `activation` as in fused_experts. Expert parallel: this
     rank keeps experts first .. first + local - 1, runs them for every token routed to them (the
-    tokens are on every rank of the group), and the group sums the outputs (all-reduce)."""
+    tokens are on every rank of the group); `forward` returns this rank's partial sum and the MoE
+    block sums the group's (one all-reduce, shared experts' partial sums included)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
                  activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul):
         super().__init__()
-        ep = ps.ep_size()
-        if num_experts % ep:
-            raise ValueError(f"--ep-size {ep}: the model's {num_experts} experts do not split over "
-                             f"{ep} ranks")
-        self.local = num_experts // ep
-        self.first = ps.ep_rank() * self.local
+        self.first, self.local = experts_shard(num_experts)
         self.gate_up_proj = nn.Parameter(torch.empty(self.local, 2 * intermediate, hidden),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.local, hidden, intermediate), requires_grad=False)
@@ -126,12 +129,13 @@ class Experts(nn.Module):
         return tensor[self.first:self.first + self.local], None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = fused_experts(x, weights, ids - self.first, self.gate_up_proj, self.down_proj, self.activation)
-        return ps.all_reduce(out) if ps.ep_size() > 1 else out
+        return fused_experts(x, weights, ids - self.first, self.gate_up_proj, self.down_proj, self.activation)
 
 
 class SharedExpertMoE(nn.Module):
-    """Routed experts plus always-on shared experts (one wide SwiGLU MLP), summed."""
+    """Routed experts plus always-on shared experts (one wide SwiGLU MLP), summed: both are
+    partial sums under tensor parallelism (experts split, shared width split), added on each rank
+    and summed over the group by one all-reduce."""
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, top_k: int,
                  num_shared: int, num_groups: int = 1, topk_groups: int = 1,
@@ -139,9 +143,10 @@ class SharedExpertMoE(nn.Module):
         super().__init__()
         self.gate = Router(hidden, num_experts, top_k, num_groups, topk_groups, renormalize, scaling)
         self.experts = Experts(num_experts, hidden, intermediate)
-        self.shared_experts = GatedMLP(hidden, intermediate * num_shared) if num_shared else None
+        self.shared_experts = (GatedMLP(hidden, intermediate * num_shared, reduce=False) if num_shared
+                               else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return ps.all_reduce(out if self.shared_experts is None else out + self.shared_experts(x))

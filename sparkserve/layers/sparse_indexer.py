@@ -18,14 +18,25 @@ like main KV). With the index value path (SGLang: a sparse layer whose
 over ALL visible keys, not only the selected blocks. Why: the indexer already reads every index
 K row to score blocks, so the value path is the same pass (one extra 1-head V row per token);
 restricting it to the selected blocks would make the output jump whenever the discrete block
-choice changes, and would couple the index output to the top-k budget."""
+choice changes, and would couple the index output to the top-k budget.
+
+Tensor parallel: the index heads split like KV heads. Exact, because each index head scores
+and selects its blocks on its own (no sum or softmax across index heads: the top-k runs per
+head) and main head h reads only index head h // (H / Hi)'s blocks, so the rank holding main
+heads [r H / tp, (r + 1) H / tp) needs exactly index heads [r Hi / tp, (r + 1) Hi / tp), or the
+one it shares with other ranks when Hi < tp (replicated, as kv_heads_shard does). The index K
+(and V) head is one head shared by all index heads: whole on every rank. The value output is a
+sum over index heads through o_proj: a partial sum per rank (its heads' columns of o_proj), which
+the caller adds to the main attention's before one all-reduce; of ranks sharing a replicated
+index head only the first contributes it."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from sparkserve.core.forward_batch import ForwardBatch
-from sparkserve.layers.linear import FusedLinear, Linear
+from sparkserve.distributed.sharding import kv_heads_shard, leads_replica
+from sparkserve.layers.linear import FusedLinear, RowParallelLinear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import apply_partial_rotary
 
@@ -71,15 +82,18 @@ class LightningIndexer(nn.Module):
                  eps: float, with_value: bool):
         super().__init__()
         self.layer_id = layer_id
-        self.h, self.d = num_heads, head_dim
+        index, parts, self.h = kv_heads_shard(num_heads)
+        self.d = head_dim
         self.block_size, self.topk, self.local, self.init = block_size, topk_blocks, local_blocks, init_blocks
-        shards = {"q": num_heads * head_dim, "k": head_dim}
+        shards = {"q": self.h * head_dim, "k": head_dim}
         if with_value:
             shards["v"] = head_dim
-        self.qkv_proj = FusedLinear(hidden_size, shards)
+        self.qkv_proj = FusedLinear(hidden_size, shards, tp_parts={"q": (index, parts)})
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size) if with_value else None
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, part=(index, parts),
+                                        reduce=False) if with_value else None
+        self.adds_value = leads_replica(num_heads)      # this rank's copy of its heads counts
 
     @property
     def with_value(self) -> bool:
@@ -87,8 +101,9 @@ class LightningIndexer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [T, hidden] -> (block ids [B, Hi, Qmax, k] per padded query, index value output
-        [T, hidden] or None). Writes this forward's index K (and V) rows into the pool."""
+        """x [T, hidden] -> (block ids [B, Hi, Qmax, k] per padded query of this rank's index
+        heads, this rank's partial index value output [T, hidden] or None). Writes this forward's
+        index K (and V) rows into the pool."""
         h, d = self.h, self.d
         qkv = self.qkv_proj(x)
         q = apply_partial_rotary(self.q_norm(qkv[:, :h * d].view(-1, h, d)), *cos_sin)
@@ -106,6 +121,8 @@ class LightningIndexer(nn.Module):
             return block_ids, None
         v_buf = pool.get("index_v", self.layer_id)
         v_buf[batch.out_cache_loc] = qkv[:, (h + 1) * d:]
+        if not self.adds_value:
+            return block_ids, None
         probs = torch.softmax(scores * d ** -0.5, dim=-1)
         out = torch.einsum("bhql,bld->bqhd", probs, v_buf[batch.kv_indices].float()).to(x.dtype)
         return block_ids, self.o_proj(unpad_queries(batch, out).reshape(-1, h * d))

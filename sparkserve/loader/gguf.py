@@ -71,11 +71,15 @@ def _unpermute_rows(rows: int, n_head: int) -> np.ndarray:
     return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(path: str, cfg: ModelConfig, names: set[str] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor (HF names), or only those in `names` (the others are not dequantized)."""
     reader = open_gguf(path)
     permuted = gguf_metadata(reader)["general.architecture"] == "llama"
     for t in reader.tensors:
         name = _hf_name(t.name)
+        if names is not None and name not in names:
+            continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         blocks = (BlockWeight.from_numpy(int(t.tensor_type), t.data, w.shape)
                   if BlockWeight.supports(int(t.tensor_type), w.shape) else None)

@@ -32,10 +32,13 @@ def safetensor_files(path: str) -> list[str]:
     return files
 
 
-def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(path: str, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, or only those in `names` (the others are not read)."""
     for file in safetensor_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
+                if names is not None and name not in names:
+                    continue
                 t = f.get_tensor(name)
                 # bf16 / fp16 matrices keep their exact half form for the small-M kernel (linear.py)
                 qtype = BlockWeight.half_type(t)

@@ -1,6 +1,7 @@
 """WeightLoader: put checkpoint tensors (HF names) into a model whose projections may be fused
 (q|k|v, gate|up), and check at the end that every parameter — every shard of a fused one —
-was filled. Shared by the target models and the DSpark draft.
+was filled. Shared by the target models and the DSpark draft. Under tensor or expert
+parallelism a module that keeps only part of a tensor says which (`local_shard`).
 
 A checkpoint tensor may carry the block form it was dequantized from (`with_blocks`, set by the
 GGUF loader): the loader hands those blocks to the Linear that receives the tensor, so it can run
@@ -12,7 +13,8 @@ from torch import nn
 
 from sparkserve.kernels.blocks import BlockWeight
 from sparkserve.layers.linear import FusedLinear, Linear
-from sparkserve.layers.moe import Experts
+from sparkserve.layers.sharded import Sharded
+from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
 
 _BLOCKS_ATTR = "_sparkserve_blocks"
 
@@ -54,7 +56,7 @@ class WeightLoader:
         if name not in self.params:
             raise ValueError(f"{self.what} tensor {name} has no matching parameter")
         owner = self.modules.get(name.rsplit(".", 1)[0])
-        if isinstance(owner, (Linear, Experts)):     # a tensor/expert-parallel rank keeps its part only
+        if isinstance(owner, Sharded):     # a module split over the ranks keeps its part only
             tensor, blocks = owner.local_shard(tensor, blocks)
         p = self.params[name]
         if p.shape != tensor.shape:
@@ -62,7 +64,7 @@ class WeightLoader:
         p.data.copy_(tensor)
         self.loaded.add(name)
         mod = self.modules.get(name.rsplit(".", 1)[0])
-        if blocks is not None and isinstance(mod, nn.Embedding):
+        if blocks is not None and isinstance(mod, (nn.Embedding, VocabParallelEmbedding)):
             self.blocks[name] = blocks              # for an LM head tied to it (mark_loaded)
         self._give_blocks(name, blocks)
 

@@ -1,7 +1,8 @@
-"""CausalLM: what every decoder-only model here shares — the LM head (tied or not), aux
-hidden-state capture after every layer (DSpark taps, docs/design.md contract 2), the forward loop,
-and the defaults of the model contract that hybrid models override (request state, VERIFY commit,
-pool costs). A model builds `self.model` (a DecoderStack) and its pools."""
+"""CausalLM: what every decoder-only model here shares — the LM head (tied or not; split over the
+tp ranks like the embedding, layers/vocab_parallel.py), aux hidden-state capture after every layer
+(DSpark taps, docs/design.md contract 2), the forward loop, and the defaults of the model contract
+that hybrid models override (request state, VERIFY commit, pool costs).
+A model builds `self.model` (a DecoderStack) and its pools."""
 from __future__ import annotations
 
 import re
@@ -13,8 +14,9 @@ from torch import nn
 from sparkserve.config import ModelConfig
 from sparkserve.core.forward_batch import ForwardBatch, PPProxy
 from sparkserve.distributed import parallel_state as ps
-from sparkserve.layers.linear import Linear
+from sparkserve.distributed.sharding import Dim
 from sparkserve.layers.rotary import RotaryEmbedding
+from sparkserve.layers.vocab_parallel import ParallelLMHead
 from sparkserve.models.aux_capture import AuxCaptureMixin
 
 
@@ -45,16 +47,19 @@ class CausalLM(AuxCaptureMixin, nn.Module):
 
     def __init__(self, cfg: ModelConfig, model: nn.Module, lm_head_bias: bool = False):
         """Under pipeline parallelism a stage keeps its layers only, the first one also the
-        embedding, the last one the final norm. Only the driver (rank 0) computes logits, so only
-        it keeps the LM head."""
+        embedding and the LM head, the last one the final norm. Under tensor parallelism each
+        rank of the first stage keeps its vocab slice of both (`vocab_shard`); logits are
+        gathered on the driver (compute_logits)."""
         super().__init__()
         self.config = cfg
         self.model = model
         self.layer_range = ps.stage_layers(cfg.num_hidden_layers)
         self.first_stage, self.last_stage = ps.is_first_stage(), ps.is_last_stage()
-        self.has_lm_head = self.first_stage and ps.tp_rank() == 0
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=lm_head_bias) if self.has_lm_head \
-            else PPMissingLayer()
+        self.has_lm_head = self.first_stage
+        self.vocab_sharded = ps.tp_size() > 1      # embedding and LM head hold a vocab slice
+        self.checkpoint_path: str | None = None    # set by load_model (a draft may read the full head)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, bias=lm_head_bias) \
+            if self.has_lm_head else PPMissingLayer()
         if not self.first_stage:
             self.model.embed_tokens = PPMissingLayer()
         if not self.last_stage:
@@ -104,8 +109,21 @@ class CausalLM(AuxCaptureMixin, nn.Module):
                 batch.aux_hidden.append(x)
         return self.model.norm(x) if self.last_stage else PPProxy(x, batch.aux_hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] fp32 logits. Under tensor parallelism every first-stage tp rank runs this
+        on the same rows at once (the driver's ModelRunner tells them: ForwardMirror.logits):
+        each computes its vocab slice, the driver gets them all (padding cut), the others None."""
+        logits = self.lm_head(hidden).float()
+        if not self.vocab_sharded:
+            return logits
+        full = ps.tp_gather(logits)
+        return None if full is None else full[:, :self.config.vocab_size]
+
+    @staticmethod
+    def tp_dims(cfg: ModelConfig) -> list[Dim]:
+        """What the model splits over the tensor-parallel ranks (distributed/sharding.py checks
+        them at start-up); every model lists its own."""
+        raise NotImplementedError
 
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:
         """After a VERIFY forward: request i keeps the state after its first kept[i] tokens.

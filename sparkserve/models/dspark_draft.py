@@ -254,7 +254,8 @@ class DSparkDraft(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      target: nn.Module | None = None) -> None:
         """DeepSpec names (no prefix; `model.` tolerated). embed_tokens / lm_head may be absent:
-        then they are shared with the target's."""
+        then they are shared with the target's, or copied in full when the target keeps only its
+        vocab slice of them (tensor parallel: `target_vocab_weights`)."""
         loader = WeightLoader(self, self._renames, "DSpark checkpoint")
         has_d2t = False
         for name, t in weights:
@@ -269,6 +270,7 @@ class DSparkDraft(nn.Module):
             loader.load(name, t)
         if self.d2t is not None and not has_d2t:
             raise ValueError("DSpark checkpoint sets draft_vocab_size but has no d2t tensor")
+        full: dict[str, torch.Tensor] = {}
         for shared in ("embed_tokens", "lm_head"):
             if f"{shared}.weight" not in loader.loaded:
                 if target is None:
@@ -276,6 +278,10 @@ class DSparkDraft(nn.Module):
                                      "it from")
                 if shared == "lm_head" and self.d2t is not None:
                     raise ValueError("a reduced-vocab DSpark checkpoint must contain lm_head.weight")
+                if getattr(target, "vocab_sharded", False):
+                    full = full or target_vocab_weights(target)
+                    loader.load(f"{shared}.weight", full[f"{shared}.weight"])
+                    continue
                 src = target.model.embed_tokens if shared == "embed_tokens" else target.lm_head
                 own = getattr(self, shared).weight
                 if src.weight.shape != own.shape:
@@ -367,10 +373,26 @@ def init_dspark_draft(config: dict[str, Any], target: nn.Module | None = None, s
                              f"config")
         draft.d2t.copy_(vocab - torch.arange(len(vocab)))
     if target is not None:
-        draft.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
+        full = target_vocab_weights(target)
+        draft.embed_tokens.weight.data.copy_(full["embed_tokens.weight"])
         rows = draft.to_target_ids(torch.arange(draft.config.out_vocab))
-        draft.lm_head.weight.data.copy_(target.lm_head.weight[rows])
+        draft.lm_head.weight.data.copy_(full["lm_head.weight"][rows])
     return draft
+
+
+def target_vocab_weights(target: nn.Module) -> dict[str, torch.Tensor]:
+    """The target's whole embedding and LM head weights ("embed_tokens.weight", "lm_head.weight").
+    Under tensor parallelism the target keeps only its vocab slice of them (layers/vocab_parallel.py),
+    so they are read from its checkpoint, just those tensors: the driver (where the draft runs)
+    holds a full copy of them only when a draft needs one."""
+    if not getattr(target, "vocab_sharded", False):
+        return {"embed_tokens.weight": target.model.embed_tokens.weight,
+                "lm_head.weight": target.lm_head.weight}
+    from sparkserve.models.registry import read_tensors
+    got = read_tensors(target.checkpoint_path, target.config, {"model.embed_tokens.weight", "lm_head.weight"})
+    embed = got["model.embed_tokens.weight"]
+    head = embed if target.config.tie_word_embeddings else got["lm_head.weight"]
+    return {"embed_tokens.weight": embed, "lm_head.weight": head}
 
 
 def save_dspark_draft(draft: DSparkDraft, path: str, include_shared: bool = False,

@@ -3,9 +3,10 @@ layers (layers/mla.py), each followed by a dense SwiGLU MLP (the first layers) o
 shared experts (layers/moe.py).
 
 Same contract as llama.py (forward -> final normed hidden, compute_logits, aux taps after any
-layer kind). Pools: `kv_latent` per token for MLA layers, `kda_state` and `kda_conv` per request
-row for KDA layers; `has_request_state` turns the prefix cache off (a recurrent state summarises a
-whole prefix and cannot be shared page by page). VERIFY leaves KDA state untouched until
+layer kind). Pools: `kv_latent` per token for MLA layers (whole on every tensor-parallel rank: one
+shared latent row), `kda_state` and `kda_conv` per request row for KDA layers (this rank's
+heads); `has_request_state` turns the prefix cache off (a recurrent state summarises a whole
+prefix and cannot be shared page by page). VERIFY leaves KDA state untouched until
 `commit_verify` replays the accepted tokens (see layers/kda.py for the memory trade-off)."""
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from torch import nn
 
 from sparkserve.config import ModelConfig
 from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.distributed.sharding import Dim
 from sparkserve.layers.kda import KimiDeltaAttention
 from sparkserve.layers.mla import MLAttention
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
+from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.hybrid_pool import HybridPool
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
@@ -123,7 +126,7 @@ class KimiDecoderLayer(nn.Module):
 class KimiLinearModel(DecoderStack):
     def __init__(self, cfg: ModelConfig, a: KimiArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = stage_layer_list(cfg.num_hidden_layers, lambda i: KimiDecoderLayer(cfg, a, i))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -136,6 +139,24 @@ class KimiLinearForCausalLM(CausalLM):
         args = KimiArgs.from_raw(cfg.raw, cfg.num_hidden_layers)
         super().__init__(cfg, KimiLinearModel(cfg, args))
         self.args = args
+
+    @staticmethod
+    def tp_dims(cfg: ModelConfig) -> list[Dim]:
+        """What splits over the tensor-parallel ranks (distributed/sharding.py checks them): MLA
+        and KDA heads, dense MLP and shared-expert widths, routed experts (--ep-size)."""
+        a = KimiArgs.from_raw(cfg.raw, cfg.num_hidden_layers)
+        dims = []
+        if "sparse" in a.mlp_types:
+            dims.append(Dim("experts", a.num_experts, flag="--ep-size"))
+        if any(t != "linear_attention" for t in a.layer_types):
+            dims.append(Dim("attention heads", cfg.num_attention_heads))
+        if "linear_attention" in a.layer_types:
+            dims.append(Dim("KDA heads", a.linear_heads))
+        if "dense" in a.mlp_types:
+            dims.append(Dim("dense MLP channels", cfg.intermediate_size))
+        if "sparse" in a.mlp_types and a.num_shared:
+            dims.append(Dim("shared-expert channels", a.moe_intermediate * a.num_shared))
+        return dims
 
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:
         """After VERIFY: advance every KDA layer's state by each request's kept tokens."""
@@ -201,7 +222,7 @@ class KimiLinearForCausalLM(CausalLM):
             if m:
                 w = modules[m[1]].conv_weight
                 part = {"q_": 0, "k_": 1, "v_": 2, "": None}[m[2]]
-                t = t.reshape(-1, t.shape[-1])
+                t, _ = modules[m[1]].local_shard(t.reshape(-1, t.shape[-1]), stacks=3 if part is None else 1)
                 (w.data if part is None else w.data[part * t.shape[0]:(part + 1) * t.shape[0]]).copy_(t)
                 self._mark_piece(pieces, f"{m[1]}.conv_weight", m[2] or "all", 3, loader)
                 continue

@@ -12,12 +12,13 @@ from torch import nn
 
 from sparkserve.config import ModelConfig
 from sparkserve.core.forward_batch import ForwardBatch
-from sparkserve.distributed.sharding import heads_shard, kv_heads_shard, width_shard
+from sparkserve.distributed.sharding import Dim, heads_shard, kv_heads_shard, width_shard
 from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.linear import FusedLinear, RowParallelLinear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
+from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.kv_pool import KVPool, split_windows, uniform_window
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
@@ -84,7 +85,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(DecoderStack):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = stage_layer_list(cfg.num_hidden_layers, lambda i: LlamaDecoderLayer(cfg, i))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
@@ -99,6 +100,13 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, LlamaModel(cfg))
+
+    @staticmethod
+    def tp_dims(cfg: ModelConfig) -> list[Dim]:
+        """What splits over the tensor-parallel ranks (distributed/sharding.py checks them)."""
+        h = cfg.num_attention_heads
+        return [Dim("attention heads", h), Dim("KV heads", cfg.num_key_value_heads, serves=h),
+                Dim("MLP channels", cfg.intermediate_size)]
 
     # Pool contract (docs/design.md, contract 3): every model builds the pools its layers read, and says what
     # one token and one request row cost so the runtime can size them. Hybrid models add

@@ -7,7 +7,13 @@ and partial RoPE; every RMSNorm is Gemma-style (scale 1 + w), folded into the we
 
 Sparse layers may add the index value path (SGLang's per-layer `sparse_disable_index_value`
 flag, 0 = on); absent flag = K-only, as transformers and the released M3 checkpoint have it.
-Interface as LlamaForCausalLM (docs/design.md, contracts 1-3)."""
+Interface as LlamaForCausalLM (docs/design.md, contracts 1-3).
+
+Tensor parallel: query and KV heads split as in Llama (KV replicated when fewer than the ranks),
+and so do the indexer's heads (layers/sparse_indexer.py says why that is exact); dense MLP and
+shared-expert widths split, routed experts split over the same ranks (--ep-size = --tp-size).
+Each block sums its partial outputs with one all-reduce (attention + index value; routed +
+shared experts). The q/k norms are per head_dim, shared by every head: whole on every rank."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,14 +25,17 @@ from torch import nn
 
 from sparkserve.config import ModelConfig
 from sparkserve.core.forward_batch import ForwardBatch
+from sparkserve.distributed import parallel_state as ps
+from sparkserve.distributed.sharding import Dim, heads_shard, kv_heads_shard, width_shard
 from sparkserve.layers.activation import swiglu_oai
 from sparkserve.layers.attention import PagedAttention
-from sparkserve.layers.linear import FusedLinear, Linear
+from sparkserve.layers.linear import ColumnParallelLinear, FusedLinear, RowParallelLinear
 from sparkserve.layers.moe import Experts, Router
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from sparkserve.layers.sparse_attention import BlockSparseAttention
 from sparkserve.layers.sparse_indexer import LightningIndexer
+from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.hybrid_pool import HybridPool
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
@@ -106,12 +115,14 @@ class M3Spec:
 
 class OAIMLP(nn.Module):
     """Dense SwiGLU-OAI MLP (dense layers and the MoE's shared expert); gate|up is one weight
-    in the checkpoint."""
+    in the checkpoint (a rank keeps its rows of each half). `reduce=False` (shared expert): the
+    partial sum, added to the experts' before the MoE block's one all-reduce."""
 
-    def __init__(self, hidden: int, intermediate: int, spec: M3Spec):
+    def __init__(self, hidden: int, intermediate: int, spec: M3Spec, reduce: bool = True):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate)
-        self.down_proj = Linear(intermediate, hidden)
+        index, parts, _ = width_shard(intermediate)
+        self.gate_up_proj = ColumnParallelLinear(hidden, 2 * intermediate, part=(index, parts), stacks=2)
+        self.down_proj = RowParallelLinear(intermediate, hidden, reduce=reduce)
         self.activation = spec.activation()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,20 +137,24 @@ class M3MoE(nn.Module):
         super().__init__()
         self.gate = Router(cfg.hidden_size, spec.num_experts, spec.top_k, scaling=spec.routed_scaling)
         self.experts = Experts(spec.num_experts, cfg.hidden_size, cfg.intermediate_size, spec.activation())
-        self.shared_experts = OAIMLP(cfg.hidden_size, spec.shared_intermediate, spec)
+        self.shared_experts = OAIMLP(cfg.hidden_size, spec.shared_intermediate, spec, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        return ps.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))
 
 
 class M3Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: M3Spec, layer_id: int):
         super().__init__()
-        self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_index, q_parts, self.h = heads_shard(cfg.num_attention_heads)
+        kv_index, kv_parts, self.hkv = kv_heads_shard(cfg.num_key_value_heads)
+        self.d = cfg.head_dim
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": self.h * self.d, "k": self.hkv * self.d,
-                                                      "v": self.hkv * self.d})
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size)
+                                                      "v": self.hkv * self.d},
+                                    tp_parts={"q": (q_index, q_parts), "k": (kv_index, kv_parts),
+                                              "v": (kv_index, kv_parts)})
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, reduce=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         if spec.sparse[layer_id]:
@@ -147,7 +162,7 @@ class M3Attention(nn.Module):
                                             spec.block_size, spec.topk_blocks, spec.local_blocks,
                                             spec.init_blocks, cfg.rms_norm_eps, spec.index_value[layer_id])
             self.attn = BlockSparseAttention(layer_id, self.h, self.hkv, self.d, spec.block_size,
-                                             spec.index_heads)
+                                             self.indexer.h)
         else:
             self.indexer = None
             self.attn = PagedAttention(layer_id, self.h, self.hkv, self.d)
@@ -159,10 +174,10 @@ class M3Attention(nn.Module):
         k = apply_partial_rotary(self.k_norm(qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d)), *cos_sin)
         v = qkv[:, (h + hkv) * d:].view(-1, hkv, d)
         if self.indexer is None:
-            return self.o_proj(self.attn(q, k, v, batch))
+            return ps.all_reduce(self.o_proj(self.attn(q, k, v, batch)))
         block_ids, index_out = self.indexer(x, cos_sin, batch)
         out = self.o_proj(self.attn(q, k, v, batch, block_ids))
-        return out if index_out is None else out + index_out
+        return ps.all_reduce(out if index_out is None else out + index_out)
 
 
 class M3DecoderLayer(nn.Module):
@@ -182,7 +197,7 @@ class M3DecoderLayer(nn.Module):
 class M3Model(DecoderStack):
     def __init__(self, cfg: ModelConfig, spec: M3Spec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = stage_layer_list(cfg.num_hidden_layers, lambda i: M3DecoderLayer(cfg, spec, i))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta,
@@ -199,13 +214,28 @@ class MiniMaxM3ForCausalLM(CausalLM):
         super().__init__(cfg, M3Model(cfg, spec))
         self.spec = spec
 
+    @staticmethod
+    def tp_dims(cfg: ModelConfig) -> list[Dim]:
+        """What splits over the tensor-parallel ranks (distributed/sharding.py checks them)."""
+        s = M3Spec.from_config(cfg)
+        h = cfg.num_attention_heads
+        dims = [Dim("attention heads", h), Dim("KV heads", cfg.num_key_value_heads, serves=h)]
+        if any(s.sparse):
+            dims.append(Dim("index heads", s.index_heads, serves=h))
+        if not all(s.moe):
+            dims.append(Dim("dense MLP channels", s.dense_intermediate))
+        if any(s.moe):
+            dims += [Dim("experts", s.num_experts, flag="--ep-size"),
+                     Dim("shared-expert channels", s.shared_intermediate)]
+        return dims
+
     # ---- pools (docs/design.md, contract 3): main KV on every layer, index K on sparse layers, index V
     # on sparse layers with the value path; all token_page at the same slots.
     def _pool_specs(self) -> list[tuple[str, list[int], tuple[int, ...]]]:
         c, s = self.config, self.spec
         every = list(self.layer_range)            # this pipeline stage's layers
-        specs = [("k", every, (c.num_key_value_heads, c.head_dim)), ("v", every, (c.num_key_value_heads,
-                                                                                  c.head_dim)),
+        hkv = kv_heads_shard(c.num_key_value_heads)[2]   # this rank's KV heads; index K/V are one shared head
+        specs = [("k", every, (hkv, c.head_dim)), ("v", every, (hkv, c.head_dim)),
                  ("index_k", [i for i in every if s.sparse[i]], (s.index_head_dim,)),
                  ("index_v", [i for i in every if s.index_value[i]], (s.index_head_dim,))]
         return [sp for sp in specs if sp[1]]

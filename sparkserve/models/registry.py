@@ -36,6 +36,16 @@ def load_config(model_path: str) -> ModelConfig:
     return hf_config(model_path)
 
 
+def read_tensors(model_path: str, cfg: ModelConfig, names: set[str]) -> dict[str, torch.Tensor]:
+    """Only the checkpoint tensors `names` (HF names; GGUF ones keep their blocks), read without
+    the rest: e.g. a draft's full copy of a vocab-split target's embedding and LM head."""
+    if model_path.endswith(".gguf"):
+        from sparkserve.loader.gguf import gguf_weights
+        return dict(gguf_weights(model_path, cfg, names))
+    from sparkserve.loader.hf import hf_weights
+    return dict(hf_weights(model_path, names))
+
+
 def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = True) -> nn.Module:
     if not os.path.exists(model_path):
         raise FileNotFoundError(f"model path {model_path} does not exist")
@@ -52,6 +62,7 @@ def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = Tru
         from sparkserve.loader.hf import hf_weights
         weights = hf_weights(model_path)
     model.post_materialize()
+    model.checkpoint_path = model_path
     model.load_weights((name, t) for name, t in weights if model.owns(name))   # a pipeline stage's share
     model = model.eval().requires_grad_(False)
     if pack:

@@ -55,13 +55,16 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, pare
     send = ctx.socket(zmq.PUSH)
     send.setsockopt(zmq.SNDHWM, 0)
     send.connect(send_addr)
-    code = 0
+    code, loop = 0, None
     try:
         loop = SchedulerLoop.build(args, recv, send, parent_pid)
         loop.run()
         loop.scheduler.runner.close()
     except BaseException as e:  # noqa: BLE001 - reported to the frontend, then the process exits
-        log.exception("scheduler failed")
+        if loop is None and isinstance(e, ValueError):   # a start-up check: its message says it all
+            log.error("scheduler failed: %s", e)
+        else:
+            log.exception("scheduler failed")
         send.send_pyobj(SchedulerFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))
         code = 1
     finally:

@@ -1,21 +1,22 @@
 """A rank other than the driver (tensor or pipeline parallel): it loads its shard and stage of
 the model, sizes its KV pool with the others, and runs every forward the driver hands it
 (ForwardMirror) until told to stop: it receives the previous stage's output, runs its layers, and
-passes the result on (the last stage back to the driver). It schedules and samples nothing."""
+passes the result on (the last stage back to the driver); a first-stage rank also computes its
+vocab slice of the logits the driver asks for. It schedules and samples nothing."""
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 
 import torch
 
 from sparkserve.args import ServerArgs
-from sparkserve.core.forward_batch import ForwardBatch, PPProxy
+from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.distributed import parallel_state as ps
-from sparkserve.distributed.mirror import recv_proxy, send_proxy, taps_before
-from sparkserve.models.causal_lm import CausalLM
+from sparkserve.distributed.mirror import commit_parts, run_worker_logits, run_worker_stage, taps_before
 from sparkserve.scheduler.runtime import load_rank_model, rank_pool_sizes, request_rows
 
 log = logging.getLogger("sparkserve.worker")
@@ -33,7 +34,11 @@ def run_worker(args: ServerArgs, rank: int, parent_pid: int) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s rank{rank}: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    model, cfg = load_rank_model(args, rank)
+    try:
+        model, cfg = load_rank_model(args, rank)
+    except ValueError as e:              # a start-up check of the flags; the driver reports it too
+        log.error("%s", e)
+        sys.exit(1)
     num_slots, swa_slots = rank_pool_sizes(args, cfg, model)
     pool = model.make_pool(num_slots, request_rows(args), swa_slots)
     log.info("rank %d ready: tp %d/%d, pp stage %d/%d (layers %d-%d), KV pool %d tokens", rank, ps.tp_rank(),
@@ -43,23 +48,17 @@ def run_worker(args: ServerArgs, rank: int, parent_pid: int) -> None:
     with torch.inference_mode():
         while (msg := ps.broadcast_object()) is not None:
             if msg[0] == "commit":
-                model.commit_verify(last, msg[1])
+                commit_parts(model.commit_verify, last, msg[1])
                 continue
-            _, wire, aux_ids = msg
+            if msg[0] == "logits":          # only the first stage keeps (a slice of) the LM head
+                if model.has_lm_head:
+                    run_worker_logits(model.compute_logits, msg[1], cfg.hidden_size)
+                continue
+            _, wire, aux_ids, bounds = msg
             last = ForwardBatch(**wire, kv_pool=pool)
-            _run_stage(model, last, aux_ids, cfg.hidden_size)
+            if model.aux_layer_ids != aux_ids:
+                model.set_aux_layers(aux_ids)
+            taps_in = taps_before(aux_ids, model.layer_range.start)
+            run_worker_stage(model, last, bounds, taps_in, cfg.hidden_size)
     ps.destroy()
 
-
-def _run_stage(model: CausalLM, batch: ForwardBatch, aux_ids: list[int], hidden_size: int) -> None:
-    if model.aux_layer_ids != aux_ids:
-        model.set_aux_layers(aux_ids)
-    proxy = None
-    if not model.first_stage:
-        before = taps_before(aux_ids, model.layer_range.start)
-        proxy = recv_proxy(batch.num_tokens, hidden_size, before, ps.stage_peer(ps.pp_rank() - 1))
-    out = model(batch.input_ids, batch.positions, batch, proxy)
-    if isinstance(out, PPProxy):
-        send_proxy(out, ps.stage_peer(ps.pp_rank() + 1))
-    elif ps.pp_size() > 1 and ps.tp_rank() == 0:           # the last stage answers the driver
-        send_proxy(PPProxy(out, batch.aux_hidden), 0)

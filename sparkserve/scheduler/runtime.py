@@ -17,7 +17,7 @@ from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.mem.kv_pool import split_windows, uniform_window
 from sparkserve.models.causal_lm import CausalLM
-from sparkserve.models.registry import load_config, load_model
+from sparkserve.models.registry import load_config, load_model, model_class
 from sparkserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     cfg = load_config(args.model_path)
-    check_tp(cfg, args.tp_size, args.ep_size)
+    check_tp(cfg, args.tp_size, args.ep_size, model_class(cfg).tp_dims(cfg))
     check_pp(cfg, args.pp_size, args.parallel_config().pp_layer_partition)
     if args.parallel_config().world_size > 1:
         ps.init_distributed(args.parallel_config(), rank, args.dist_init_addr, args.dist_timeout)
@@ -131,7 +131,8 @@ def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Sch
     ctx = context_length(args, cfg)
     num_rows = request_rows(args)
     multi = args.parallel_config().world_size > 1
-    mirror = ForwardMirror(cfg.hidden_size) if multi else None
+    mirror = ForwardMirror(cfg.hidden_size, args.pp_micro_batches or args.pp_size,
+                           args.pp_micro_batch_min_tokens) if multi else None
     pool = model.make_pool(num_slots, num_rows, swa_slots)
     no_radix = args.disable_radix_cache or model.has_request_state
     if no_radix and not args.disable_radix_cache:

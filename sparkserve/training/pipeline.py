@@ -147,11 +147,12 @@ def prefill_log(engine, seqs: list[list[int]], taps: list[int], path: str) -> No
 
 
 def stage_train(cfg: PipelineConfig, engine) -> dict:
-    from sparkserve.models.dspark_draft import init_dspark_draft
+    from sparkserve.models.dspark_draft import init_dspark_draft, target_vocab_weights
     from sparkserve.training.draft_vocab import select_draft_vocab
     from sparkserve.training.feature_cache import FeatureCache, write_lse
     from sparkserve.training.train_dspark import train
     target = engine.scheduler.runner.model
+    head = target_vocab_weights(target)["lm_head.weight"]     # whole, also when TP splits the vocab
     dirs = [d for d in [_path(cfg, "features")] if os.path.exists(os.path.join(d, "index.json"))]
     dirs += cfg.extra_features
     if not dirs:
@@ -174,7 +175,7 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
     reduced = bool(dcfg.get("draft_vocab_size"))
     for d in dirs if reduced else []:          # the teacher's log-normaliser, once per cache
         if FeatureCache.open(d).lse is None:
-            write_lse(d, target.lm_head.weight)
+            write_lse(d, head)
     cache = FeatureCache.open_all(dirs)
     if cfg.init_draft and cache.target_layer_ids != dcfg["target_layer_ids"]:
         raise ValueError(f"--init-draft {cfg.init_draft} taps layers {dcfg['target_layer_ids']} but the "
@@ -198,7 +199,7 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
         draft.load_weights(hf_weights(cfg.init_draft), target)
         if vocab is not None:
             moved = init_dspark_draft(dcfg, target, vocab=vocab)
-            move_to_vocab(draft, moved, target.lm_head.weight)
+            move_to_vocab(draft, moved, head)
             draft = moved
     else:
         draft = init_dspark_draft(dcfg, target, vocab=vocab)
@@ -207,7 +208,7 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
             fit_markov_head(draft, cache)     # start from the responses' bigram model
     val = _path(cfg, "val", "features")
     val_cache = FeatureCache.open(val) if os.path.exists(os.path.join(val, "index.json")) else None
-    return train(draft, cache, _path(cfg, "draft"), cfg.train, target_head=target.lm_head.weight,
+    return train(draft, cache, _path(cfg, "draft"), cfg.train, target_head=head,
                  val_cache=val_cache)
 
 

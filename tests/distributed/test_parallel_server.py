@@ -17,22 +17,6 @@ from sparkserve import Engine
 FLAGS = ["--max-total-tokens", "2048", "--chunked-prefill-size", "16", "--dist-timeout", "20"]
 
 
-def _rank_pids(server_pid: int, scheduler_pid: int) -> list[int]:
-    """The spawned children of the server other than the scheduler (the worker ranks)."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if ppid == server_pid and int(pid) != scheduler_pid and b"spawn_main" in cmd:
-            out.append(int(pid))
-    return out
-
-
 @pytest.mark.parametrize("layout,sig", [(["--tp-size", "2"], signal.SIGKILL), (["--pp-size", "2"],
                                                                                signal.SIGKILL),
                                         (["--tp-size", "2"], signal.SIGSTOP)])
@@ -54,7 +38,7 @@ def test_parallel_server_serves_and_fails_cleanly(llama_dir, layout, sig):
             assert ids.json()["output_ids"] == w["output_ids"]
         info = httpx.get(server.url + "/server_info", timeout=10).json()
         assert (info["tp_size"], info["pp_size"]) == ((2, 1) if "--tp-size" in layout else (1, 2))
-        ranks = _rank_pids(server.proc.pid, info["scheduler_pid"])
+        ranks = server.rank_pids(info["scheduler_pid"])
         assert len(ranks) == 1, ranks
         os.kill(ranks[0], sig)
         time.sleep(0.5)

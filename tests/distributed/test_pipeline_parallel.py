@@ -14,11 +14,14 @@ from kimi_fixtures import make_kimi
 from parallel_fixtures import COMMON, PROMPTS, assert_same, bigram_of, run_mixed
 
 from sparkserve import Engine
+from sparkserve.distributed.mirror import micro_batch_bounds
+
+SPLIT = dict(pp_micro_batch_min_tokens=1)      # these tiny steps split into micro-batches too
 
 
-@pytest.mark.parametrize("layout,first", [(dict(pp_size=2), 2), (dict(pp_size=2, pp_layer_partition=[1, 2]),
-                                                                 1),
-                                          (dict(pp_size=3), 1), (dict(pp_size=2, tp_size=2), 2)])
+@pytest.mark.parametrize("layout,first", [
+    (dict(pp_size=2), 2), (dict(pp_size=2, pp_layer_partition=[1, 2]), 1), (dict(pp_size=3, **SPLIT), 1),
+    (dict(pp_size=2, tp_size=2, **SPLIT), 2), (dict(pp_size=2, pp_micro_batches=3, **SPLIT), 2)])
 def test_stages_equal_one_process(layout, first, llama_dir):
     """The tiny Llama's 3 layers over 2 or 3 stages (the driver keeps the first `first`)."""
     want = run_mixed(Engine(llama_dir, **COMMON))
@@ -29,14 +32,53 @@ def test_stages_equal_one_process(layout, first, llama_dir):
     assert_same(got, want)
 
 
+def test_micro_batches_split_requests_by_tokens():
+    assert micro_batch_bounds([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
+    assert micro_batch_bounds([40, 1, 1], 2) == [(0, 1), (1, 3)]       # a long chunk alone
+    assert micro_batch_bounds([1, 1, 40], 3) == [(0, 1), (1, 2), (2, 3)]
+    assert micro_batch_bounds([5], 4) == [(0, 1)]
+    assert micro_batch_bounds([3, 3, 3, 3, 3], 2) == [(0, 3), (3, 5)]
+    assert micro_batch_bounds([1] * 32, 2, min_tokens=64) == [(0, 32)]    # a decode step runs whole
+    assert micro_batch_bounds([64, 64, 64], 4, min_tokens=64) == [(0, 1), (1, 2), (2, 3)]
+    assert micro_batch_bounds([100, 20], 2, min_tokens=64) == [(0, 2)]      # 120 tokens: one part
+
+
+def test_stages_run_micro_batches(llama_dir):
+    """A step splits its requests into one micro-batch per stage (or --pp-micro-batches), each of
+    at least --pp-micro-batch-min-tokens tokens, and the driver's stage runs once per micro-batch;
+    by default (64) the tiny steps here run whole. The tokens stay the single process's (above)."""
+    for micro, parts, min_tokens in ((0, 2, 1), (3, 3, 1), (0, 2, 64)):
+        with Engine(llama_dir, pp_size=2, pp_micro_batches=micro, pp_micro_batch_min_tokens=min_tokens,
+                    **COMMON) as eng:
+            runner, model = eng.scheduler.runner, eng.scheduler.runner.model
+            forward, run, calls, steps = model.forward, runner.hidden_states, [], []
+
+            def counted_forward(*a, **kw):
+                calls.append(a[2].batch_size)
+                return forward(*a, **kw)
+
+            def counted_run(batch):
+                calls.clear()
+                out = run(batch)
+                steps.append((batch.batch_size, batch.num_tokens, len(batch.parts()), list(calls)))
+                return out
+            model.forward, runner.hidden_states = counted_forward, counted_run
+            eng.generate(input_ids=PROMPTS[:3], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+        assert any(b == 3 for b, _, _, _ in steps), steps
+        for b, tokens, n, sizes in steps:
+            assert n == max(1, min(b, parts, tokens // min_tokens)), steps
+            assert len(sizes) == n and sum(sizes) == b, steps
+        assert any(n > 1 for _, _, n, _ in steps) == (min_tokens == 1), steps
+
+
 def _dspark_case(path: str, draft_dir: str, vocab: int, **kw):
     sp = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     plain = Engine(path, **COMMON).generate(input_ids=PROMPTS, sampling_params=sp)
     draft = make_oracle_draft(path, draft_dir, bigram_of(PROMPTS, [o["output_ids"] for o in plain], vocab),
                               block_size=4)
     args = dict(COMMON, **kw)
-    with Engine(path, pp_size=2, speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
-                **args) as eng:
+    with Engine(path, pp_size=2, pp_micro_batch_min_tokens=1, speculative_algorithm="DSPARK",
+                speculative_draft_model_path=draft, **args) as eng:
         got = eng.generate(input_ids=PROMPTS, sampling_params=sp)
         hist, retracted = dict(eng.scheduler.accept_hist), eng.scheduler.num_retractions
     assert [g["output_ids"] for g in got] == [o["output_ids"] for o in plain]

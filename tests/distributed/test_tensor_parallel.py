@@ -1,7 +1,9 @@
 """Tensor parallelism on torch.distributed (gloo, 1 torch thread per rank): two ranks give the
 single-process engine's greedy tokens and logprobs, with chunked prefill, a prefix-cache hit,
-retraction, return_hidden_states and DSpark; KV heads split or replicated; two launches on
-127.0.0.1 as two nodes; bad layouts refused at start-up naming the flags."""
+retraction, return_hidden_states and DSpark; KV heads split or replicated; the vocab split over
+the ranks, tied LM head or not, padded when it does not divide (3 ranks); a draft without its own
+embedding / LM head gets the target's full ones; two launches on 127.0.0.1 as two nodes; bad
+layouts refused at start-up naming the flags."""
 from __future__ import annotations
 
 import os
@@ -12,7 +14,7 @@ import pytest
 import torch
 from conftest import TINY_CONFIGS, assert_no_kv_leak
 from dspark_fixtures import make_oracle_draft
-from parallel_fixtures import COMMON, PROMPTS, assert_same, bigram_of, run_mixed
+from parallel_fixtures import COMMON, PROMPTS, assert_same, bigram_of, make_tp3_llama, run_mixed
 from server_harness import free_port
 
 from sparkserve import Engine
@@ -29,11 +31,14 @@ def mqa_dir(tmp_path_factory) -> str:
     return path
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "mqa"])
-def test_two_ranks_equal_one(arch, tiny_dirs, mqa_dir):
-    path = mqa_dir if arch == "mqa" else tiny_dirs[arch]
+@pytest.mark.parametrize("arch,tp", [("llama", 2), ("qwen3", 2), ("mistral", 2), ("mqa", 2), ("untied", 3),
+                                     ("tied", 3)])
+def test_ranks_equal_one(arch, tp, tiny_dirs, mqa_dir, tmp_path):
+    """Llama untied, Qwen3 tied (320 rows: 160 a rank); on 3 ranks the vocab pads to 321."""
+    path = mqa_dir if arch == "mqa" else tiny_dirs.get(arch) or make_tp3_llama(str(tmp_path), arch == "tied")
     want = run_mixed(Engine(path, **COMMON))
-    with Engine(path, tp_size=2, **COMMON) as eng:
+    with Engine(path, tp_size=tp, **COMMON) as eng:
+        assert eng.scheduler.runner.model.lm_head.out_features == -(-320 // tp)   # the driver's slice
         got = run_mixed(eng)
         assert got[3]["meta_info"]["cached_tokens"] >= 16             # the prefix cache served it
         assert_no_kv_leak(eng.scheduler.cache)
@@ -68,6 +73,31 @@ def test_dspark_under_tp_is_lossless(llama_dir, tmp_path):
         hist = eng.scheduler.accept_hist
     assert [g["output_ids"] for g in got] == [o["output_ids"] for o in plain]
     assert sum(k * v for k, v in hist.items()) > 0 and hist.get(0, 0) + hist.get(1, 0) > 0, hist
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_draft_gets_full_vocab_under_tp(arch, tiny_dirs, tmp_path):
+    """A draft checkpoint without embed_tokens / lm_head: under TP the driver reads the target's
+    full ones from its checkpoint (the target keeps a slice); drafting equals one process's."""
+    from dspark_fixtures import make_random_draft
+    from safetensors.torch import load_file
+    path = tiny_dirs[arch]
+    draft = make_random_draft(path, str(tmp_path / "draft"), include_shared=False, std=0.05)
+    ckpt = load_file(f"{path}/model.safetensors")
+    tied = TINY_CONFIGS[arch]["tie_word_embeddings"]
+    head = ckpt["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    kw = dict(COMMON, speculative_algorithm="DSPARK", speculative_draft_model_path=draft)
+    sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    one = Engine(path, **kw)
+    want, want_hist = one.generate(input_ids=PROMPTS, sampling_params=sp), dict(one.scheduler.accept_hist)
+    with Engine(path, tp_size=2, **kw) as eng:
+        d = eng.scheduler.spec.draft
+        assert torch.equal(d.embed_tokens.weight, ckpt["model.embed_tokens.weight"])
+        assert torch.equal(d.lm_head.weight, head)
+        assert eng.scheduler.runner.model.lm_head.weight.shape[0] == 160
+        got = eng.generate(input_ids=PROMPTS, sampling_params=sp)
+        assert dict(eng.scheduler.accept_hist) == want_hist
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
 
 
 def test_two_nodes_on_one_machine(llama_dir):
@@ -107,8 +137,9 @@ def test_bad_layouts_are_refused(llama_dir):
 
 def test_gguf_blocks_shard(smollm2_path):
     """The embedded SmolLM2 GGUF on 3 ranks (9 heads, 3 KV heads): every rank keeps its slice of
-    the Q4_1 blocks (row slices for q|k|v and gate|up, column slices for o_proj and down_proj) and
-    the block kernel runs on them; greedy chat answers equal one rank's."""
+    the Q4_1 blocks (row slices for q|k|v and gate|up, column slices for o_proj and down_proj, the
+    vocab rows of the tied embedding / LM head) and the block kernel runs on them; greedy chat
+    answers equal one rank's."""
     kw = dict(num_threads=1, max_total_tokens=1024)
     chats = [[{"role": "user", "content": "Name a color."}], [{"role": "user", "content": "What is 2+3?"}]]
     sp = {"temperature": 0, "max_new_tokens": 12}
@@ -119,5 +150,8 @@ def test_gguf_blocks_shard(smollm2_path):
         layer = eng.scheduler.runner.model.model.layers[0]
         assert layer.self_attn.o_proj._blocks is not None and layer.self_attn.o_proj.in_features == 192
         assert layer.mlp.down_proj._blocks is not None and layer.mlp.gate_up_proj._blocks is not None
+        model = eng.scheduler.runner.model          # tied: the LM head is the embedding's slice
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.lm_head._blocks is not None and model.lm_head._blocks.shape == (49152 // 3, 576)
         got = eng.generate(messages=chats, sampling_params=sp)
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]

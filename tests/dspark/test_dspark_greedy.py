@@ -149,9 +149,9 @@ def test_logprobs_match_plain(setups):
         assert [t for _, t in lo] == [t for _, t in lr] == o["output_ids"]
         assert torch.allclose(torch.tensor([x for x, _ in lo]), torch.tensor([x for x, _ in lr]), atol=1e-4)
         to, tr = o["meta_info"]["output_top_logprobs"], r["meta_info"]["output_top_logprobs"]
-        assert [[i for i, _ in row] for row in to] == [[i for i, _ in row] for row in tr]
-        assert torch.allclose(torch.tensor([[v for _, v in row] for row in to]),
-                              torch.tensor([[v for _, v in row] for row in tr]), atol=1e-4)
+        assert [[i for _, i in row] for row in to] == [[i for _, i in row] for row in tr]
+        assert torch.allclose(torch.tensor([[v for v, _ in row] for row in to]),
+                              torch.tensor([[v for v, _ in row] for row in tr]), atol=1e-4)
     assert_no_kv_leak(eng)
 
 

@@ -148,8 +148,8 @@ def test_logprobs_equal_transformers_log_softmax(sampled, llama_engine, hf_tiny)
     assert len(tops) == len(out)
     for row, top in zip(ref, tops):
         v, i = row.topk(3)
-        assert [t for t, _ in top] == i.tolist()
-        assert torch.allclose(torch.tensor([x for _, x in top]), v, atol=1e-4)
+        assert [t for _, t in top] == i.tolist()
+        assert torch.allclose(torch.tensor([x for x, _ in top]), v, atol=1e-4)
     if not sampled:
         assert all(row.argmax().item() == t for row, t in zip(ref, out))
 

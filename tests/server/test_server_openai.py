@@ -1,11 +1,17 @@
 """The real `openai` client (sync, async, streaming) against `sparkserve serve` on the embedded
 SmolLM2: greedy answers equal the offline Engine's for the same messages/prompts, and the OpenAI
-shapes (content parts, token-id prompts, n, stop, logprobs, usage) hold. Also SGLang's /generate."""
+shapes (content parts, token-id prompts, n, stop, logprobs, usage) hold. Also SGLang's /generate.
+
+Every test runs against three servers, one at a time (the `server` fixture's params): one process,
+`--pp-size 2` and `--tp-size 3` (SmolLM2 has 9 attention heads and 3 KV heads, so 3 is the tensor
+split it allows; 2 is refused at start-up, test_tp2_is_refused). Each is compared with the same
+single-process offline Engine: a parallel server must answer exactly as one process does."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import re
 
 import httpx
 import openai
@@ -23,9 +29,21 @@ CHATS = [
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = ServerProcess("--max-total-tokens", str(POOL))
+# (tp_size, pp_size) per layout; every rank runs SERVER_THREADS torch threads (--num-threads).
+LAYOUTS = {"single": (1, 1), "pp2": (1, 2), "tp3": (3, 1)}
+
+
+def _layout_flags(tp: int, pp: int) -> list[str]:
+    return (["--tp-size", str(tp)] if tp > 1 else []) + (["--pp-size", str(pp)] if pp > 1 else [])
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(request):
+    """One server per layout, started once for all the module's tests (pytest groups the tests
+    by this module-scoped param, so only one server runs at a time)."""
+    tp, pp = LAYOUTS[request.param]
+    s = ServerProcess("--max-total-tokens", str(POOL), *_layout_flags(tp, pp))
+    s.tp_size, s.pp_size = tp, pp
     yield s
     s.stop()
     s.remove_log()
@@ -42,7 +60,8 @@ def _threads(n: int):
 
 
 @pytest.fixture(scope="module")
-def engine(server):  # built while the server loads (the server fixture only starts the process)
+def engine():
+    """The single-process reference, built once for every layout (it does not depend on `server`)."""
     from sparkserve import Engine
     with _threads(SERVER_THREADS):
         eng = Engine(max_total_tokens=POOL, num_threads=SERVER_THREADS)
@@ -55,7 +74,8 @@ def engine(server):  # built while the server loads (the server fixture only sta
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def client(server, engine):
+    """Asks for `engine` first so the reference loads while the server does (`server.url` waits)."""
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -66,6 +86,23 @@ def model_name(client):
 
 def greedy(max_tokens=MAX_TOKENS, **kw):
     return {"max_new_tokens": max_tokens, "temperature": 0.0, **kw}
+
+
+def test_tp2_is_refused():
+    """SmolLM2's 9 heads do not split over 2 ranks: the server exits 1 at start-up with one line
+    naming the flag and the sizes that work, instead of serving a wrong split."""
+    s = ServerProcess("--max-total-tokens", str(POOL), "--tp-size", "2")
+    try:
+        assert s.proc.wait(s.startup_timeout) == 1
+        log = s.log_tail(100_000)
+        # the error line the server prints for the user: the flag, the count, the sizes that work
+        assert re.search(r"^sparkserve: error: the scheduler failed to start: ValueError: --tp-size 2: "
+                         r"the model's 9 attention heads do not split over 2 ranks; use one of 1, 3, 9$",
+                         log, re.M), log
+        assert "Traceback" not in log        # a flag error is one line, from every rank
+    finally:
+        s.stop()
+        s.remove_log()
 
 
 def test_chat_greedy_equals_engine(client, engine, model_name):
@@ -227,7 +264,7 @@ def test_models_and_unknown_model(client, model_name, server):
 
 
 def test_sglang_generate_equals_engine(server, engine):
-    ref = engine.run(prompt=PROMPTS[0], sampling_params=greedy())
+    ref = engine.run(prompt=PROMPTS[0], sampling_params=greedy(return_logprob=True, top_logprobs_num=2))
     r = httpx.post(server.url + "/generate", json={"text": PROMPTS[0], "sampling_params": greedy()},
                    timeout=120)
     assert r.status_code == 200, r.text
@@ -248,7 +285,13 @@ def test_sglang_generate_equals_engine(server, engine):
     assert all(chunks[i + 1]["text"].startswith(chunks[i]["text"]) for i in range(len(chunks) - 1))
     lps = chunks[-1]["meta_info"]["output_token_logprobs"]
     assert [t for _, t, _ in lps] == ref["output_ids"]
-    assert all(len(top) == 2 for top in chunks[-1]["meta_info"]["output_top_logprobs"])
+    # the values too: a TP/PP driver computes the one-process logits, up to fp summation order
+    # (the Engine's entries are (logprob, id), SGLang's /generate ones [logprob, id, text])
+    want_lps, want_tops = ref["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_top_logprobs"]
+    assert [lp for lp, _, _ in lps] == pytest.approx([lp for lp, _ in want_lps], abs=1e-4)
+    tops = chunks[-1]["meta_info"]["output_top_logprobs"]
+    assert [[t for _, t, _ in top] for top in tops] == [[t for _, t in top] for top in want_tops]
+    assert all(len(top) == 2 for top in tops)
     # hidden states need --enable-return-hidden-states (test_return_hidden_states has a server with it)
     r = httpx.post(server.url + "/generate", timeout=30,
                    json={"text": PROMPTS[0], "sampling_params": greedy(), "return_hidden_states": True})
@@ -278,7 +321,10 @@ def test_server_and_model_info(server):
         assert hf(text)["input_ids"] == ours.encode(text, add_special_tokens=True), text
     assert hf.apply_chat_template(CHATS[0], tokenize=False, add_generation_prompt=True) == \
         ours.apply_chat_template(CHATS[0], add_generation_prompt=True)
-    assert info["tp_size"] == 1 and info["dp_size"] == 1 and info["disaggregation_mode"] == "null"
+    assert (info["tp_size"], info["pp_size"]) == (server.tp_size, server.pp_size)
+    # and it runs that many ranks: the scheduler (rank 0) and one process per other rank
+    assert len(server.rank_pids(info["scheduler_pid"])) == server.tp_size * server.pp_size - 1
+    assert info["dp_size"] == 1 and info["disaggregation_mode"] == "null"
     assert info["max_total_tokens"] == POOL
     model = httpx.get(server.url + "/model_info", timeout=10).json()
     assert model["model_path"] == info["model_path"] and model["is_generation"] is True

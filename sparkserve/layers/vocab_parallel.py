@@ -1,0 +1,63 @@
+"""The vocabulary split over the tensor-parallel ranks (SGLang's VocabParallelEmbedding and
+ParallelLMHead): each rank keeps its slice of the embedding and LM head rows (`vocab_shard`:
+the vocab padded up to a multiple of --tp-size, padding rows zero). The embedding looks up the ids
+of its slice, zeroes the others' rows and sums over the tp group; the LM head gives this rank's
+slice of the logits (CausalLM.compute_logits gathers them on the driver). On one rank both are
+the plain embedding and linear."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkserve.distributed import parallel_state as ps
+from sparkserve.distributed.sharding import vocab_shard
+from sparkserve.kernels import BlockWeight
+from sparkserve.layers.linear import Linear
+from sparkserve.layers.sharded import Sharded
+
+
+def vocab_slice(tensor: torch.Tensor, blocks: BlockWeight | None, start: int, rows: int,
+                real: int) -> tuple[torch.Tensor, BlockWeight | None]:
+    """Rows [start, start + real) of a [vocab, ...] checkpoint tensor, zero-padded to `rows`; the
+    block form only when no padding is added (blocks cannot hold the zero rows)."""
+    part = tensor[start:start + real]
+    if real < rows:
+        part = torch.cat([part, part.new_zeros(rows - real, *part.shape[1:])])
+        return part, None
+    return part, None if blocks is None else blocks.rows(torch.arange(start, start + rows))
+
+
+class VocabParallelEmbedding(Sharded):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = vocab_size, hidden_size
+        self.start, self.rows, self.real = vocab_shard(vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
+
+    def local_shard(self, tensor, blocks=None):
+        if ps.tp_size() == 1:
+            return tensor, blocks
+        return vocab_slice(tensor, blocks, self.start, self.rows, self.real)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ps.tp_size() == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        x = F.embedding(torch.where(inside, local, 0), self.weight)
+        return ps.all_reduce(x.masked_fill_(~inside.unsqueeze(-1), 0.0))
+
+
+class ParallelLMHead(Linear):
+    """This rank's slice of the LM head rows (and of its bias): its slice of the logits."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, bias: bool = False):
+        self.vocab_size = vocab_size
+        self.start, rows, self.real = vocab_shard(vocab_size)
+        super().__init__(hidden_size, rows, bias)
+
+    def local_shard(self, tensor, blocks=None):
+        if ps.tp_size() == 1:
+            return tensor, blocks
+        return vocab_slice(tensor, blocks, self.start, self.out_features, self.real)
