@@ -20,6 +20,7 @@ from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.kv_pool import KVPool
+from sparkserve.models.causal_lm import CausalLM
 
 
 @dataclass
@@ -252,7 +253,7 @@ class DSparkDraft(nn.Module):
                 ".mlp.gate_proj.": (".gate_up_proj.", "gate"), ".mlp.up_proj.": (".gate_up_proj.", "up")}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                     target: nn.Module | None = None) -> None:
+                     target: CausalLM | None = None) -> None:
         """DeepSpec names (no prefix; `model.` tolerated). embed_tokens / lm_head may be absent:
         then they are shared with the target's, or copied in full when the target keeps only its
         vocab slice of them (tensor parallel: `target_vocab_weights`)."""
@@ -278,7 +279,7 @@ class DSparkDraft(nn.Module):
                                      "it from")
                 if shared == "lm_head" and self.d2t is not None:
                     raise ValueError("a reduced-vocab DSpark checkpoint must contain lm_head.weight")
-                if getattr(target, "vocab_sharded", False):
+                if target.vocab_sharded:
                     full = full or target_vocab_weights(target)
                     loader.load(f"{shared}.weight", full[f"{shared}.weight"])
                     continue
@@ -292,7 +293,7 @@ class DSparkDraft(nn.Module):
         loader.check_complete()
 
 
-def load_dspark_draft(path: str, target: nn.Module | None = None) -> DSparkDraft:
+def load_dspark_draft(path: str, target: CausalLM | None = None) -> DSparkDraft:
     from sparkserve.layers.linear import pack_linears
     from sparkserve.loader.hf import hf_weights
     with open(os.path.join(path, "config.json")) as f:
@@ -308,7 +309,7 @@ def load_dspark_draft(path: str, target: nn.Module | None = None) -> DSparkDraft
     return draft
 
 
-def _check_against_target(cfg: DSparkConfig, target: nn.Module | None) -> None:
+def _check_against_target(cfg: DSparkConfig, target: CausalLM | None) -> None:
     if target is None:
         return
     t = target.config
@@ -344,7 +345,7 @@ def dspark_config_dict(target_cfg, num_layers: int = 1, block_size: int = 7,
     }
 
 
-def init_dspark_draft(config: dict[str, Any], target: nn.Module | None = None, seed: int = 0,
+def init_dspark_draft(config: dict[str, Any], target: CausalLM | None = None, seed: int = 0,
                       std: float = 0.02, vocab: torch.Tensor | list[int] | None = None) -> DSparkDraft:
     """A randomly initialised draft (embedding and LM head copied from the target if given);
     `vocab`: the target ids of a reduced draft vocab (config draft_vocab_size = len(vocab))."""
@@ -380,16 +381,17 @@ def init_dspark_draft(config: dict[str, Any], target: nn.Module | None = None, s
     return draft
 
 
-def target_vocab_weights(target: nn.Module) -> dict[str, torch.Tensor]:
+def target_vocab_weights(target: CausalLM) -> dict[str, torch.Tensor]:
     """The target's whole embedding and LM head weights ("embed_tokens.weight", "lm_head.weight").
     Under tensor parallelism the target keeps only its vocab slice of them (layers/vocab_parallel.py),
     so they are read from its checkpoint, just those tensors: the driver (where the draft runs)
     holds a full copy of them only when a draft needs one."""
-    if not getattr(target, "vocab_sharded", False):
+    if not target.vocab_sharded:
         return {"embed_tokens.weight": target.model.embed_tokens.weight,
                 "lm_head.weight": target.lm_head.weight}
-    from sparkserve.models.registry import read_tensors
-    got = read_tensors(target.checkpoint_path, target.config, {"model.embed_tokens.weight", "lm_head.weight"})
+    from sparkserve.models.registry import checkpoint_weights
+    got = dict(checkpoint_weights(target.checkpoint_path, target.config,
+                                  {"model.embed_tokens.weight", "lm_head.weight"}))
     embed = got["model.embed_tokens.weight"]
     head = embed if target.config.tie_word_embeddings else got["lm_head.weight"]
     return {"embed_tokens.weight": embed, "lm_head.weight": head}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -36,14 +37,15 @@ def load_config(model_path: str) -> ModelConfig:
     return hf_config(model_path)
 
 
-def read_tensors(model_path: str, cfg: ModelConfig, names: set[str]) -> dict[str, torch.Tensor]:
-    """Only the checkpoint tensors `names` (HF names; GGUF ones keep their blocks), read without
-    the rest: e.g. a draft's full copy of a vocab-split target's embedding and LM head."""
+def checkpoint_weights(model_path: str, cfg: ModelConfig, names: set[str] | None = None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of a GGUF file or an HF checkpoint; only `names` when given (the others
+    are not read: e.g. a draft's full copy of a vocab-split target's embedding and LM head)."""
     if model_path.endswith(".gguf"):
         from sparkserve.loader.gguf import gguf_weights
-        return dict(gguf_weights(model_path, cfg, names))
+        return gguf_weights(model_path, cfg, names)
     from sparkserve.loader.hf import hf_weights
-    return dict(hf_weights(model_path, names))
+    return hf_weights(model_path, names)
 
 
 def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = True) -> nn.Module:
@@ -55,12 +57,7 @@ def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = Tru
     with torch.device("meta"):
         model = cls(cfg)
     model = model.to_empty(device="cpu")
-    if model_path.endswith(".gguf"):
-        from sparkserve.loader.gguf import gguf_weights
-        weights = gguf_weights(model_path, cfg)
-    else:
-        from sparkserve.loader.hf import hf_weights
-        weights = hf_weights(model_path)
+    weights = checkpoint_weights(model_path, cfg)
     model.post_materialize()
     model.checkpoint_path = model_path
     model.load_weights((name, t) for name, t in weights if model.owns(name))   # a pipeline stage's share
