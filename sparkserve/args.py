@@ -13,7 +13,7 @@ from sparkserve.embedded import EMBEDDED_NAME, default_model_path, is_embedded, 
 
 VERIFY_MODES = ("full", "threshold", "adaptive")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-NOT_YET = "only 1 until DP attention lands"
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 
 
 @dataclass(frozen=True)
@@ -26,14 +26,30 @@ class ParallelConfig:
     node_rank: int = 0
     pp_layer_partition: tuple[int, ...] | None = None
     ep_size: int = 1
+    dp_size: int = 1           # attention data-parallel groups inside the tp group (DP attention)
+    attn_cp_size: int = 1      # ranks of an attention group that split long prefills by tokens
 
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
 
     @property
+    def group_size(self) -> int:
+        """Ranks of one attention group (one scheduler): --tp-size / --dp-size."""
+        return self.tp_size // self.dp_size
+
+    @property
+    def attn_tp_size(self) -> int:
+        """Ranks that split an attention group's heads (1 under context parallel)."""
+        return self.group_size // self.attn_cp_size
+
+    @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
+
+    def is_driver(self, rank: int) -> bool:
+        """Whether `rank` runs a scheduler: rank 0, and with DP attention each group's first rank."""
+        return rank % self.group_size == 0 if self.dp_size > 1 else rank == 0
 
     def local_ranks(self) -> list[int]:
         """Global ranks that run on this node (contiguous, as torchrun places them)."""
@@ -112,7 +128,20 @@ class ServerArgs:
     ep_size: int = field(default=1, metadata=_opt(
         "expert parallel size: MoE models' routed experts split over each tensor-parallel group (1 or "
         "--tp-size)"))
-    dp_size: int = field(default=1, metadata=_opt(f"data parallel size ({NOT_YET})"))
+    dp_size: int = field(default=1, metadata=_opt(
+        "data parallel size: with --enable-dp-attention, attention groups of --tp-size / --dp-size ranks"))
+    enable_dp_attention: bool = field(default=False, metadata=_opt(
+        "run attention data parallel: each of --dp-size groups of the tp ranks schedules its own requests "
+        "with its own KV pool and prefix cache; the MLP/MoE runs over every group's tokens"))
+    enable_dp_lm_head: bool = field(default=False, metadata=_opt(
+        "the LM head split over each attention group's ranks (with DP attention this is how sparkserve "
+        "always runs it; accepted for SGLang compatibility)"))
+    attn_cp_size: int = field(default=1, metadata=_opt(
+        "context parallel size of attention: long prefills split by tokens (zigzag) over this many ranks of "
+        "each attention group (--tp-size / --dp-size ranks)"))
+    load_balance_method: str = field(default="round_robin", metadata=_opt(
+        "how DP attention assigns a request to a group (unless the request names routed_dp_rank)",
+        choices=LOAD_BALANCE_METHODS))
     nnodes: int = field(default=1, metadata=_opt("machines the ranks run on"))
     node_rank: int = field(default=0, metadata=_opt(
         "this machine's index; nodes above 0 run their ranks only (node 0 serves)"))
@@ -173,7 +202,7 @@ class ServerArgs:
                                                   f"{self.pp_micro_batch_min_tokens}")
         need(self.pp_micro_batches >= 0, f"--pp-micro-batches must be >= 0 (0: one per stage), got "
                                          f"{self.pp_micro_batches}")
-        need(self.dp_size == 1, f"--dp-size {self.dp_size}: not built yet; run with --dp-size 1")
+        self._validate_dp_attention(need)
         need(self.ep_size in (1, self.tp_size),
              f"--ep-size {self.ep_size}: experts split over a tensor-parallel group; use 1 or --tp-size "
              f"({self.tp_size})")
@@ -188,10 +217,35 @@ class ServerArgs:
              "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, reachable from every node)")
         need(self.dist_timeout > 0, f"--dist-timeout must be positive, got {self.dist_timeout}")
 
+    def _validate_dp_attention(self, need) -> None:
+        need(self.dp_size >= 1, f"--dp-size must be >= 1, got {self.dp_size}")
+        need(self.dp_size == 1 or self.enable_dp_attention,
+             f"--dp-size {self.dp_size} without --enable-dp-attention (whole replicas): run {self.dp_size} "
+             "servers behind a router, or add --enable-dp-attention")
+        need(not self.enable_dp_lm_head or self.enable_dp_attention,
+             "--enable-dp-lm-head needs --enable-dp-attention")
+        need(self.load_balance_method in LOAD_BALANCE_METHODS,
+             f"--load-balance-method {self.load_balance_method}: use one of "
+             f"{', '.join(LOAD_BALANCE_METHODS)}")
+        cp = self.attn_cp_size
+        need(cp >= 1, f"--attn-cp-size must be >= 1, got {cp}")
+        if not self.enable_dp_attention and cp == 1:
+            return
+        dp = self.dp_size if self.enable_dp_attention else 1
+        need(self.tp_size % (dp * cp) == 0,
+             f"--tp-size {self.tp_size} must be a multiple of --dp-size {dp} x --attn-cp-size {cp} (each "
+             "attention group takes --tp-size / --dp-size ranks, which --attn-cp-size splits)")
+        need(cp == 1 or self.tp_size == dp * cp,
+             f"--attn-cp-size {cp} with attention heads split too (--tp-size {self.tp_size} > --dp-size {dp} "
+             f"x --attn-cp-size {cp}): not supported; give --tp-size {dp * cp}")
+        flag = "--enable-dp-attention" if cp == 1 else "--attn-cp-size"
+        need(self.pp_size == 1, f"{flag} with --pp-size {self.pp_size}: not supported; use --pp-size 1")
+
     def parallel_config(self) -> ParallelConfig:
         partition = tuple(self.pp_layer_partition) if self.pp_layer_partition else None
         return ParallelConfig(self.tp_size, self.pp_size, self.nnodes, self.node_rank, partition,
-                              self.ep_size)
+                              self.ep_size, self.dp_size if self.enable_dp_attention else 1,
+                              self.attn_cp_size)
 
     def _validate_dspark(self, need) -> None:
         """DSpark flags, and the draft checked before any model loads (a one-line error, not a

@@ -34,6 +34,7 @@ class GenerateReq:
     return_hidden_states: bool = False
     index: int = 0              # the choice's index in the HTTP response (frontend bookkeeping)
     prompt_index: int = 0       # which prompt of the request it answers (usage counts each once)
+    routed_dp_rank: int | None = None   # DP attention: the group to run it on (None: load balancing)
 
 
 @dataclass

@@ -12,6 +12,16 @@ SP = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "return_logpro
       "top_logprobs_num": 3}
 
 
+def act_as_rank(monkeypatch, tp_rank: int = 0, tp_size: int = 1, **state) -> None:
+    """Build models here as tensor-parallel rank `tp_rank` of `tp_size` would (MLP and attention
+    split alike), with other parallel_state fields as given; no process group."""
+    import dataclasses
+
+    from sparkserve.distributed import parallel_state as ps
+    group = ps.Group(tp_rank, tp_size)
+    monkeypatch.setattr(ps, "_state", dataclasses.replace(ps._state, tp=group, mlp=group, **state))
+
+
 def run_mixed(eng) -> list[dict]:
     first = eng.generate(input_ids=PROMPTS[:3], sampling_params=SP)
     return first + [eng.generate(input_ids=PROMPTS[3], sampling_params=SP)]   # reads prompt 2's prefix

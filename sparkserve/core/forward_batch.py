@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -15,9 +16,25 @@ class ForwardMode(enum.Enum):
     EXTEND = "extend"      # prefill new tokens over a cached prefix
     DECODE = "decode"      # one token per request
     VERIFY = "verify"      # target scores anchor + draft tokens
+    IDLE = "idle"          # DP attention: a group with no work joins the others' MLP collectives
 
 
-_RANK_LOCAL = ("kv_pool", "aux_hidden", "final_hidden", "micro_batches", "_meta")
+_RANK_LOCAL = ("kv_pool", "aux_hidden", "final_hidden", "micro_batches", "mlp_rows", "cp", "_meta")
+
+
+class TokenShard(Protocol):
+    """Context parallel: which of a batch's tokens this rank runs (distributed/context_parallel.py)."""
+    full: ForwardBatch
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows -> the full batch's rows, in its order."""
+
+    def mine(self, x: torch.Tensor) -> torch.Tensor:
+        """The full batch's rows -> this rank's."""
+
+    def run_in_sequence(self, layer, x: torch.Tensor, state: list[torch.Tensor]) -> torch.Tensor:
+        """A recurrent layer over this rank's rows x, its request-row `state` carried across the
+        ranks in sequence order."""
 
 
 @dataclass
@@ -54,11 +71,22 @@ class ForwardBatch:
     # Pipeline parallel: the (first request, end, part) micro-batches the stages ran this batch as;
     # a VERIFY commits each part with its own requests' kept lengths.
     micro_batches: list[tuple[int, int, ForwardBatch]] = field(default_factory=list)
+    # DP attention / context parallel: (rows each rank of the MLP group brings to this forward's
+    # MLPs, the rank whose rows are this rank's): layers/dp_attention.py
+    mlp_rows: tuple[list[int], int] | None = None
+    cp: TokenShard | None = None    # context parallel: this batch is this rank's share of `cp.full`
     _meta: dict = field(default_factory=dict)
 
     def wire(self) -> dict:
         """What another rank needs to run the same forward on its own pool (tensor parallel)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _RANK_LOCAL}
+
+    @classmethod
+    def idle(cls, kv_pool: Pool) -> ForwardBatch:
+        """A forward of no tokens: DP attention's group without work, in step with the others."""
+        none = torch.zeros(0, dtype=torch.long)
+        return cls(ForwardMode.IDLE, none, none, none, [], [], torch.zeros(0, 0, dtype=torch.long), kv_pool,
+                   logits_rows=none)
 
     def select(self, lo: int, hi: int) -> ForwardBatch:
         """Requests lo..hi-1 as a batch of their own (a pipeline micro-batch): the same pool and
@@ -105,6 +133,15 @@ class ForwardBatch:
             self._meta["q"] = (q_index, flat)
         return self._meta["q"]
 
+    def store(self, buf: torch.Tensor, rows: torch.Tensor, window: int | None = None) -> None:
+        """Write this forward's rows of a token_page pool item (K, V, latent, index K/V) at the
+        new tokens' slots; under context parallel every rank's rows are gathered first, so each
+        rank keeps the whole sequence where decode reads it."""
+        if self.cp is None:
+            buf[self.kv_view(window)[0]] = rows
+        else:
+            buf[self.cp.full.kv_view(window)[0]] = self.cp.gather(rows)
+
     def kv_view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(slots the new tokens write to, slots of the gathered positions, first gathered
         position) for a layer with this window: a split pool's windowed layers use their own."""
@@ -126,7 +163,7 @@ class ForwardBatch:
         lmax = kv_indices.shape[1]
         all_decode = all(n == 1 for n in self.extend_lens)
         same_len = all(s == kv_start + lmax for s in self.seq_lens)
-        if all_decode and same_len and (window is None or lmax <= window):
+        if all_decode and same_len and (window is None or lmax <= window) and self.cp is None:
             return None
         q_index, _ = self.query_layout()
         B = len(self.seq_lens)

@@ -49,6 +49,7 @@ class Req:
     # return_hidden_states: (positions, final normed hidden, concatenated aux taps) of every
     # forward that computed rows of this request; a recomputed position (retraction) comes again.
     hidden_parts: list[HiddenPart] | None = None
+    routed_dp_rank: int | None = None   # DP attention: the group asked for (None: load balancing)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -6,6 +6,7 @@ both are the single-process values when nothing was initialised. `tp_broadcast` 
 carry the LM head's input rows out from the driver and its vocab slices back."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 from dataclasses import dataclass
@@ -26,17 +27,44 @@ def tp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
     return [list(range(s * tp_size, (s + 1) * tp_size)) for s in range(world_size // tp_size)]
 
 
+@dataclass(frozen=True)
+class Group:
+    """Ranks this rank works with: its index among them, their count, the torch group (None:
+    the default, every rank) and their global ranks; the first is the group's leader."""
+    rank: int = 0
+    size: int = 1
+    handle: object = None
+    ranks: tuple[int, ...] = (0,)
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+
+def _group(ranks: list[int], me: int, timeout: datetime.timedelta) -> Group | None:
+    """Every rank creates every group (torch.distributed's rule); members get theirs."""
+    handle = dist.new_group(ranks, timeout=timeout, backend="gloo")
+    return Group(ranks.index(me), len(ranks), handle, tuple(ranks)) if me in ranks else None
+
+
 @dataclass
 class _State:
     world_size: int = 1
-    tp_rank: int = 0
-    tp_size: int = 1
-    tp_group: object = None
+    # The tensor-parallel group of this rank's scheduler: attention (and embedding, LM head)
+    # split over it. With DP attention, the attention group: tp_size / dp_size ranks.
+    tp: Group = Group()
+    # What the MLP / MoE splits over: the whole stage (tp_size ranks); tp itself without DP attention.
+    mlp: Group = Group()
+    building: Group | None = None   # mlp inside mlp_scope(): what layers being built split over
+    control: Group = Group()        # the driver (leader) and the ranks that mirror its forwards
+    dp: Group = Group()             # DP attention: the groups' drivers; rank = this group's index
+    dp_data: Group | None = None    # the same ranks, with the collective timeout (drivers only)
+    cp: Group = Group()             # context parallel: the attention group's ranks, which split prefills
     pp_rank: int = 0
     pp_size: int = 1
     pp_layer_partition: tuple[int, ...] | None = None
     data_group: object = None       # every rank, with the collective timeout: pipeline sends
-    ep_size: int = 1                # experts split over the tp group (1: every rank has them all)
+    ep_size: int = 1                # experts split over the mlp group (1: every rank has them all)
     timeout: datetime.timedelta = datetime.timedelta(seconds=300)
     sent_bytes: int = 0             # payload this rank put into collectives and sends (benchmarks)
 
@@ -45,21 +73,36 @@ _state = _State()
 
 
 def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: float) -> None:
-    """Join the world as `rank` and build every group (each rank builds all of them, in order)."""
+    """Join the world as `rank` and build every group (each rank builds all of them, in order).
+    With DP attention or context parallel (pp 1), rank r is in attention group r // (tp / dp),
+    whose first rank drives it (runs its scheduler); its ranks split the attention heads or, with
+    --attn-cp-size, the tokens of long prefills (cp group); the attention groups together are the
+    one tp group of the MLP."""
     if dist.is_initialized():
         raise ValueError("this process already drives a parallel engine (--tp-size/--pp-size > 1); "
                          "shut that one down first (Engine.shutdown())")
     dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=cfg.world_size,
                             timeout=CONTROL_TIMEOUT)
     timeout = datetime.timedelta(seconds=timeout_s)
-    tp_group = None
-    for ranks in tp_group_ranks(cfg.world_size, cfg.tp_size):
-        g = dist.new_group(ranks, timeout=timeout, backend="gloo")
-        if rank in ranks:
-            tp_group = g
+    def mine(groups: list[list[int]], t: datetime.timedelta) -> Group:
+        return [g for ranks in groups if (g := _group(ranks, rank, t))][0]
+
+    mlp = mine(tp_group_ranks(cfg.world_size, cfg.tp_size), timeout)
     data_group = dist.new_group(list(range(cfg.world_size)), timeout=timeout, backend="gloo")
-    _state.__init__(cfg.world_size, rank % cfg.tp_size, cfg.tp_size, tp_group, rank // cfg.tp_size,
-                    cfg.pp_size, cfg.pp_layer_partition, data_group, cfg.ep_size, timeout)
+    tp, dp, dp_data = mlp, Group(), None
+    control = Group(rank, cfg.world_size, None, tuple(range(cfg.world_size)))
+    cp = Group()
+    if cfg.dp_size > 1 or cfg.attn_cp_size > 1:
+        n = cfg.group_size
+        attn = [list(range(d * n, (d + 1) * n)) for d in range(cfg.dp_size)]
+        control = mine(attn, CONTROL_TIMEOUT)
+        tp = mine(attn, timeout) if cfg.attn_cp_size == 1 else Group()
+        cp = mine(attn, timeout) if cfg.attn_cp_size > 1 else Group()
+        drivers = [a[0] for a in attn]
+        dp = _group(drivers, rank, CONTROL_TIMEOUT) or Group(rank // n, cfg.dp_size)
+        dp_data = _group(drivers, rank, timeout)
+    _state.__init__(cfg.world_size, tp, mlp, None, control, dp, dp_data, cp, rank // cfg.tp_size, cfg.pp_size,
+                    cfg.pp_layer_partition, data_group, cfg.ep_size, timeout)
 
 
 def destroy() -> None:
@@ -68,17 +111,34 @@ def destroy() -> None:
     _state.__init__()
 
 
+def layer_group() -> Group:
+    """The group a layer being built now splits over: the MLP's inside mlp_scope(), else the tp
+    group (a layer keeps it for its all-reduce)."""
+    return _state.building or _state.tp
+
+
 def tp_rank() -> int:
-    return _state.tp_rank
+    return layer_group().rank
 
 
 def tp_size() -> int:
-    return _state.tp_size
+    return layer_group().size
+
+
+@contextlib.contextmanager
+def mlp_scope():
+    """Build a decoder layer's MLP / MoE inside this: it splits over the whole stage (the mlp
+    group), which with DP attention is wider than the attention's tp group."""
+    _state.building = _state.mlp
+    try:
+        yield
+    finally:
+        _state.building = None
 
 
 def ep_rank() -> int:
-    """This rank's part of the experts (its index in the tp group)."""
-    return _state.tp_rank if _state.ep_size > 1 else 0
+    """This rank's part of the experts (its index in the mlp group)."""
+    return _state.mlp.rank if _state.ep_size > 1 else 0
 
 
 def ep_size() -> int:
@@ -123,7 +183,7 @@ def is_last_stage() -> bool:
 
 def stage_peer(stage: int) -> int:
     """The rank of `stage` with this rank's tensor-parallel index."""
-    return stage * _state.tp_size + _state.tp_rank
+    return stage * _state.mlp.size + _state.mlp.rank
 
 
 class PendingSend:
@@ -159,11 +219,12 @@ def agree_min(values: list[int]) -> list[int]:
     return t.tolist()
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the tensor-parallel group, in place; nothing to do on one rank."""
-    if _state.tp_size > 1:
+def all_reduce(x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
+    """Sum over `group` (the tp group by default), in place; nothing to do on one rank."""
+    g = group or _state.tp
+    if g.size > 1:
         _state.sent_bytes += x.numel() * x.element_size()
-        dist.all_reduce(x, group=_state.tp_group)
+        dist.all_reduce(x, group=g.handle)
     return x
 
 
@@ -171,43 +232,150 @@ def tp_broadcast(x: torch.Tensor) -> torch.Tensor:
     """The tp group's rank 0's `x` on every rank of the group (the others pass a tensor of the
     same shape to receive into; in place). The driver hands its stage-0 peers the rows to run
     the LM head on (under pipeline parallel they do not have the final hidden rows)."""
-    if _state.tp_size > 1:
-        if _state.tp_rank == 0:
+    tp = _state.tp
+    if tp.size > 1:
+        if tp.rank == 0:
             _state.sent_bytes += x.numel() * x.element_size()
-        src = _state.pp_rank * _state.tp_size
-        dist.broadcast(x, src, group=_state.tp_group, async_op=True).wait(_state.timeout)
+        dist.broadcast(x, tp.leader, group=tp.handle, async_op=True).wait(_state.timeout)
     return x
 
 
 def tp_gather(x: torch.Tensor) -> torch.Tensor | None:
     """Every tp rank's `x` (all of one shape) concatenated along the last dimension in tp-rank
     order, on the group's rank 0; None on the others (the LM head's vocab slices)."""
-    if _state.tp_size == 1:
+    tp = _state.tp
+    if tp.size == 1:
         return x
     x = x.contiguous()
-    dst = _state.pp_rank * _state.tp_size
-    parts = [torch.empty_like(x) for _ in range(_state.tp_size)] if _state.tp_rank == 0 else None
-    if _state.tp_rank != 0:
+    parts = [torch.empty_like(x) for _ in range(tp.size)] if tp.rank == 0 else None
+    if tp.rank != 0:
         _state.sent_bytes += x.numel() * x.element_size()
-    dist.gather(x, parts, dst, group=_state.tp_group, async_op=True).wait(_state.timeout)
+    dist.gather(x, parts, tp.leader, group=tp.handle, async_op=True).wait(_state.timeout)
     return None if parts is None else torch.cat(parts, -1)
 
 
 def broadcast_object(obj: object = None) -> object:
-    """The driver's `obj` on every rank (the driver passes it, the others receive it). The
-    others wait as long as it takes (an idle server sends nothing); the driver gives up after
-    the collective timeout, so a hung rank fails requests instead of hanging them."""
-    driver = dist.get_rank() == 0
+    """The driver's `obj` on every rank that mirrors its forwards (the driver passes it, the
+    others receive it). The others wait as long as it takes (an idle server sends nothing); the
+    driver gives up after the collective timeout, so a hung rank fails requests instead of
+    hanging them."""
+    return _broadcast_object(obj, _state.control)
+
+
+def _broadcast_object(obj: object, g: Group) -> object:
+    driver = g.rank == 0
     size = torch.zeros(1, dtype=torch.long)
     if driver:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size[0] = data.numel()
         _state.sent_bytes += data.numel()
-    _wait(dist.broadcast(size, 0, async_op=True), driver)
+    _wait(dist.broadcast(size, g.leader, group=g.handle, async_op=True), driver)
     if not driver:
         data = torch.empty(int(size[0]), dtype=torch.uint8)
-    _wait(dist.broadcast(data, 0, async_op=True), driver)
+    _wait(dist.broadcast(data, g.leader, group=g.handle, async_op=True), driver)
     return obj if driver else pickle.loads(data.numpy().tobytes())
+
+
+# ---- DP attention ----------------------------------------------------------------------------
+def dp_rank() -> int:
+    """This rank's attention data-parallel group (0 without DP attention)."""
+    return _state.dp.rank
+
+
+def dp_size() -> int:
+    return _state.dp.size
+
+
+def is_driver() -> bool:
+    """Whether this rank runs a scheduler: global rank 0, or a DP attention group's first rank."""
+    return _state.control.rank == 0
+
+
+def dp_broadcast_object(obj: object = None) -> object:
+    """Rank 0's `obj` on every group's driver (DP attention's per-step command)."""
+    return _broadcast_object(obj, _state.dp)
+
+
+def dp_gather_object(obj: object) -> list | None:
+    """Every driver's `obj` on rank 0, in group order (None on the others)."""
+    g = _state.dp_data
+    out = [None] * g.size if g.rank == 0 else None
+    dist.gather_object(obj, out, dst=g.leader, group=g.handle)
+    return out
+
+
+def mlp_gathers() -> bool:
+    """Whether the ranks of the MLP group hold different tokens (DP attention, context
+    parallel): each layer then gathers them before the MLP and keeps its own after."""
+    return _state.dp.size > 1 or _state.cp.size > 1
+
+
+def mlp_row_counts(contributed: int) -> list[int]:
+    """Every rank's count of rows it brings to this forward's MLPs, in rank order (a rank whose
+    rows another rank of its attention group brings brings 0; an idle group 0)."""
+    counts = [torch.zeros(1, dtype=torch.long) for _ in range(_state.mlp.size)]
+    dist.all_gather(counts, torch.tensor([contributed]), group=_state.mlp.handle)
+    return [int(c) for c in counts]
+
+
+def gather_rows(x: torch.Tensor, counts: list[int], group: Group) -> torch.Tensor:
+    """Every rank's first counts[r] rows of x, concatenated in rank order, on every rank of
+    `group` (an all-gather of rows padded to the largest count)."""
+    padded = x.new_zeros(max(counts), *x.shape[1:])
+    padded[:x.shape[0]] = x[:padded.shape[0]]
+    parts = [torch.empty_like(padded) for _ in range(group.size)]
+    _state.sent_bytes += padded.numel() * padded.element_size()
+    dist.all_gather(parts, padded, group=group.handle)
+    return torch.cat([p[:n] for p, n in zip(parts, counts)])
+
+
+def mlp_gather(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The MLP's input: every rank's brought rows, in rank order."""
+    return gather_rows(x, counts, _state.mlp)
+
+
+def mlp_scatter(y: torch.Tensor, counts: list[int], source: int) -> torch.Tensor:
+    """This rank's rows of y, the MLP output over every rank's rows (already summed over the mlp
+    group by its all-reduce, so the scatter is a slice): those rank `source` (its index in the
+    mlp group: itself, or the rank of its attention group that brought its rows) brought."""
+    start = sum(counts[:source])
+    return y[start:start + counts[source]]
+
+
+def group_leader_index() -> int:
+    """The mlp-group index of this rank's attention group's first rank."""
+    return _state.mlp.rank - _state.control.rank if mlp_gathers() else 0
+
+
+def mlp_index() -> int:
+    return _state.mlp.rank
+
+
+# ---- context parallel -------------------------------------------------------------------------
+def cp_rank() -> int:
+    return _state.cp.rank
+
+
+def cp_size() -> int:
+    return _state.cp.size
+
+
+def cp_peer(index: int) -> int:
+    """The global rank of cp rank `index` of this rank's group."""
+    return _state.cp.ranks[index]
+
+
+def cp_broadcast(x: torch.Tensor, index: int) -> torch.Tensor:
+    """cp rank `index`'s x on every rank of the cp group (in place)."""
+    if index == _state.cp.rank:
+        _state.sent_bytes += x.numel() * x.element_size()
+    dist.broadcast(x, _state.cp.ranks[index], group=_state.cp.handle)
+    return x
+
+
+def cp_gather(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Every cp rank's rows of x (counts[r] each), concatenated in cp-rank order."""
+    return gather_rows(x, counts, _state.cp)
 
 
 def _wait(work, bounded: bool) -> None:

@@ -19,32 +19,36 @@ from sparkserve.distributed import parallel_state as ps
 class Dim:
     """A dimension a model splits: `what` names it in errors (plural), `size` is its count;
     `serves` (the query heads they serve) marks KV-like heads, replicated when fewer than the ranks;
-    `flag` is the flag that splits it."""
+    `flag` is the flag that splits it; `mlp` marks the MLP / MoE's dimensions, which DP attention
+    splits over the whole tp group while attention's split over one attention group."""
     what: str
     size: int
     serves: int = 0
     flag: str = "--tp-size"
+    mlp: bool = False
 
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def _check_dim(d: Dim, parts: int) -> None:
+def _check_dim(d: Dim, parts: int, label: str) -> None:
     n = d.size
     if not d.serves and n % parts:
-        raise ValueError(f"{d.flag} {parts}: the model's {n} {d.what} do not split over {parts} ranks; "
+        raise ValueError(f"{label}: the model's {n} {d.what} do not split over {parts} ranks; "
                          f"use one of {_divisors(n)}")
     if d.serves and n % parts and parts % n:
         ok = ", ".join(str(s) for s in range(1, d.serves + 1)
                        if d.serves % s == 0 and (n % s == 0 or s % n == 0))
-        raise ValueError(f"{d.flag} {parts}: the model's {n} {d.what} neither split over {parts} ranks nor "
+        raise ValueError(f"{label}: the model's {n} {d.what} neither split over {parts} ranks nor "
                          f"replicate evenly onto them; use one of {ok}")
 
 
-def check_tp(cfg: ModelConfig, tp: int, ep: int, dims: list[Dim]) -> None:
+def check_tp(cfg: ModelConfig, tp: int, ep: int, dims: list[Dim], attn_tp: int | None = None) -> None:
     """Start-up check of --tp-size / --ep-size against the model's `dims`, naming the flags and
-    the sizes that work. Experts are checked first (a MoE model splits them with its heads)."""
+    the sizes that work. With DP attention or context parallel, attention splits over `attn_tp`
+    ranks only (--tp-size / (--dp-size x --attn-cp-size)), the MLP over all of them. Experts are
+    checked first (a MoE model splits them with its heads)."""
     has_experts = any(d.flag == "--ep-size" for d in dims)
     if ep > 1 and not has_experts:
         raise ValueError(f"--ep-size {ep}: {cfg.architecture} has no experts to split; run with --ep-size 1")
@@ -53,8 +57,15 @@ def check_tp(cfg: ModelConfig, tp: int, ep: int, dims: list[Dim]) -> None:
     if has_experts and ep != tp:
         raise ValueError(f"--tp-size {tp}: {cfg.architecture} splits its experts over the ranks "
                          f"(--ep-size {tp}) as it splits its heads; give --ep-size {tp}")
+    attn_tp = tp if attn_tp is None else attn_tp
     for d in sorted(dims, key=lambda d: d.flag != "--ep-size"):
-        _check_dim(d, ep if d.flag == "--ep-size" else tp)
+        if d.flag == "--ep-size":
+            _check_dim(d, ep, f"--ep-size {ep}")
+        elif d.mlp or attn_tp == tp:
+            _check_dim(d, tp, f"--tp-size {tp}")
+        elif attn_tp > 1:
+            label = f"--tp-size {tp} over --dp-size x --attn-cp-size (attention over {attn_tp} ranks)"
+            _check_dim(d, attn_tp, label)
 
 
 def check_pp(cfg: ModelConfig, pp: int, partition: tuple[int, ...] | None) -> None:

@@ -24,7 +24,8 @@ from sparkserve.frontend.prepare import (
 )
 from sparkserve.frontend.tokenizer import Tokenizer, load_tokenizer_for
 from sparkserve.sampling_params import SamplingParams
-from sparkserve.scheduler.runtime import build_scheduler, context_length
+from sparkserve.scheduler.data_parallel import build_driver_scheduler
+from sparkserve.scheduler.runtime import context_length
 
 Messages = list[dict[str, Any]]
 # The kind of prompt each argument takes, and back (for the hint when one is given to another).
@@ -43,7 +44,7 @@ class Engine:
         self.tokenizer = load_tokenizer_for(self.args)
         self._ranks = start_worker_ranks(self.args)
         try:
-            self.scheduler, self.model_config = build_scheduler(self.args, self.tokenizer)
+            self.scheduler, self.model_config = build_driver_scheduler(self.args, self.tokenizer)
         except BaseException:
             stop_worker_ranks(self._ranks, timeout=0)
             raise
@@ -57,7 +58,8 @@ class Engine:
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  messages: Messages | Sequence[Messages] | None = None,
                  stream: bool = False,
-                 return_hidden_states: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 return_hidden_states: bool = False,
+                 routed_dp_rank: int | None = None) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list, in order).
         Give exactly one of `prompt` (text), `input_ids` or `messages` (chat, template applied).
         With stream=True (single prompt), yields chunks {"text": delta, "output_ids": new ids,
@@ -65,15 +67,19 @@ class Engine:
         enable_return_hidden_states) adds meta_info "hidden_states" (final normed hidden state
         of every position but the last output token; with max_new_tokens 0, of every prompt
         position: the prompt runs, nothing is generated) and, when the model captures aux layers
-        (set_aux_layers; a DSpark target does), "aux_hidden_states" (those layers, concatenated)."""
+        (set_aux_layers; a DSpark target does), "aux_hidden_states" (those layers, concatenated).
+        routed_dp_rank (DP attention): the attention group that runs the requests (default: the
+        --load-balance-method's pick)."""
         self._check_hidden_states(return_hidden_states)
+        self._check_dp_rank(routed_dp_rank)
         if return_hidden_states and stream:
             raise ValueError("return_hidden_states is not available with stream=True")
         prompts, single = self._prompt_ids(prompt, input_ids, messages)
         params = params_list(sampling_params, len(prompts))
         for ids, p in zip(prompts, params):
             check_prompt(ids, p, self.limits)
-        groups = [self._submit(ids, p, return_hidden_states) for ids, p in zip(prompts, params)]
+        groups = [self._submit(ids, p, return_hidden_states, routed_dp_rank)
+                  for ids, p in zip(prompts, params)]
         if stream:
             if not single or len(groups[0]) != 1:
                 raise ValueError("stream=True takes a single prompt with n=1")
@@ -132,11 +138,11 @@ class Engine:
         return self.generate(messages=messages, sampling_params=sampling_params, **kw)
 
     def flush_cache(self) -> bool:
-        return self.scheduler.cache.flush()
+        return self.scheduler.flush_cache()
 
     def shutdown(self) -> None:
         """Stop the other ranks (tensor parallel); the engine cannot generate afterwards."""
-        self.scheduler.runner.close()
+        self.scheduler.close()
         stop_worker_ranks(self._ranks)
         self._ranks = []
 
@@ -147,6 +153,12 @@ class Engine:
         self.shutdown()
 
     # ---- internals --------------------------------------------------------------------------
+    def _check_dp_rank(self, rank: int | None) -> None:
+        groups = self.args.parallel_config().dp_size
+        if rank is not None and not 0 <= rank < groups:
+            raise ValueError(f"routed_dp_rank {rank}: this engine has {groups} DP attention group(s); "
+                             f"use 0..{groups - 1}")
+
     def _check_hidden_states(self, wanted: bool) -> None:
         if wanted and not self.args.enable_return_hidden_states:
             raise ValueError("return_hidden_states needs an engine started with "
@@ -191,10 +203,12 @@ class Engine:
                              "skip_tokenizer_init): pass input_ids")
         return self.tokenizer
 
-    def _submit(self, ids: list[int], params: SamplingParams, hidden: bool = False) -> list[Req]:
+    def _submit(self, ids: list[int], params: SamplingParams, hidden: bool = False,
+                routed_dp_rank: int | None = None) -> list[Req]:
         """Queue the request (n fanned out)."""
         eos = self.scheduler.eos_ids
-        reqs = [Req(rid, list(ids), p, RequestSamplingState(p, ids, eos), hidden_parts=[] if hidden else None)
+        reqs = [Req(rid, list(ids), p, RequestSamplingState(p, ids, eos), hidden_parts=[] if hidden else None,
+                    routed_dp_rank=routed_dp_rank)
                 for rid, p in fan_out(uuid.uuid4().hex[:16], params)]
         for req in reqs:
             self.scheduler.add_request(req)

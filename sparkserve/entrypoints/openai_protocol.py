@@ -118,6 +118,8 @@ class OpenAISampling(_Request):
     # SGLang: each finished choice gets "hidden_states", the final normed hidden state of the
     # last position run (needs --enable-return-hidden-states; /generate returns every row)
     return_hidden_states: bool = False
+    # SGLang: the DP-attention group to run every choice on (None: the server's load balancing)
+    routed_dp_rank: int | None = None
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -154,6 +156,10 @@ class GenerateRequest(_Request):
     # meta_info "hidden_states", with the tapped aux layers in "aux_hidden_states"; needs
     # --enable-return-hidden-states. max_new_tokens 0 runs the prompt only.
     return_hidden_states: bool | list[bool] = False
+    # the DP-attention group to run the whole request on (None: load balancing); data_parallel_rank
+    # is SGLang's older name for it
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
     # PD disaggregation fields that sglang-router adds (accepted; no disaggregation yet)
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None

@@ -55,7 +55,7 @@ async def server_info(request: Request) -> Response:
         info["api_key"] = "<hidden>"
     info.update(tokenizer_path=ctx.tokenizer_path, version=sparkserve.__version__, disaggregation_mode="null",
                 max_total_num_tokens=ready.max_total_num_tokens, context_length=ready.context_length,
-                vocab_size=ready.vocab_size, scheduler_pid=ready.pid)
+                vocab_size=ready.vocab_size, scheduler_pid=ready.pid, dp_size=tm.dp_groups)
     if ready.speculative:
         info.update(speculative_draft_model_path=ready.speculative["draft_model_path"],
                     speculative_dspark_verify_mode=ready.speculative["verify_mode"],

@@ -75,6 +75,21 @@ class ServingBase:
             raise ApiError(400, "return_hidden_states: this server was started without "
                                 "--enable-return-hidden-states", "return_hidden_states")
 
+    def dp_rank(self, value: int | None, alias: int | None = None) -> int | None:
+        """SGLang's routed_dp_rank (`alias`: its older name data_parallel_rank), checked here so a
+        group the server does not have is the client's 400, not a scheduler error."""
+        name = "routed_dp_rank"
+        if alias is not None and value is None:
+            name, value = "data_parallel_rank", alias
+        elif alias is not None and alias != value:
+            raise ApiError(400, f"routed_dp_rank: {value} and data_parallel_rank: {alias} disagree; give "
+                                "one (data_parallel_rank is its older name)", name)
+        groups = self.tm.dp_groups
+        if value is not None and not 0 <= value < groups:
+            raise ApiError(400, f"{name} must be in [0, {groups}) (the DP-attention groups of this server), "
+                                f"got {value}", name)
+        return value
+
     def openai_params(self, req: OpenAISampling, ids: list[int], max_tokens: int | None,
                       default_max: int | None, top_logprobs: int | None,
                       names: dict[str, str]) -> SamplingParams:
@@ -107,8 +122,10 @@ class ServingBase:
         return params
 
     def fan(self, rid: str, prompts: list[tuple[list[int], SamplingParams]],
-            hidden: list[bool] | bool = False, rids: list[str] | None = None) -> list[GenerateReq]:
-        """One GenerateReq per choice (n fanned out); `rids`: one per prompt, else rid or rid-p."""
+            hidden: list[bool] | bool = False, rids: list[str] | None = None,
+            dp_rank: int | None = None) -> list[GenerateReq]:
+        """One GenerateReq per choice (n fanned out); `rids`: one per prompt, else rid or rid-p.
+        `dp_rank` (checked by `dp_rank()`) goes to every one: a request runs in one DP group."""
         hidden = hidden if isinstance(hidden, list) else [hidden] * len(prompts)
         self.check_hidden_states(any(hidden))
         seqs: list[GenerateReq] = []
@@ -117,7 +134,7 @@ class ServingBase:
             if not isinstance(base, str) or not base:
                 raise ApiError(400, "rid: must be a non-empty string", "rid")
             for r, sp in fan_out(base, params):
-                seqs.append(GenerateReq(r, ids, sp, bool(hidden[p]), len(seqs), p))
+                seqs.append(GenerateReq(r, ids, sp, bool(hidden[p]), len(seqs), p, dp_rank))
         try:
             self.tm.check_capacity(len(seqs))
         except ValueError as e:

@@ -43,7 +43,8 @@ class ServingGenerate(ServingBase):
                 raise ApiError.bad_request(e) from None
             checked.append((ids, params))
         base = req.rid if isinstance(req.rid, str) else uuid.uuid4().hex
-        seqs = self.fan(base, checked, [bool(h) for h in hidden], rids)
+        seqs = self.fan(base, checked, [bool(h) for h in hidden], rids,
+                        self.dp_rank(req.routed_dp_rank, req.data_parallel_rank))
         return seqs, not (single and len(seqs) == 1)
 
     def result(self, s: GenerateReq, parts: list[SeqOut], with_text: bool) -> dict:

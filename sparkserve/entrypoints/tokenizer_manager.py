@@ -145,6 +145,8 @@ class TokenizerManager:
         self.inflight = 0                    # sequences admitted and not yet returned
         self.capacity = (None if args.max_queued_requests is None
                          else ready.max_running_requests + args.max_queued_requests)
+        # DP-attention groups a request may name (routed_dp_rank); 1 without DP attention
+        self.dp_groups = args.parallel_config().dp_size
         self.load = SchedulerLoad(max_total_num_tokens=ready.max_total_num_tokens)
         self.dead: str | None = None         # why the scheduler is gone
         self.shutting_down = False

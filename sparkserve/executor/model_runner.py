@@ -99,6 +99,12 @@ class ModelRunner:
         batch.final_hidden = out
         return out
 
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """DP attention: this group has nothing to run this step; its forward of no tokens keeps
+        the other groups' MLP collectives going."""
+        self.hidden_states(ForwardBatch.idle(self.kv_pool))
+
     def close(self) -> None:
         """Tensor parallel: the other ranks stop, and this one leaves the world."""
         if self.mirror is None:

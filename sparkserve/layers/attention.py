@@ -34,9 +34,9 @@ class PagedAttention(nn.Module):
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H*D]."""
         k_buf, v_buf = batch.kv_pool.layer(self.layer_id)
-        out_loc, kv_indices, kv_start = batch.kv_view(self.window)
-        k_buf[out_loc] = k
-        v_buf[out_loc] = v
+        _, kv_indices, kv_start = batch.kv_view(self.window)
+        batch.store(k_buf, k, self.window)
+        batch.store(v_buf, v, self.window)
         ext = self._decode_kernel(q, k_buf, v_buf, batch)
         if ext is not None:
             return ext.decode_attention(q, k_buf, v_buf, kv_indices, batch.seq_lens, kv_start,
@@ -57,10 +57,11 @@ class PagedAttention(nn.Module):
     def _decode_kernel(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                        batch: ForwardBatch):
         """The extension when the kernel applies (at most KERNEL_MAX_Q query tokens per request,
-        at positions seq_len - n .. seq_len - 1; fp32 CPU tensors, contiguous pool buffers, no
-        autograd), else None."""
-        if (q.dtype != torch.float32 or k_buf.dtype != torch.float32 or q.device.type != "cpu"
-                or self.head_dim % 8 or torch.is_grad_enabled() or q.shape[0] != batch.num_tokens
+        at positions seq_len - n .. seq_len - 1, so not a context-parallel share; fp32 CPU tensors,
+        contiguous pool buffers, no autograd), else None."""
+        if (batch.cp is not None or q.dtype != torch.float32 or k_buf.dtype != torch.float32
+                or q.device.type != "cpu" or self.head_dim % 8 or torch.is_grad_enabled()
+                or q.shape[0] != batch.num_tokens
                 or not (k_buf.is_contiguous() and v_buf.is_contiguous())
                 or not batch.extend_lens or max(batch.extend_lens) > KERNEL_MAX_Q):
             return None

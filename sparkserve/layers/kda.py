@@ -172,6 +172,10 @@ class KimiDeltaAttention(Sharded):
         """Per-request pool items: recurrent state and the last K-1 conv inputs."""
         return {"kda_state": (self.h, self.d, self.d), "kda_conv": (self.kernel - 1, 3 * self.h * self.d)}
 
+    def state_buffers(self, pool) -> list[torch.Tensor]:
+        """This layer's request-row buffers in `pool` (what context parallel hands on)."""
+        return [pool.get(name, self.layer_id) for name in self.state_shapes()]
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         H, D, C, T = self.h, self.d, self.h * self.d, x.shape[0]
         lay = VarlenLayout.of(batch)

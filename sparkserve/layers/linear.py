@@ -96,6 +96,7 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  part: tuple[int, int] | None = None, reduce: bool = True):
         self.index, self.parts = part or (ps.tp_rank(), ps.tp_size())
+        self.group = ps.layer_group()
         self.reduce = reduce and ps.tp_size() > 1
         if bias and not reduce and ps.tp_size() > 1:
             raise ValueError("a RowParallelLinear that leaves the sum to its caller takes no bias")
@@ -110,7 +111,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.reduce:
             return self._matmul(x, self.bias)
-        y = ps.all_reduce(self._matmul(x, None))
+        y = ps.all_reduce(self._matmul(x, None), self.group)
         return y if self.bias is None else y + self.bias
 
 

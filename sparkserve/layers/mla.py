@@ -72,7 +72,7 @@ class MLAttention(nn.Module):
         q = q.view(T, H, self.nope + self.rope)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([r, self.rope], -1)
         buf = batch.kv_pool.get("kv_latent", self.layer_id)
-        buf[batch.out_cache_loc] = torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
+        batch.store(buf, torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1))
         w = self.kv_b_proj.weight.view(H, self.nope + self.vd, r)
         q_lat = torch.einsum("thn,hnr->thr", q[..., :self.nope], w[:, :self.nope])
         q = torch.cat([q_lat, q[..., self.nope:]], -1)                      # [T, H, r + rope]

@@ -145,8 +145,9 @@ class SharedExpertMoE(nn.Module):
         self.experts = Experts(num_experts, hidden, intermediate)
         self.shared_experts = (GatedMLP(hidden, intermediate * num_shared, reduce=False) if num_shared
                                else None)
+        self.group = ps.layer_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
-        return ps.all_reduce(out if self.shared_experts is None else out + self.shared_experts(x))
+        return ps.all_reduce(out if self.shared_experts is None else out + self.shared_experts(x), self.group)

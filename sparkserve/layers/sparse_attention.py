@@ -32,8 +32,8 @@ class BlockSparseAttention(nn.Module):
                 block_ids: torch.Tensor) -> torch.Tensor:
         """q [T, H, D]; k, v [T, Hkv, D]; block_ids [B, Hi, Qmax, k] (-1 = none) -> [T, H*D]."""
         k_buf, v_buf = batch.kv_pool.layer(self.layer_id)
-        k_buf[batch.out_cache_loc] = k
-        v_buf[batch.out_cache_loc] = v
+        batch.store(k_buf, k)
+        batch.store(v_buf, v)
         qp = padded_queries(batch, q)                                   # [B, Q, H, D]
         qpos = padded_queries(batch, batch.positions)                   # [B, Q]
         B, Q = qpos.shape

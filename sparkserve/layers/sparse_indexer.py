@@ -110,7 +110,7 @@ class LightningIndexer(nn.Module):
         k = apply_partial_rotary(self.k_norm(qkv[:, h * d:(h + 1) * d].view(-1, 1, d)), *cos_sin)
         pool = batch.kv_pool
         k_buf = pool.get("index_k", self.layer_id)
-        k_buf[batch.out_cache_loc] = k[:, 0]
+        batch.store(k_buf, k[:, 0])
         keys = k_buf[batch.kv_indices]                                           # [B, L, D]
         qpos = padded_queries(batch, batch.positions)                            # [B, Q]
         visible = torch.arange(keys.shape[1])[None, None, :] <= qpos[:, :, None]  # [B, Q, L]
@@ -120,7 +120,7 @@ class LightningIndexer(nn.Module):
         if self.o_proj is None:
             return block_ids, None
         v_buf = pool.get("index_v", self.layer_id)
-        v_buf[batch.out_cache_loc] = qkv[:, (h + 1) * d:]
+        batch.store(v_buf, qkv[:, (h + 1) * d:])
         if not self.adds_value:
             return block_ids, None
         probs = torch.softmax(scores * d ** -0.5, dim=-1)

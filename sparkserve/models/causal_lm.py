@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
-from sparkserve.core.forward_batch import ForwardBatch, PPProxy
+from sparkserve.core.forward_batch import ForwardBatch, ForwardMode, PPProxy
+from sparkserve.distributed import context_parallel
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim
+from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.rotary import RotaryEmbedding
 from sparkserve.layers.vocab_parallel import ParallelLMHead
 from sparkserve.models.aux_capture import AuxCaptureMixin
@@ -32,7 +34,8 @@ def stage_layer_list(num_layers: int, make: Callable[[int], nn.Module]) -> nn.Mo
 
 class DecoderStack(nn.Module):
     """The body of a model: embed_tokens, layers, norm, and the rotary table its layers share
-    (None when the layers bring their own position handling)."""
+    (None when the layers bring their own position handling). Each decoder layer has `mlp`
+    (x -> y, its MLP or MoE), which DP attention runs over every attention group's tokens."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -93,7 +96,19 @@ class CausalLM(AuxCaptureMixin, nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 proxy: PPProxy | None = None) -> torch.Tensor | PPProxy:
         """Final normed hidden states [T, d] on the last pipeline stage, else a PPProxy for the
-        next one (which passes it in as `proxy`); taps go to batch.aux_hidden."""
+        next one (which passes it in as `proxy`); taps go to batch.aux_hidden. Under context
+        parallel a long prefill runs as this rank's share of its tokens, the rows gathered back
+        at the end (distributed/context_parallel.py)."""
+        full, batch = batch, context_parallel.shard(batch) or batch
+        if batch is not full:
+            input_ids, positions = batch.input_ids, batch.positions
+        if ps.mlp_gathers():
+            self._agree_mlp_rows(batch)
+        if batch.mode == ForwardMode.IDLE:
+            x = torch.zeros(0, self.config.hidden_size)
+            for i in self.layer_range:
+                run_mlp(self.model.layers[i].mlp, x, batch)
+            return x
         if proxy is None:
             x = self.model.embed_tokens(input_ids)
             if -1 in self.aux_layer_set:
@@ -107,7 +122,20 @@ class CausalLM(AuxCaptureMixin, nn.Module):
             x = self.model.layers[i](x, *extra, batch)
             if i in self.aux_layer_set:
                 batch.aux_hidden.append(x)
-        return self.model.norm(x) if self.last_stage else PPProxy(x, batch.aux_hidden)
+        if batch is not full:
+            full.aux_hidden = [batch.cp.gather(a) for a in batch.aux_hidden]
+            x = batch.cp.gather(x)
+        return self.model.norm(x) if self.last_stage else PPProxy(x, full.aux_hidden)
+
+    @staticmethod
+    def _agree_mlp_rows(batch: ForwardBatch) -> None:
+        """DP attention / context parallel: the ranks of the MLP group hold different tokens;
+        each layer's MLP runs over all of them (layers/dp_attention.py). A rank brings its own
+        rows when it runs a share of a split prefill, else its attention group's first rank
+        brings the group's rows for all of it (an IDLE group brings none)."""
+        own = batch.cp is not None
+        brings = batch.num_tokens if own or ps.is_driver() else 0
+        batch.mlp_rows = (ps.mlp_row_counts(brings), ps.mlp_index() if own else ps.group_leader_index())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] fp32 logits. Under tensor parallelism every first-stage tp rank runs this

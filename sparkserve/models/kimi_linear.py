@@ -19,7 +19,9 @@ from torch import nn
 
 from sparkserve.config import ModelConfig
 from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim
+from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.kda import KimiDeltaAttention
 from sparkserve.layers.mla import MLAttention
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
@@ -112,15 +114,23 @@ class KimiDecoderLayer(nn.Module):
         else:
             self.self_attn = MLAttention(i, d, cfg.num_attention_heads, a.q_lora_rank, a.kv_lora_rank,
                                          a.nope_dim, a.rope_dim, a.v_dim, cfg.attention_bias)
-        if a.mlp_types[i] == "sparse":
-            self.mlp = SharedExpertMoE(d, a.num_experts, a.moe_intermediate, a.top_k, a.num_shared,
-                                       a.num_groups, a.topk_groups, a.renormalize, a.scaling)
-        else:
-            self.mlp = GatedMLP(d, cfg.intermediate_size)
+        with ps.mlp_scope():
+            if a.mlp_types[i] == "sparse":
+                self.mlp = SharedExpertMoE(d, a.num_experts, a.moe_intermediate, a.top_k, a.num_shared,
+                                           a.num_groups, a.topk_groups, a.renormalize, a.scaling)
+            else:
+                self.mlp = GatedMLP(d, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        if isinstance(self.self_attn, KimiDeltaAttention) and batch.cp is not None:
+            # Context parallel: the recurrence runs block by block in sequence order, its state
+            # handed from rank to rank (distributed/context_parallel.py).
+            attn = self.self_attn
+            x = x + batch.cp.run_in_sequence(attn, h, attn.state_buffers(batch.kv_pool))
+        else:
+            x = x + self.self_attn(h, batch)
+        return x + run_mlp(self.mlp, self.post_attention_layernorm(x), batch)
 
 
 class KimiLinearModel(DecoderStack):
@@ -147,15 +157,15 @@ class KimiLinearForCausalLM(CausalLM):
         a = KimiArgs.from_raw(cfg.raw, cfg.num_hidden_layers)
         dims = []
         if "sparse" in a.mlp_types:
-            dims.append(Dim("experts", a.num_experts, flag="--ep-size"))
+            dims.append(Dim("experts", a.num_experts, flag="--ep-size", mlp=True))
         if any(t != "linear_attention" for t in a.layer_types):
             dims.append(Dim("attention heads", cfg.num_attention_heads))
         if "linear_attention" in a.layer_types:
             dims.append(Dim("KDA heads", a.linear_heads))
         if "dense" in a.mlp_types:
-            dims.append(Dim("dense MLP channels", cfg.intermediate_size))
+            dims.append(Dim("dense MLP channels", cfg.intermediate_size, mlp=True))
         if "sparse" in a.mlp_types and a.num_shared:
-            dims.append(Dim("shared-expert channels", a.moe_intermediate * a.num_shared))
+            dims.append(Dim("shared-expert channels", a.moe_intermediate * a.num_shared, mlp=True))
         return dims
 
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:

@@ -12,9 +12,11 @@ from torch import nn
 
 from sparkserve.config import ModelConfig
 from sparkserve.core.forward_batch import ForwardBatch
+from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim, heads_shard, kv_heads_shard, width_shard
 from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.attention import PagedAttention
+from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.linear import FusedLinear, RowParallelLinear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
@@ -74,12 +76,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        with ps.mlp_scope():
+            self.mlp = LlamaMLP(cfg)
 
     def forward(self, x, cos_sin, batch):
         x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), cos_sin,
                                                                         batch))
-        return x + self.mlp(h)
+        return x + run_mlp(self.mlp, h, batch)
 
 
 class LlamaModel(DecoderStack):
@@ -106,7 +109,7 @@ class LlamaForCausalLM(CausalLM):
         """What splits over the tensor-parallel ranks (distributed/sharding.py checks them)."""
         h = cfg.num_attention_heads
         return [Dim("attention heads", h), Dim("KV heads", cfg.num_key_value_heads, serves=h),
-                Dim("MLP channels", cfg.intermediate_size)]
+                Dim("MLP channels", cfg.intermediate_size, mlp=True)]
 
     # Pool contract (docs/design.md, contract 3): every model builds the pools its layers read, and says what
     # one token and one request row cost so the runtime can size them. Hybrid models add

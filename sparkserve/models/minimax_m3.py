@@ -29,6 +29,7 @@ from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim, heads_shard, kv_heads_shard, width_shard
 from sparkserve.layers.activation import swiglu_oai
 from sparkserve.layers.attention import PagedAttention
+from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.linear import ColumnParallelLinear, FusedLinear, RowParallelLinear
 from sparkserve.layers.moe import Experts, Router
 from sparkserve.layers.norm import RMSNorm
@@ -138,10 +139,11 @@ class M3MoE(nn.Module):
         self.gate = Router(cfg.hidden_size, spec.num_experts, spec.top_k, scaling=spec.routed_scaling)
         self.experts = Experts(spec.num_experts, cfg.hidden_size, cfg.intermediate_size, spec.activation())
         self.shared_experts = OAIMLP(cfg.hidden_size, spec.shared_intermediate, spec, reduce=False)
+        self.group = ps.layer_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        return ps.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))
+        return ps.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x), self.group)
 
 
 class M3Attention(nn.Module):
@@ -186,12 +188,13 @@ class M3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = M3Attention(cfg, spec, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = M3MoE(cfg, spec) if spec.moe[layer_id] else OAIMLP(cfg.hidden_size,
-                                                                      spec.dense_intermediate, spec)
+        with ps.mlp_scope():
+            self.mlp = M3MoE(cfg, spec) if spec.moe[layer_id] else OAIMLP(cfg.hidden_size,
+                                                                          spec.dense_intermediate, spec)
 
     def forward(self, x, cos_sin, batch):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + run_mlp(self.mlp, self.post_attention_layernorm(x), batch)
 
 
 class M3Model(DecoderStack):
@@ -223,10 +226,10 @@ class MiniMaxM3ForCausalLM(CausalLM):
         if any(s.sparse):
             dims.append(Dim("index heads", s.index_heads, serves=h))
         if not all(s.moe):
-            dims.append(Dim("dense MLP channels", s.dense_intermediate))
+            dims.append(Dim("dense MLP channels", s.dense_intermediate, mlp=True))
         if any(s.moe):
-            dims += [Dim("experts", s.num_experts, flag="--ep-size"),
-                     Dim("shared-expert channels", s.shared_intermediate)]
+            dims += [Dim("experts", s.num_experts, flag="--ep-size", mlp=True),
+                     Dim("shared-expert channels", s.shared_intermediate, mlp=True)]
         return dims
 
     # ---- pools (docs/design.md, contract 3): main KV on every layer, index K on sparse layers, index V

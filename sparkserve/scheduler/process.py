@@ -19,8 +19,6 @@ import zmq
 
 from sparkserve.args import ServerArgs
 from sparkserve.core.finish_reason import FINISH_ABORT
-from sparkserve.core.req import Req
-from sparkserve.core.sampling_state import RequestSamplingState
 from sparkserve.frontend.tokenizer import load_tokenizer_for
 from sparkserve.messages import (
     AbortReq,
@@ -35,7 +33,9 @@ from sparkserve.messages import (
     SchedulerReady,
     ShutdownReq,
 )
-from sparkserve.scheduler.runtime import build_scheduler, context_length
+from sparkserve.scheduler.data_parallel import DataParallelScheduler, build_driver_scheduler
+from sparkserve.scheduler.req_outputs import OutputTracker, req_from_message, req_output
+from sparkserve.scheduler.runtime import context_length
 from sparkserve.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("sparkserve.scheduler")
@@ -59,7 +59,7 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, pare
     try:
         loop = SchedulerLoop.build(args, recv, send, parent_pid)
         loop.run()
-        loop.scheduler.runner.close()
+        loop.scheduler.close()
     except BaseException as e:  # noqa: BLE001 - reported to the frontend, then the process exits
         if loop is None and isinstance(e, ValueError):   # a start-up check: its message says it all
             log.error("scheduler failed: %s", e)
@@ -74,33 +74,20 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, pare
     sys.exit(code)
 
 
-def req_output(req: Req, sent: int) -> ReqOutput:
-    """What `req` produced since its first `sent` output tokens went out; its hidden rows once
-    it finished (the only copy: the rows are large)."""
-    out = ReqOutput(req.rid, req.output_ids[sent:], req.finished_reason, len(req.input_ids),
-                    len(req.output_ids), req.cached_tokens, req.output_logprobs[sent:],
-                    req.output_top_logprobs[sent:], req.spec_verify_ct, req.spec_draft_token_num,
-                    req.spec_accept_token_num)
-    rows = req.pop_hidden_states() if req.finished else None
-    if rows is not None:
-        out.hidden_states = rows[0].tolist()
-        out.aux_hidden_states = None if rows[1] is None else rows[1].tolist()
-    return out
-
-
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, recv: zmq.Socket, send: zmq.Socket, parent_pid: int):
+    def __init__(self, scheduler: Scheduler | DataParallelScheduler, recv: zmq.Socket, send: zmq.Socket,
+                 parent_pid: int):
         self.scheduler = scheduler
         self.recv = recv
         self.send = send
         self.parent_pid = parent_pid
-        self.sent: dict[str, tuple[Req, int]] = {}   # rid -> (request, output tokens sent), while held
+        self.tracker = OutputTracker()       # requests held, with the output tokens sent so far
         self.pending: list[ReqOutput] = []   # outputs made outside a step (aborts)
         self.stopped = False
 
     @classmethod
     def build(cls, args: ServerArgs, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> "SchedulerLoop":
-        scheduler, cfg = build_scheduler(args, load_tokenizer_for(args))
+        scheduler, cfg = build_driver_scheduler(args, load_tokenizer_for(args))
         loop = cls(scheduler, recv, send, parent_pid)
         spec = None
         if scheduler.spec is not None:
@@ -126,15 +113,9 @@ class SchedulerLoop:
                 break
             outputs, self.pending = self.pending, []
             if self.scheduler.has_work():
-                outputs += [self._output(req) for req in self.scheduler.step()]
+                outputs += [self.tracker.output(req) for req in self.scheduler.step()]
             if outputs:
                 self.send.send_pyobj(BatchOut(outputs, self.load()))
-
-    def _output(self, req: Req) -> ReqOutput:
-        _, sent = self.sent.pop(req.rid) if req.finished else self.sent[req.rid]
-        if not req.finished:
-            self.sent[req.rid] = (req, len(req.output_ids))
-        return req_output(req, sent)
 
     def _receive(self, block: bool) -> list:
         msgs = []
@@ -154,15 +135,13 @@ class SchedulerLoop:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
-            req = Req(msg.rid, list(msg.input_ids), msg.params,
-                      RequestSamplingState(msg.params, msg.input_ids, self.scheduler.eos_ids),
-                      hidden_parts=[] if msg.return_hidden_states else None)
+            req = req_from_message(msg, self.scheduler.eos_ids)
             if self.scheduler.add_request(req):
-                self.sent[msg.rid] = (req, 0)
+                self.tracker.hold(req)
             else:
                 self.pending.append(req_output(req, 0))
         elif isinstance(msg, AbortReq):
-            held = self.sent.pop(msg.rid, None)
+            held = self.tracker.drop(msg.rid)
             if held is not None and self.scheduler.abort(msg.rid):
                 held[0].finished_reason = FINISH_ABORT(msg.reason)
                 self.pending.append(req_output(*held))
@@ -170,7 +149,7 @@ class SchedulerLoop:
             if self.scheduler.has_work():
                 out = FlushCacheOut(msg.cid, False, "cannot flush the cache while requests are running")
             else:
-                ok = self.scheduler.cache.flush()
+                ok = self.scheduler.flush_cache()
                 out = FlushCacheOut(msg.cid, ok, "" if ok else "the prefix cache is in use")
             self.send.send_pyobj(out)
         elif isinstance(msg, LoadReq):
@@ -178,23 +157,12 @@ class SchedulerLoop:
             load.cid = msg.cid
             self.send.send_pyobj(load)
         elif isinstance(msg, ShutdownReq):
-            for rid in list(self.sent):
+            for rid in self.tracker.rids():
+                self.tracker.drop(rid)
                 self.scheduler.abort(rid)
-            self.sent.clear()
             self.stopped = True
         else:
             log.error("unknown message %r", type(msg).__name__)
 
     def load(self) -> SchedulerLoad:
-        return scheduler_load(self.scheduler)
-
-
-def scheduler_load(scheduler: Scheduler) -> SchedulerLoad:
-    """The scheduler's load and KV usage, for /metrics and /server_info."""
-    cache = scheduler.cache
-    by_requests = cache.num_slots - cache.available_tokens
-    return SchedulerLoad(
-        num_running_reqs=scheduler.num_running, num_queue_reqs=len(scheduler.waiting),
-        num_used_tokens=by_requests, num_cached_tokens=max(0, cache.used_tokens - by_requests),
-        max_total_num_tokens=cache.num_slots, num_retractions=scheduler.num_retractions,
-        spec_accept_hist=dict(scheduler.accept_hist))
+        return self.scheduler.load()

@@ -97,7 +97,8 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     cfg = load_config(args.model_path)
-    check_tp(cfg, args.tp_size, args.ep_size, model_class(cfg).tp_dims(cfg))
+    pc = args.parallel_config()
+    check_tp(cfg, args.tp_size, args.ep_size, model_class(cfg).tp_dims(cfg), pc.attn_tp_size)
     check_pp(cfg, args.pp_size, args.parallel_config().pp_layer_partition)
     if args.parallel_config().world_size > 1:
         ps.init_distributed(args.parallel_config(), rank, args.dist_init_addr, args.dist_timeout)
@@ -113,18 +114,20 @@ def rank_pool_sizes(args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> tupl
     return num_slots, swa_slots
 
 
-def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Scheduler, ModelConfig]:
-    """The driver's scheduler; a failure leaves no process group behind (the Engine's process
-    may build another)."""
+def build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None,
+                    rank: int = 0) -> tuple[Scheduler, ModelConfig]:
+    """A driver's scheduler (rank 0's, or a DP attention group's); a failure leaves no process
+    group behind (the Engine's process may build another)."""
     try:
-        return _build_scheduler(args, tokenizer)
+        return _build_scheduler(args, tokenizer, rank)
     except BaseException:
         ps.destroy()
         raise
 
 
-def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None) -> tuple[Scheduler, ModelConfig]:
-    model, cfg = load_rank_model(args, rank=0)
+def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None,
+                     rank: int) -> tuple[Scheduler, ModelConfig]:
+    model, cfg = load_rank_model(args, rank)
     per_token, per_request = model.pool_bytes_per_token(), model.pool_bytes_per_request()
     per_swa_token = model.pool_bytes_per_swa_token()
     num_slots, swa_slots = rank_pool_sizes(args, cfg, model)

@@ -23,6 +23,7 @@ from sparkserve.core.req import Req
 from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
 from sparkserve.executor.sampler import Sampler
 from sparkserve.mem.cache_manager import KVCacheManager
+from sparkserve.messages import SchedulerLoad
 from sparkserve.scheduler.batch_log import BatchLog
 from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
 
@@ -74,11 +75,18 @@ class Scheduler:
         """Queue `req`; False when it ended at once (max_new_tokens 0), for the caller to hand
         out. One that asks for hidden states with max_new_tokens 0 runs its prompt (prefill only)
         and ends there."""
-        if req.params.max_new_tokens == 0 and not req.prefill_only:
-            req.finished_reason = FINISH_LENGTH(0)
+        if self.ends_at_once(req):
             return False
         self.waiting.append(req)
         return True
+
+    @staticmethod
+    def ends_at_once(req: Req) -> bool:
+        """max_new_tokens 0 without hidden states: finished (length 0) before it is queued."""
+        if req.params.max_new_tokens == 0 and not req.prefill_only:
+            req.finished_reason = FINISH_LENGTH(0)
+            return True
+        return False
 
     def abort(self, rid: str) -> bool:
         for queue in (self.waiting, self.running):
@@ -95,6 +103,27 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
+
+    @property
+    def num_forwards(self) -> int:
+        return sum(self.forward_count.values())
+
+    def flush_cache(self) -> bool:
+        return self.cache.flush()
+
+    def close(self) -> None:
+        """Stop the ranks that mirror this scheduler's forwards, if any."""
+        self.runner.close()
+
+    def load(self) -> SchedulerLoad:
+        """The load and KV usage, for /metrics and /server_info."""
+        cache = self.cache
+        by_requests = cache.num_slots - cache.available_tokens
+        return SchedulerLoad(
+            num_running_reqs=self.num_running, num_queue_reqs=len(self.waiting),
+            num_used_tokens=by_requests, num_cached_tokens=max(0, cache.used_tokens - by_requests),
+            max_total_num_tokens=cache.num_slots, num_retractions=self.num_retractions,
+            spec_accept_hist=dict(self.accept_hist))
 
     @property
     def max_sequence_tokens(self) -> int:

@@ -21,6 +21,7 @@ def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: i
     free = cache.allocator.free_slots
     if cache.split:                   # the windowed layers' slots are allocated alongside
         free = min(free, cache.allocator.swa_free_slots)
+    free = min(free, cache.req_to_token.table.shape[1])   # and one request's positions fit its row
     if total > free:
         sizes = [n for n in sizes if context + n <= free] or [1]
     row = cache.req_to_token.alloc()

@@ -7,7 +7,6 @@ Each rank holds only its slice of the checkpoint (module and pool shapes, rank 1
 layouts that do not split are refused at start-up naming the flags."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -18,11 +17,10 @@ from dspark_fixtures import make_oracle_draft
 from kimi_fixtures import VOCAB as KIMI_VOCAB
 from kimi_fixtures import make_kimi
 from minimax_fixtures import make_minimax, with_index_value
-from parallel_fixtures import COMMON, PROMPTS, assert_same, bigram_of, run_mixed
+from parallel_fixtures import COMMON, PROMPTS, act_as_rank, assert_same, bigram_of, run_mixed
 from safetensors.torch import load_file
 
 from sparkserve import Engine
-from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import check_tp
 from sparkserve.models.registry import load_config, load_model, model_class
 
@@ -97,7 +95,7 @@ def test_split_ranks_equal_one_process(moe_dirs, model, layout):
 
 def _rank1(monkeypatch, path: str):
     """Rank 1 of two, built and loaded in this process."""
-    monkeypatch.setattr(ps, "_state", dataclasses.replace(ps._state, tp_rank=1, tp_size=2, ep_size=2))
+    act_as_rank(monkeypatch, tp_rank=1, tp_size=2, ep_size=2)
     return load_model(path), load_file(os.path.join(path, "model.safetensors"))
 
 

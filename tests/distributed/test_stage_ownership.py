@@ -4,16 +4,13 @@ its vocab slice of the embedding and LM head rows (the vocab padded up to a mult
 size, padding rows zero), tied or not, and nothing else of them."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from conftest import TINY_CONFIGS
-from parallel_fixtures import make_tp3_llama
+from parallel_fixtures import act_as_rank, make_tp3_llama
 from safetensors.torch import load_file
 
 from sparkserve.config import ModelConfig
-from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import vocab_shard
 from sparkserve.models.causal_lm import PPMissingLayer
 from sparkserve.models.llama import LlamaForCausalLM
@@ -23,12 +20,8 @@ CFG = ModelConfig.from_hf_dict(dict(TINY_CONFIGS["llama"], architectures=["Llama
 V = CFG.vocab_size      # 320
 
 
-def _set(monkeypatch, **state) -> None:
-    monkeypatch.setattr(ps, "_state", dataclasses.replace(ps._state, **state))
-
-
 def _build(monkeypatch, **state) -> LlamaForCausalLM:
-    _set(monkeypatch, **state)
+    act_as_rank(monkeypatch, **state)
     with torch.device("meta"):
         return LlamaForCausalLM(CFG)
 
@@ -61,7 +54,7 @@ def test_vocab_shard_rule(monkeypatch):
     for vocab, tp in ((320, 2), (320, 3), (49152, 3), (5, 4)):
         got = []
         for r in range(tp):
-            _set(monkeypatch, tp_rank=r, tp_size=tp)
+            act_as_rank(monkeypatch, tp_rank=r, tp_size=tp)
             got.append(vocab_shard(vocab))
         per = -(-vocab // tp)
         assert [(s, n) for s, n, _ in got] == [(r * per, per) for r in range(tp)]
@@ -81,7 +74,7 @@ def test_each_tp_rank_loads_its_vocab_slice(monkeypatch, tiny_dirs, tmp_path, ar
     head = embed if tied else ckpt["lm_head.weight"]
     per = -(-V // tp)
     for r in range(tp):
-        _set(monkeypatch, tp_rank=r, tp_size=tp)
+        act_as_rank(monkeypatch, tp_rank=r, tp_size=tp)
         m = load_model(path, pack=False)
         assert m.vocab_sharded and m.lm_head.out_features == per
         for got, full in ((m.model.embed_tokens.weight, embed), (m.lm_head.weight, head)):

@@ -262,7 +262,6 @@ def test_spec_stats_in_meta_info_and_metrics(orc):
     """meta_info carries SGLang's spec_* fields, and /metrics' gauges agree with
     the scheduler's accept histogram."""
     from sparkserve.entrypoints.metrics import Metrics
-    from sparkserve.scheduler.process import scheduler_load
     eng = engine(orc.target, orc.oracle)
     n = 2 + 2 * (GAMMA + 1)              # prefill token + 2 full cycles + 1 capped cycle
     out = eng.generate(input_ids=[orc.prompt], sampling_params={"temperature": 0, "max_new_tokens": n,
@@ -280,7 +279,7 @@ def test_spec_stats_in_meta_info_and_metrics(orc):
     plain = eng.generate(input_ids=[orc.prompt], sampling_params={"temperature": 0, "max_new_tokens": 1})
     assert "spec_verify_ct" not in plain[0]["meta_info"]
     m = Metrics("m")
-    m.set_load(scheduler_load(eng.scheduler))
+    m.set_load(eng.scheduler.load())
     text = m.render().decode()
     hist = eng.scheduler.accept_hist
     cycles = sum(hist.values())

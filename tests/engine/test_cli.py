@@ -30,7 +30,7 @@ def test_python_dash_m_runs_the_cli():
 def test_help_shows_defaults_choices_and_what_generate_takes(capsys):
     serve = _help(capsys, "serve")
     assert "(default: 64)" in serve and "{full,threshold,adaptive}" in serve
-    assert "--port" in serve and "only 1 until DP attention lands" in serve
+    assert "--port" in serve and "{round_robin,shortest_queue}" in serve and "--attn-cp-size" in serve
     gen = _help(capsys, "generate")
     assert "--max-new-tokens" in gen and "answer length limit" in gen and "--model-path" in gen
     for server_only in ("--port", "--host", "--api-key", "--max-queued-requests", "--served-model-name"):

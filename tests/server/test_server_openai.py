@@ -2,10 +2,12 @@
 SmolLM2: greedy answers equal the offline Engine's for the same messages/prompts, and the OpenAI
 shapes (content parts, token-id prompts, n, stop, logprobs, usage) hold. Also SGLang's /generate.
 
-Every test runs against three servers, one at a time (the `server` fixture's params): one process,
-`--pp-size 2` and `--tp-size 3` (SmolLM2 has 9 attention heads and 3 KV heads, so 3 is the tensor
-split it allows; 2 is refused at start-up, test_tp2_is_refused). Each is compared with the same
-single-process offline Engine: a parallel server must answer exactly as one process does."""
+Every test runs against four servers, one at a time (the `server` fixture's params): one process,
+`--pp-size 2`, `--tp-size 3` (SmolLM2 has 9 attention heads and 3 KV heads, so 3 is the tensor
+split it allows; 2 is refused at start-up, test_tp2_is_refused) and DP attention over two groups
+(`--tp-size 2 --dp-size 2 --enable-dp-attention`: whole heads per group, the MLP split over both).
+Each is compared with the same single-process offline Engine: a parallel server must answer
+exactly as one process does."""
 from __future__ import annotations
 
 import asyncio
@@ -29,21 +31,22 @@ CHATS = [
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
-# (tp_size, pp_size) per layout; every rank runs SERVER_THREADS torch threads (--num-threads).
-LAYOUTS = {"single": (1, 1), "pp2": (1, 2), "tp3": (3, 1)}
+# (tp_size, pp_size, DP attention groups) per layout; every rank runs SERVER_THREADS torch threads.
+LAYOUTS = {"single": (1, 1, 1), "pp2": (1, 2, 1), "tp3": (3, 1, 1), "dp2": (2, 1, 2)}
 
 
-def _layout_flags(tp: int, pp: int) -> list[str]:
-    return (["--tp-size", str(tp)] if tp > 1 else []) + (["--pp-size", str(pp)] if pp > 1 else [])
+def _layout_flags(tp: int, pp: int, dp: int) -> list[str]:
+    return ((["--tp-size", str(tp)] if tp > 1 else []) + (["--pp-size", str(pp)] if pp > 1 else []) +
+            (["--dp-size", str(dp), "--enable-dp-attention"] if dp > 1 else []))
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def server(request):
     """One server per layout, started once for all the module's tests (pytest groups the tests
     by this module-scoped param, so only one server runs at a time)."""
-    tp, pp = LAYOUTS[request.param]
-    s = ServerProcess("--max-total-tokens", str(POOL), *_layout_flags(tp, pp))
-    s.tp_size, s.pp_size = tp, pp
+    tp, pp, dp = LAYOUTS[request.param]
+    s = ServerProcess("--max-total-tokens", str(POOL), *_layout_flags(tp, pp, dp))
+    s.tp_size, s.pp_size, s.dp_size = tp, pp, dp
     yield s
     s.stop()
     s.remove_log()
@@ -324,7 +327,7 @@ def test_server_and_model_info(server):
     assert (info["tp_size"], info["pp_size"]) == (server.tp_size, server.pp_size)
     # and it runs that many ranks: the scheduler (rank 0) and one process per other rank
     assert len(server.rank_pids(info["scheduler_pid"])) == server.tp_size * server.pp_size - 1
-    assert info["dp_size"] == 1 and info["disaggregation_mode"] == "null"
+    assert info["dp_size"] == server.dp_size and info["disaggregation_mode"] == "null"
     assert info["max_total_tokens"] == POOL
     model = httpx.get(server.url + "/model_info", timeout=10).json()
     assert model["model_path"] == info["model_path"] and model["is_generation"] is True

@@ -308,6 +308,18 @@ BAD_REQUESTS = [
     ("/generate", {"text": "hi", "sampling_params": "fast"}, 400, "sampling_params"),
     ("/generate", {"input_ids": [[1, 2], [3]], "sampling_params": [{"max_new_tokens": 1}]}, 400,
      "sampling_params"),
+    # one DP-attention group on a server without DP attention: only routed_dp_rank 0 exists
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "routed_dp_rank": 1}, 400,
+     "routed_dp_rank"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "routed_dp_rank": -1}, 400,
+     "routed_dp_rank"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "data_parallel_rank": 1}, 400,
+     "data_parallel_rank"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "routed_dp_rank": "0"}, 400,
+     "routed_dp_rank"),
+    ("/v1/chat/completions", chat_body("hi", 2, routed_dp_rank=1), 400, "routed_dp_rank"),
+    ("/v1/chat/completions", chat_body("hi", 2, routed_dp_rank=True), 400, "routed_dp_rank"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "routed_dp_rank": 2}, 400, "routed_dp_rank"),
 ]
 
 
@@ -324,6 +336,26 @@ def test_context_overflow_says_the_numbers(http):
     r = http.post("/generate", json={"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": POOL}})
     err = assert_error_shape(r, 400, "max_new_tokens")
     assert f"prompt (100 tokens) + max_new_tokens ({POOL}) = {POOL + 100}" in err["message"]
+
+
+def test_routed_dp_rank_zero_runs_and_others_say_the_range(server, http):
+    """Without DP attention the one group is 0: naming it changes nothing; another is a 400 that
+    says the range. /server_info reports that one group."""
+    for path, body in (("/generate", {"text": "Name a colour.", "sampling_params": {"max_new_tokens": 4,
+                                                                                   "temperature": 0}}),
+                       ("/v1/completions", {"prompt": "Name a colour.", "max_tokens": 4, "temperature": 0}),
+                       ("/v1/chat/completions", chat_body("Name a colour.", 4, temperature=0))):
+        plain = http.post(path, json=body)
+        assert plain.status_code == 200, plain.text
+        names = ("routed_dp_rank", "data_parallel_rank") if path == "/generate" else ("routed_dp_rank",)
+        for name in names:
+            r = http.post(path, json={**body, name: 0})
+            assert r.status_code == 200, r.text
+            assert _text_of(path, r.json()) == _text_of(path, plain.json())
+            err = assert_error_shape(http.post(path, json={**body, name: 3}), 400, name)
+            assert "[0, 1)" in err["message"] and "got 3" in err["message"]
+    info = http.get("/server_info").json()
+    assert info["dp_size"] == 1 and info["enable_dp_attention"] is False
 
 
 def test_unicode_and_lone_surrogates(http):
@@ -359,6 +391,7 @@ TEXT = st.one_of(st.text(max_size=30), st.sampled_from(["", "\x00", "\ud800", "\
 TOKEN_IDS = st.lists(st.integers(0, 49151), min_size=1, max_size=6)
 SMALL = st.integers(0, 3)
 HUGE = st.sampled_from([-1, 8193, 10**9, 2**64, -(2**63)])
+RANK = st.one_of(st.just(0), JUNK_OR_NONE, HUGE)      # a DP-attention group: only 0 exists here
 VALID_SAMPLING = {
     "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 50),
     "min_p": st.floats(0, 1), "repetition_penalty": st.floats(0.5, 2), "frequency_penalty": st.floats(-2, 2),
@@ -401,7 +434,7 @@ CHAT = mutated(
                                     "top_logprobs": st.integers(0, 5), "max_completion_tokens": SMALL}),
     {**BAD_SAMPLING, "messages": BAD_MESSAGES, "max_tokens": st.one_of(JUNK, HUGE), "logprobs": JUNK,
      "top_logprobs": st.one_of(JUNK, HUGE), "max_completion_tokens": st.one_of(JUNK, HUGE),
-     "stream": JUNK, "stream_options": JUNK, "model": st.one_of(TEXT, JUNK)},
+     "stream": JUNK, "stream_options": JUNK, "model": st.one_of(TEXT, JUNK), "routed_dp_rank": RANK},
     keep=("max_tokens", "max_completion_tokens"))
 COMPLETION = mutated(
     st.fixed_dictionaries({"prompt": st.one_of(TEXT, st.lists(TEXT, min_size=1, max_size=2), TOKEN_IDS,
@@ -411,7 +444,7 @@ COMPLETION = mutated(
     {**BAD_SAMPLING, "prompt": st.one_of(JUNK_OR_NONE, st.lists(st.integers(-(2**40), 2**40), max_size=3),
                                          st.just([[]])),
      "max_tokens": st.one_of(JUNK, HUGE), "logprobs": st.one_of(JUNK, HUGE), "echo": JUNK, "stream": JUNK,
-     "model": st.one_of(TEXT, JUNK)},
+     "model": st.one_of(TEXT, JUNK), "routed_dp_rank": RANK},
     keep=())
 GEN_SAMPLING = st.fixed_dictionaries({"max_new_tokens": SMALL}, optional=VALID_SAMPLING)
 GENERATE = mutated(
@@ -433,7 +466,7 @@ GENERATE = mutated(
                                                                       optional={**BAD_SAMPLING,
                                                                                 "unknown_knob": JUNK})),
      "stream": JUNK, "return_logprob": JUNK, "top_logprobs_num": st.one_of(JUNK, HUGE),
-     "rid": st.one_of(TEXT, JUNK)},
+     "rid": st.one_of(TEXT, JUNK), "routed_dp_rank": RANK, "data_parallel_rank": RANK},
     keep=())
 BODIES = st.one_of(st.tuples(st.just("/v1/chat/completions"), CHAT), st.tuples(st.just("/v1/completions"),
                                                                                COMPLETION),
@@ -499,6 +532,64 @@ def test_exception_in_one_handler_is_a_500_for_that_request_only():
     # no tokenizer
     assert_error_shape(client.post("/v1/chat/completions", json=chat_body("hi", 2)), 400, "messages")
     assert client.get("/health").status_code == 200
+
+
+def test_routed_dp_rank_reaches_every_sent_generate_req():
+    """In-process app of a --dp-size 2 DP-attention server whose scheduler link records what it is
+    sent (and finishes each sequence with one token): every choice of every prompt carries the
+    request's routed_dp_rank (or data_parallel_rank); 2 is out of range; /server_info says 2 groups."""
+    from starlette.testclient import TestClient
+
+    from sparkserve.args import ServerArgs
+    from sparkserve.core.finish_reason import FINISH_LENGTH
+    from sparkserve.entrypoints.http_server import create_app
+    from sparkserve.entrypoints.metrics import Metrics
+    from sparkserve.entrypoints.tokenizer_manager import TokenizerManager
+    from sparkserve.messages import BatchOut, GenerateReq, LoadReq, ReqOutput, SchedulerLoad, SchedulerReady
+
+    sent: list[GenerateReq] = []
+
+    class SchedulerSocket:
+        def send_pyobj(self, msg, *a):
+            if isinstance(msg, GenerateReq):
+                sent.append(msg)
+                out = ReqOutput(msg.rid, [7], FINISH_LENGTH(1), len(msg.input_ids), 1, 0)
+                tm._on_batch(BatchOut([out], SchedulerLoad()))
+            elif isinstance(msg, LoadReq):
+                tm._calls[msg.cid].set_result(SchedulerLoad(cid=msg.cid))
+
+    args = ServerArgs(skip_tokenizer_init=True, tp_size=2, dp_size=2, enable_dp_attention=True).validate()
+    ready = SchedulerReady(pid=0, vocab_size=100, context_length=64, max_total_num_tokens=128,
+                           max_running_requests=4, eos_token_ids=[0], architecture="LlamaForCausalLM")
+    tm = TokenizerManager(args, None, ready, SchedulerSocket(), None, Metrics("m"), lambda: True,
+                          lambda: None)
+    client = TestClient(create_app(args, tm))
+
+    def ranks(path: str, **body) -> list[int | None]:
+        sent.clear()
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return [s.routed_dp_rank for s in sent]
+
+    gen = {"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 1, "n": 2}}
+    assert ranks("/generate", **gen, routed_dp_rank=1) == [1] * 4
+    assert ranks("/generate", **gen, data_parallel_rank=1) == [1] * 4
+    assert ranks("/generate", **gen, routed_dp_rank=1, data_parallel_rank=1) == [1] * 4
+    assert ranks("/generate", **gen) == [None] * 4                   # the server balances the load
+    assert ranks("/v1/completions", prompt=[[1, 2], [3]], max_tokens=1, n=2, routed_dp_rank=1) == [1] * 4
+    assert ranks("/v1/completions", prompt=[1, 2], max_tokens=1, routed_dp_rank=0) == [0]
+    sent.clear()
+    err = assert_error_shape(client.post("/generate", json={**gen, "routed_dp_rank": 2}), 400,
+                             "routed_dp_rank")
+    assert "[0, 2)" in err["message"]
+    both = {**gen, "routed_dp_rank": 0, "data_parallel_rank": 1}
+    err = assert_error_shape(client.post("/generate", json=both), 400, "routed_dp_rank")
+    assert "data_parallel_rank" in err["message"]
+    bad = {"prompt": [1], "max_tokens": 1, "routed_dp_rank": 2}
+    assert_error_shape(client.post("/v1/completions", json=bad), 400, "routed_dp_rank")
+    assert sent == [] and tm.inflight == 0
+    info = client.get("/server_info").json()
+    assert info["dp_size"] == 2 and info["enable_dp_attention"] is True
 
 
 # ---- sliding-window models: the request limit is the sequence the scheduler can run -------------

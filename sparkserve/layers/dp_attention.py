@@ -1,0 +1,23 @@
+"""DP attention and context parallel in a decoder layer (SGLang's layers/dp_attention.py):
+attention ran on this rank's own tokens (its attention group's requests; under CP its share of a
+long prefill); the MLP / MoE, split over every rank of the stage, runs over all of the ranks'
+tokens at once, so each layer gathers their rows before it and keeps this rank's rows of the
+summed output after it. `batch.mlp_rows` (the rows each rank brings, exchanged once per forward
+by CausalLM.forward) sizes both."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from sparkserve.core.forward_batch import ForwardBatch
+from sparkserve.distributed import parallel_state as ps
+
+
+def run_mlp(mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+            batch: ForwardBatch) -> torch.Tensor:
+    """mlp(x) for this rank's rows x; with DP attention or CP, over every rank's rows together."""
+    if batch.mlp_rows is None:
+        return mlp(x)
+    counts, source = batch.mlp_rows
+    return ps.mlp_scatter(mlp(ps.mlp_gather(x, counts)), counts, source)
