@@ -1,6 +1,6 @@
-"""`sparkserve serve --tp-size 2` and `--pp-size 2`: the OpenAI client gets the single-process
-engine's tokens; a killed or hung rank fails the next request with a 5xx naming the failure and
-the server exits non-zero instead of hanging."""
+"""`sparkserve serve --tp-size 2`, `--pp-size 2` and DP attention over 2 groups: the OpenAI client
+gets the single-process engine's tokens; a killed or hung rank fails the next request with a 5xx
+naming the failure and the server exits non-zero instead of hanging."""
 from __future__ import annotations
 
 import os
@@ -17,11 +17,17 @@ from sparkserve import Engine
 FLAGS = ["--max-total-tokens", "2048", "--chunked-prefill-size", "16", "--dist-timeout", "20"]
 
 
+DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
+
+
 @pytest.mark.parametrize("layout,sig", [(["--tp-size", "2"], signal.SIGKILL), (["--pp-size", "2"],
                                                                                signal.SIGKILL),
-                                        (["--tp-size", "2"], signal.SIGSTOP)])
+                                        (["--tp-size", "2"], signal.SIGSTOP), (DP, signal.SIGKILL),
+                                        (DP, signal.SIGSTOP)])
 def test_parallel_server_serves_and_fails_cleanly(llama_dir, layout, sig):
-    """SIGKILL: a dead rank; SIGSTOP: a hung one, found by the --dist-timeout of 20 s."""
+    """SIGKILL: a dead rank; SIGSTOP: a hung one, found by the --dist-timeout of 20 s. Under DP
+    attention the other rank drives group 1: its requests (round robin: every second one) and
+    the lock-step command to it fail the same way."""
     server = ServerProcess("--model-path", llama_dir, *layout, *FLAGS)
     try:
         prompts = [list(range(3, 9)), list(range(20, 60))]
