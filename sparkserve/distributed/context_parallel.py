@@ -32,13 +32,18 @@ from sparkserve.distributed import parallel_state as ps
 Recurrent = Callable[[torch.Tensor, ForwardBatch], torch.Tensor]
 
 
-def zigzag_blocks(n: int, parts: int) -> list[list[range]]:
-    """For each of `parts` ranks, its two of 2 * parts near-equal blocks of range(n): r, 2P-1-r."""
+def cut_blocks(n: int, parts: int) -> list[range]:
+    """range(n) cut into 2 * parts near-equal blocks, in order."""
     k = 2 * parts
     sizes = [n // k + (i < n % k) for i in range(k)]
     starts = [sum(sizes[:i]) for i in range(k)]
-    blocks = [range(a, a + s) for a, s in zip(starts, sizes)]
-    return [[blocks[r], blocks[k - 1 - r]] for r in range(parts)]
+    return [range(a, a + s) for a, s in zip(starts, sizes)]
+
+
+def zigzag_blocks(n: int, parts: int) -> list[list[range]]:
+    """For each of `parts` ranks, its two of 2 * parts near-equal blocks of range(n): r, 2P-1-r."""
+    blocks = cut_blocks(n, parts)
+    return [[blocks[r], blocks[2 * parts - 1 - r]] for r in range(parts)]
 
 
 def owned_rows(extend_lens: list[int], parts: int) -> list[torch.Tensor] | None:
@@ -92,6 +97,7 @@ class ContextShard:
         starts = [0] + list(torch.tensor(full.extend_lens).cumsum(0).tolist())
         cut = [i for i, n in enumerate(full.extend_lens) if n >= 2 * C]
         whole = [i for i in range(full.batch_size) if i not in cut]
+        owner = {i: _whole_owner(k, C) for k, i in enumerate(whole)}      # the rank of an uncut one
         cut_rows = full.req_rows[cut]
 
         def run(flat: torch.Tensor) -> None:
@@ -102,10 +108,10 @@ class ContextShard:
             out[at] = y
 
         def blocks(b: int) -> torch.Tensor:
-            return torch.tensor([starts[i] + t for i in cut for t in _block(full.extend_lens[i], C, b)],
+            return torch.tensor([starts[i] + t for i in cut for t in cut_blocks(full.extend_lens[i], C)[b]],
                                 dtype=torch.long)
 
-        owned = [i for i in whole if _whole_owner(whole.index(i), C) == me]
+        owned = [i for i in whole if owner[i] == me]
         if owned:
             run(torch.tensor([t for i in owned for t in range(starts[i], starts[i + 1])], dtype=torch.long))
         order = [b if b < C else 2 * C - 1 - b for b in range(2 * C)]    # the rank of block b
@@ -120,7 +126,7 @@ class ContextShard:
                 for buf in state:
                     ps.PendingSend(buf[cut_rows], ps.cp_peer(order[b + 1])).wait()
         for r in range(C):           # each request's state from the rank of its last block
-            last = [full.req_rows[i] for i in whole if _whole_owner(whole.index(i), C) == r]
+            last = [full.req_rows[i] for i in whole if owner[i] == r]
             rows = torch.stack(last) if last else cut_rows[:0]
             if r == 0:
                 rows = torch.cat([rows, cut_rows])
@@ -129,14 +135,6 @@ class ContextShard:
             for buf in state:
                 buf[rows] = ps.cp_broadcast(buf[rows].contiguous(), r)
         return out
-
-
-def _block(n: int, parts: int, b: int) -> range:
-    """Block b of 2 * parts of range(n) (zigzag_blocks' cut)."""
-    k = 2 * parts
-    size = n // k + (b < n % k)
-    start = sum(n // k + (i < n % k) for i in range(b))
-    return range(start, start + size)
 
 
 def _whole_owner(k: int, parts: int) -> int:
