@@ -46,6 +46,7 @@ class KVPool(Pool):
         self.swa_slots = swa_slots
         self.swa_window = swa_window if self.swa_layers else None
         owned = range(num_layers) if layers is None else layers
+        self.owned = list(owned)
         rows = [(swa_slots if i in self.swa_layers else num_slots) + 1 if i in owned else 1
                 for i in range(num_layers)]
         self.k = [torch.zeros((n, num_kv_heads, head_dim), dtype=dtype) for n in rows]
@@ -55,12 +56,14 @@ class KVPool(Pool):
         return self.k[layer_id], self.v[layer_id]
 
     def components(self) -> list[PoolComponent]:
+        """The owned layers' K and V (a pipeline stage's others hold only the dummy slot)."""
         item = self.k[0][0].numel() * self.k[0].element_size()
+        full = [i for i in self.owned if i not in self.swa_layers]
         if not self.swa_layers:
             kind = "token_page" if self.window is None else "window_page"
-            return [PoolComponent("k", kind, self.k, item), PoolComponent("v", kind, self.v, item)]
-        full = [i for i in range(len(self.k)) if i not in self.swa_layers]
-        swa = self.swa_layers
+            return [PoolComponent("k", kind, [self.k[i] for i in full], item, full),
+                    PoolComponent("v", kind, [self.v[i] for i in full], item, full)]
+        swa = [i for i in self.swa_layers if i in self.owned]
         return [PoolComponent("k", "token_page", [self.k[i] for i in full], item, full),
                 PoolComponent("v", "token_page", [self.v[i] for i in full], item, full),
                 PoolComponent("swa_k", "window_page", [self.k[i] for i in swa], item, swa),

@@ -14,6 +14,7 @@ from conftest import assert_no_kv_leak, hf_greedy, load_hf_reference
 
 from sparkserve import Engine
 from sparkserve.core.forward_batch import ForwardMode
+from sparkserve.mem.kv_pool import KVPool
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
@@ -315,6 +316,17 @@ def test_dspark_greedy_with_window_freeing(tmp_path, draft, page_size, arch):
     assert_flushes_clean(eng)
 
 
+def test_pipeline_stage_pool_lists_its_own_layers():
+    """A stage's pool keeps a 1-row dummy for the other stages' layers; its components (what PD
+    transfer walks) are its own layers only, split or not."""
+    stage = KVPool(16, 3, 2, 8, layers=range(1, 3))
+    assert [(c.name, c.layer_ids, [t.shape[0] for t in c.tensors]) for c in stage.components()] == \
+        [("k", [1, 2], [17, 17]), ("v", [1, 2], [17, 17])]
+    split = KVPool(16, 3, 2, 8, swa_layers=[0, 2], swa_slots=8, swa_window=4, layers=range(1, 3))
+    assert [(c.name, c.layer_ids, [t.shape[0] for t in c.tensors]) for c in split.components()] == \
+        [("k", [1], [17]), ("v", [1], [17]), ("swa_k", [2], [9]), ("swa_v", [2], [9])]
+
+
 def test_pool_components_and_mixed_models(dirs):
     """All-windowed Mistral: window_page components and a sliding cache manager. Full attention:
     token_page, no freeing. Qwen3 mixing full and windowed layers: a split pool, the full layer's
@@ -326,8 +338,8 @@ def test_pool_components_and_mixed_models(dirs):
         cache = eng.scheduler.cache
         kinds[name] = ({(c.name, c.kind, tuple(c.layer_ids or ())) for c in comps}, cache.window,
                        cache.swa_window, cache.swa_slots)
-    assert kinds == {"w8": ({("k", "window_page", ()), ("v", "window_page", ())}, 8, None, 0),
-                     "llama": ({("k", "token_page", ()), ("v", "token_page", ())}, None, None, 0),
+    assert kinds == {"w8": ({("k", "window_page", (0, 1)), ("v", "window_page", (0, 1))}, 8, None, 0),
+                     "llama": ({("k", "token_page", (0, 1)), ("v", "token_page", (0, 1))}, None, None, 0),
                      "qwen3_mixed": ({("k", "token_page", (0,)), ("v", "token_page", (0,)),
                                       ("swa_k", "window_page", (1,)), ("swa_v", "window_page", (1,))},
                                      None, 8, 64)}
