@@ -2,7 +2,9 @@
 the model, sizes its KV pool with the others, and runs every forward the driver hands it
 (ForwardMirror) until told to stop: it receives the previous stage's output, runs its layers, and
 passes the result on (the last stage back to the driver); a first-stage rank also computes its
-vocab slice of the logits the driver asks for. It schedules and samples nothing."""
+vocab slice of the logits the driver asks for. It schedules and samples nothing. Under DP
+attention the first rank of each attention group but rank 0's drives its group instead: a
+scheduler of its own, stepped by rank 0's commands (scheduler/data_parallel.py)."""
 from __future__ import annotations
 
 import logging

@@ -61,14 +61,33 @@ def test_hidden_states_and_flush_under_dp_attention(llama_dir):
     sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     want = Engine(llama_dir, **kw).generate(input_ids=PROMPTS[:2], sampling_params=sp,
                                             return_hidden_states=True)
+    prompt_only = Engine(llama_dir, **kw).generate(input_ids=PROMPTS[1], return_hidden_states=True,
+                                                   sampling_params={"max_new_tokens": 0})
     with Engine(llama_dir, **DP2, **kw) as eng:
         got = eng.generate(input_ids=PROMPTS[:2], sampling_params=sp, return_hidden_states=True,
                            routed_dp_rank=1)
+        got.append(eng.generate(input_ids=PROMPTS[1], return_hidden_states=True, routed_dp_rank=1,
+                                sampling_params={"max_new_tokens": 0}))      # prefill only, on group 1
         assert eng.flush_cache()
-    for g, w in zip(got, want):
+    assert got[2]["output_ids"] == [] and got[2]["meta_info"]["finish_reason"]["type"] == "length"
+    for g, w in zip(got, want + [prompt_only]):
         assert g["output_ids"] == w["output_ids"]
         torch.testing.assert_close(g["meta_info"]["hidden_states"], w["meta_info"]["hidden_states"],
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_abandoned_requests_free_every_group(llama_dir):
+    """generate_many's consumer stops after the first result: the requests still running in
+    either group are aborted and every group's pool is free again; the engine keeps serving."""
+    sp = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+    with Engine(llama_dir, **DP2, **COMMON) as eng:
+        results = eng.generate_many(PROMPTS, sampling_params=sp, max_in_flight=4)
+        next(results)
+        results.close()
+        while eng.scheduler.has_work():
+            eng.scheduler.step()
+        assert eng.scheduler.load().num_used_tokens == 0 and not eng.scheduler.remote
+        assert len(eng.generate(input_ids=PROMPTS[0], sampling_params=sp)["output_ids"]) == 30
 
 
 @pytest.mark.parametrize("arch", ["llama", "kimi"])
