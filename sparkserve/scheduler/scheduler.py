@@ -19,10 +19,12 @@ import torch
 
 from sparkserve.core.finish_reason import FINISH_ABORT, FINISH_LENGTH, BaseFinishReason
 from sparkserve.core.forward_batch import ForwardMode
+from sparkserve.core.pool import Pool
 from sparkserve.core.req import Req
 from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
 from sparkserve.executor.sampler import Sampler
 from sparkserve.mem.cache_manager import KVCacheManager
+from sparkserve.mem.transfer import RequestPages, write_request
 from sparkserve.messages import SchedulerLoad
 from sparkserve.scheduler.batch_log import BatchLog
 from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
@@ -87,6 +89,46 @@ class Scheduler:
             req.finished_reason = FINISH_LENGTH(0)
             return True
         return False
+
+    # ---- prefill/decode disaggregation ------------------------------------------------------
+    def pools(self) -> list[Pool]:
+        """Every pool a request's state lives in: the model's, and the DSpark draft's KV."""
+        return [self.runner.kv_pool] + ([self.spec.pool] if self.spec is not None else [])
+
+    def request_pages(self, req: Req, n: int) -> RequestPages:
+        """Where the first n positions of a running request live."""
+        slots = self.cache.req_to_token.table[req.row, :n].clone()
+        swa = self.cache.full_to_swa[slots] if self.cache.full_to_swa is not None else None
+        return RequestPages(slots, swa, req.row)
+
+    def add_prebuilt(self, req: Req, data: list[list[torch.Tensor]]) -> bool:
+        """Decode side: `req`'s prompt ran elsewhere; `data` is every pool component's rows for
+        it (mem/transfer.py), and req.output_ids holds the token sampled there. The request
+        takes a row and slots here (a cached prefix is reused), gets the rows written and
+        decodes from its next step without computing the prompt. False when memory is short
+        now (nothing held)."""
+        if not self.cache.admit(req):
+            return False
+        n = len(req.input_ids)
+        start = req.kv_len
+        if n > start and self.cache.alloc(req, n - start) is None:
+            self.cache.release(req)
+            return False
+        write_request(self.pools(), self.request_pages(req, n), data, start)
+        req.kv_len = n
+        for tok in req.output_ids:
+            req.sampling.observe(tok)
+        # Positions that had left the sender's sliding window arrived as padding: give them up
+        # before the prefix cache takes the rest.
+        self.cache.slide_window(req)
+        self.cache.cache_prefix(req)
+        tail = (lambda k: self.decode_tail(req.output_ids[-k:])) if self.decode_tail else None
+        req.check_finished(self.eos_ids, tail)
+        if req.finished:
+            self.cache.release(req)
+        else:
+            self.running.append(req)
+        return True
 
     def abort(self, rid: str) -> bool:
         for queue in (self.waiting, self.running):

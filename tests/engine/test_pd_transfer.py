@@ -1,0 +1,102 @@
+"""Prefill/decode disaggregation, the in-process core: one engine runs a prompt and samples the first
+token, every component of every pool the request lives in (full KV, sliding-window pages, a split
+pool's windowed slots, KDA recurrent and conv state, MLA latent, MiniMax index K and index V, the
+DSpark draft's KV) is read out (mem/transfer.py) and written into a second engine's pools, and
+the second engine decodes without computing the prompt: the tokens and logprobs of one colocated
+engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS, assert_no_kv_leak
+from dspark_fixtures import make_oracle_draft
+from kimi_fixtures import VOCAB as KIMI_VOCAB
+from kimi_fixtures import make_kimi
+from minimax_fixtures import make_minimax, with_index_value
+from parallel_fixtures import bigram_of
+
+from sparkserve import Engine
+from sparkserve.core.forward_batch import ForwardMode
+from sparkserve.core.req import Req
+from sparkserve.core.sampling_state import RequestSamplingState
+from sparkserve.frontend.prepare import params_list
+from sparkserve.mem.transfer import read_request
+
+KW = dict(num_threads=1, chunked_prefill_size=16, max_total_tokens=1024)
+SP = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True, "return_logprob": True,
+      "top_logprobs_num": 2}
+PROMPTS = [list(range(5, 45)), [7, 3, 9] * 4, list(range(5, 35)) + [1, 2]]   # the last: a prefix hit
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_dirs):
+    from test_swa_pool import save_tiny
+    root = tmp_path_factory.mktemp("pd")
+    return {"llama": tiny_dirs["llama"],
+            "windowed": save_tiny(str(root / "w8"), "mistral", sliding_window=8),
+            "split": save_tiny(str(root / "qwen3"), "qwen3", head_dim=32, use_sliding_window=True,
+                               sliding_window=8, max_window_layers=1),
+            "kimi": make_kimi(str(root / "kimi"), "kda_mla"),
+            "minimax": with_index_value(make_minimax(str(root / "minimax")))}
+
+
+def disaggregated(prefill: Engine, decode: Engine, ids: list[int], sp: dict) -> dict:
+    """Run `ids` on `prefill` up to its first token, move its state, finish it on `decode`."""
+    params = params_list(sp, 1)[0]
+    [src] = prefill._submit(ids, params)
+    while not src.output_ids:
+        prefill.scheduler.step()
+    data = read_request(prefill.scheduler.pools(), prefill.scheduler.request_pages(src, len(ids)))
+    prefill.scheduler.abort(src.rid)                        # the prefill side frees it at once
+    dst = Req(src.rid, list(ids), params, RequestSamplingState(params, ids, decode.scheduler.eos_ids),
+              output_ids=list(src.output_ids), output_logprobs=list(src.output_logprobs),
+              output_top_logprobs=list(src.output_top_logprobs))
+    assert decode.scheduler.add_prebuilt(dst, data)
+    if decode.scheduler.spec is not None:       # the draft's KV rows arrived where decode reads them
+        here = read_request(decode.scheduler.pools(), decode.scheduler.request_pages(dst, len(ids)))
+        for a, b in zip(here[-1], data[-1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    return decode._run_to_completion([[dst]])[0]
+
+
+def _same(got: dict, want: dict) -> None:
+    assert got["output_ids"] == want["output_ids"]
+    lp = torch.tensor([x[0] for x in got["meta_info"]["output_token_logprobs"]])
+    ref = torch.tensor([x[0] for x in want["meta_info"]["output_token_logprobs"]])
+    torch.testing.assert_close(lp, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "windowed", "split", "kimi", "minimax"])
+def test_decode_continues_from_transferred_state(arch, models):
+    path = models[arch]
+    want = Engine(path, **KW).generate(input_ids=PROMPTS, sampling_params=SP)
+    prefill, decode = Engine(path, **KW), Engine(path, **KW)
+    got = [disaggregated(prefill, decode, ids, SP) for ids in PROMPTS]
+    assert decode.scheduler.forward_count[ForwardMode.EXTEND] == 0      # the prompt never ran here
+    if arch == "llama":      # the decode side's prefix cache held the first 30 tokens: not written again
+        assert got[2]["meta_info"]["cached_tokens"] >= 30
+    for g, w in zip(got, want):
+        _same(g, w)
+    assert_no_kv_leak(prefill.scheduler.cache)
+    assert_no_kv_leak(decode.scheduler.cache)
+
+
+@pytest.mark.parametrize("arch", ["llama", "kimi"])
+def test_dspark_drafts_from_the_first_decode_step(arch, models, tmp_path):
+    """The draft's KV of the prompt moves too: the decode side drafts from its first step exactly
+    as a colocated DSpark engine does (same verifies, same accepted drafts)."""
+    path = models[arch]
+    sp = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    plain = Engine(path, **KW).generate(input_ids=PROMPTS, sampling_params=sp)
+    vocab = TINY_CONFIGS["llama"]["vocab_size"] if arch == "llama" else KIMI_VOCAB
+    draft = make_oracle_draft(path, str(tmp_path / "d"), bigram_of(PROMPTS, [o["output_ids"] for o in plain],
+                                                                   vocab), block_size=4)
+    kw = dict(KW, speculative_algorithm="DSPARK", speculative_draft_model_path=draft)
+    colocated = Engine(path, **kw).generate(input_ids=PROMPTS, sampling_params=sp)
+    prefill, decode = Engine(path, **kw), Engine(path, **kw)
+    got = [disaggregated(prefill, decode, ids, sp) for ids in PROMPTS]
+    assert [g["output_ids"] for g in got] == [o["output_ids"] for o in plain]
+    spec = ("spec_verify_ct", "spec_accept_token_num")
+    assert [[g["meta_info"][k] for k in spec] for g in got] == [[c["meta_info"][k] for k in spec]
+                                                                for c in colocated]
+    assert sum(g["meta_info"]["spec_accept_token_num"] for g in got) > 0
