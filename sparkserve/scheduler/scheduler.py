@@ -122,8 +122,7 @@ class Scheduler:
         # before the prefix cache takes the rest.
         self.cache.slide_window(req)
         self.cache.cache_prefix(req)
-        tail = (lambda k: self.decode_tail(req.output_ids[-k:])) if self.decode_tail else None
-        req.check_finished(self.eos_ids, tail)
+        req.check_finished(self.eos_ids, self._tail_text(req))
         if req.finished:
             self.cache.release(req)
         else:
@@ -420,8 +419,7 @@ class Scheduler:
             if req.params.return_logprob:
                 req.output_logprobs.append(lps[n])
                 req.output_top_logprobs.append(tops[n])
-            tail = (lambda k, r=req: self.decode_tail(r.output_ids[-k:])) if self.decode_tail else None
-            req.check_finished(self.eos_ids, tail)
+            req.check_finished(self.eos_ids, self._tail_text(req))
             if req.finished:
                 break
         if accepted is not None:               # drafts kept; a stop inside the block keeps fewer
@@ -431,6 +429,12 @@ class Scheduler:
                 end, req.kv_len = req.kv_len, len(req.fill_ids)   # KV of drafts after the stop
                 self.cache.truncate(req, end)
             self.cache.release(req)
+
+    def _tail_text(self, req: Req) -> Callable[[int], str] | None:
+        """Decodes the last k output tokens of `req` (stop strings need text), if a tokenizer is known."""
+        if self.decode_tail is None:
+            return None
+        return lambda k: self.decode_tail(req.output_ids[-k:])
 
     def _ensure_decode_memory(self, speculating: set[Req]) -> set[Req]:
         """Retract the newest requests until every running one can take its next tokens; when
