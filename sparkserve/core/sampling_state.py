@@ -55,6 +55,16 @@ class RequestSamplingState:
             raise RuntimeError(f"request RNG lives on {self._generator.device}, logits on {device}")
         return self._generator
 
+    def rng_state(self) -> torch.Tensor | None:
+        """Where the request's RNG stands (None: it has not drawn yet), so another scheduler can
+        go on drawing from there (PD disaggregation: the decode side after the prefill side's
+        first token)."""
+        return None if self._generator is None else self._generator.get_state()
+
+    def resume_rng(self, state: torch.Tensor | None, device: torch.device) -> None:
+        if state is not None:
+            self.generator(device).set_state(state)
+
     def observe(self, token_id: int) -> None:
         """Record an accepted token (O(1): one element update, no vocab-sized rebuild)."""
         self.num_generated += 1

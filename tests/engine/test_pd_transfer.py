@@ -51,6 +51,7 @@ def disaggregated(prefill: Engine, decode: Engine, ids: list[int], sp: dict) -> 
     dst = Req(src.rid, list(ids), params, RequestSamplingState(params, ids, decode.scheduler.eos_ids),
               output_ids=list(src.output_ids), output_logprobs=list(src.output_logprobs),
               output_top_logprobs=list(src.output_top_logprobs))
+    dst.sampling.resume_rng(src.sampling.rng_state(), torch.device("cpu"))   # seeded sampling goes on
     assert decode.scheduler.add_prebuilt(dst, data)
     if decode.scheduler.spec is not None:       # the draft's KV rows arrived where decode reads them
         here = read_request(decode.scheduler.pools(), decode.scheduler.request_pages(dst, len(ids)))
@@ -79,6 +80,15 @@ def test_decode_continues_from_transferred_state(arch, models):
         _same(g, w)
     assert_no_kv_leak(prefill.scheduler.cache)
     assert_no_kv_leak(decode.scheduler.cache)
+
+
+def test_seeded_sampling_goes_on_where_prefill_left_it(models):
+    """The decode side draws from the request's RNG where the prefill side's first draw left it:
+    seeded sampled output equals one engine's."""
+    sp = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 12, "ignore_eos": True, "seed": 7}
+    want = Engine(models["llama"], **KW).generate(input_ids=PROMPTS[0], sampling_params=sp)
+    got = disaggregated(Engine(models["llama"], **KW), Engine(models["llama"], **KW), PROMPTS[0], sp)
+    assert got["output_ids"] == want["output_ids"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "kimi"])
