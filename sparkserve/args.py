@@ -14,6 +14,8 @@ from sparkserve.embedded import EMBEDDED_NAME, default_model_path, is_embedded, 
 VERIFY_MODES = ("full", "threshold", "adaptive")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("tcp", "nixl", "mooncake")
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,18 @@ class ServerArgs:
         "HOST:PORT where the ranks meet (default with one node: a free port on 127.0.0.1)"))
     dist_timeout: float = field(default=300.0, metadata=_opt(
         "seconds a collective may wait for a rank before the server fails"))
+    # prefill/decode disaggregation
+    disaggregation_mode: str = field(default="null", metadata=_opt(
+        "prefill: run prompts and send their state to decode servers; decode: take that state and "
+        "generate; null: both here", choices=DISAGGREGATION_MODES, server_only=True))
+    disaggregation_bootstrap_port: int = field(default=8998, metadata=_opt(
+        "port of a prefill server's bootstrap service, where decode servers ask for requests' state",
+        server_only=True))
+    disaggregation_transfer_backend: str = field(default="tcp", metadata=_opt(
+        "how request state moves between the servers", choices=TRANSFER_BACKENDS, server_only=True))
+    disaggregation_bootstrap_timeout: float = field(default=60.0, metadata=_opt(
+        "seconds one side waits for the other (the decode side's reservation, the prefill side's "
+        "state) before the request fails", server_only=True))
 
     def __post_init__(self) -> None:
         if self.model_path is None:
@@ -193,7 +207,29 @@ class ServerArgs:
              "cache is not recomputed, so it has no hidden states to return")
         need(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
         self._validate_parallel(need)
+        self._validate_disaggregation(need)
         return self
+
+    def _validate_disaggregation(self, need) -> None:
+        mode = self.disaggregation_mode
+        need(mode in DISAGGREGATION_MODES,
+             f"--disaggregation-mode {mode}: use one of {', '.join(DISAGGREGATION_MODES)}")
+        need(self.disaggregation_transfer_backend in TRANSFER_BACKENDS,
+             f"--disaggregation-transfer-backend {self.disaggregation_transfer_backend}: use one of "
+             f"{', '.join(TRANSFER_BACKENDS)}")
+        need(0 < self.disaggregation_bootstrap_port <= 65535,
+             f"--disaggregation-bootstrap-port must be in [1, 65535], got "
+             f"{self.disaggregation_bootstrap_port}")
+        need(self.disaggregation_bootstrap_timeout > 0,
+             f"--disaggregation-bootstrap-timeout must be positive, got "
+             f"{self.disaggregation_bootstrap_timeout}")
+        if mode == "null":
+            return
+        world = self.parallel_config().world_size
+        need(world == 1 and not self.enable_dp_attention,
+             f"--disaggregation-mode {mode} with --tp-size {self.tp_size} --pp-size {self.pp_size}"
+             f"{' --enable-dp-attention' if self.enable_dp_attention else ''}: a disaggregated server runs "
+             "one rank so far; drop the parallel flags")
 
     def _validate_parallel(self, need) -> None:
         need(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")

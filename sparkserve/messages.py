@@ -26,6 +26,15 @@ from sparkserve.sampling_params import SamplingParams
 
 # ---- frontend -> scheduler -----------------------------------------------------------------
 @dataclass
+class Bootstrap:
+    """PD disaggregation: where a request's prefill server is and the room (an id both servers
+    got from the router) that pairs its two halves."""
+    host: str
+    port: int
+    room: int
+
+
+@dataclass
 class GenerateReq:
     """One sequence to generate, checked and with n fanned out (rid-0, rid-1, ...)."""
     rid: str
@@ -35,6 +44,7 @@ class GenerateReq:
     index: int = 0              # the choice's index in the HTTP response (frontend bookkeeping)
     prompt_index: int = 0       # which prompt of the request it answers (usage counts each once)
     routed_dp_rank: int | None = None   # DP attention: the group to run it on (None: load balancing)
+    bootstrap: Bootstrap | None = None  # PD disaggregation: the pairing the router gave it
 
 
 @dataclass

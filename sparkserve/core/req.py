@@ -50,6 +50,7 @@ class Req:
     # forward that computed rows of this request; a recomputed position (retraction) comes again.
     hidden_parts: list[HiddenPart] | None = None
     routed_dp_rank: int | None = None   # DP attention: the group asked for (None: load balancing)
+    hands_off: bool = False          # PD prefill side: ends after its first token, a decode server goes on
 
     @property
     def fill_ids(self) -> list[int]:

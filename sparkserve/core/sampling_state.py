@@ -23,6 +23,7 @@ class RequestSamplingState:
         # Unseeded requests draw their seed from the global RNG so `torch.manual_seed` reproduces runs.
         self.seed: int = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self._generator: torch.Generator | None = None
+        self._resume_state: torch.Tensor | None = None   # PD: where another scheduler left the RNG
         self.num_generated = 0
         self.uses_repetition = params.repetition_penalty != 1.0
         self.uses_counts = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
@@ -51,6 +52,8 @@ class RequestSamplingState:
         if self._generator is None:
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(self.seed)
+            if self._resume_state is not None:
+                self._generator.set_state(self._resume_state)
         elif self._generator.device.type != torch.device(device).type:
             raise RuntimeError(f"request RNG lives on {self._generator.device}, logits on {device}")
         return self._generator
@@ -61,9 +64,10 @@ class RequestSamplingState:
         first token)."""
         return None if self._generator is None else self._generator.get_state()
 
-    def resume_rng(self, state: torch.Tensor | None, device: torch.device) -> None:
-        if state is not None:
-            self.generator(device).set_state(state)
+    def resume_rng(self, state: torch.Tensor | None) -> None:
+        """Draw next from `state` (rng_state's, from another scheduler), on whatever device the
+        request's logits turn out to live."""
+        self._resume_state = state
 
     def observe(self, token_id: int) -> None:
         """Record an accepted token (O(1): one element update, no vocab-sized rebuild)."""

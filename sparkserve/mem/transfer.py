@@ -28,21 +28,40 @@ class RequestPages:
         return self.slots
 
 
-def read_request(pools: list[Pool], pages: RequestPages) -> list[list[torch.Tensor]]:
-    """Every component's rows of the request, per pool, component, layer (copies)."""
-    return [[t[pages.index(c.kind)].clone() for c in pool.components() for t in c.tensors] for pool in pools]
+Rows = list[list[torch.Tensor | None]]   # per pool, per component buffer (layer); None: not sent
 
 
-def write_request(pools: list[Pool], pages: RequestPages, data: list[list[torch.Tensor]], start: int) -> None:
-    """Write `data` (read_request's, from the other side) for positions start.. at `pages`; its
-    request_row state whole (it is the state after the whole prompt)."""
+def read_request(pools: list[Pool], pages: RequestPages, lo: int = 0, state: bool = True) -> Rows:
+    """Every component's rows of the request for positions lo..len(pages.slots), per pool,
+    component, layer (copies); request_row state only when `state` (it is whole only once the
+    prompt has run: a transfer sends it last)."""
+    def rows(kind: str, t: torch.Tensor) -> torch.Tensor | None:
+        if kind == "request_row":
+            return t[pages.row].clone() if state else None
+        return t[pages.index(kind)[lo:]]
+    return [[rows(c.kind, t) for c in pool.components() for t in c.tensors] for pool in pools]
+
+
+def write_request(pools: list[Pool], pages: RequestPages, data: Rows, lo: int, start: int = 0) -> None:
+    """Write `data` (read_request's rows for positions lo.., from the other side) at `pages`,
+    skipping positions before `start` (held already: a cached prefix); request_row state whole."""
+    if len(pools) != len(data):
+        raise ValueError(f"the sending side has {len(data)} pools, this one {len(pools)}: a DSpark draft "
+                         "on one side only?")
     for pool, rows in zip(pools, data):
         tensors = [(c.kind, t) for c in pool.components() for t in c.tensors]
         if len(tensors) != len(rows):
             raise ValueError(f"the sending pool has {len(rows)} layer buffers, this one {len(tensors)}: "
                              "the two sides run different models or layouts")
         for (kind, t), x in zip(tensors, rows):
+            if x is None:
+                continue
+            if x.shape[x.dim() - t.dim() + 1:] != t.shape[1:]:
+                raise ValueError(f"rows of shape {tuple(x.shape)} sent for a buffer of rows "
+                                 f"{tuple(t.shape[1:])}: the two sides run different models or layouts")
             if kind == "request_row":
                 t[pages.row] = x
-            else:
-                t[pages.index(kind)[start:]] = x[start:]
+                continue
+            first = max(lo, start)
+            idx = pages.index(kind)[first:lo + len(x)]
+            t[idx] = x[first - lo:first - lo + len(idx)].to(t.dtype)

@@ -34,6 +34,7 @@ from sparkserve.messages import (
     ShutdownReq,
 )
 from sparkserve.scheduler.data_parallel import DataParallelScheduler, build_driver_scheduler
+from sparkserve.scheduler.disaggregated import DecodeScheduler, PrefillScheduler, disaggregated
 from sparkserve.scheduler.req_outputs import OutputTracker, req_from_message, req_output
 from sparkserve.scheduler.runtime import context_length
 from sparkserve.scheduler.scheduler import Scheduler
@@ -75,7 +76,8 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, pare
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler | DataParallelScheduler, recv: zmq.Socket, send: zmq.Socket,
+    def __init__(self, scheduler: Scheduler | DataParallelScheduler | PrefillScheduler | DecodeScheduler,
+                 recv: zmq.Socket, send: zmq.Socket,
                  parent_pid: int):
         self.scheduler = scheduler
         self.recv = recv
@@ -87,7 +89,8 @@ class SchedulerLoop:
 
     @classmethod
     def build(cls, args: ServerArgs, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> "SchedulerLoop":
-        scheduler, cfg = build_driver_scheduler(args, load_tokenizer_for(args))
+        driver, cfg = build_driver_scheduler(args, load_tokenizer_for(args))
+        scheduler = disaggregated(args, driver) if isinstance(driver, Scheduler) else driver
         loop = cls(scheduler, recv, send, parent_pid)
         spec = None
         if scheduler.spec is not None:
@@ -136,7 +139,8 @@ class SchedulerLoop:
     def _handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
             req = req_from_message(msg, self.scheduler.eos_ids)
-            if self.scheduler.add_request(req):
+            if (self.scheduler.add_paired(req, msg.bootstrap) if self._paired(msg)
+                    else self.scheduler.add_request(req)):
                 self.tracker.hold(req)
             else:
                 self.pending.append(req_output(req, 0))
@@ -163,6 +167,10 @@ class SchedulerLoop:
             self.stopped = True
         else:
             log.error("unknown message %r", type(msg).__name__)
+
+    def _paired(self, msg: GenerateReq) -> bool:
+        """A request the PD router paired, on a disaggregated server (else it runs colocated)."""
+        return msg.bootstrap is not None and isinstance(self.scheduler, (PrefillScheduler, DecodeScheduler))
 
     def load(self) -> SchedulerLoad:
         return self.scheduler.load()

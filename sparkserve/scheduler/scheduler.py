@@ -24,7 +24,7 @@ from sparkserve.core.req import Req
 from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
 from sparkserve.executor.sampler import Sampler
 from sparkserve.mem.cache_manager import KVCacheManager
-from sparkserve.mem.transfer import RequestPages, write_request
+from sparkserve.mem.transfer import RequestPages, Rows, write_request
 from sparkserve.messages import SchedulerLoad
 from sparkserve.scheduler.batch_log import BatchLog
 from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
@@ -71,6 +71,9 @@ class Scheduler:
         self.spec = spec
         self.accept_hist: dict[int, int] = {}     # accepted drafts per verify -> count
         self.batch_log = BatchLog(cfg.decode_log_interval)
+        # PD prefill side: called after each forward that computed prompt rows of a request that
+        # hands off (`Req.hands_off`), with the rows' first position, before any leave a window.
+        self.on_prompt_rows: Callable[[Req, int], None] | None = None
 
     # ---- queue ------------------------------------------------------------------------------
     def add_request(self, req: Req) -> bool:
@@ -101,21 +104,35 @@ class Scheduler:
         swa = self.cache.full_to_swa[slots] if self.cache.full_to_swa is not None else None
         return RequestPages(slots, swa, req.row)
 
-    def add_prebuilt(self, req: Req, data: list[list[torch.Tensor]]) -> bool:
+    def add_prebuilt(self, req: Req, data: Rows) -> bool:
         """Decode side: `req`'s prompt ran elsewhere; `data` is every pool component's rows for
-        it (mem/transfer.py), and req.output_ids holds the token sampled there. The request
-        takes a row and slots here (a cached prefix is reused), gets the rows written and
-        decodes from its next step without computing the prompt. False when memory is short
-        now (nothing held)."""
+        it from position 0 (mem/transfer.py), and req.output_ids holds the token sampled there.
+        The request decodes from its next step without computing the prompt. False when memory
+        is short now (nothing held)."""
+        start = self.reserve_prebuilt(req)
+        if start is None:
+            return False
+        write_request(self.pools(), self.request_pages(req, len(req.input_ids)), data, 0, start)
+        self.start_prebuilt(req)
+        return True
+
+    def reserve_prebuilt(self, req: Req) -> int | None:
+        """A row and slots for `req`'s whole prompt (a cached prefix is reused): the first
+        position the other side must send, or None when memory is short now (nothing held)."""
         if not self.cache.admit(req):
-            return False
-        n = len(req.input_ids)
-        start = req.kv_len
-        if n > start and self.cache.alloc(req, n - start) is None:
+            return None
+        n, start = len(req.input_ids), req.kv_len
+        page = self.cache.allocator.page_size
+        running = [(r, r.params.max_new_tokens - len(r.output_ids)) for r in self.running]
+        if n > start and (not self.cache.room(self.cache.pages_needed(req, n - start) * page, running)
+                          or self.cache.alloc(req, n - start) is None):
             self.cache.release(req)
-            return False
-        write_request(self.pools(), self.request_pages(req, n), data, start)
+            return None
         req.kv_len = n
+        return start
+
+    def start_prebuilt(self, req: Req) -> None:
+        """The prompt's state is in place and req.output_ids holds the first token: decode."""
         for tok in req.output_ids:
             req.sampling.observe(tok)
         # Positions that had left the sender's sliding window arrived as padding: give them up
@@ -127,7 +144,6 @@ class Scheduler:
             self.cache.release(req)
         else:
             self.running.append(req)
-        return True
 
     def abort(self, rid: str) -> bool:
         for queue in (self.waiting, self.running):
@@ -274,6 +290,8 @@ class Scheduler:
         done = []
         for (req, _, n) in batch:
             req.kv_len += n
+            if req.hands_off and self.on_prompt_rows is not None:
+                self.on_prompt_rows(req, req.kv_len - n)
             self.cache.cache_prefix(req)
             self.cache.slide_window(req)
             if req.kv_len == len(req.fill_ids):
@@ -424,6 +442,8 @@ class Scheduler:
                 break
         if accepted is not None:               # drafts kept; a stop inside the block keeps fewer
             req.spec_accept_token_num += min(accepted, len(taken))
+        if req.hands_off and not req.finished:
+            req.finished_reason = FINISH_LENGTH(len(req.output_ids))
         if req.finished:
             if req.kv_len > len(req.fill_ids):    # stopped inside an accepted block: drop the
                 end, req.kv_len = req.kv_len, len(req.fill_ids)   # KV of drafts after the stop

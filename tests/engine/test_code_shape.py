@@ -17,7 +17,7 @@ LAYERS = [
     ("training",),
     ("entrypoints",),
     ("scheduler",),
-    ("speculative", "frontend"),
+    ("speculative", "frontend", "disaggregation"),
     ("executor",),
     ("models",),
     ("loader",),

@@ -51,7 +51,7 @@ def disaggregated(prefill: Engine, decode: Engine, ids: list[int], sp: dict) -> 
     dst = Req(src.rid, list(ids), params, RequestSamplingState(params, ids, decode.scheduler.eos_ids),
               output_ids=list(src.output_ids), output_logprobs=list(src.output_logprobs),
               output_top_logprobs=list(src.output_top_logprobs))
-    dst.sampling.resume_rng(src.sampling.rng_state(), torch.device("cpu"))   # seeded sampling goes on
+    dst.sampling.resume_rng(src.sampling.rng_state())   # seeded sampling goes on
     assert decode.scheduler.add_prebuilt(dst, data)
     if decode.scheduler.spec is not None:       # the draft's KV rows arrived where decode reads them
         here = read_request(decode.scheduler.pools(), decode.scheduler.request_pages(dst, len(ids)))
