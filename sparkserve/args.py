@@ -225,11 +225,14 @@ class ServerArgs:
              f"{self.disaggregation_bootstrap_timeout}")
         if mode == "null":
             return
+        need(not self.enable_dp_attention and self.attn_cp_size == 1,
+             f"--disaggregation-mode {mode} with --enable-dp-attention or --attn-cp-size: not supported yet; "
+             "use --tp-size / --pp-size (the two sides may differ)")
         world = self.parallel_config().world_size
-        need(world == 1 and not self.enable_dp_attention,
-             f"--disaggregation-mode {mode} with --tp-size {self.tp_size} --pp-size {self.pp_size}"
-             f"{' --enable-dp-attention' if self.enable_dp_attention else ''}: a disaggregated server runs "
-             "one rank so far; drop the parallel flags")
+        need(world == 1 or self.disaggregation_transfer_backend == "tcp",
+             f"--disaggregation-transfer-backend {self.disaggregation_transfer_backend} with --tp-size "
+             f"{self.tp_size} --pp-size {self.pp_size}: registered-memory backends move one rank's pools; "
+             "use --disaggregation-transfer-backend tcp, which gathers every rank's rows")
 
     def _validate_parallel(self, need) -> None:
         need(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")

@@ -1,4 +1,4 @@
-"""Command line: `sparkserve serve | generate | train-draft` (also `python -m sparkserve ...`).
+"""Command line: `sparkserve serve | generate | router | train-draft` (also `python -m sparkserve ...`).
 Flags follow SGLang's names; every flag comes from a dataclass field (see --help)."""
 from __future__ import annotations
 
@@ -35,6 +35,23 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
     ServerArgs.add_cli_args(gen.add_argument_group("engine"), server=False)
     gen.set_defaults(log_level="warning")      # the answer, not the batch log, on the terminal
+
+    rt = sub.add_parser("router", help="route requests over prefill and decode servers (PD disaggregation)",
+                        description="Pair one --prefill and one --decode server per request (round robin "
+                                    "over the healthy ones) and send it to both; the decode server answers. "
+                                    "Flags as sglang-router's PD mode.")
+    rt.add_argument("--prefill", nargs="+", action="append", required=True, metavar=("URL", "BOOTSTRAP_PORT"),
+                    help="a prefill server and the port of its bootstrap service (default: 8998; none: "
+                         "each decode server's own --disaggregation-bootstrap-port); repeatable")
+    rt.add_argument("--decode", action="append", required=True, metavar="URL",
+                    help="a decode server; repeatable")
+    rt.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    rt.add_argument("--port", type=int, default=30000, help="port to listen on (default: 30000)")
+    rt.add_argument("--health-check-interval", type=float, default=10.0, metavar="S",
+                    help="seconds between GET /health checks of every server; one that fails is skipped "
+                         "until it passes (default: 10)")
+    rt.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                    help="default: info")
 
     tr = sub.add_parser("train-draft", help="train a DSpark draft for a model (self-distillation)")
     add_dataclass_args(tr.add_argument_group("pipeline"), PipelineConfig)
@@ -79,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(ns)
         if ns.command == "train-draft":
             return _train_draft(ns)
+        if ns.command == "router":
+            from sparkserve.entrypoints.router import run_router
+            return run_router(ns.prefill, ns.decode, ns.host, ns.port, ns.health_check_interval, ns.log_level)
         if ns.command == "serve":
             from sparkserve.entrypoints.launch import launch_server
             return launch_server(ServerArgs.from_cli_args(ns).validate())

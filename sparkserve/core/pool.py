@@ -9,6 +9,18 @@ import torch
 POOL_KINDS = ("token_page", "window_page", "request_row")
 
 
+@dataclass(frozen=True)
+class Split:
+    """How an item dimension is cut over the attention tensor-parallel ranks: the full `dim`
+    (of the item, the row index excluded) is `groups` equal blocks (KDA's q|k|v conv channels),
+    each cut into `parts` equal pieces, and tp rank r of T holds piece r * parts // T of every
+    block (parts < T: ranks share a piece, as replicated KV heads do). Transfers between
+    different layouts rebuild the full rows from the pieces (mem/transfer.py)."""
+    dim: int
+    parts: int
+    groups: int = 1
+
+
 @dataclass
 class PoolComponent:
     name: str
@@ -16,6 +28,11 @@ class PoolComponent:
     tensors: list[torch.Tensor]   # one per layer that has this component
     bytes_per_item: int
     layer_ids: list[int] | None = None   # which layers the tensors belong to; None = all, in order
+    split: Split | None = None    # cut over the tp ranks; None: every rank holds it whole
+
+    @property
+    def layers(self) -> list[int]:
+        return list(range(len(self.tensors))) if self.layer_ids is None else self.layer_ids
 
 
 class Pool:

@@ -2,17 +2,19 @@
 
 The decode side reserves a request's rows in its pools and tells the prefill server where the
 request stands (the first position it lacks); the prefill side sends rows as its chunks run, then
-the request-row state and the first-token result. A backend that writes into registered memory
-(nixl, mooncake) gets the decode side's pages at reservation; the tcp backend carries the rows and
-the decode side writes them itself."""
+the request-row state and the first-token result. Every backend keeps that conversation on one
+ZMQ control channel (control.py); they differ in how rows move. tcp carries them in its messages
+and the decode side writes them itself (tcp.py); nixl and mooncake register both sides' pool
+memory with their engine once, the decode side sends its rows' places with each reservation, and
+the prefill side writes straight into them (registered.py, nixl.py, mooncake.py)."""
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from sparkserve.core.pool import Pool
-from sparkserve.mem.transfer import RequestPages
+from sparkserve.mem.transfer import RequestRows, Shapes
 from sparkserve.messages import Bootstrap
 
 
@@ -22,10 +24,14 @@ class PeerGone(RuntimeError):
 
 @dataclass
 class Reservation:
-    """Prefill side: a decode server holds room for `room` and lacks positions start.."""
+    """Prefill side: a decode server holds room for `room` and lacks positions start..; `shapes`
+    is its whole layout (checked against this side's before anything is sent); `dst`: where its
+    rows go there (a registered-memory backend's destination rows, else None)."""
     room: int
     start: int
     peer: Any
+    shapes: Shapes
+    dst: Any = None
 
 
 @dataclass
@@ -62,10 +68,9 @@ class PrefillTransfer(ABC):
     def poll(self, timeout_ms: int) -> list[Reservation | Cancelled]: ...
 
     @abstractmethod
-    def send_rows(self, res: Reservation, pools: list[Pool], pages: RequestPages, lo: int,
-                  last: bool) -> None:
-        """Rows for positions max(lo, res.start)..len(pages); with `last`, the request-row state too.
-        Raises PeerGone."""
+    def send_rows(self, res: Reservation, src: RequestRows, lo: int, last: bool) -> None:
+        """Rows for positions max(lo, res.start)..len(src.pages.slots); with `last`, the
+        request-row state too. Raises PeerGone."""
 
     @abstractmethod
     def send_result(self, res: Reservation, result: dict[str, Any]) -> None:
@@ -85,7 +90,8 @@ class PrefillTransfer(ABC):
 
 class DecodeTransfer(ABC):
     @abstractmethod
-    def reserve(self, boot: Bootstrap, pools: list[Pool], pages: RequestPages, start: int) -> None: ...
+    def reserve(self, boot: Bootstrap, dst: RequestRows, start: int) -> None:
+        """Ask the prefill server of `boot` for positions start.. of the request, into `dst`."""
 
     @abstractmethod
     def cancel(self, boot: Bootstrap, message: str) -> None: ...
@@ -97,19 +103,48 @@ class DecodeTransfer(ABC):
     def close(self) -> None: ...
 
 
+# backend -> (the module it needs, the package that brings it)
+NEEDS = {"nixl": ("nixl", "nixl"), "mooncake": ("mooncake.engine", "mooncake-transfer-engine-non-cuda")}
+
+
 def _check_backend(name: str) -> None:
+    """A start-up error naming what to install when the backend's engine does not load."""
     if name == "tcp":
         return
-    raise ValueError(f"--disaggregation-transfer-backend {name}: not built yet; use tcp (the default)")
+    if name not in NEEDS:
+        raise ValueError(f"--disaggregation-transfer-backend {name}: use one of tcp, {', '.join(NEEDS)}")
+    module, package = NEEDS[name]
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and e.name == module.split(".")[0]:
+            raise ValueError(f"--disaggregation-transfer-backend {name} needs the {package} package: "
+                             f"pip install 'sparkserve[{name}]'") from None
+        # installed, but something it loads is missing (a system library, a part of the package)
+        hint = " (Debian: apt-get install libibverbs1)" if "libibverbs" in str(e) else ""
+        raise ValueError(f"--disaggregation-transfer-backend {name}: the {package} package is installed "
+                         f"but does not load: {e}{hint}") from None
 
 
 def prefill_transfer(backend: str, port: int) -> PrefillTransfer:
     _check_backend(backend)
+    if backend == "nixl":
+        from sparkserve.disaggregation.nixl import NixlPrefillTransfer
+        return NixlPrefillTransfer(port)
+    if backend == "mooncake":
+        from sparkserve.disaggregation.mooncake import MooncakePrefillTransfer
+        return MooncakePrefillTransfer(port)
     from sparkserve.disaggregation.tcp import TcpPrefillTransfer
     return TcpPrefillTransfer(port)
 
 
 def decode_transfer(backend: str) -> DecodeTransfer:
     _check_backend(backend)
+    if backend == "nixl":
+        from sparkserve.disaggregation.nixl import NixlDecodeTransfer
+        return NixlDecodeTransfer()
+    if backend == "mooncake":
+        from sparkserve.disaggregation.mooncake import MooncakeDecodeTransfer
+        return MooncakeDecodeTransfer()
     from sparkserve.disaggregation.tcp import TcpDecodeTransfer
     return TcpDecodeTransfer()

@@ -12,21 +12,15 @@ from sparkserve.mem.transfer import Rows
 
 
 def pack(header: dict[str, Any], rows: Rows | None = None) -> list[Any]:
-    """Frames for `header` and `rows` (per pool, per buffer; None entries stay None)."""
+    """Frames for `header` and `rows` (keyed buffers of rows)."""
     frames: list[Any] = []
     specs = None
     if rows is not None:
         specs = []
-        for pool in rows:
-            pool_specs = []
-            for t in pool:
-                if t is None:
-                    pool_specs.append(None)
-                    continue
-                t = t.detach().contiguous()
-                pool_specs.append((str(t.dtype).removeprefix("torch."), tuple(t.shape)))
-                frames.append(t.reshape(-1).view(torch.uint8).numpy())
-            specs.append(pool_specs)
+        for key, t in rows.items():
+            t = t.detach().contiguous()
+            specs.append((key, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+            frames.append(t.reshape(-1).view(torch.uint8).numpy())
     return [pickle.dumps({**header, "rows": specs})] + frames
 
 
@@ -35,20 +29,12 @@ def unpack(frames: list[Any]) -> tuple[dict[str, Any], Rows | None]:
     specs = header.pop("rows")
     if specs is None:
         return header, None
-    data = iter(frames[1:])
-    rows: Rows = []
+    rows: Rows = {}
     with warnings.catch_warnings():          # read-only frames: the rows are copied into pools
         warnings.simplefilter("ignore", UserWarning)
-        for pool_specs in specs:
-            pool = []
-            for spec in pool_specs:
-                if spec is None:
-                    pool.append(None)
-                    continue
-                dtype, shape = getattr(torch, spec[0]), spec[1]
-                buf = memoryview(next(data))
-                empty = torch.zeros(0, dtype=torch.uint8)
-                raw = torch.frombuffer(buf, dtype=torch.uint8) if buf.nbytes else empty
-                pool.append(raw.view(dtype).reshape(shape))
-            rows.append(pool)
+        for (key, dtype, shape), frame in zip(specs, frames[1:], strict=True):
+            buf = memoryview(frame)
+            empty = torch.zeros(0, dtype=torch.uint8)
+            raw = torch.frombuffer(buf, dtype=torch.uint8) if buf.nbytes else empty
+            rows[key] = raw.view(getattr(torch, dtype)).reshape(shape)
     return header, rows

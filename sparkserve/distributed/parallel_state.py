@@ -276,6 +276,22 @@ def _broadcast_object(obj: object, g: Group) -> object:
     return obj if driver else pickle.loads(data.numpy().tobytes())
 
 
+def control_gather_object(obj: object) -> list | None:
+    """Every mirroring rank's `obj` on the driver, in rank order (None on the others)."""
+    g = _state.control
+    out = [None] * g.size if g.rank == 0 else None
+    dist.gather_object(obj, out, dst=g.leader, group=g.handle)
+    return out
+
+
+def control_scatter_object(objs: list | None = None) -> object:
+    """The driver's objs[i] on the i-th mirroring rank (the others pass nothing)."""
+    g = _state.control
+    out = [None]
+    dist.scatter_object_list(out, objs if g.rank == 0 else None, src=g.leader, group=g.handle)
+    return out[0]
+
+
 # ---- DP attention ----------------------------------------------------------------------------
 def dp_rank() -> int:
     """This rank's attention data-parallel group (0 without DP attention)."""

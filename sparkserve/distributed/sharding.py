@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from sparkserve.config import ModelConfig
+from sparkserve.core.pool import Split
 from sparkserve.distributed import parallel_state as ps
 
 
@@ -87,6 +88,16 @@ def kv_heads_shard(num_kv_heads: int) -> tuple[int, int, int]:
     if num_kv_heads >= tp:
         return r, tp, num_kv_heads // tp
     return r * num_kv_heads // tp, num_kv_heads, 1
+
+
+def kv_split(num_kv_heads: int) -> Split:
+    """How pool items of [KV heads, ...] are cut over the tp ranks (kv_heads_shard's layout)."""
+    return Split(0, kv_heads_shard(num_kv_heads)[1])
+
+
+def heads_split(dim: int = 0, groups: int = 1) -> Split:
+    """How pool items whose `dim` holds this rank's query heads (in `groups` blocks) are cut."""
+    return Split(dim, ps.tp_size(), groups)
 
 
 def leads_replica(num_kv_heads: int) -> bool:

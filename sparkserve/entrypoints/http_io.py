@@ -86,7 +86,7 @@ async def respond(request: Request, tm: TokenizerManager, seqs: list[GenerateReq
     if stream:
         return EventStream(sse_guard(stream_fn(sub)), on_close=sub.close)
     task = asyncio.ensure_future(full_fn(sub))
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():                       # client went away: abort now, answer nobody
@@ -101,7 +101,7 @@ async def respond(request: Request, tm: TokenizerManager, seqs: list[GenerateReq
         sub.close()
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body is read already, so receive() waits)."""
     while True:
         msg = await request.receive()

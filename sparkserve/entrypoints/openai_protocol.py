@@ -19,7 +19,7 @@ class ApiError(Exception):
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
              405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
-             503: "service_unavailable_error"}
+             502: "bad_gateway_error", 503: "service_unavailable_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  headers: dict[str, str] | None = None):
@@ -120,6 +120,10 @@ class OpenAISampling(_Request):
     return_hidden_states: bool = False
     # SGLang: the DP-attention group to run every choice on (None: the server's load balancing)
     routed_dp_rank: int | None = None
+    # PD disaggregation, added by a PD router (see ServingBase.bootstraps)
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -160,9 +164,9 @@ class GenerateRequest(_Request):
     # is SGLang's older name for it
     routed_dp_rank: int | None = None
     data_parallel_rank: int | None = None
-    # PD disaggregation fields that sglang-router adds (accepted; no disaggregation yet)
+    # PD disaggregation, added by a PD router: one value, or one per prompt (ServingBase.bootstraps)
     bootstrap_host: str | list[str] | None = None
-    bootstrap_port: int | list[int] | None = None
+    bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
 
 

@@ -53,7 +53,8 @@ async def server_info(request: Request) -> Response:
     info: dict[str, Any] = dataclasses.asdict(ctx.args)
     if info.get("api_key"):
         info["api_key"] = "<hidden>"
-    info.update(tokenizer_path=ctx.tokenizer_path, version=sparkserve.__version__, disaggregation_mode="null",
+    # the args carry disaggregation_mode and disaggregation_bootstrap_port, which PD routers read
+    info.update(tokenizer_path=ctx.tokenizer_path, version=sparkserve.__version__,
                 max_total_num_tokens=ready.max_total_num_tokens, context_length=ready.context_length,
                 vocab_size=ready.vocab_size, scheduler_pid=ready.pid, dp_size=tm.dp_groups)
     if ready.speculative:

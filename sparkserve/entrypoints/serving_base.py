@@ -9,11 +9,11 @@ import uuid
 from typing import Any, AsyncIterator
 
 from sparkserve.core.finish_reason import BaseFinishReason
-from sparkserve.entrypoints.openai_protocol import ApiError, OpenAISampling
+from sparkserve.entrypoints.openai_protocol import ApiError, GenerateRequest, OpenAISampling
 from sparkserve.entrypoints.tokenizer_manager import SeqOut, Submission, TokenizerManager
 from sparkserve.frontend.prepare import as_batch, check_prompt, fan_out, room_left
 from sparkserve.frontend.tokenizer import Tokenizer
-from sparkserve.messages import GenerateReq
+from sparkserve.messages import Bootstrap, GenerateReq
 from sparkserve.sampling_params import SamplingParams
 
 # OpenAI field name -> SamplingParams field name (for building params and renaming errors back).
@@ -48,6 +48,8 @@ def sse(obj: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+ROOMS = 1 << 63                 # bootstrap rooms are 63-bit, as PD routers draw them
+NO_MODEL_FROM_ROUTER = "unknown"
 
 
 class StreamError(Exception):
@@ -66,7 +68,9 @@ class ServingBase:
 
     # ---- request -> sequences -------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if name and name not in self.model_names:
+        """An unknown model is a 404 naming the served one. No model, and sglang-router's stand-in
+        for none (it sends model "unknown" for a chat request without one), mean this one."""
+        if name and name != NO_MODEL_FROM_ROUTER and name not in self.model_names:
             raise ApiError(404, f"model: the model {name!r} does not exist; this server serves "
                                 f"{self.served_name!r} (see /v1/models)", "model")
 
@@ -121,20 +125,65 @@ class ServingBase:
             raise ApiError.bad_request(e) from None
         return params
 
+    def bootstraps(self, req: GenerateRequest | OpenAISampling, k: int) -> list[Bootstrap | None]:
+        """PD disaggregation: the pairing of each of the request's k prompts (a router sent the same
+        body to a prefill and a decode server; the room pairs the two halves), or None for each
+        when there is none to make: on a null-mode server (the fields are ignored, as SGLang does)
+        and for a request without the fields, which runs colocated here (/health_generate, direct
+        clients). A paired request needs its host and room. Its port may be missing or null: then
+        it is this server's --disaggregation-bootstrap-port, as in SGLang's scheduler
+        (sglang-router sends null for a prefill server given without a port). A list gives one
+        value per prompt; one room for a batch is room + p for prompt p (SGLang's rule), so every
+        sequence has a room of its own, which is also why fan() refuses n > 1."""
+        args = self.tm.args
+        host, port, room = req.bootstrap_host, req.bootstrap_port, req.bootstrap_room
+        if args.disaggregation_mode == "null" or (host is None and port is None and room is None):
+            return [None] * k
+        for name, value in (("bootstrap_host", host), ("bootstrap_room", room)):
+            if value is None:
+                raise ApiError(400, f"{name}: missing; a request paired for PD disaggregation needs "
+                                    "bootstrap_host and bootstrap_room (bootstrap_port defaults to "
+                                    f"{args.disaggregation_bootstrap_port})", name)
+        hosts = per_prompt(host, k, "bootstrap_host")
+        ports = per_prompt(port, k, "bootstrap_port")
+        rooms = (per_prompt(room, k, "bootstrap_room") if isinstance(room, list)
+                 else [room + p for p in range(k)])
+        if len(set(rooms)) != k:
+            raise ApiError(400, "bootstrap_room: every prompt needs a room of its own; got repeats",
+                           "bootstrap_room")
+        out: list[Bootstrap | None] = []
+        for p, (h, pt, r) in enumerate(zip(hosts, ports, rooms)):
+            pt = args.disaggregation_bootstrap_port if pt is None else pt
+            if not h:
+                raise ApiError(400, "bootstrap_host: must be a non-empty host name or address",
+                               "bootstrap_host")
+            if not 0 < pt <= 65535:
+                raise ApiError(400, f"bootstrap_port must be in [1, 65535], got {pt}", "bootstrap_port")
+            if not 0 <= r < ROOMS:
+                of = f" (bootstrap_room + {p}: prompt {p}'s room)" if p and not isinstance(room, list) else ""
+                raise ApiError(400, f"bootstrap_room must be in [0, 2**63), got {r}{of}", "bootstrap_room")
+            out.append(Bootstrap(h, pt, r))
+        return out
+
     def fan(self, rid: str, prompts: list[tuple[list[int], SamplingParams]],
             hidden: list[bool] | bool = False, rids: list[str] | None = None,
-            dp_rank: int | None = None) -> list[GenerateReq]:
+            dp_rank: int | None = None, boots: list[Bootstrap | None] | None = None) -> list[GenerateReq]:
         """One GenerateReq per choice (n fanned out); `rids`: one per prompt, else rid or rid-p.
-        `dp_rank` (checked by `dp_rank()`) goes to every one: a request runs in one DP group."""
+        `dp_rank` (checked by `dp_rank()`) goes to every one: a request runs in one DP group.
+        `boots` (from `bootstraps()`): each prompt's PD pairing, whose single room allows one choice."""
         hidden = hidden if isinstance(hidden, list) else [hidden] * len(prompts)
+        boots = boots or [None] * len(prompts)
         self.check_hidden_states(any(hidden))
         seqs: list[GenerateReq] = []
         for p, (ids, params) in enumerate(prompts):
             base = rids[p] if rids else (rid if len(prompts) == 1 else f"{rid}-{p}")
             if not isinstance(base, str) or not base:
                 raise ApiError(400, "rid: must be a non-empty string", "rid")
+            if boots[p] is not None and params.n > 1:
+                raise ApiError(400, f"n: {params.n} choices of a PD request (bootstrap_room): each sequence "
+                                    "needs a room of its own; send n = 1 (or one request per choice)", "n")
             for r, sp in fan_out(base, params):
-                seqs.append(GenerateReq(r, ids, sp, bool(hidden[p]), len(seqs), p, dp_rank))
+                seqs.append(GenerateReq(r, ids, sp, bool(hidden[p]), len(seqs), p, dp_rank, boots[p]))
         try:
             self.tm.check_capacity(len(seqs))
         except ValueError as e:

@@ -102,7 +102,8 @@ class ServingChat(OpenAIServing):
         top = (req.top_logprobs or 0) if req.logprobs else None
         names = {"top_logprobs_num": "top_logprobs"}
         return self.fan(rid, [(ids, self.openai_params(req, ids, max_tokens, None, top, names))],
-                        req.return_hidden_states, dp_rank=self.dp_rank(req.routed_dp_rank))
+                        req.return_hidden_states, dp_rank=self.dp_rank(req.routed_dp_rank),
+                        boots=self.bootstraps(req, 1))
 
     def first_choices(self, seqs: list[GenerateReq]) -> list[dict]:
         return [{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -154,7 +155,8 @@ class ServingCompletion(OpenAIServing):
         for ids in prompts:
             default = min(16, room_left(ids, self.tm.limits))
             checked.append((ids, self.openai_params(req, ids, req.max_tokens, default, req.logprobs, names)))
-        return self.fan(rid, checked, req.return_hidden_states, dp_rank=self.dp_rank(req.routed_dp_rank))
+        return self.fan(rid, checked, req.return_hidden_states, dp_rank=self.dp_rank(req.routed_dp_rank),
+                        boots=self.bootstraps(req, len(prompts)))
 
     def stream_choices(self, req: CompletionRequest, o: SeqOut, offsets: dict[int, int]) -> list[dict]:
         if not (o.text or o.finish_reason is not None or (req.logprobs is not None and o.token_ids)):

@@ -11,6 +11,8 @@ from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
 from sparkserve.core.pool import Pool
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.mirror import ForwardMirror, commit_parts
+from sparkserve.executor.pool_rows import RankLayout, gather_layouts, gather_rows, scatter_rows
+from sparkserve.mem.transfer import RequestPages, Rows, Shapes, read_request, shapes, write_request
 from sparkserve.models.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.full_to_swa = full_to_swa      # split pool: windowed layers' slot of each full slot
+        self.rank_layouts: list[RankLayout] | None = None   # PD under tp/pp: what every rank's pools hold
 
     def build_batch(self, mode: ForwardMode, reqs: list[ScheduledReq]) -> ForwardBatch:
         ids, pos, rows_wanted = [], [], []
@@ -127,6 +130,29 @@ class ModelRunner:
         return self.mirror.logits(self.model.compute_logits, hidden)
 
     @torch.inference_mode()
+    # ---- PD disaggregation: a request's rows as one process would hold them --------------------
+    def read_rows(self, pools: list[Pool], pages: RequestPages, lo: int, state: bool) -> Rows:
+        if self.mirror is None:
+            return read_request(pools, pages, lo, state)
+        return gather_rows(self._layouts(pools), pools, pages, lo, state)
+
+    def write_rows(self, pools: list[Pool], pages: RequestPages, rows: Rows, lo: int, start: int) -> None:
+        if self.mirror is None:
+            write_request(pools, pages, rows, lo, start)
+        else:
+            scatter_rows(self._layouts(pools), pools, pages, rows, lo, start)
+
+    def pool_shapes(self, pools: list[Pool]) -> Shapes:
+        """Every buffer's whole item shape, over every pipeline stage."""
+        if self.mirror is None:
+            return shapes(pools)
+        return {k: v for r in self._layouts(pools) for k, v in r.shapes.items()}
+
+    def _layouts(self, pools: list[Pool]) -> list[RankLayout]:
+        if self.rank_layouts is None:
+            self.rank_layouts = gather_layouts(pools)
+        return self.rank_layouts
+
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:
         """After a VERIFY forward: request i keeps the state after its first kept[i] tokens.
         KV rows need nothing (rejected slots are just freed); recurrent state does, on every rank."""

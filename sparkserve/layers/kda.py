@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
-from sparkserve.distributed.sharding import heads_shard, shard_rows
+from sparkserve.core.pool import Split
+from sparkserve.distributed.sharding import heads_shard, heads_split, shard_rows
 from sparkserve.layers.linear import ColumnParallelLinear, FusedLinear, RowParallelLinear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.sharded import Sharded
@@ -167,6 +168,11 @@ class KimiDeltaAttention(Sharded):
         """This rank's heads of a checkpoint tensor of this module's own parameters (conv
         weights, dt_bias, A_log: rows head-major; `stacks` 3 for q|k|v conv weights in one)."""
         return tensor[shard_rows(tensor.shape[0], self.index, self.parts, stacks)], None
+
+    def state_splits(self) -> dict[str, Split]:
+        """How state_shapes' items are cut over the tp ranks: the recurrent state by heads, the
+        conv window's channels by heads inside each of its q|k|v blocks."""
+        return {"kda_state": heads_split(0), "kda_conv": heads_split(1, groups=3)}
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-request pool items: recurrent state and the last K-1 conv inputs."""

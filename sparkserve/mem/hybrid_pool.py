@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from sparkserve.core.pool import POOL_KINDS, Pool, PoolComponent
+from sparkserve.core.pool import POOL_KINDS, Pool, PoolComponent, Split
 
 
 class HybridPool(Pool):
@@ -17,15 +17,18 @@ class HybridPool(Pool):
         self.num_rows = num_rows
         self._buffers: dict[str, dict[int, torch.Tensor]] = {}
         self._kinds: dict[str, str] = {}
+        self._splits: dict[str, Split | None] = {}
 
     def add(self, name: str, kind: str, layer_ids: list[int], item_shape: tuple[int, ...],
-            dtype: torch.dtype = torch.float32) -> None:
+            dtype: torch.dtype = torch.float32, split: Split | None = None) -> None:
         """One buffer per layer: [num_slots + 1, *item_shape] for token kinds (slot 0 is the
-        padding dummy), [num_rows, *item_shape] for request_row."""
+        padding dummy), [num_rows, *item_shape] for request_row; `split`: how its items are cut
+        over the tp ranks (None: whole on every rank)."""
         if kind not in POOL_KINDS:
             raise ValueError(f"pool kind {kind!r} is not one of {POOL_KINDS}")
         n = self.num_rows if kind == "request_row" else self.num_slots + 1
         self._kinds[name] = kind
+        self._splits[name] = split
         self._buffers[name] = {i: torch.zeros((n, *item_shape), dtype=dtype) for i in layer_ids}
 
     def get(self, name: str, layer_id: int) -> torch.Tensor:
@@ -41,7 +44,8 @@ class HybridPool(Pool):
             ids = sorted(per_layer)
             t = per_layer[ids[0]]
             out.append(PoolComponent(name, self._kinds[name], [per_layer[i] for i in ids],
-                                     t[0].numel() * t.element_size(), layer_ids=ids))
+                                     t[0].numel() * t.element_size(), layer_ids=ids,
+                                     split=self._splits[name]))
         return out
 
     @staticmethod

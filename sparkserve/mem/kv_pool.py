@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparkserve.core.pool import Pool, PoolComponent
+from sparkserve.core.pool import Pool, PoolComponent, Split
 
 
 def uniform_window(layer_windows: list[int | None]) -> int | None:
@@ -38,8 +38,10 @@ class KVPool(Pool):
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, window: int | None = None,
                  swa_layers: list[int] = (), swa_slots: int = 0, swa_window: int | None = None,
-                 layers: range | None = None):
-        """`layers`: those this pipeline stage owns (the others get only the dummy slot)."""
+                 layers: range | None = None, split: Split | None = None):
+        """`layers`: those this pipeline stage owns (the others get only the dummy slot);
+        `split`: how the KV heads are cut over the tp ranks."""
+        self.split = split
         self.num_slots = num_slots
         self.window = window
         self.swa_layers = sorted(swa_layers)
@@ -61,13 +63,13 @@ class KVPool(Pool):
         full = [i for i in self.owned if i not in self.swa_layers]
         if not self.swa_layers:
             kind = "token_page" if self.window is None else "window_page"
-            return [PoolComponent("k", kind, [self.k[i] for i in full], item, full),
-                    PoolComponent("v", kind, [self.v[i] for i in full], item, full)]
+            return [PoolComponent("k", kind, [self.k[i] for i in full], item, full, self.split),
+                    PoolComponent("v", kind, [self.v[i] for i in full], item, full, self.split)]
         swa = [i for i in self.swa_layers if i in self.owned]
-        return [PoolComponent("k", "token_page", [self.k[i] for i in full], item, full),
-                PoolComponent("v", "token_page", [self.v[i] for i in full], item, full),
-                PoolComponent("swa_k", "window_page", [self.k[i] for i in swa], item, swa),
-                PoolComponent("swa_v", "window_page", [self.v[i] for i in swa], item, swa)]
+        return [PoolComponent("k", "token_page", [self.k[i] for i in full], item, full, self.split),
+                PoolComponent("v", "token_page", [self.v[i] for i in full], item, full, self.split),
+                PoolComponent("swa_k", "window_page", [self.k[i] for i in swa], item, swa, self.split),
+                PoolComponent("swa_v", "window_page", [self.v[i] for i in swa], item, swa, self.split)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

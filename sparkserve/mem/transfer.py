@@ -3,14 +3,24 @@ of prefill/decode disaggregation. It walks `components()` (docs/design.md, contr
 pool kind moves, now or when a model adds one: token_page rows by the request's slots,
 window_page rows by its windowed slots (a split pool's own slot space) or its slots, request_row
 rows (recurrent state) by its request row. A position that left a sliding window has slot 0 (the
-padding dummy): its rows travel as padding and the receiving side gives them up again."""
+padding dummy): its rows travel as padding and the receiving side gives them up again.
+
+Rows are keyed by (pool index, component, layer id), so the two sides may hold different layer
+sets (pipeline stages) or different pieces of each item (tensor parallel: `Split`): `merge`
+rebuilds the rows one process would hold from every rank's pieces, `piece` cuts a rank's out."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from sparkserve.core.pool import Pool
+from sparkserve.core.pool import Pool, Split
+
+RowKey = tuple[int, str, int]          # (pool index, component name, layer id)
+Rows = dict[RowKey, torch.Tensor]      # [positions or 1 request row, *item]
+Layout = dict[RowKey, tuple[str, Split | None]]   # what a rank holds: kind and cut of each buffer
+Shapes = dict[RowKey, tuple[str, tuple[int, ...]]]  # kind and whole item shape of every buffer
 
 
 @dataclass
@@ -28,40 +38,126 @@ class RequestPages:
         return self.slots
 
 
-Rows = list[list[torch.Tensor | None]]   # per pool, per component buffer (layer); None: not sent
+@dataclass
+class RequestRows:
+    """One request's prompt state on one side of a transfer: this rank's pools and pages (for
+    backends that move memory directly), and reads and writes of the rows one process would hold
+    (every rank's pieces merged; the scheduler's runner does that under tensor or pipeline
+    parallel)."""
+    pools: list[Pool]
+    pages: RequestPages
+    read: Callable[[int, bool], Rows]           # (lo, with request-row state) -> rows of positions lo..
+    write: Callable[[Rows, int, int], None]     # (rows of positions lo.., lo, start): skip before start
+    shapes: Shapes                              # this side's whole layout, checked against the other's
+
+
+def _buffers(pools: list[Pool]):
+    for p, pool in enumerate(pools):
+        for c in pool.components():
+            for layer, t in zip(c.layers, c.tensors):
+                yield (p, c.name, layer), c, t
+
+
+def layout(pools: list[Pool]) -> Layout:
+    return {key: (c.kind, c.split) for key, c, _ in _buffers(pools)}
+
+
+def shapes(pools: list[Pool]) -> Shapes:
+    """Kind and whole item shape of every buffer here (a cut dimension times its parts)."""
+    out: Shapes = {}
+    for key, c, t in _buffers(pools):
+        item = list(t.shape[1:])
+        if c.split is not None:
+            item[c.split.dim] *= c.split.parts
+        out[key] = (c.kind, tuple(item))
+    return out
+
+
+def check_shapes(sent: Shapes, held: Shapes) -> None:
+    """The buffers a side sends fit the ones the other holds; it may send more only from pools
+    past the model's (a DSpark draft on the sending side only)."""
+    for key in sorted(held.keys() | {k for k in sent if k[0] == 0}):
+        if sent.get(key) != held.get(key):
+            raise ValueError(f"{_name(key)} is {sent.get(key, 'missing')} on the prefill side, "
+                             f"{held.get(key, 'missing')} here: the two sides run different models")
 
 
 def read_request(pools: list[Pool], pages: RequestPages, lo: int = 0, state: bool = True) -> Rows:
-    """Every component's rows of the request for positions lo..len(pages.slots), per pool,
-    component, layer (copies); request_row state only when `state` (it is whole only once the
-    prompt has run: a transfer sends it last)."""
-    def rows(kind: str, t: torch.Tensor) -> torch.Tensor | None:
-        if kind == "request_row":
-            return t[pages.row].clone() if state else None
-        return t[pages.index(kind)[lo:]]
-    return [[rows(c.kind, t) for c in pool.components() for t in c.tensors] for pool in pools]
+    """Every buffer's rows of the request for positions lo..len(pages.slots) (copies);
+    request_row state only when `state` (it is whole only once the prompt has run: a transfer
+    sends it last)."""
+    out: Rows = {}
+    for key, c, t in _buffers(pools):
+        if c.kind == "request_row":
+            if state:
+                out[key] = t[pages.row:pages.row + 1].clone()
+        else:
+            out[key] = t[pages.index(c.kind)[lo:]]
+    return out
 
 
 def write_request(pools: list[Pool], pages: RequestPages, data: Rows, lo: int, start: int = 0) -> None:
     """Write `data` (read_request's rows for positions lo.., from the other side) at `pages`,
-    skipping positions before `start` (held already: a cached prefix); request_row state whole."""
-    if len(pools) != len(data):
-        raise ValueError(f"the sending side has {len(data)} pools, this one {len(pools)}: a DSpark draft "
-                         "on one side only?")
-    for pool, rows in zip(pools, data):
-        tensors = [(c.kind, t) for c in pool.components() for t in c.tensors]
-        if len(tensors) != len(rows):
-            raise ValueError(f"the sending pool has {len(rows)} layer buffers, this one {len(tensors)}: "
-                             "the two sides run different models or layouts")
-        for (kind, t), x in zip(tensors, rows):
-            if x is None:
+    skipping positions before `start` (held already: a cached prefix); request_row state whole
+    when it is there. Every token buffer here must be in `data` (buffers sent that this side
+    does not hold are left: a DSpark draft on the sending side only)."""
+    for key, c, t in _buffers(pools):
+        x = data.get(key)
+        if x is None:
+            if c.kind == "request_row":
                 continue
-            if x.shape[x.dim() - t.dim() + 1:] != t.shape[1:]:
-                raise ValueError(f"rows of shape {tuple(x.shape)} sent for a buffer of rows "
-                                 f"{tuple(t.shape[1:])}: the two sides run different models or layouts")
-            if kind == "request_row":
-                t[pages.row] = x
-                continue
-            first = max(lo, start)
-            idx = pages.index(kind)[first:lo + len(x)]
-            t[idx] = x[first - lo:first - lo + len(idx)].to(t.dtype)
+            raise ValueError(f"no rows sent for {_name(key)}: the two sides run different models or layouts")
+        if x.shape[1:] != t.shape[1:]:
+            raise ValueError(f"rows of {tuple(x.shape[1:])} sent for {_name(key)}, which holds "
+                             f"{tuple(t.shape[1:])}: the two sides run different models or layouts")
+        if c.kind == "request_row":
+            t[pages.row] = x[0]
+            continue
+        first = max(lo, start)
+        idx = pages.index(c.kind)[first:lo + len(x)]
+        t[idx] = x[first - lo:first - lo + len(idx)].to(t.dtype)
+
+
+def _name(key: RowKey) -> str:
+    return f"pool {key[0]} {key[1]} of layer {key[2]}"
+
+
+def _owner(rank: int, ranks: int, split: Split) -> int:
+    return rank * split.parts // ranks
+
+
+def merge(shards: list[tuple[int, int, Rows, Layout]]) -> Rows:
+    """The rows one process would hold, from every rank's (tp rank, tp size, rows, layout):
+    layers from every pipeline stage, items whole from their pieces (each piece once)."""
+    pieces: dict[RowKey, dict[int, torch.Tensor]] = {}
+    cuts: dict[RowKey, Split | None] = {}
+    for rank, ranks, rows, lay in shards:
+        for key, x in rows.items():
+            split = lay[key][1]
+            cuts[key] = split
+            part = 0 if split is None else _owner(rank, ranks, split)
+            pieces.setdefault(key, {}).setdefault(part, x)
+    out: Rows = {}
+    for key, parts in pieces.items():
+        split = cuts[key]
+        if split is None or split.parts == 1:
+            out[key] = parts[0]
+            continue
+        d = split.dim + 1
+        blocks = [parts[p].chunk(split.groups, d) for p in range(split.parts)]
+        out[key] = torch.cat([torch.cat([b[g] for b in blocks], d) for g in range(split.groups)], d)
+    return out
+
+
+def piece(rows: Rows, lay: Layout, rank: int, ranks: int) -> Rows:
+    """The rows a rank of this layout holds, cut out of whole rows (merge's inverse)."""
+    out: Rows = {}
+    for key, (_, split) in lay.items():
+        if key not in rows:
+            continue
+        x = rows[key]
+        if split is not None and split.parts > 1:
+            d, part = split.dim + 1, _owner(rank, ranks, split)
+            x = torch.cat([b.chunk(split.parts, d)[part] for b in x.chunk(split.groups, d)], d)
+        out[key] = x
+    return out

@@ -193,8 +193,9 @@ class KimiLinearForCausalLM(CausalLM):
             pool.add("kv_latent", "token_page", self._mla_ids(), (self._latent_dim(),))
         kda = self._kda_layers()
         if kda:
+            splits = kda[0].state_splits()
             for name, shape in kda[0].state_shapes().items():
-                pool.add(name, "request_row", [l.layer_id for l in kda], shape)
+                pool.add(name, "request_row", [l.layer_id for l in kda], shape, split=splits[name])
         return pool
 
     def pool_bytes_per_token(self) -> int:

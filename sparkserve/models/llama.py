@@ -13,7 +13,7 @@ from torch import nn
 from sparkserve.config import ModelConfig
 from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.distributed import parallel_state as ps
-from sparkserve.distributed.sharding import Dim, heads_shard, kv_heads_shard, width_shard
+from sparkserve.distributed.sharding import Dim, heads_shard, kv_heads_shard, kv_split, width_shard
 from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.dp_attention import run_mlp
@@ -117,10 +117,11 @@ class LlamaForCausalLM(CausalLM):
     # their own (swa_slots, priced by pool_bytes_per_swa_token).
     def make_pool(self, num_slots: int, num_rows: int, swa_slots: int = 0) -> KVPool:
         c = self.config
-        split = split_windows(c.layer_windows) if swa_slots else None
+        windows = split_windows(c.layer_windows) if swa_slots else None
         return KVPool(num_slots, c.num_hidden_layers, self._kv_heads(), c.head_dim, layers=self.layer_range,
-                      window=uniform_window(c.layer_windows), swa_layers=split[0] if split else (),
-                      swa_slots=swa_slots, swa_window=split[1] if split else None)
+                      split=kv_split(c.num_key_value_heads),
+                      window=uniform_window(c.layer_windows), swa_layers=windows[0] if windows else (),
+                      swa_slots=swa_slots, swa_window=windows[1] if windows else None)
 
     def pool_bytes_per_token(self) -> int:
         """Per full slot: every layer's K/V, or only the full layers' when windowed layers have

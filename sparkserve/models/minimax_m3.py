@@ -25,8 +25,9 @@ from torch import nn
 
 from sparkserve.config import ModelConfig
 from sparkserve.core.forward_batch import ForwardBatch
+from sparkserve.core.pool import Split
 from sparkserve.distributed import parallel_state as ps
-from sparkserve.distributed.sharding import Dim, heads_shard, kv_heads_shard, width_shard
+from sparkserve.distributed.sharding import Dim, heads_shard, kv_heads_shard, kv_split, width_shard
 from sparkserve.layers.activation import swiglu_oai
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.dp_attention import run_mlp
@@ -234,24 +235,25 @@ class MiniMaxM3ForCausalLM(CausalLM):
 
     # ---- pools (docs/design.md, contract 3): main KV on every layer, index K on sparse layers, index V
     # on sparse layers with the value path; all token_page at the same slots.
-    def _pool_specs(self) -> list[tuple[str, list[int], tuple[int, ...]]]:
+    def _pool_specs(self) -> list[tuple[str, list[int], tuple[int, ...], Split | None]]:
         c, s = self.config, self.spec
         every = list(self.layer_range)            # this pipeline stage's layers
         hkv = kv_heads_shard(c.num_key_value_heads)[2]   # this rank's KV heads; index K/V are one shared head
-        specs = [("k", every, (hkv, c.head_dim)), ("v", every, (hkv, c.head_dim)),
-                 ("index_k", [i for i in every if s.sparse[i]], (s.index_head_dim,)),
-                 ("index_v", [i for i in every if s.index_value[i]], (s.index_head_dim,))]
+        kv = kv_split(c.num_key_value_heads)
+        specs = [("k", every, (hkv, c.head_dim), kv), ("v", every, (hkv, c.head_dim), kv),
+                 ("index_k", [i for i in every if s.sparse[i]], (s.index_head_dim,), None),
+                 ("index_v", [i for i in every if s.index_value[i]], (s.index_head_dim,), None)]
         return [sp for sp in specs if sp[1]]
 
     def make_pool(self, num_slots: int, num_rows: int, swa_slots: int = 0) -> HybridPool:
         pool = HybridPool(num_slots, num_rows)
-        for name, layers, shape in self._pool_specs():
-            pool.add(name, "token_page", layers, shape)
+        for name, layers, shape, split in self._pool_specs():
+            pool.add(name, "token_page", layers, shape, split=split)
         return pool
 
     def pool_bytes_per_token(self) -> int:
         return HybridPool.token_bytes([(len(layers), shape, torch.float32)
-                                       for _, layers, shape in self._pool_specs()])
+                                       for _, layers, shape, _ in self._pool_specs()])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.stacked_params)

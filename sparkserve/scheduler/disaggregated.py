@@ -34,6 +34,7 @@ from sparkserve.disaggregation.backend import (
     decode_transfer,
     prefill_transfer,
 )
+from sparkserve.mem.transfer import check_shapes
 from sparkserve.messages import Bootstrap, SchedulerLoad
 from sparkserve.scheduler.scheduler import Scheduler
 
@@ -87,6 +88,7 @@ class PrefillScheduler(_Paired):
         self.gone: list[Req] = []                                 # decode side unreachable mid-step
         self.next_heartbeat = 0.0
         inner.on_prompt_rows = self._send_rows
+        self.shapes = inner.runner.pool_shapes(inner.pools())     # what this side sends
 
     def add_paired(self, req: Req, boot: Bootstrap) -> bool:
         if Scheduler.ends_at_once(req):
@@ -115,8 +117,8 @@ class PrefillScheduler(_Paired):
         res = self.active[req]
         first, self.sent[req] = self.sent.get(req, res.start), req.kv_len
         try:
-            self.transfer.send_rows(res, self.inner.pools(), self.inner.request_pages(req, req.kv_len),
-                                    min(first, lo), last=req.kv_len == len(req.fill_ids))
+            self.transfer.send_rows(res, self.inner.request_rows(req, req.kv_len), min(first, lo),
+                                    last=req.kv_len == len(req.fill_ids))
         except PeerGone:
             self.gone.append(req)
 
@@ -173,6 +175,12 @@ class PrefillScheduler(_Paired):
     def _handle(self, events: list[Reservation | Cancelled]) -> None:
         now = time.monotonic()
         for ev in events:
+            if isinstance(ev, Reservation):
+                try:
+                    check_shapes(self.shapes, ev.shapes)
+                except ValueError as e:
+                    self.transfer.send_failure(ev, f"transfer error: {e}")
+                    ev = Cancelled(ev.room, f"transfer error: {e}")
             if isinstance(ev, Reservation):
                 if ev.room in self.waiting:
                     self._start(self.waiting.pop(ev.room)[0], ev)
@@ -254,8 +262,7 @@ class DecodeScheduler(_Paired):
                     continue
                 return
             self.prealloc.popleft()
-            pages = self.inner.request_pages(req, len(req.input_ids))
-            self.transfer.reserve(boot, self.inner.pools(), pages, start)
+            self.transfer.reserve(boot, self.inner.request_rows(req, len(req.input_ids)), start)
             self.transferring[boot.room] = (req, boot, time.monotonic() + self.timeout)
 
     def abort(self, rid: str) -> bool:

@@ -19,6 +19,7 @@ from sparkserve.args import ServerArgs
 from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.mirror import commit_parts, run_worker_logits, run_worker_stage, taps_before
+from sparkserve.executor.pool_rows import COMMANDS, serve_rows
 from sparkserve.frontend.tokenizer import load_tokenizer_for
 from sparkserve.models.causal_lm import CausalLM
 from sparkserve.scheduler.data_parallel import run_dp_driver
@@ -75,6 +76,9 @@ def _mirror_driver(model: CausalLM, hidden_size: int, pool) -> None:
         while (msg := ps.broadcast_object()) is not None:
             if msg[0] == "commit":
                 commit_parts(model.commit_verify, last, msg[1])
+                continue
+            if msg[0] in COMMANDS:
+                serve_rows(msg, pool)
                 continue
             if msg[0] == "logits":          # only the first stage keeps (a slice of) the LM head
                 if model.has_lm_head:

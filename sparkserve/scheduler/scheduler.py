@@ -19,14 +19,14 @@ import torch
 
 from sparkserve.core.finish_reason import FINISH_ABORT, FINISH_LENGTH, BaseFinishReason
 from sparkserve.core.forward_batch import ForwardMode
-from sparkserve.core.pool import Pool
 from sparkserve.core.req import Req
 from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
 from sparkserve.executor.sampler import Sampler
 from sparkserve.mem.cache_manager import KVCacheManager
-from sparkserve.mem.transfer import RequestPages, Rows, write_request
+from sparkserve.mem.transfer import Shapes
 from sparkserve.messages import SchedulerLoad
 from sparkserve.scheduler.batch_log import BatchLog
+from sparkserve.scheduler.prebuilt import PromptHandover
 from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
-class Scheduler:
+class Scheduler(PromptHandover):
     def __init__(self, runner: ModelRunner, cache: KVCacheManager, cfg: SchedulerConfig,
                  eos_ids: set[int], decode_tail: Callable[[list[int]], str] | None = None,
                  spec: "DSparkWorker | None" = None):
@@ -74,6 +74,7 @@ class Scheduler:
         # PD prefill side: called after each forward that computed prompt rows of a request that
         # hands off (`Req.hands_off`), with the rows' first position, before any leave a window.
         self.on_prompt_rows: Callable[[Req, int], None] | None = None
+        self._shapes: Shapes | None = None
 
     # ---- queue ------------------------------------------------------------------------------
     def add_request(self, req: Req) -> bool:
@@ -92,58 +93,6 @@ class Scheduler:
             req.finished_reason = FINISH_LENGTH(0)
             return True
         return False
-
-    # ---- prefill/decode disaggregation ------------------------------------------------------
-    def pools(self) -> list[Pool]:
-        """Every pool a request's state lives in: the model's, and the DSpark draft's KV."""
-        return [self.runner.kv_pool] + ([self.spec.pool] if self.spec is not None else [])
-
-    def request_pages(self, req: Req, n: int) -> RequestPages:
-        """Where the first n positions of a running request live."""
-        slots = self.cache.req_to_token.table[req.row, :n].clone()
-        swa = self.cache.full_to_swa[slots] if self.cache.full_to_swa is not None else None
-        return RequestPages(slots, swa, req.row)
-
-    def add_prebuilt(self, req: Req, data: Rows) -> bool:
-        """Decode side: `req`'s prompt ran elsewhere; `data` is every pool component's rows for
-        it from position 0 (mem/transfer.py), and req.output_ids holds the token sampled there.
-        The request decodes from its next step without computing the prompt. False when memory
-        is short now (nothing held)."""
-        start = self.reserve_prebuilt(req)
-        if start is None:
-            return False
-        write_request(self.pools(), self.request_pages(req, len(req.input_ids)), data, 0, start)
-        self.start_prebuilt(req)
-        return True
-
-    def reserve_prebuilt(self, req: Req) -> int | None:
-        """A row and slots for `req`'s whole prompt (a cached prefix is reused): the first
-        position the other side must send, or None when memory is short now (nothing held)."""
-        if not self.cache.admit(req):
-            return None
-        n, start = len(req.input_ids), req.kv_len
-        page = self.cache.allocator.page_size
-        running = [(r, r.params.max_new_tokens - len(r.output_ids)) for r in self.running]
-        if n > start and (not self.cache.room(self.cache.pages_needed(req, n - start) * page, running)
-                          or self.cache.alloc(req, n - start) is None):
-            self.cache.release(req)
-            return None
-        req.kv_len = n
-        return start
-
-    def start_prebuilt(self, req: Req) -> None:
-        """The prompt's state is in place and req.output_ids holds the first token: decode."""
-        for tok in req.output_ids:
-            req.sampling.observe(tok)
-        # Positions that had left the sender's sliding window arrived as padding: give them up
-        # before the prefix cache takes the rest.
-        self.cache.slide_window(req)
-        self.cache.cache_prefix(req)
-        req.check_finished(self.eos_ids, self._tail_text(req))
-        if req.finished:
-            self.cache.release(req)
-        else:
-            self.running.append(req)
 
     def abort(self, rid: str) -> bool:
         for queue in (self.waiting, self.running):

@@ -40,13 +40,14 @@ def models(tmp_path_factory, tiny_dirs):
 
 
 class Pair:
-    """A prefill and a decode scheduler on their own engines, joined by the tcp backend."""
+    """A prefill and a decode scheduler on their own engines, joined by a transfer backend."""
 
-    def __init__(self, path: str, timeout: float = 30.0, **kw):
+    def __init__(self, path: str, timeout: float = 30.0, backend: str = "tcp", **kw):
         self.prefill_engine, self.decode_engine = Engine(path, **KW, **kw), Engine(path, **KW, **kw)
         self.port = free_port()
-        self.prefill = PrefillScheduler(self.prefill_engine.scheduler, prefill_transfer("tcp", self.port), timeout)
-        self.decode = DecodeScheduler(self.decode_engine.scheduler, decode_transfer("tcp"), timeout)
+        self.prefill = PrefillScheduler(self.prefill_engine.scheduler, prefill_transfer(backend, self.port),
+                                        timeout)
+        self.decode = DecodeScheduler(self.decode_engine.scheduler, decode_transfer(backend), timeout)
 
     def submit(self, ids: list[int], sp: dict, to_prefill: bool = True, to_decode: bool = True):
         boot = Bootstrap("127.0.0.1", self.port, random.getrandbits(63))
@@ -104,7 +105,8 @@ def test_seeded_sampling_and_hidden_states_go_over(models):
     path = models["llama"]
     sp = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 8, "ignore_eos": True, "seed": 11}
     kw = dict(disable_radix_cache=True, enable_return_hidden_states=True)
-    want = Engine(path, **KW, **kw).generate(input_ids=PROMPTS[0], sampling_params=sp, return_hidden_states=True)
+    want = Engine(path, **KW, **kw).generate(input_ids=PROMPTS[0], sampling_params=sp,
+                                             return_hidden_states=True)
     pair = Pair(path, **kw)
     try:
         params = params_list(sp, 1)[0]
@@ -116,16 +118,16 @@ def test_seeded_sampling_and_hidden_states_go_over(models):
         pair.run([rd])
         assert rd.output_ids == want["output_ids"]
         final, _ = rd.pop_hidden_states()
-        torch.testing.assert_close(final, torch.as_tensor(want["meta_info"]["hidden_states"]), atol=1e-4, rtol=0)
+        ref = torch.as_tensor(want["meta_info"]["hidden_states"])
+        torch.testing.assert_close(final, ref, atol=1e-4, rtol=0)
     finally:
         pair.close()
 
 
 def test_dspark_pair_drafts_from_the_first_step(models, tmp_path):
+    from conftest import TINY_CONFIGS
     from dspark_fixtures import make_oracle_draft
     from parallel_fixtures import bigram_of
-
-    from conftest import TINY_CONFIGS
     path = models["llama"]
     sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     plain = Engine(path, **KW).generate(input_ids=PROMPTS, sampling_params=sp)
@@ -139,8 +141,9 @@ def test_dspark_pair_drafts_from_the_first_step(models, tmp_path):
         reqs = [pair.submit(ids, sp)[1] for ids in PROMPTS]
         pair.run(reqs)
         assert [r.output_ids for r in reqs] == [o["output_ids"] for o in plain]
+        spec = ("spec_verify_ct", "spec_accept_token_num")
         assert ([[r.spec_verify_ct, r.spec_accept_token_num] for r in reqs]
-                == [[c["meta_info"]["spec_verify_ct"], c["meta_info"]["spec_accept_token_num"]] for c in colocated])
+                == [[c["meta_info"][k] for k in spec] for c in colocated])
         assert sum(r.spec_accept_token_num for r in reqs) > 0
     finally:
         pair.close()
@@ -167,7 +170,8 @@ def _works_after(pair: Pair, models) -> None:
 
 def _aborted(req, status: int, words: str) -> None:
     assert isinstance(req.finished_reason, FINISH_ABORT), req.finished_reason
-    assert req.finished_reason.status_code == status and words in req.finished_reason.message, req.finished_reason
+    reason = req.finished_reason
+    assert reason.status_code == status and words in reason.message, reason
 
 
 def test_client_leaves_decode_mid_transfer(models):
@@ -177,6 +181,11 @@ def test_client_leaves_decode_mid_transfer(models):
         pair.decode.step()
         pair.prefill.step()          # reservation in, first chunk out
         assert pair.decode.abort(rd.rid)
+        end = time.monotonic() + 10
+        while rp in pair.prefill.active:      # until the cancel is in (has_work reads the socket)
+            assert time.monotonic() < end
+            pair.prefill.has_work()
+            time.sleep(0.01)
         pair.run([rp], until=10)
         _aborted(rp, 502, "decode server gave up")
         _idle(pair)

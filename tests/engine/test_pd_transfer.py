@@ -14,13 +14,10 @@ from kimi_fixtures import VOCAB as KIMI_VOCAB
 from kimi_fixtures import make_kimi
 from minimax_fixtures import make_minimax, with_index_value
 from parallel_fixtures import bigram_of
+from pd_fixtures import disaggregated
 
 from sparkserve import Engine
 from sparkserve.core.forward_batch import ForwardMode
-from sparkserve.core.req import Req
-from sparkserve.core.sampling_state import RequestSamplingState
-from sparkserve.frontend.prepare import params_list
-from sparkserve.mem.transfer import read_request
 
 KW = dict(num_threads=1, chunked_prefill_size=16, max_total_tokens=1024)
 SP = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True, "return_logprob": True,
@@ -38,26 +35,6 @@ def models(tmp_path_factory, tiny_dirs):
                                sliding_window=8, max_window_layers=1),
             "kimi": make_kimi(str(root / "kimi"), "kda_mla"),
             "minimax": with_index_value(make_minimax(str(root / "minimax")))}
-
-
-def disaggregated(prefill: Engine, decode: Engine, ids: list[int], sp: dict) -> dict:
-    """Run `ids` on `prefill` up to its first token, move its state, finish it on `decode`."""
-    params = params_list(sp, 1)[0]
-    [src] = prefill._submit(ids, params)
-    while not src.output_ids:
-        prefill.scheduler.step()
-    data = read_request(prefill.scheduler.pools(), prefill.scheduler.request_pages(src, len(ids)))
-    prefill.scheduler.abort(src.rid)                        # the prefill side frees it at once
-    dst = Req(src.rid, list(ids), params, RequestSamplingState(params, ids, decode.scheduler.eos_ids),
-              output_ids=list(src.output_ids), output_logprobs=list(src.output_logprobs),
-              output_top_logprobs=list(src.output_top_logprobs))
-    dst.sampling.resume_rng(src.sampling.rng_state())   # seeded sampling goes on
-    assert decode.scheduler.add_prebuilt(dst, data)
-    if decode.scheduler.spec is not None:       # the draft's KV rows arrived where decode reads them
-        here = read_request(decode.scheduler.pools(), decode.scheduler.request_pages(dst, len(ids)))
-        for a, b in zip(here[-1], data[-1]):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-    return decode._run_to_completion([[dst]])[0]
 
 
 def _same(got: dict, want: dict) -> None:
