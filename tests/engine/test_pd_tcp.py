@@ -124,16 +124,20 @@ def test_seeded_sampling_and_hidden_states_go_over(models):
         pair.close()
 
 
-def test_dspark_pair_drafts_from_the_first_step(models, tmp_path):
-    from conftest import TINY_CONFIGS
+@pytest.mark.parametrize("arch", ["llama", "windowed", "kimi", "minimax"])
+def test_dspark_pair_drafts_from_the_first_step(arch, models, tmp_path):
+    """The draft's KV of the prompt goes over with the rest: the decode side drafts from its first
+    step, with the verifies and accepted drafts of a colocated DSpark engine."""
     from dspark_fixtures import make_oracle_draft
     from parallel_fixtures import bigram_of
-    path = models["llama"]
+
+    from sparkserve.config import ModelConfig
+    path = models[arch]
     sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     plain = Engine(path, **KW).generate(input_ids=PROMPTS, sampling_params=sp)
-    draft = make_oracle_draft(path, str(tmp_path / "d"), bigram_of(PROMPTS, [o["output_ids"] for o in plain],
-                                                                   TINY_CONFIGS["llama"]["vocab_size"]),
-                              block_size=4)
+    vocab = ModelConfig.from_hf_dir(path).vocab_size
+    draft = make_oracle_draft(path, str(tmp_path / "d"),
+                              bigram_of(PROMPTS, [o["output_ids"] for o in plain], vocab), block_size=4)
     kw = dict(speculative_algorithm="DSPARK", speculative_draft_model_path=draft)
     colocated = Engine(path, **KW, **kw).generate(input_ids=PROMPTS, sampling_params=sp)
     pair = Pair(path, **kw)
