@@ -1,8 +1,15 @@
-"""PD disaggregation in one process: a request's prompt run on one engine, its state (every rank's
-pieces, merged) moved into another engine, which decodes it."""
+"""PD disaggregation helpers: in one process, a request's prompt run on one engine and its state
+(every rank's pieces, merged) moved into another engine, which decodes it; across processes, a PD
+router (sglang-router's PD mode or `sparkserve router`) in front of a prefill and a decode server."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
+import httpx
 import torch
+from server_harness import ServerProcess, free_port
 
 from sparkserve import Engine
 from sparkserve.core.req import Req
@@ -30,3 +37,32 @@ def disaggregated(prefill: Engine, decode: Engine, ids: list[int], sp: dict) -> 
         for key in draft:
             torch.testing.assert_close(here[key], data[key], rtol=0, atol=0)
     return decode._run_to_completion([[dst]])[0]
+
+
+def _start(cmd: list[str], url: str, ready_path: str) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        assert proc.poll() is None, f"{cmd[2]} exited"
+        try:
+            if httpx.get(url + ready_path, timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError(f"{cmd} did not come up")
+
+
+def start_router(kind: str, prefill: ServerProcess, bootstrap: int,
+                 decode: ServerProcess) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    if kind == "sglang-router":
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+               "--prefill", prefill.url, str(bootstrap), "--decode", decode.url, "--host", "127.0.0.1",
+               "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "warn"]
+    else:
+        cmd = [sys.executable, "-m", "sparkserve.cli", "router", "--prefill", prefill.url, str(bootstrap),
+               "--decode", decode.url, "--port", str(port), "--log-level", "warning"]
+    return _start(cmd, url, "/v1/models"), url

@@ -7,12 +7,10 @@ same requests (sent straight to the prefill server, without bootstrap fields).""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+from pd_fixtures import start_router
 from server_harness import ServerProcess, free_port
 from tiny_chat_fixtures import make_tiny_chat_checkpoint
 
@@ -48,39 +46,10 @@ def pd(request, tmp_path_factory):
         s.remove_log()
 
 
-def _start(cmd: list[str], url: str, ready_path: str) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        assert proc.poll() is None, f"{cmd[2]} exited"
-        try:
-            if httpx.get(url + ready_path, timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError(f"{cmd} did not come up")
-
-
-def _router(kind: str, prefill: ServerProcess, bootstrap: int,
-            decode: ServerProcess) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    if kind == "sglang-router":
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-               "--prefill", prefill.url, str(bootstrap), "--decode", decode.url, "--host", "127.0.0.1",
-               "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "warn"]
-    else:
-        cmd = [sys.executable, "-m", "sparkserve.cli", "router", "--prefill", prefill.url, str(bootstrap),
-               "--decode", decode.url, "--port", str(port), "--log-level", "warning"]
-    return _start(cmd, url, "/v1/models"), url
-
-
 @pytest.fixture(scope="module", params=["sglang-router", "sparkserve-router"])
 def router(request, pd):
     prefill, decode, bootstrap = pd
-    proc, url = _router(request.param, prefill, bootstrap, decode)
+    proc, url = start_router(request.param, prefill, bootstrap, decode)
     yield request.param, url
     proc.terminate()
     proc.wait(10)
@@ -166,7 +135,7 @@ def test_token_ids_servers_behind_both_routers(tiny_dirs):
                                                                      "ignore_eos": True}}
         want = httpx.post(prefill.url + "/generate", json=body, timeout=T).json()["output_ids"]
         for kind in ("sglang-router", "sparkserve-router"):
-            proc, url = _router(kind, prefill, port, decode)
+            proc, url = start_router(kind, prefill, port, decode)
             procs.append(proc)
             got = httpx.post(url + "/generate", json=body, timeout=T)
             assert got.status_code == 200, got.text
