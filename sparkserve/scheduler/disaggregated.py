@@ -182,7 +182,9 @@ class PrefillScheduler(_Paired):
                     self.transfer.send_failure(ev, f"transfer error: {e}")
                     ev = Cancelled(ev.room, f"transfer error: {e}")
             if isinstance(ev, Reservation):
-                if ev.room in self.waiting:
+                if ev.room in self.cancelled:           # its request was aborted here already
+                    self.transfer.send_failure(ev, "the prefill request was aborted")
+                elif ev.room in self.waiting:
                     self._start(self.waiting.pop(ev.room)[0], ev)
                 else:
                     self.reserved[ev.room] = (ev, now + self.timeout)

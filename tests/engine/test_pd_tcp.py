@@ -195,6 +195,27 @@ def test_prefill_request_aborted_mid_transfer(models):
         pair.close()
 
 
+def test_prefill_aborted_before_the_reservation(models):
+    """The prefill request is aborted before the decode side's reservation comes: the decode side
+    hears so at once (not after its timeout) and frees its reservation."""
+    pair = Pair(models["llama"], timeout=30.0)
+    try:
+        rp, rd = pair.submit(PROMPTS[0], SP, to_decode=False)
+        assert pair.prefill.abort(rp.rid)
+        boot = Bootstrap("127.0.0.1", pair.port, int(rd.rid[1:]))
+        pair.decode.add_paired(rd, boot)
+        start = time.monotonic()
+        pair.run([rd], until=10)
+        assert time.monotonic() - start < 5
+        _aborted(rd, 502, "aborted")
+        pair.decode.step()
+        assert not pair.decode.has_work()        # (the prefill side remembers the room until its timeout)
+        assert_no_kv_leak(pair.prefill_engine.scheduler.cache)
+        assert_no_kv_leak(pair.decode_engine.scheduler.cache)
+    finally:
+        pair.close()
+
+
 def test_no_reservation_times_out_on_prefill(models):
     """The decode server never reserves (it is down): the prefill request fails after the timeout."""
     pair = Pair(models["llama"], timeout=1.0)
