@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 _DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_DIR, f)
            for f in ("quant_gemv.cpp", "rms_norm.cpp", "decode_attention.cpp", "bindings.cpp")]
-HEADERS = [os.path.join(_DIR, "simd.h")]
+HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 

@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "block_linear.h"
 #include "simd.h"
 
 namespace {
@@ -301,6 +302,40 @@ void by_type(int64_t qtype, F&& f) {
 
 }  // namespace
 
+namespace sparkserve {
+
+int block_bytes_of(int qtype) { return block_bytes(qtype); }
+
+void block_linear(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, int qtype,
+                  const float* bp, float* yp) {
+  if (M == 0 || N == 0) return;
+  const int64_t row_bytes = K / 32 * block_bytes(qtype);
+  std::vector<float> packed;
+  if (M >= kPanelMinM) {
+    packed.resize(M * K);
+    pack_tiles(xp, M, K, packed.data());
+    const float* xq = packed.data();
+    const int64_t P = (N + kNR - 1) / kNR;   // panels, at least ~32 KiB of weights per task
+    const int64_t grain = std::max<int64_t>(1, (32 << 10) / (row_bytes * kNR));
+    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+      by_type(qtype, [&](auto qt) { panels<qt.value>(wp, row_bytes, p0, p1, xq, M, K, yp, N, bp); });
+    });
+    return;
+  }
+  if (M > 1) {
+    packed.resize(M * K);
+    pack_x(xp, M, K, packed.data());
+    xp = packed.data();
+  }
+  // At least ~32 KiB of weights per task: small matrices stay on one thread.
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    by_type(qtype, [&](auto qt) { rows<qt.value>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); });
+  });
+}
+
+}  // namespace sparkserve
+
 // x: [M, K] float32; w: [N, K/32 * block_bytes] uint8 (one row of blocks per output row);
 // bias: optional [N] float32. Returns [M, N] float32.
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias) {
@@ -322,32 +357,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional
   }
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  if (M >= kPanelMinM) {
-    at::Tensor packed = at::empty({M, K}, x.options());
-    pack_tiles(xp, M, K, packed.data_ptr<float>());
-    const float* xq = packed.data_ptr<float>();
-    const int64_t P = (N + kNR - 1) / kNR;   // panels, at least ~32 KiB of weights per task
-    const int64_t grain = std::max<int64_t>(1, (32 << 10) / (row_bytes * kNR));
-    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-      by_type(qtype, [&](auto qt) { panels<qt.value>(wp, row_bytes, p0, p1, xq, M, K, yp, N, bp); });
-    });
-    return y;
-  }
-  at::Tensor packed;
-  if (M > 1) {
-    packed = at::empty({M, K}, x.options());
-    pack_x(xp, M, K, packed.data_ptr<float>());
-    xp = packed.data_ptr<float>();
-  }
-  // At least ~32 KiB of weights per task: small matrices stay on one thread.
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    by_type(qtype, [&](auto qt) { rows<qt.value>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); });
-  });
+  sparkserve::block_linear(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N, static_cast<int>(qtype), bp,
+                           y.data_ptr<float>());
   return y;
 }
-
