@@ -97,6 +97,9 @@ class ServerArgs:
     # runtime
     num_threads: int | None = field(default=None, metadata=_opt("torch CPU threads (default: torch's)"))
     random_seed: int | None = field(default=None, metadata=_opt("seed of the global RNG"))
+    disable_native_step: bool = field(default=False, metadata=_opt(
+        "run every forward layer by layer from Python instead of one native call per small forward "
+        "(decode, verify) of a Llama-family model: for debugging and comparison"))
     # server
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host", server_only=True))
     port: int = field(default=30000, metadata=_opt("HTTP port", server_only=True))

@@ -5,6 +5,8 @@
 #include <tuple>
 #include <vector>
 
+#include "native_llama.h"
+
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor r, at::Tensor w, double eps);
@@ -22,4 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indices"), py::arg("seq_lens"),
         py::arg("kv_start"), py::arg("window"), py::arg("scale"),
         py::arg("q_lens") = std::vector<int64_t>());
+  py::class_<sparkserve::NativeLlama>(m, "NativeLlama", "one call per forward of a Llama-family decoder")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor>())
+      .def("add_layer", &sparkserve::NativeLlama::add_layer)
+      .def("set_pool", &sparkserve::NativeLlama::set_pool)
+      .def("forward", &sparkserve::NativeLlama::forward);
 }

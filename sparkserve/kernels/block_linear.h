@@ -9,7 +9,7 @@ namespace sparkserve {
 int block_bytes_of(int qtype);
 
 // y[M, N] = x[M, K] @ W.T (+ bias[N]): W is N rows of K/32 blocks of `qtype`, x and y are
-// contiguous fp32. Output rows are split over the intra-op threads.
+// contiguous fp32. Output rows are split over the kernels' thread pool.
 void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int qtype,
                   const float* bias, float* y);
 

@@ -24,8 +24,10 @@ log = logging.getLogger(__name__)
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_DIR, f)
-           for f in ("quant_gemv.cpp", "rms_norm.cpp", "decode_attention.cpp", "bindings.cpp")]
-HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h")]
+           for f in ("quant_gemv.cpp", "rms_norm.cpp", "decode_attention.cpp", "native_llama.cpp",
+                     "thread_pool.cpp", "bindings.cpp")]
+HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h", "paged_attention.h",
+                                                "rms_norm.h", "native_llama.h", "thread_pool.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 

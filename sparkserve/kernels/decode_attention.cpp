@@ -2,12 +2,11 @@
 // extends: a handful, causal), K/V read in place from the pool through the request's slot ids.
 // The torch path gathers a padded [B, L, Hkv, D] copy of K and V every layer (aten::index) before
 // SDPA; here each K/V row is fetched once, straight from its slot, for all H/Hkv query heads that
-// share it (GQA). Work items are (request, kv head), split across torch's intra-op threads. fp32
+// share it (GQA). Work items are (request, kv head), split over the kernels' thread pool (thread_pool.h). fp32
 // throughout; the softmax is exact (scores of all keys kept, then max, exp, sum) rather than
 // online, so results differ from SDPA only by summation order and exp rounding (~1e-7 relative).
 //
 // Built with -mavx2 -mfma by sparkserve/kernels/build.py, which checks the CPU first.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
@@ -17,27 +16,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "paged_attention.h"
 #include "simd.h"
+#include "thread_pool.h"
 
 namespace {
 
+using sparkserve::exp256;
 using sparkserve::hsum;
-
-// exp(x) for x <= 0 (scores minus their max), Cephes' expf: 2^n * P(r), |r| <= ln2/2; about
-// 2e-7 relative error, so the softmax matches torch's to fp32 rounding. Below -87 it gives ~1e-38, not 0.
-inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 // q . k for one key (D a multiple of 8).
 inline float dot1(const float* q, const float* k, int64_t D) {
@@ -132,6 +118,52 @@ void attend(const float* qh, int64_t qs1, int64_t G, const int64_t* rows, int64_
 
 }  // namespace
 
+namespace sparkserve {
+
+void paged_attention(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, const PagedKV& kv,
+                     const int64_t* seq_lens, const int64_t* q_off, int64_t B, float sc, float* op) {
+  const int64_t Hkv = kv.Hkv, G = H / Hkv, window = kv.window, kv_start = kv.kv_start;
+  // first gathered index a query at relative position e - 1 (e keys up to it) sees
+  auto first = [&](int64_t e) { return window > 0 ? std::max<int64_t>(0, e - window) : 0; };
+  // Work items (request, kv head): the K/V rows of a request's queries are fetched once, shared
+  // by its G query heads and, from cache, by its later queries.
+  sparkserve::parallel_for(0, B * Hkv, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> s;        // scores, then probabilities: [G, n]
+    std::vector<int64_t> rows;   // row offset of each visible key in the K/V buffers
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = w / Hkv, h = w % Hkv, nq = q_off[b + 1] - q_off[b];
+      const int64_t end = seq_lens[b] - kv_start, begin = first(end - nq + 1);
+      rows.resize(end - begin);
+      for (int64_t j = begin; j < end; ++j) {
+        const int64_t slot = kv.idx[b * kv.idx_stride + j];
+        TORCH_CHECK(slot >= 0 && slot < kv.slots, "paged attention: slot id out of range");
+        rows[j - begin] = (slot * Hkv + h) * D;
+      }
+      s.resize(G * (end - begin));
+      for (int64_t i = 0; i < nq; ++i) {       // query i: keys first(e) .. e - 1
+        const int64_t e = end - nq + 1 + i, f = first(e), t = q_off[b] + i;
+        attend(qp + t * qs0 + h * G * qs1, qs1, G, rows.data() + (f - begin), e - f, kv.k, kv.v, sc,
+               s.data(), op + t * H * D + h * G * D, D);
+      }
+    }
+  });
+}
+
+std::vector<int64_t> query_offsets(const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& q_lens,
+                                   int64_t kv_start, int64_t gathered) {
+  const int64_t B = static_cast<int64_t>(seq_lens.size());
+  TORCH_CHECK(static_cast<int64_t>(q_lens.size()) == B, "paged attention: one seq_len and one q_len per request");
+  std::vector<int64_t> q_off(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(q_lens[b] >= 1 && seq_lens[b] - q_lens[b] >= kv_start && seq_lens[b] - kv_start <= gathered,
+                "paged attention: query positions out of the gathered range");
+    q_off[b + 1] = q_off[b] + q_lens[b];
+  }
+  return q_off;
+}
+
+}  // namespace sparkserve
+
 // q [T, H, D] (last dim contiguous), k_buf / v_buf [slots, Hkv, D] contiguous, kv_indices [B, >= L]
 // int64 slot of positions kv_start.. . Request b owns q_lens[b] consecutive query rows (all 1 when
 // q_lens is empty: decode), at positions seq_len - q_lens[b] .. seq_len - 1; the query at position p
@@ -152,48 +184,13 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at
   TORCH_CHECK(k_buf.size(2) == D && D % 8 == 0 && Hkv > 0 && H % Hkv == 0,
               "decode_attention: head_dim must match and be a multiple of 8, H a multiple of Hkv");
   if (q_lens.empty()) q_lens.assign(B, 1);
-  TORCH_CHECK(static_cast<int64_t>(seq_lens.size()) == B && static_cast<int64_t>(q_lens.size()) == B,
-              "decode_attention: one seq_len, one q_len and one kv_indices row per request");
-  std::vector<int64_t> q_off(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(q_lens[b] >= 1 && seq_lens[b] - q_lens[b] >= kv_start &&
-                    seq_lens[b] - kv_start <= kv_indices.size(1),
-                "decode_attention: query positions out of the gathered range");
-    q_off[b + 1] = q_off[b] + q_lens[b];
-  }
+  TORCH_CHECK(static_cast<int64_t>(seq_lens.size()) == B, "decode_attention: one seq_len per kv_indices row");
+  const auto q_off = sparkserve::query_offsets(seq_lens, q_lens, kv_start, kv_indices.size(1));
   TORCH_CHECK(q.size(0) == q_off[B], "decode_attention: q must have sum(q_lens) rows");
-
   auto out = at::empty({q_off[B], H * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t G = H / Hkv, slots = k_buf.size(0);
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), is0 = kv_indices.stride(0);
-  const float *qp = q.data_ptr<float>(), *kp = k_buf.data_ptr<float>(), *vp = v_buf.data_ptr<float>();
-  const int64_t* ip = kv_indices.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  // first gathered index a query at relative position e - 1 (e keys up to it) sees
-  auto first = [&](int64_t e) { return window > 0 ? std::max<int64_t>(0, e - window) : 0; };
-
-  // Work items (request, kv head): the K/V rows of a request's queries are fetched once, shared
-  // by its G query heads and, from cache, by its later queries.
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> s;        // scores, then probabilities: [G, n]
-    std::vector<int64_t> rows;   // row offset of each visible key in the K/V buffers
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / Hkv, h = w % Hkv, nq = q_lens[b];
-      const int64_t end = seq_lens[b] - kv_start, begin = first(end - nq + 1);
-      rows.resize(end - begin);
-      for (int64_t j = begin; j < end; ++j) {
-        const int64_t slot = ip[b * is0 + j];
-        TORCH_CHECK(slot >= 0 && slot < slots, "decode_attention: slot id out of range");
-        rows[j - begin] = (slot * Hkv + h) * D;
-      }
-      s.resize(G * (end - begin));
-      for (int64_t i = 0; i < nq; ++i) {       // query i: keys first(e) .. e - 1
-        const int64_t e = end - nq + 1 + i, f = first(e), t = q_off[b] + i;
-        attend(qp + t * qs0 + h * G * qs1, qs1, G, rows.data() + (f - begin), e - f, kp, vp, sc, s.data(),
-               op + t * H * D + h * G * D, D);
-      }
-    }
-  });
+  const sparkserve::PagedKV kv{k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), k_buf.size(0), Hkv,
+                               kv_indices.data_ptr<int64_t>(), kv_indices.stride(0), kv_start, window};
+  sparkserve::paged_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), H, D, kv, seq_lens.data(),
+                              q_off.data(), B, static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }

@@ -8,10 +8,9 @@
 //  - larger M (batched decode, verify blocks): a panel of 3 output rows is expanded once into an
 //    fp32 buffer in L1, and a 4 x 3 register-blocked micro-kernel (12 ymm accumulators, 7 loads
 //    per 12 FMAs) runs over it for every 4-row (or 3-row) tile of x.
-// Rows of W are split across torch's intra-op threads (at::parallel_for).
+// Rows of W are split over the kernels' thread pool (thread_pool.h).
 //
 // Built with -mavx2 -mfma -mf16c by sparkserve/kernels/build.py, which checks the CPU first.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
@@ -25,6 +24,7 @@
 
 #include "block_linear.h"
 #include "simd.h"
+#include "thread_pool.h"
 
 namespace {
 
@@ -317,7 +317,7 @@ void block_linear(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
     const float* xq = packed.data();
     const int64_t P = (N + kNR - 1) / kNR;   // panels, at least ~32 KiB of weights per task
     const int64_t grain = std::max<int64_t>(1, (32 << 10) / (row_bytes * kNR));
-    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    sparkserve::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
       by_type(qtype, [&](auto qt) { panels<qt.value>(wp, row_bytes, p0, p1, xq, M, K, yp, N, bp); });
     });
     return;
@@ -329,7 +329,7 @@ void block_linear(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
   }
   // At least ~32 KiB of weights per task: small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  sparkserve::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     by_type(qtype, [&](auto qt) { rows<qt.value>(wp, row_bytes, n0, n1, xp, M, K, yp, N, bp); });
   });
 }

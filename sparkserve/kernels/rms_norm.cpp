@@ -1,6 +1,5 @@
 // RMSNorm over the last dim of a contiguous fp32 tensor, alone or fused with the residual add
 // before it: at batch-1 decode torch's rms_norm is ~15 us of small ops per call, 61 calls a token.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <immintrin.h>
@@ -10,11 +9,11 @@
 #include <cstdint>
 #include <tuple>
 
+#include "rms_norm.h"
 #include "simd.h"
+#include "thread_pool.h"
 
-namespace {
-
-using sparkserve::hsum;
+namespace sparkserve {
 
 // One row: y = x * (1 / sqrt(mean(x^2) + eps)) * w, in the order torch's rms_norm multiplies.
 void rms_row(const float* x, const float* w, float* y, int64_t D, float eps) {
@@ -35,6 +34,12 @@ void rms_row(const float* x, const float* w, float* y, int64_t D, float eps) {
   for (; k < D; ++k) y[k] = x[k] * r * w[k];
 }
 
+}  // namespace sparkserve
+
+namespace {
+
+using sparkserve::rms_row;
+
 void check_norm_args(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() >= 1,
               "rms_norm: x must be a contiguous float32 tensor");
@@ -51,7 +56,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   const int64_t D = x.size(-1), T = D ? x.numel() / D : 0;
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(D, 1)), [&](int64_t t0, int64_t t1) {
+  sparkserve::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(D, 1)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) rms_row(xp + t * D, wp, yp + t * D, D, static_cast<float>(eps));
   });
   return y;
@@ -67,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor r, at::
   const int64_t D = x.size(-1), T = D ? x.numel() / D : 0;
   const float *xp = x.data_ptr<float>(), *rp = r.data_ptr<float>(), *wp = w.data_ptr<float>();
   float *sp = s.data_ptr<float>(), *yp = y.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(D, 1)), [&](int64_t t0, int64_t t1) {
+  sparkserve::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(D, 1)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t o = t * D;
       int64_t k = 0;

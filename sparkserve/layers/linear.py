@@ -62,6 +62,13 @@ class Linear(Sharded):
         self._blocks_version = _version(self.weight)   # an in-place update of weight drops them
         self._max_m = QUANT_MAX_M if self.in_features <= 1024 else QUANT_MAX_M_WIDE_K
 
+    def inference_blocks(self) -> BlockWeight | None:
+        """The block form of `weight` while it still holds the same values (for kernels that
+        read the blocks themselves: the native forward step), else None."""
+        if self._blocks is not None and _version(self.weight) == self._blocks_version:
+            return self._blocks
+        return None
+
     def pack(self) -> None:
         """Keep a oneDNN-packed copy of the weight for inference (CPU fp32 only)."""
         w = self.weight

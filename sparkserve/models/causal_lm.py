@@ -153,6 +153,10 @@ class CausalLM(AuxCaptureMixin, nn.Module):
         them at start-up); every model lists its own."""
         raise NotImplementedError
 
+    def enable_native_step(self, on: bool) -> None:
+        """Whether small forwards may run as one native call (models/llama_native.py); a model
+        without a native step always runs its layers from Python."""
+
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:
         """After a VERIFY forward: request i keeps the state after its first kept[i] tokens.
         KV rows need nothing (rejected slots are just freed); recurrent state does."""

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
-from sparkserve.core.forward_batch import ForwardBatch
+from sparkserve.core.forward_batch import ForwardBatch, PPProxy
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim, heads_shard, kv_heads_shard, kv_split, width_shard
 from sparkserve.layers.activation import silu_and_mul
@@ -24,6 +24,7 @@ from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.kv_pool import KVPool, split_windows, uniform_window
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
+from sparkserve.models.llama_native import NativeStep
 
 
 class LlamaAttention(nn.Module):
@@ -103,6 +104,16 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, LlamaModel(cfg))
+        self.native = NativeStep()
+
+    def enable_native_step(self, on: bool) -> None:
+        self.native.enabled = on
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                proxy: PPProxy | None = None) -> torch.Tensor | PPProxy:
+        if proxy is None and self.native.applies(self, batch):
+            return self.native.forward(self, input_ids, batch)
+        return super().forward(input_ids, positions, batch, proxy)
 
     @staticmethod
     def tp_dims(cfg: ModelConfig) -> list[Dim]:
@@ -144,6 +155,7 @@ class LlamaForCausalLM(CausalLM):
         return kv_heads_shard(self.config.num_key_value_heads)[2]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.native.reset()
         loader = WeightLoader(self, self.stacked_params)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:

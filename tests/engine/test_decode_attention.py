@@ -223,9 +223,16 @@ def test_engine_greedy_same_with_kernels_disabled(ext, smollm2_engine, monkeypat
     prompts = [tok.encode(t, add_special_tokens=True) for t in texts]
     calls = []
     monkeypatch.setattr(attention_mod, "load_extension", lambda: calls.append(1) or ext)
-    ours = [o["output_ids"] for o in smollm2_engine.generate(input_ids=prompts, sampling_params={
-        "temperature": 0, "max_new_tokens": 16, "ignore_eos": True})]
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    model = smollm2_engine.scheduler.runner.model
+    model.enable_native_step(False)       # the layer path, whose attention this file is about
+    try:
+        ours = [o["output_ids"] for o in smollm2_engine.generate(input_ids=prompts, sampling_params=params)]
+    finally:
+        model.enable_native_step(True)
     assert calls, "the decode kernel was not used"
+    native = [o["output_ids"] for o in smollm2_engine.generate(input_ids=prompts, sampling_params=params)]
+    assert native == ours
     env = dict(os.environ, SPARKSERVE_DISABLE_KERNELS="1",
                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", _DISABLED_SCRIPT, json.dumps(prompts)], env=env,

@@ -1,0 +1,226 @@
+// The native forward step of a Llama-family decoder (native_llama.h). Each piece is the kernel the
+// Python layer path calls too (block_linear, rms_row, paged_attention), so the two differ only
+// where the Python path uses torch's own elementwise ops (rotary, SiLU): by fp32 rounding.
+// Rows are few (decode, VERIFY, small extends), so the elementwise work runs on the calling
+// thread and only the projections and attention split over the thread pool.
+#include "native_llama.h"
+
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "block_linear.h"
+#include "paged_attention.h"
+#include "rms_norm.h"
+#include "simd.h"
+
+namespace sparkserve {
+namespace {
+
+BlockProj proj(at::Tensor blocks, int64_t qtype, std::optional<at::Tensor> bias, int64_t k) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "native step: weight blocks must be contiguous 2-D uint8");
+  TORCH_CHECK(k % 32 == 0 && blocks.size(1) == k / 32 * block_bytes_of(static_cast<int>(qtype)),
+              "native step: weight blocks do not hold ", k, " inputs of type ", qtype);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == blocks.size(0), "native step: bad bias");
+  }
+  return {blocks, static_cast<int>(qtype), b, blocks.size(0), k};
+}
+
+void run(const BlockProj& p, const float* x, int64_t rows, float* y) {
+  block_linear(x, rows, p.k, p.blocks.data_ptr<uint8_t>(), p.n, p.qtype,
+               p.bias.defined() ? p.bias.data_ptr<float>() : nullptr, y);
+}
+
+at::Tensor norm_weight(const at::Tensor& w, int64_t dim) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == dim && w.is_contiguous(),
+              "native step: norm weight must be float32 [", dim, "]");
+  return w;
+}
+
+// Rotary (neox layout) on one head in place; `sin` has rotate_half's sign folded in
+// (layers/rotary.py): x' = x * cos + roll(x, D/2) * sin.
+void rotate(float* x, const float* cos, const float* sin, int64_t D, float* tmp) {
+  std::memcpy(tmp, x, D * sizeof(float));
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) x[i] = tmp[i] * cos[i] + tmp[(i + half) % D] * sin[i];
+}
+
+// out = silu(g) * u over n floats; sigmoid from exp(-|g|) so the exp argument stays <= 0.
+void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp256(_mm256_or_ps(gv, sign));                       // exp(-|g|)
+    const __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 sig = _mm256_blendv_ps(r, _mm256_mul_ps(e, r), gv);       // g < 0: e / (1 + e)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+void add_into(float* acc, const float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) acc[i] += x[i];
+}
+
+const int64_t* long_ptr(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == n, "native step: ", what,
+              " must be a contiguous int64 tensor of ", n, " values");
+  return t.data_ptr<int64_t>();
+}
+
+}  // namespace
+
+NativeLlama::NativeLlama(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         int64_t intermediate, double eps, at::Tensor cos, at::Tensor sin, at::Tensor final_norm)
+    : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
+      eps_(static_cast<float>(eps)), cos_(cos.contiguous()), sin_(sin.contiguous()),
+      final_norm_(norm_weight(final_norm, hidden)) {
+  TORCH_CHECK(head_dim % 8 == 0 && kv_heads > 0 && heads % kv_heads == 0 && hidden % 32 == 0,
+              "native step: head_dim must be a multiple of 8, heads of kv_heads, hidden of 32");
+  TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.dim() == 2 && cos_.size(1) == head_dim &&
+              sin_.sizes() == cos_.sizes() && sin_.scalar_type() == at::kFloat,
+              "native step: rotary tables must be float32 [positions, head_dim]");
+}
+
+void NativeLlama::add_layer(at::Tensor qkv, int64_t qkv_type, std::optional<at::Tensor> qkv_bias, at::Tensor o,
+                            int64_t o_type, at::Tensor gate_up, int64_t gate_up_type, at::Tensor down,
+                            int64_t down_type, at::Tensor input_norm, at::Tensor post_norm,
+                            std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, int64_t window) {
+  const int64_t D = head_dim_, I = intermediate_;
+  NativeLayer l{proj(qkv, qkv_type, qkv_bias, hidden_), proj(o, o_type, std::nullopt, heads_ * D),
+                proj(gate_up, gate_up_type, std::nullopt, hidden_), proj(down, down_type, std::nullopt, I),
+                norm_weight(input_norm, hidden_), norm_weight(post_norm, hidden_), at::Tensor(), at::Tensor(),
+                window};
+  TORCH_CHECK(l.qkv.n == (heads_ + 2 * kv_heads_) * D && l.o.n == hidden_ && l.gate_up.n == 2 * I &&
+              l.down.n == hidden_, "native step: projection shapes do not match the config");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "native step: q_norm and k_norm come together");
+  if (q_norm.has_value()) {
+    l.q_norm = norm_weight(*q_norm, D);
+    l.k_norm = norm_weight(*k_norm, D);
+  }
+  layers_.push_back(std::move(l));
+}
+
+void NativeLlama::set_pool(std::vector<at::Tensor> k, std::vector<at::Tensor> v, std::vector<int64_t> swa_layers) {
+  TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "native step: one K and V per layer");
+  for (size_t i = 0; i < k.size(); ++i)
+    TORCH_CHECK(k[i].scalar_type() == at::kFloat && k[i].is_contiguous() && k[i].dim() == 3 &&
+                    k[i].size(1) == kv_heads_ && k[i].size(2) == head_dim_ && v[i].sizes() == k[i].sizes() &&
+                    v[i].scalar_type() == at::kFloat && v[i].is_contiguous(),
+                "native step: pool buffers must be contiguous float32 [slots, kv_heads, head_dim]");
+  own_slots_.assign(layers_.size(), false);
+  for (int64_t l : swa_layers) {
+    TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(layers_.size()), "native step: bad windowed layer ", l);
+    own_slots_[l] = true;
+  }
+  k_ = std::move(k);
+  v_ = std::move(v);
+}
+
+std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions, at::Tensor out_loc,
+                                             at::Tensor kv_indices, int64_t kv_start,
+                                             std::optional<at::Tensor> swa_out_loc,
+                                             std::optional<at::Tensor> swa_kv_indices, int64_t swa_kv_start,
+                                             std::vector<int64_t> seq_lens, std::vector<int64_t> q_lens,
+                                             std::vector<int64_t> aux_layers) {
+  TORCH_CHECK(k_.size() == layers_.size(), "native step: set_pool first");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == hidden_,
+              "native step: x must be float32 [T, hidden]");
+  const int64_t T = x.size(0), B = static_cast<int64_t>(seq_lens.size());
+  const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, I = intermediate_, W = (H + 2 * Hkv) * D;
+  TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indices.dim() == 2 && kv_indices.size(0) == B &&
+              kv_indices.stride(1) == 1, "native step: kv_indices must be int64 [B, L], rows contiguous");
+  const auto q_off = query_offsets(seq_lens, q_lens, kv_start, kv_indices.size(1));
+  TORCH_CHECK(q_off[B] == T, "native step: x must have sum(q_lens) rows");
+  const int64_t* pos = long_ptr(positions, T, "positions");
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_.size(0), "native step: position ", pos[t], " beyond the rotary table");
+
+  // The two slot spaces (all layers', and a split pool's windowed layers'): where the new rows go
+  // and how attention finds the keys.
+  struct Slots {
+    const int64_t* loc;
+    at::Tensor idx;
+    int64_t start;
+    std::vector<int64_t> q_off;
+  };
+  Slots full{long_ptr(out_loc, T, "out_cache_loc"), kv_indices, kv_start, q_off}, swa{};
+  if (swa_out_loc.has_value()) {
+    TORCH_CHECK(swa_kv_indices.has_value() && swa_kv_indices->scalar_type() == at::kLong &&
+                swa_kv_indices->dim() == 2 && swa_kv_indices->size(0) == B && swa_kv_indices->stride(1) == 1,
+                "native step: swa_kv_indices must be int64 [B, L], rows contiguous");
+    swa = {long_ptr(*swa_out_loc, T, "swa_out_cache_loc"), *swa_kv_indices, swa_kv_start,
+           query_offsets(seq_lens, q_lens, swa_kv_start, swa_kv_indices->size(1))};
+  }
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Slots& s = own_slots_[l] ? swa : full;
+    TORCH_CHECK(s.loc != nullptr, "native step: layer ", l, " needs the split pool's windowed slots");
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(s.loc[t] >= 0 && s.loc[t] < k_[l].size(0), "native step: slot ", s.loc[t], " out of range");
+  }
+
+  auto opts = x.options();
+  at::Tensor res = x.contiguous().clone();
+  at::Tensor h = at::empty({T, hidden_}, opts), qkv = at::empty({T, W}, opts), attn = at::empty({T, H * D}, opts);
+  at::Tensor gu = at::empty({T, 2 * I}, opts), act = at::empty({T, I}, opts), tmp = at::empty({T, hidden_}, opts);
+  float *rp = res.data_ptr<float>(), *hp = h.data_ptr<float>(), *qp = qkv.data_ptr<float>();
+  float *ap = attn.data_ptr<float>(), *gp = gu.data_ptr<float>(), *cp = act.data_ptr<float>();
+  float* tp = tmp.data_ptr<float>();
+  const float *cosp = cos_.data_ptr<float>(), *sinp = sin_.data_ptr<float>();
+  std::vector<float> rot(D);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  std::vector<at::Tensor> out(1);
+
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const NativeLayer& L = layers_[l];
+    const Slots& s = own_slots_[l] ? swa : full;
+    const float* in_w = L.input_norm.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) rms_row(rp + t * hidden_, in_w, hp + t * hidden_, hidden_, eps_);
+    run(L.qkv, hp, T, qp);
+    float* kb = k_[l].data_ptr<float>();
+    float* vb = v_[l].data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = qp + t * W;
+      if (L.q_norm.defined()) {
+        for (int64_t hd = 0; hd < H; ++hd) rms_row(row + hd * D, L.q_norm.data_ptr<float>(), row + hd * D, D, eps_);
+        for (int64_t hd = H; hd < H + Hkv; ++hd)
+          rms_row(row + hd * D, L.k_norm.data_ptr<float>(), row + hd * D, D, eps_);
+      }
+      const float *c = cosp + pos[t] * D, *sn = sinp + pos[t] * D;
+      for (int64_t hd = 0; hd < H + Hkv; ++hd) rotate(row + hd * D, c, sn, D, rot.data());
+      std::memcpy(kb + s.loc[t] * Hkv * D, row + H * D, Hkv * D * sizeof(float));
+      std::memcpy(vb + s.loc[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
+    }
+    const PagedKV kv{kb, vb, k_[l].size(0), Hkv, s.idx.data_ptr<int64_t>(), s.idx.stride(0), s.start, L.window};
+    paged_attention(qp, W, D, H, D, kv, seq_lens.data(), s.q_off.data(), B, scale, ap);
+    run(L.o, ap, T, tp);
+    const float* post_w = L.post_norm.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      add_into(rp + t * hidden_, tp + t * hidden_, hidden_);
+      rms_row(rp + t * hidden_, post_w, hp + t * hidden_, hidden_, eps_);
+    }
+    run(L.gate_up, hp, T, gp);
+    for (int64_t t = 0; t < T; ++t) silu_mul(gp + t * 2 * I, gp + t * 2 * I + I, cp + t * I, I);
+    run(L.down, cp, T, tp);
+    add_into(rp, tp, T * hidden_);
+    if (std::find(aux_layers.begin(), aux_layers.end(), static_cast<int64_t>(l)) != aux_layers.end())
+      out.push_back(res.clone());
+  }
+  const float* fw = final_norm_.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) rms_row(rp + t * hidden_, fw, hp + t * hidden_, hidden_, eps_);
+  out[0] = h;
+  return out;
+}
+
+}  // namespace sparkserve

@@ -1,0 +1,29 @@
+// The paged attention kernel of decode_attention.cpp as a C++ entry point (the native forward
+// step calls it once per layer without going through Python).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace sparkserve {
+
+// One layer's K/V pool buffers [slots, Hkv, D] and the batch's slot table: request b's key at
+// position kv_start + j lives in slot idx[b * idx_stride + j]; window <= 0: none.
+struct PagedKV {
+  const float* k;
+  const float* v;
+  int64_t slots, Hkv;
+  const int64_t* idx;
+  int64_t idx_stride, kv_start, window;
+};
+
+// Request b's queries are rows q_off[b] .. q_off[b+1] - 1 of q (row stride qs0, head stride qs1),
+// at positions seq_lens[b] - their count .. seq_lens[b] - 1, causal. out: [T, H * D].
+void paged_attention(const float* q, int64_t qs0, int64_t qs1, int64_t H, int64_t D, const PagedKV& kv,
+                     const int64_t* seq_lens, const int64_t* q_off, int64_t B, float scale, float* out);
+
+// Row offsets of each request's queries (B + 1 entries), after checking that every query
+// position lies in the gathered range [kv_start, kv_start + gathered).
+std::vector<int64_t> query_offsets(const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& q_lens,
+                                   int64_t kv_start, int64_t gathered);
+
+}  // namespace sparkserve

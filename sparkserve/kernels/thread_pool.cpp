@@ -1,0 +1,172 @@
+// thread_pool.h. One job at a time: the caller publishes it by bumping `epoch_`; everyone (caller
+// included) claims chunks from `claim_`, whose high bits repeat the job's epoch so a worker that
+// arrives after its job ended claims nothing from the next one; the caller returns when `done_`
+// counts every chunk. Workers spin for SPARKSERVE_SPIN_US (default 100) microseconds after their
+// last job before they sleep on a condition variable.
+#include "thread_pool.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace sparkserve {
+namespace {
+
+constexpr int kChunksPerThread = 4;   // claimable pieces per thread: slack for a descheduled one
+constexpr int kEpochShift = 32;       // claim_ = epoch << 32 | next chunk
+
+thread_local bool t_in_job = false;
+
+int64_t spin_us() {
+  static const int64_t us = [] {
+    const char* s = std::getenv("SPARKSERVE_SPIN_US");
+    return s ? std::max<int64_t>(0, std::atoll(s)) : int64_t{100};
+  }();
+  return us;
+}
+
+class Pool {
+ public:
+  ~Pool() { resize(0); }
+
+  // Runs the job on `threads` threads (the caller is one). Caller holds run_mutex_.
+  void run(int threads, int64_t begin, int64_t chunk, int64_t nchunks, int64_t end,
+           const std::function<void(int64_t, int64_t)>& f) {
+    if (static_cast<int>(workers_.size()) != threads - 1) resize(threads - 1);
+    fn_.store(&f, std::memory_order_relaxed);
+    begin_.store(begin, std::memory_order_relaxed);
+    end_.store(end, std::memory_order_relaxed);
+    chunk_.store(chunk, std::memory_order_relaxed);
+    nchunks_.store(nchunks, std::memory_order_relaxed);
+    error_ = nullptr;
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t e = epoch_.load(std::memory_order_relaxed) + 1;
+    claim_.store(e << kEpochShift, std::memory_order_relaxed);
+    epoch_.store(e, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      { std::lock_guard<std::mutex> lk(sleep_mutex_); }
+      wake_.notify_all();
+    }
+    work(e);
+    while (done_.load(std::memory_order_acquire) < nchunks) _mm_pause();
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  std::mutex run_mutex_;
+
+ private:
+  void resize(size_t n) {
+    if (!workers_.empty()) {
+      stop_.store(true);
+      { std::lock_guard<std::mutex> lk(sleep_mutex_); }
+      wake_.notify_all();
+      for (auto& t : workers_) t.join();
+      workers_.clear();
+      stop_.store(false);
+    }
+    for (size_t i = 0; i < n; ++i) workers_.emplace_back([this] { loop(); });
+  }
+
+  // Claims and runs chunks of job `e` until none are left (or job e is over).
+  void work(uint64_t e) {
+    t_in_job = true;
+    // Read before the first claim; a claim that succeeds proves they belong to job e.
+    const auto* fn = fn_.load(std::memory_order_relaxed);
+    const int64_t begin = begin_.load(std::memory_order_relaxed), end = end_.load(std::memory_order_relaxed);
+    const int64_t chunk = chunk_.load(std::memory_order_relaxed), nchunks = nchunks_.load(std::memory_order_relaxed);
+    uint64_t c = claim_.load(std::memory_order_acquire);
+    while ((c >> kEpochShift) == e && static_cast<int64_t>(c & 0xffffffffu) < nchunks) {
+      if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel)) continue;
+      const int64_t i = static_cast<int64_t>(c & 0xffffffffu);
+      try {
+        (*fn)(begin + i * chunk, std::min(end, begin + (i + 1) * chunk));
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(error_mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+      done_.fetch_add(1, std::memory_order_release);
+      c = claim_.load(std::memory_order_acquire);
+    }
+    t_in_job = false;
+  }
+
+  void loop() {
+    uint64_t seen = epoch_.load(std::memory_order_acquire);
+    for (;;) {
+      const auto t0 = std::chrono::steady_clock::now();
+      uint64_t e;
+      while ((e = epoch_.load(std::memory_order_acquire)) == seen && !stop_.load(std::memory_order_relaxed)) {
+        _mm_pause();
+        if (std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us())) {
+          std::unique_lock<std::mutex> lk(sleep_mutex_);
+          sleepers_.fetch_add(1, std::memory_order_seq_cst);
+          wake_.wait(lk, [&] { return epoch_.load(std::memory_order_seq_cst) != seen || stop_.load(); });
+          sleepers_.fetch_sub(1, std::memory_order_relaxed);
+        }
+      }
+      if (stop_.load()) return;
+      seen = e;
+      work(e);
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> epoch_{0}, claim_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex sleep_mutex_, error_mutex_;
+  std::condition_variable wake_;
+  // The job, written by the caller before the epoch is published (atomics: a worker late for
+  // the previous job may read them while they change; its claim then fails).
+  std::atomic<const std::function<void(int64_t, int64_t)>*> fn_{nullptr};
+  std::atomic<int64_t> begin_{0}, end_{0}, chunk_{1}, nchunks_{0};
+  std::exception_ptr error_;
+};
+
+// Never destroyed (workers must not be joined during exit); a forked child, which has none of
+// the parent's worker threads, starts a fresh one.
+Pool* g_pool = nullptr;
+std::once_flag g_once;
+
+Pool& pool() {
+  std::call_once(g_once, [] {
+    g_pool = new Pool();
+    pthread_atfork(nullptr, nullptr, [] { g_pool = new Pool(); });
+  });
+  return *g_pool;
+}
+
+}  // namespace
+
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
+  if (end <= begin) return;
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t range = end - begin;
+  const int64_t chunk = std::max<int64_t>({1, grain, (range + threads * kChunksPerThread - 1) /
+                                                         (threads * kChunksPerThread)});
+  const int64_t nchunks = (range + chunk - 1) / chunk;
+  if (threads == 1 || nchunks == 1 || t_in_job) {
+    f(begin, end);
+    return;
+  }
+  Pool& p = pool();
+  std::unique_lock<std::mutex> lk(p.run_mutex_, std::try_to_lock);
+  if (!lk.owns_lock()) {     // another thread's job holds the pool (two engines in one process)
+    f(begin, end);
+    return;
+  }
+  p.run(threads, begin, chunk, nchunks, end, f);
+}
+
+}  // namespace sparkserve

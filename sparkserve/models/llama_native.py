@@ -1,0 +1,111 @@
+"""When a Llama-family forward runs as one native call (kernels/native_llama.cpp), and how the
+model's weights and KV pool are handed to it.
+
+The native step covers what dominates serving on a CPU: decode, VERIFY blocks and small extends on
+one rank, with every projection held as GGUF / half-precision blocks (the block kernel's inputs).
+Anything else — prefill chunks, tensor / pipeline / context parallel, DP attention, autograd, fp32
+weights without blocks — runs the Python layer path, which stays the reference the tests compare
+against. The step reads the block weights once, when first used: `reset()` drops it after the
+weights change."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.distributed import parallel_state as ps
+from sparkserve.kernels.build import load_extension
+from sparkserve.layers.attention import KERNEL_MAX_Q
+from sparkserve.layers.linear import Linear
+from sparkserve.mem.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from sparkserve.models.llama import LlamaForCausalLM
+
+# Most tokens per native forward: the block kernel beats oneDNN up to about this many rows on
+# SmolLM2's widest projection (layers/linear.py), and larger batches are prefill chunks.
+NATIVE_MAX_TOKENS = 64
+
+
+class NativeStep:
+    def __init__(self) -> None:
+        self.enabled = True
+        self._step = None           # the C++ NativeLlama, built on first use
+        self._unsupported: str | None = None
+        self._pool = None           # the pool whose buffers the step holds
+
+    def reset(self) -> None:
+        self._step, self._unsupported, self._pool = None, None, None
+
+    def applies(self, model: LlamaForCausalLM, batch: ForwardBatch) -> bool:
+        """Whether this batch runs natively (builds the step the first time one could)."""
+        if not self.enabled or batch.mode not in (ForwardMode.DECODE, ForwardMode.VERIFY, ForwardMode.EXTEND):
+            return False
+        if (batch.cp is not None or batch.num_tokens > NATIVE_MAX_TOKENS or torch.is_grad_enabled()
+                or max(batch.extend_lens) > KERNEL_MAX_Q or batch.input_ids.device.type != "cpu"
+                or not isinstance(batch.kv_pool, KVPool)):
+            return False
+        if self._step is None and self._unsupported is None:
+            self._unsupported = unsupported(model)
+            if self._unsupported is None:
+                self._step = build(model)
+        return self._step is not None
+
+    def forward(self, model: LlamaForCausalLM, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        pool = batch.kv_pool
+        if pool is not self._pool:
+            self._step.set_pool(pool.k, pool.v, pool.swa_layers)
+            self._pool = pool
+        x = model.model.embed_tokens(input_ids)
+        aux = model.aux_layer_set
+        if -1 in aux:
+            batch.aux_hidden.append(x)
+        out = self._step.forward(x, batch.positions, batch.out_cache_loc, batch.kv_indices, batch.kv_start,
+                                 batch.swa_out_cache_loc, batch.swa_kv_indices, batch.swa_kv_start,
+                                 batch.seq_lens, batch.extend_lens, sorted(i for i in aux if i >= 0))
+        batch.aux_hidden.extend(out[1:])
+        return out[0]
+
+
+def unsupported(model: LlamaForCausalLM) -> str | None:
+    """Why this model cannot run natively, or None."""
+    if load_extension() is None:
+        return "the C++ kernels are unavailable"
+    if ps.tp_size() > 1 or not (model.first_stage and model.last_stage) or ps.mlp_gathers():
+        return "it runs on several ranks"
+    if model.model.rotary is None or model.model.rotary.cos.device.type != "cpu":
+        return "no CPU rotary table"
+    for layer in model.model.layers:
+        projs = _projections(layer)
+        if any(lin.inference_blocks() is None for lin in projs):
+            return "a projection has no block weights"
+        if any(lin.bias is not None for lin in projs[1:]):
+            return "a projection other than q|k|v has a bias"
+    return None
+
+
+def _projections(layer: torch.nn.Module) -> list[Linear]:
+    """q|k|v, o, gate|up, down of a decoder layer."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _weight(module: torch.nn.Module | None) -> torch.Tensor | None:
+    return None if module is None else module.weight.detach()
+
+
+def build(model: LlamaForCausalLM):
+    c, m = model.config, model.model
+    step = load_extension().NativeLlama(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                                        c.head_dim, c.intermediate_size, c.rms_norm_eps, m.rotary.cos,
+                                        m.rotary.sin, _weight(m.norm))
+    for layer in m.layers:
+        attn = layer.self_attn
+        qkv, o, gate_up, down = (lin.inference_blocks() for lin in _projections(layer))
+        qkv_bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach()
+        step.add_layer(qkv.blocks, qkv.qtype, qkv_bias, o.blocks, o.qtype, gate_up.blocks, gate_up.qtype,
+                       down.blocks, down.qtype, _weight(layer.input_layernorm),
+                       _weight(layer.post_attention_layernorm), _weight(attn.q_norm), _weight(attn.k_norm),
+                       attn.attn.window or 0)
+    return step
