@@ -51,15 +51,38 @@ def processed_probs(logits: Tensor, params: SamplingParams) -> Tensor:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1)  # ascending, as HF
-        remove = sorted_x.softmax(-1).cumsum(-1) <= 1 - params.top_p
-        remove[..., -1] = False  # always keep the most likely token
-        x = x.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+        x = x.masked_fill(outside_top_p(x, params.top_p), float("-inf"))
     if params.min_p > 0.0:
         probs = x.softmax(-1)
         remove = probs < params.min_p * probs.amax(-1, keepdim=True)  # never removes the max
         x = x.masked_fill(remove, float("-inf"))
     return x.softmax(-1)
+
+
+# Candidate set sizes tried before a full sort: a nucleus usually lies within the best few dozen
+# tokens, and top-k of a 50k vocabulary costs a small fraction of sorting it.
+TOP_P_CANDIDATES = (64, 1024)
+
+
+def outside_top_p(x: Tensor, top_p: float) -> Tensor:
+    """Bool mask of the tokens top-p sampling removes (HF's rule: a token stays while the mass of
+    the tokens ranked above it is below top_p; the best one always stays). The ranking is sorted
+    only within the k best tokens when, in every row, they hold at least top_p of the mass: every
+    token outside them is then removed whatever their order."""
+    probs = x.softmax(-1)
+    vocab = x.shape[-1]
+    for k in TOP_P_CANDIDATES:
+        if k >= vocab:
+            break
+        vals, idx = probs.topk(k, dim=-1)                   # descending
+        if bool((vals.sum(-1) >= top_p).all()):
+            keep = vals.cumsum(-1) - vals < top_p
+            keep[..., 0] = True
+            return torch.ones_like(probs, dtype=torch.bool).scatter(-1, idx, ~keep)
+    sorted_x, order = torch.sort(x, dim=-1)  # ascending, as HF
+    remove = sorted_x.softmax(-1).cumsum(-1) <= 1 - top_p
+    remove[..., -1] = False  # always keep the most likely token
+    return remove.scatter(-1, order, remove)
 
 
 def sample_from_probs(

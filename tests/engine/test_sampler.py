@@ -291,3 +291,23 @@ def test_logprobs_are_raw_log_softmax() -> None:
         assert top[0][0] == int(raw[i].argmax())
         for tok, v in top:
             assert math.isclose(v, float(raw[i, tok]), abs_tol=1e-5)
+
+
+@pytest.mark.parametrize("scale, full_sort", [(8.0, False), (4.0, False), (0.05, True)])
+def test_top_p_large_vocab_matches_transformers_without_a_full_sort(scale, full_sort, monkeypatch) -> None:
+    """49,152 tokens (SmolLM2's vocabulary): peaked rows find their nucleus among the 64 or 1024
+    best tokens, and then no full sort runs (torch.sort is made to fail); a nearly flat row
+    needs it. Either way the distribution is transformers' TopPLogitsWarper's."""
+    from sparkserve.executor import sampler as sampler_mod
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 49152, generator=gen) * scale
+    params = SamplingParams(top_p=0.9).validate(49152)
+    if not full_sort:
+        def no_sort(*a, **k):
+            raise AssertionError("full sort of the vocabulary")
+        monkeypatch.setattr(sampler_mod.torch, "sort", no_sort)
+    ours = processed_probs(logits, params)
+    monkeypatch.undo()
+    ref = TopPLogitsWarper(0.9)(torch.zeros(4, 1, dtype=torch.long), logits.clone()).softmax(-1)
+    assert torch.equal(ours > 0, ref > 0)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
