@@ -12,8 +12,11 @@ the fp32 weight.
 
 `set_activation_quant("int8")` (the engine's --activation-quant, applied by load_model) lets Q4_1 /
 Q8_0 layers quantize x to int8 per block of 32 and use integer dot products (llama.cpp's scheme)
-for up to INT8_MAX_M rows, where that is faster; "none" (the default of a bare Linear) keeps the
-fp32-exact kernel."""
+at every M the block kernel takes; "none" (the default of a bare Linear) keeps the fp32-exact
+kernel. Int8 is used for all those M, not only where it is fastest (up to 8 rows on AVX2): a row's
+int8 result is then bit-identical whatever the batch (decode, batched decode, a verify block), so
+speculative verify agrees with plain decode and a request's tokens do not depend on how many
+others run with it (docs/kernel-notes.md)."""
 from __future__ import annotations
 
 import torch
@@ -33,12 +36,6 @@ QUANT_MAX_M = 96
 QUANT_MAX_M_WIDE_K = 64        # in_features > 1024
 
 ACTIVATION_QUANTS = ("int8", "none")
-# Most rows that take int8 activations (when asked for): up to 8 the integer-dot kernel beat the fp32
-# block kernel on every SmolLM2 shape on the 2-core AVX2 machine; at 16 it is mixed (LM head, gate|up
-# slower) and from 32 mostly slower: AVX2's maddubs + madd + convert + scale per row and block cost
-# more than the fp32 kernel's FMAs (docs/kernel-notes.md). The VNNI variants (dpbusd in place of
-# maddubs + madd) are not measured yet and use the same cut-off.
-INT8_MAX_M = 8
 
 
 def _version(t: torch.Tensor) -> int:
@@ -81,13 +78,13 @@ class Linear(Sharded):
         self.set_activation_quant(self.activation_quant)
 
     def set_activation_quant(self, mode: str) -> None:
-        """"int8": x quantized to int8 per block of 32 for up to INT8_MAX_M rows when the blocks are
-        Q4_1 / Q8_0 (small logit changes, faster); "none": fp32 activations, exact."""
+        """"int8": x quantized to int8 per block of 32 when the blocks are Q4_1 / Q8_0 (small logit
+        changes, faster at decode sizes); "none": fp32 activations, exact."""
         if mode not in ACTIVATION_QUANTS:
             raise ValueError(f"activation_quant {mode!r}: use one of {', '.join(ACTIVATION_QUANTS)}")
         self.activation_quant = mode
         int8_ok = self._blocks is not None and self._blocks.qtype in (kernels.Q4_1, kernels.Q8_0)
-        self._int8_max_m = min(INT8_MAX_M, self._max_m) if mode == "int8" and int8_ok else 0
+        self._int8_max_m = self._max_m if mode == "int8" and int8_ok else 0
 
     def pack(self) -> None:
         """Keep a oneDNN-packed copy of the weight for inference (CPU fp32 only)."""

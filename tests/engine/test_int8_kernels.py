@@ -163,23 +163,25 @@ def _layer(qtype: int, n: int = 48, k: int = 64) -> Linear:
 
 @pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["Q4_1", "Q8_0"])
 def test_linear_activation_modes(qtype):
-    """"none" is the exact fp32 kernel at every M; "int8" is the int8 kernel up to INT8_MAX_M rows and
-    the fp32 kernel beyond; a bad mode is refused."""
+    """"none" is the exact fp32 kernel at every M; "int8" is the int8 kernel at every M the block
+    kernel takes, each row's result independent of the batch; a bad mode is refused."""
     lin = _layer(qtype)
     b = lin._blocks
     g = torch.Generator().manual_seed(4)
     assert lin.activation_quant == "none"
     with torch.no_grad():
-        for m in (1, 5, linear_mod.INT8_MAX_M, linear_mod.INT8_MAX_M + 1, 40):
-            x = torch.randn(m, 64, generator=g)
+        rows = torch.randn(linear_mod.QUANT_MAX_M, 64, generator=g)
+        lin.set_activation_quant("int8")
+        alone = torch.cat([lin(rows[i:i + 1]) for i in range(rows.shape[0])])
+        for m in (1, 5, 8, 9, 17, 40, linear_mod.QUANT_MAX_M):
+            x = rows[:m]
             lin.set_activation_quant("none")
             assert torch.equal(lin(x), kernels.quant_linear(x, b, lin.bias))
             lin.set_activation_quant("int8")
-            fn = kernels.quant_linear_int8 if m <= linear_mod.INT8_MAX_M else kernels.quant_linear
-            want = fn(x, b, lin.bias)
-            assert torch.equal(lin(x), want)
-            if m <= linear_mod.INT8_MAX_M:
-                assert not torch.equal(lin(x), kernels.quant_linear(x, b, lin.bias))
+            y = lin(x)
+            assert torch.equal(y, kernels.quant_linear_int8(x, b, lin.bias))
+            assert not torch.equal(y, kernels.quant_linear(x, b, lin.bias))
+            assert torch.equal(y, alone[:m]), f"M={m}: rows differ from the same rows run one by one"
     with pytest.raises(ValueError, match="activation_quant"):
         lin.set_activation_quant("int4")
 
@@ -188,7 +190,7 @@ def test_mode_survives_set_blocks_and_skips_half_blocks():
     lin = _layer(Q4_1)
     lin.set_activation_quant("int8")
     lin.set_blocks(random_blocks(Q8_0, 48, 64))     # the loader may hand blocks after the mode
-    assert lin._int8_max_m == linear_mod.INT8_MAX_M
+    assert lin._int8_max_m == linear_mod.QUANT_MAX_M
     lin.set_blocks(random_blocks(BF16, 48, 64))
     assert lin.activation_quant == "int8" and lin._int8_max_m == 0
 
