@@ -16,6 +16,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "nixl", "mooncake")
+ACTIVATION_QUANTS = ("int8", "none")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,10 @@ class ServerArgs:
     max_queued_requests: int | None = field(default=None, metadata=_opt(
         "waiting requests beyond which new ones get 503 (default: no limit)", server_only=True))
     # runtime
+    activation_quant: str = field(default="int8", metadata=_opt(
+        "activations of layers with Q4_1 / Q8_0 weights at decode-sized batches: int8 quantizes them per "
+        "block of 32 for integer dot products (as llama.cpp; faster, logits move slightly: "
+        "docs/kernel-notes.md); none keeps fp32 activations (exact, slower)", choices=ACTIVATION_QUANTS))
     num_threads: int | None = field(default=None, metadata=_opt("torch CPU threads (default: torch's)"))
     random_seed: int | None = field(default=None, metadata=_opt("seed of the global RNG"))
     disable_native_step: bool = field(default=False, metadata=_opt(
@@ -197,6 +202,8 @@ class ServerArgs:
              "--chunked-prefill-size must be positive, or -1 to disable chunking")
         need(self.max_queued_requests is None or self.max_queued_requests >= 0,
              "--max-queued-requests must be >= 0")
+        need(self.activation_quant in ACTIVATION_QUANTS,
+             f"--activation-quant {self.activation_quant}: use one of {', '.join(ACTIVATION_QUANTS)}")
         need(self.log_level.lower() in LOG_LEVELS,
              f"--log-level {self.log_level}: use one of {', '.join(LOG_LEVELS)}")
         need(os.path.exists(self.model_path), f"--model-path {self.model_path} does not exist")

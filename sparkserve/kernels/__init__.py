@@ -2,6 +2,9 @@
 
 `quant_linear(x, w, bias)` computes `x @ W.T (+ bias)` in fp32 from a `BlockWeight` (Q4_1, Q8_0,
 BF16, F16), reading the blocks once for all rows of x (quant_gemv.cpp; used by layers/linear.py).
+`quant_linear_int8` does the same with x quantized to int8 per block of 32 and integer dot products
+for Q4_1 / Q8_0 (int8_*.cpp), on the CPU variant `variant()` names (chosen at load by the CPU's
+flags; SPARKSERVE_KERNEL_VARIANTS_OFF=avx512vnni,avxvnni switches variants off).
 The extension also has `rms_norm` and `add_rms_norm` (rms_norm.cpp; used by layers/norm.py) and
 `decode_attention` (decode_attention.cpp: paged attention without the K/V gather; layers/attention.py).
 Built on first use (build.py); when that is impossible `load_extension()` is None and callers
@@ -14,7 +17,7 @@ from sparkserve.kernels.blocks import BF16, BLOCK_BYTES, F16, Q4_1, Q8_0, BlockW
 from sparkserve.kernels.build import load_extension
 
 __all__ = ["BlockWeight", "Q4_1", "Q8_0", "BF16", "F16", "BLOCK_BYTES", "available", "load_extension",
-           "quant_linear"]
+           "quant_linear", "quant_linear_int8", "variant", "runnable_variants"]
 
 
 def available() -> bool:
@@ -27,3 +30,26 @@ def quant_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = No
     if ext is None:
         raise RuntimeError("sparkserve kernels are unavailable (see the warning logged at first use)")
     return ext.quant_linear(x, w.blocks, w.qtype, bias)
+
+
+def quant_linear_int8(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None,
+                      variant: str = "") -> torch.Tensor:
+    """As quant_linear, with int8 activations for Q4_1 / Q8_0 (BF16 / F16 stay fp32). `variant`
+    names one to use instead of the dispatcher's choice (it must run on this CPU)."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("sparkserve kernels are unavailable (see the warning logged at first use)")
+    return ext.quant_linear_int8(x, w.blocks, w.qtype, bias, variant)
+
+
+def variant() -> str:
+    """The int8 kernel variant that runs: "avx512vnni", "avxvnni", "avx2", or "fp32" when the kernels
+    are unavailable or every variant is switched off (then int8 requests compute in fp32)."""
+    ext = load_extension()
+    return "fp32" if ext is None else ext.int8_variant()
+
+
+def runnable_variants() -> list[str]:
+    """The int8 variants built here that this CPU runs, best first (ignoring the env switch)."""
+    ext = load_extension()
+    return [] if ext is None else list(ext.int8_variants_runnable())

@@ -2,12 +2,17 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "native_llama.h"
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias);
+at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias,
+                             const std::string& variant);
+std::string int8_variant_name();
+std::vector<std::string> int8_variants_runnable();
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor r, at::Tensor w, double eps);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
@@ -17,6 +22,11 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ W.T with W in GGUF blocks (Q4_1, Q8_0, BF16)",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
+  m.def("quant_linear_int8", &quant_linear_int8,
+        "quant_linear with x quantized to int8 per block of 32 and integer dot products (Q4_1, Q8_0)",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("variant") = "");
+  m.def("int8_variants_runnable", &int8_variants_runnable, "int8 variants built here that this CPU runs");
+  m.def("int8_variant", &int8_variant_name, "the int8 kernel variant in use (avx512vnni, avxvnni, avx2, fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32, contiguous)");
   m.def("add_rms_norm", &add_rms_norm, "s = x + r; returns (s, rms_norm(s))");
   m.def("decode_attention", &decode_attention,

@@ -13,4 +13,14 @@ int block_bytes_of(int qtype);
 void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int qtype,
                   const float* bias, float* y);
 
+// As block_linear, with each x row quantized to int8 in blocks of 32 (scale amax/127, as llama.cpp's
+// Q8_0/Q8_1 activations) and integer dot products against Q4_1 / Q8_0 blocks (int32 inside a
+// block, fp32 across blocks), on the best variant this CPU runs (int8_dispatch.cpp). BF16 / F16
+// weights, or every variant switched off by SPARKSERVE_KERNEL_VARIANTS_OFF, take block_linear.
+void block_linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int qtype,
+                       const float* bias, float* y);
+
+// The int8 variant block_linear_int8 runs: "avx512vnni", "avxvnni", "avx2", or "fp32" (none).
+const char* int8_variant();
+
 }  // namespace sparkserve

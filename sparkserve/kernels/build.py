@@ -6,7 +6,12 @@ flags, torch version, and the include paths, which differ between virtualenvs), 
 environments never rebuild each other's build; a file lock makes concurrent first starts build
 once. Without an x86-64 CPU with AVX2 + FMA + F16C, without a compiler, or if the build fails,
 one warning is logged and `load_extension()` returns None: callers keep their pure-torch path.
-SPARKSERVE_DISABLE_KERNELS=1 forces that fallback."""
+SPARKSERVE_DISABLE_KERNELS=1 forces that fallback.
+
+The int8-activation kernels come in CPU variants (VARIANTS), each its own translation unit compiled
+here to an object file with its own ISA flags and linked into the extension; a variant the compiler
+rejects is left out (the AVX2 one is required). int8_dispatch.cpp picks one at run time by the CPU's
+flags; SPARKSERVE_KERNEL_VARIANTS_OFF=avx512vnni,avxvnni switches variants off (see `variant()`)."""
 from __future__ import annotations
 
 import fcntl
@@ -14,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import subprocess
 import sysconfig
 import threading
 from types import ModuleType
@@ -24,11 +30,19 @@ log = logging.getLogger(__name__)
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_DIR, f)
-           for f in ("quant_gemv.cpp", "rms_norm.cpp", "decode_attention.cpp", "native_llama.cpp",
-                     "thread_pool.cpp", "bindings.cpp")]
-HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h", "paged_attention.h",
-                                                "rms_norm.h", "native_llama.h", "thread_pool.h")]
+           for f in ("quant_gemv.cpp", "int8_dispatch.cpp", "rms_norm.cpp", "decode_attention.cpp",
+                     "native_llama.cpp", "thread_pool.cpp", "bindings.cpp")]
+HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h", "int8_common.h", "int8_kernel.h",
+                                           "paged_attention.h", "rms_norm.h", "native_llama.h",
+                                           "thread_pool.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+# int8 kernel variants, best last: name -> extra ISA flags (on top of the AVX2 baseline).
+VARIANTS = {
+    "avx2": [],
+    "avxvnni": ["-mavxvnni"],
+    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+}
+VARIANT_SOURCES = [os.path.join(_DIR, f"int8_{name}.cpp") for name in VARIANTS]
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 _lock = threading.Lock()
@@ -60,12 +74,34 @@ def _build_command() -> list[str]:
     """What the compiler command depends on besides the sources."""
     from torch.utils.cpp_extension import include_paths
     return [torch.__version__, sysconfig.get_paths()["include"], os.environ.get("CXX", "c++"),
-            *CFLAGS, *include_paths()]
+            *CFLAGS, *include_paths(), repr(VARIANTS)]
+
+
+def _compile_variants(path: str) -> list[str]:
+    """Compile each int8 variant to path/int8_<name>.o with its flags; the names that compiled.
+    The AVX2 variant (with the quantizer) is required: its failure raises."""
+    built = []
+    cxx = os.environ.get("CXX", "c++")
+    for name, flags in VARIANTS.items():
+        obj = os.path.join(path, f"int8_{name}.o")
+        if not os.path.exists(obj):
+            src = os.path.join(_DIR, f"int8_{name}.cpp")
+            cmd = [cxx, "-O3", "-fPIC", "-std=c++17", "-mavx2", "-mfma", "-mf16c", *flags,
+                   "-c", src, "-o", obj + ".tmp"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                if name == "avx2":
+                    raise RuntimeError(f"int8 kernel (avx2) failed to compile: {r.stderr.strip()[-500:]}")
+                log.info("int8 kernel variant %s left out: the compiler rejects %s", name, " ".join(flags))
+                continue
+            os.replace(obj + ".tmp", obj)
+        built.append(name)
+    return built
 
 
 def build_dir() -> str:
     h = hashlib.sha256("\0".join(_build_command()).encode())
-    for path in SOURCES + HEADERS:
+    for path in SOURCES + HEADERS + VARIANT_SOURCES:
         with open(path, "rb") as f:
             h.update(f.read())
     key = h.hexdigest()[:16]
@@ -82,8 +118,11 @@ def _build() -> ModuleType:
         fcntl.flock(lock, fcntl.LOCK_EX)        # another process building this: wait for it
         if not os.path.exists(os.path.join(path, name + ".so")):
             log.info("building the CPU kernels (first run, about a minute) in %s", path)
-        return load(name=name, sources=SOURCES, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                    build_directory=path, verbose=False)
+        variants = _compile_variants(path)
+        defines = [f"-DSPARKSERVE_HAS_{v.upper()}" for v in variants]
+        objs = [os.path.join(path, f"int8_{v}.o") for v in variants]
+        return load(name=name, sources=SOURCES, extra_cflags=CFLAGS + defines,
+                    extra_ldflags=["-fopenmp", *objs], build_directory=path, verbose=False)
 
 
 def load_extension() -> ModuleType | None:
@@ -101,5 +140,7 @@ def load_extension() -> ModuleType | None:
                     why = f"build failed: {type(e).__name__}: {lines[-1] if lines else ''}"
             if why is not None:
                 log.warning("sparkserve quantized kernels unavailable (%s); using the fp32 path", why)
+            else:
+                log.info("sparkserve int8 kernel variant: %s", ext.int8_variant())  # type: ignore[union-attr]
             _state["ext"] = ext
         return _state["ext"]  # type: ignore[return-value]

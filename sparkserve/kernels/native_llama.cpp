@@ -33,9 +33,9 @@ BlockProj proj(at::Tensor blocks, int64_t qtype, std::optional<at::Tensor> bias,
   return {blocks, static_cast<int>(qtype), b, blocks.size(0), k};
 }
 
-void run(const BlockProj& p, const float* x, int64_t rows, float* y) {
-  block_linear(x, rows, p.k, p.blocks.data_ptr<uint8_t>(), p.n, p.qtype,
-               p.bias.defined() ? p.bias.data_ptr<float>() : nullptr, y);
+void run(const BlockProj& p, const float* x, int64_t rows, float* y, bool int8) {
+  (int8 ? block_linear_int8 : block_linear)(x, rows, p.k, p.blocks.data_ptr<uint8_t>(), p.n, p.qtype,
+                                            p.bias.defined() ? p.bias.data_ptr<float>() : nullptr, y);
 }
 
 at::Tensor norm_weight(const at::Tensor& w, int64_t dim) {
@@ -133,7 +133,7 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
                                              std::optional<at::Tensor> swa_out_loc,
                                              std::optional<at::Tensor> swa_kv_indices, int64_t swa_kv_start,
                                              std::vector<int64_t> seq_lens, std::vector<int64_t> q_lens,
-                                             std::vector<int64_t> aux_layers) {
+                                             std::vector<int64_t> aux_layers, bool int8) {
   TORCH_CHECK(k_.size() == layers_.size(), "native step: set_pool first");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == hidden_,
               "native step: x must be float32 [T, hidden]");
@@ -187,7 +187,7 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
     const Slots& s = own_slots_[l] ? swa : full;
     const float* in_w = L.input_norm.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) rms_row(rp + t * hidden_, in_w, hp + t * hidden_, hidden_, eps_);
-    run(L.qkv, hp, T, qp);
+    run(L.qkv, hp, T, qp, int8);
     float* kb = k_[l].data_ptr<float>();
     float* vb = v_[l].data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
@@ -204,15 +204,15 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
     }
     const PagedKV kv{kb, vb, k_[l].size(0), Hkv, s.idx.data_ptr<int64_t>(), s.idx.stride(0), s.start, L.window};
     paged_attention(qp, W, D, H, D, kv, seq_lens.data(), s.q_off.data(), B, scale, ap);
-    run(L.o, ap, T, tp);
+    run(L.o, ap, T, tp, int8);
     const float* post_w = L.post_norm.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       add_into(rp + t * hidden_, tp + t * hidden_, hidden_);
       rms_row(rp + t * hidden_, post_w, hp + t * hidden_, hidden_, eps_);
     }
-    run(L.gate_up, hp, T, gp);
+    run(L.gate_up, hp, T, gp, int8);
     for (int64_t t = 0; t < T; ++t) silu_mul(gp + t * 2 * I, gp + t * 2 * I + I, cp + t * I, I);
-    run(L.down, cp, T, tp);
+    run(L.down, cp, T, tp, int8);
     add_into(rp, tp, T * hidden_);
     if (std::find(aux_layers.begin(), aux_layers.end(), static_cast<int64_t>(l)) != aux_layers.end())
       out.push_back(res.clone());

@@ -45,12 +45,13 @@ class NativeLlama {
   // positions seq_lens[b] - q_lens[b] ..). Writes the new K/V at out_loc (a windowed layer of a
   // split pool: swa_out_loc) and attends through kv_indices / swa_kv_indices as
   // ForwardBatch.kv_view describes. Returns [final normed hidden, then the residual stream after
-  // each layer listed in aux_layers, in layer order].
+  // each layer listed in aux_layers, in layer order]. int8: the projections quantize their
+  // inputs to int8 blocks (block_linear_int8), as the layers do under --activation-quant int8.
   std::vector<at::Tensor> forward(at::Tensor x, at::Tensor positions, at::Tensor out_loc, at::Tensor kv_indices,
                                   int64_t kv_start, std::optional<at::Tensor> swa_out_loc,
                                   std::optional<at::Tensor> swa_kv_indices, int64_t swa_kv_start,
                                   std::vector<int64_t> seq_lens, std::vector<int64_t> q_lens,
-                                  std::vector<int64_t> aux_layers);
+                                  std::vector<int64_t> aux_layers, bool int8);
 
  private:
   int64_t hidden_, heads_, kv_heads_, head_dim_, intermediate_;

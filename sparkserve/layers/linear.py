@@ -8,7 +8,15 @@ A layer loaded from GGUF blocks (Q4_1, Q8_0) or bf16 also keeps those blocks (`s
 for up to QUANT_MAX_M rows (decode, batched decode, verify blocks) the C++ kernel in
 sparkserve.kernels reads them directly — 5-6x fewer bytes than fp32 for Q4_1 — and computes
 in fp32 on exactly the dequantized values. Larger M (prefill) and anything with autograd keep
-the fp32 weight."""
+the fp32 weight.
+
+`set_activation_quant("int8")` (the engine's --activation-quant, applied by load_model) lets Q4_1 /
+Q8_0 layers quantize x to int8 per block of 32 and use integer dot products (llama.cpp's scheme)
+at every M the block kernel takes; "none" (the default of a bare Linear) keeps the fp32-exact
+kernel. Int8 is used for all those M, not only where it is fastest (up to 8 rows on AVX2): a row's
+int8 result is then bit-identical whatever the batch (decode, batched decode, a verify block), so
+speculative verify agrees with plain decode and a request's tokens do not depend on how many
+others run with it (docs/kernel-notes.md)."""
 from __future__ import annotations
 
 import torch
@@ -26,6 +34,8 @@ from sparkserve.layers.sharded import Sharded
 # The cut-offs are where the kernel stops beating oneDNN (docs/kernel-notes.md has the measurements).
 QUANT_MAX_M = 96
 QUANT_MAX_M_WIDE_K = 64        # in_features > 1024
+
+ACTIVATION_QUANTS = ("int8", "none")
 
 
 def _version(t: torch.Tensor) -> int:
@@ -49,6 +59,9 @@ class Linear(Sharded):
         self._block_fn = None
         self._blocks_version = 0
         self._max_m = 0
+        self.activation_quant = "none"
+        self._int8_fn = None
+        self._int8_max_m = 0
 
     def set_blocks(self, blocks: BlockWeight | None) -> None:
         """Keep the checkpoint's block form of `weight` (same values) for the small-M kernel;
@@ -61,6 +74,17 @@ class Linear(Sharded):
         self._block_fn = ext.quant_linear if ext is not None else None
         self._blocks_version = _version(self.weight)   # an in-place update of weight drops them
         self._max_m = QUANT_MAX_M if self.in_features <= 1024 else QUANT_MAX_M_WIDE_K
+        self._int8_fn = ext.quant_linear_int8 if ext is not None else None
+        self.set_activation_quant(self.activation_quant)
+
+    def set_activation_quant(self, mode: str) -> None:
+        """"int8": x quantized to int8 per block of 32 when the blocks are Q4_1 / Q8_0 (small logit
+        changes, faster at decode sizes); "none": fp32 activations, exact."""
+        if mode not in ACTIVATION_QUANTS:
+            raise ValueError(f"activation_quant {mode!r}: use one of {', '.join(ACTIVATION_QUANTS)}")
+        self.activation_quant = mode
+        int8_ok = self._blocks is not None and self._blocks.qtype in (kernels.Q4_1, kernels.Q8_0)
+        self._int8_max_m = self._max_m if mode == "int8" and int8_ok else 0
 
     def inference_blocks(self) -> BlockWeight | None:
         """The block form of `weight` while it still holds the same values (for kernels that
@@ -84,8 +108,10 @@ class Linear(Sharded):
             b = self._blocks
             if b is not None and x.shape[0] <= self._max_m and x.dtype == torch.float32:
                 if _version(self.weight) == self._blocks_version:
-                    return self._block_fn(x, b.blocks, b.qtype, bias)
+                    fn = self._int8_fn if x.shape[0] <= self._int8_max_m else self._block_fn
+                    return fn(x, b.blocks, b.qtype, bias)
                 self._blocks = None                         # weight was trained / overwritten
+                self._int8_max_m = 0
             if self._packed is not None:
                 if _version(self.weight) == self._packed_version:
                     return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
@@ -177,6 +203,13 @@ class FusedLinear(Linear):
                 self._shard_blocks = {}
             else:
                 self._blocks = None
+
+
+def set_activation_quant(model: nn.Module, mode: str) -> None:
+    """Every Linear of `model` computes with `mode` activations ("int8" or "none"; see Linear)."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.set_activation_quant(mode)
 
 
 def pack_linears(model: nn.Module) -> None:

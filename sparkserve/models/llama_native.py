@@ -63,7 +63,8 @@ class NativeStep:
             batch.aux_hidden.append(x)
         out = self._step.forward(x, batch.positions, batch.out_cache_loc, batch.kv_indices, batch.kv_start,
                                  batch.swa_out_cache_loc, batch.swa_kv_indices, batch.swa_kv_start,
-                                 batch.seq_lens, batch.extend_lens, sorted(i for i in aux if i >= 0))
+                                 batch.seq_lens, batch.extend_lens, sorted(i for i in aux if i >= 0),
+                                 model.model.layers[0].self_attn.qkv_proj.activation_quant == "int8")
         batch.aux_hidden.extend(out[1:])
         return out[0]
 

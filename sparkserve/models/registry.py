@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
-from sparkserve.layers.linear import pack_linears
+from sparkserve.layers.linear import pack_linears, set_activation_quant
 from sparkserve.models.kimi_linear import KimiLinearForCausalLM
 from sparkserve.models.llama import LlamaForCausalLM
 from sparkserve.models.minimax_m3 import MiniMaxM3ForCausalLM
@@ -48,7 +48,10 @@ def checkpoint_weights(model_path: str, cfg: ModelConfig, names: set[str] | None
     return hf_weights(model_path, names)
 
 
-def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = True) -> nn.Module:
+def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = True,
+               activation_quant: str = "none") -> nn.Module:
+    """`activation_quant`: "int8" lets layers with Q4_1 / Q8_0 blocks run int8 activations at small
+    M (the engine's default, --activation-quant); "none" keeps fp32 activations (exact)."""
     if not os.path.exists(model_path):
         raise FileNotFoundError(f"model path {model_path} does not exist")
     cfg = cfg or load_config(model_path)
@@ -62,6 +65,7 @@ def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = Tru
     model.checkpoint_path = model_path
     model.load_weights((name, t) for name, t in weights if model.owns(name))   # a pipeline stage's share
     model = model.eval().requires_grad_(False)
+    set_activation_quant(model, activation_quant)
     if pack:
         pack_linears(model)
     return model

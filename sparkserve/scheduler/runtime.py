@@ -102,7 +102,7 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
     check_pp(cfg, args.pp_size, args.parallel_config().pp_layer_partition)
     if args.parallel_config().world_size > 1:
         ps.init_distributed(args.parallel_config(), rank, args.dist_init_addr, args.dist_timeout)
-    model = load_model(args.model_path, cfg)
+    model = load_model(args.model_path, cfg, activation_quant=args.activation_quant)
     model.enable_native_step(not args.disable_native_step)
     return model, cfg
 

@@ -1,0 +1,37 @@
+// Int8 activations (llama.cpp's Q8_0/Q8_1 scheme): the layout of the quantized x shared by the
+// quantizer and the integer-dot kernels, and the entry points of each CPU variant. Each variant is
+// its own translation unit built with its own ISA flags (build.py) and includes no torch or std
+// templates, so no inline function compiled for a wider ISA can be picked by the linker for the
+// baseline code. int8_dispatch.cpp picks one at run time.
+#pragma once
+#include <cstdint>
+
+namespace sparkserve::int8 {
+
+// x [M, K] quantized in blocks of 32 per row: q = round(x * 127/amax), d = amax/127, and
+// s = d * sum(q) (for Q4_1's m term). Rows go in tiles of kTile (the last may be shorter); tile
+// rows [m0, m0 + mt) keep q at qs + m0*K as [K/32][mt][32] and d, s at d + m0/kTile*nb*kTile as
+// [K/32][kTile] (zero-padded), so a block's values for the whole tile are contiguous.
+constexpr int64_t kTile = 8;
+
+struct QuantX {
+  int8_t* qs;      // M * K
+  float* d;        // ceil(M / kTile) * kTile * K/32
+  float* s;        // same
+  int64_t M, K;
+};
+
+inline int64_t quantx_scales(int64_t M, int64_t K) { return (M + kTile - 1) / kTile * kTile * (K / 32); }
+
+// Quantize rows [m0, m1) of x (m0 a multiple of kTile). AVX2; used by every variant.
+void quantize_rows(const float* x, int64_t m0, int64_t m1, const QuantX& q);
+
+// y[:, n0:n1] (+ bias) for all M rows of q, W in Q4_1 (3) or Q8_0 (8) blocks, one thread.
+using RowsFn = void (*)(const QuantX& q, const uint8_t* w, int64_t row_bytes, int qtype, int64_t n0,
+                        int64_t n1, const float* bias, float* y, int64_t N);
+void rows_avx2(const QuantX&, const uint8_t*, int64_t, int, int64_t, int64_t, const float*, float*, int64_t);
+void rows_avxvnni(const QuantX&, const uint8_t*, int64_t, int, int64_t, int64_t, const float*, float*, int64_t);
+void rows_avx512vnni(const QuantX&, const uint8_t*, int64_t, int, int64_t, int64_t, const float*, float*,
+                     int64_t);
+
+}  // namespace sparkserve::int8

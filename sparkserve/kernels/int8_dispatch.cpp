@@ -1,0 +1,164 @@
+// Run-time choice of the int8 kernel variant, and block_linear_int8 / quant_linear_int8 on it.
+//
+// Variants, best first: avx512vnni, avxvnni, avx2 (each built only if the compiler accepted its
+// flags: build.py defines SPARKSERVE_HAS_<VARIANT>). The first one the CPU supports and that
+// SPARKSERVE_KERNEL_VARIANTS_OFF (comma-separated names) does not switch off runs; with all of
+// them off the int8 entry points compute with fp32 activations (block_linear).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "block_linear.h"
+#include "thread_pool.h"
+#include "int8_common.h"
+
+namespace {
+
+using sparkserve::int8::RowsFn;
+
+struct Variant {
+  const char* name;
+  RowsFn rows;   // nullptr: fp32 activations
+};
+
+bool switched_off(const char* name) {
+  const char* env = std::getenv("SPARKSERVE_KERNEL_VARIANTS_OFF");
+  if (env == nullptr) return false;
+  std::stringstream ss(env);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    if (item == name) return true;
+  }
+  return false;
+}
+
+bool cpu_has(const std::string& name) {
+  __builtin_cpu_init();
+  if (name == "avx512vnni")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  if (name == "avxvnni") return __builtin_cpu_supports("avxvnni");
+  return name == "avx2" && __builtin_cpu_supports("avx2");
+}
+
+// The variants built into this extension, best first.
+const std::vector<Variant>& built() {
+  static const std::vector<Variant> v = {
+#ifdef SPARKSERVE_HAS_AVX512VNNI
+      {"avx512vnni", sparkserve::int8::rows_avx512vnni},
+#endif
+#ifdef SPARKSERVE_HAS_AVXVNNI
+      {"avxvnni", sparkserve::int8::rows_avxvnni},
+#endif
+      {"avx2", sparkserve::int8::rows_avx2},
+  };
+  return v;
+}
+
+Variant choose() {
+  for (const Variant& v : built())
+    if (cpu_has(v.name) && !switched_off(v.name)) return v;
+  return {"fp32", nullptr};
+}
+
+const Variant& variant() {
+  static const Variant v = choose();   // the environment is read once, at first use
+  return v;
+}
+
+constexpr int kQ4_1 = 3, kQ8_0 = 8;
+
+}  // namespace
+
+namespace sparkserve {
+
+const char* int8_variant() { return variant().name; }
+
+namespace {
+
+void linear_int8_on(RowsFn rows, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int qtype,
+                    const float* bias, float* y) {
+  if ((qtype != kQ4_1 && qtype != kQ8_0) || rows == nullptr) {
+    block_linear(x, M, K, w, N, qtype, bias, y);
+    return;
+  }
+  if (M == 0 || N == 0) return;
+  std::vector<int8_t> qs(M * K);
+  const int64_t ns = int8::quantx_scales(M, K);
+  std::vector<float> ds(ns), ss(ns);
+  const int8::QuantX q{qs.data(), ds.data(), ss.data(), M, K};
+  const int64_t tiles = (M + int8::kTile - 1) / int8::kTile;
+  // Quantizing x is cheap next to the product: threads only from a few tiles of wide rows on.
+  const int64_t qgrain = std::max<int64_t>(1, (64 << 10) / (int8::kTile * K));
+  sparkserve::parallel_for(0, tiles, qgrain, [&](int64_t t0, int64_t t1) {
+    int8::quantize_rows(x, t0 * int8::kTile, std::min(M, t1 * int8::kTile), q);
+  });
+  const int64_t row_bytes = K / 32 * block_bytes_of(qtype);
+  const int64_t grain = std::max<int64_t>(16, (32 << 10) / row_bytes);   // >= ~32 KiB of weights per task
+  sparkserve::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows(q, w, row_bytes, qtype, n0, n1, bias, y, N); });
+}
+
+}  // namespace
+
+void block_linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int qtype,
+                       const float* bias, float* y) {
+  linear_int8_on(variant().rows, x, M, K, w, N, qtype, bias, y);
+}
+
+}  // namespace sparkserve
+
+// As quant_linear (quant_gemv.cpp), with x quantized to int8 per block of 32 for Q4_1 / Q8_0.
+at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias);
+
+// `variant`: "" for the dispatcher's choice, or a variant by name (tests; it must run on this CPU).
+at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias,
+                             const std::string& variant_name) {
+  RowsFn rows = variant().rows;
+  if (!variant_name.empty()) {
+    rows = nullptr;
+    for (const Variant& v : built())
+      if (variant_name == v.name) rows = v.rows;
+    TORCH_CHECK(rows != nullptr || variant_name == "fp32", "quant_linear_int8: variant ", variant_name,
+                " is not built");
+    TORCH_CHECK(rows == nullptr || cpu_has(variant_name), "quant_linear_int8: this CPU cannot run ", variant_name);
+  }
+  if ((qtype != kQ4_1 && qtype != kQ8_0) || rows == nullptr) return quant_linear(x, w, qtype, bias);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "quant_linear_int8: x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "quant_linear_int8: w must be a contiguous 2-D uint8 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 32 == 0, "quant_linear_int8: K must be a multiple of 32, got ", K);
+  TORCH_CHECK(w.size(1) == K / 32 * sparkserve::block_bytes_of(static_cast<int>(qtype)),
+              "quant_linear_int8: w has ", w.size(1), " bytes per row for K = ", K);
+  const float* bp = nullptr;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "quant_linear_int8: bad bias");
+    bp = b.data_ptr<float>();
+  }
+  x = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  sparkserve::linear_int8_on(rows, x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N, static_cast<int>(qtype), bp,
+                             y.data_ptr<float>());
+  return y;
+}
+
+std::string int8_variant_name() { return sparkserve::int8_variant(); }
+
+// Variants built here that this CPU runs, best first (whatever SPARKSERVE_KERNEL_VARIANTS_OFF says).
+std::vector<std::string> int8_variants_runnable() {
+  std::vector<std::string> out;
+  for (const Variant& v : built())
+    if (cpu_has(v.name)) out.push_back(v.name);
+  return out;
+}
