@@ -1,0 +1,52 @@
+"""Helpers for the scale-out / served-target / prefill-label training tests (not a conftest): the
+tiny chat Llama (hidden 64, vocab 320, a byte tokenizer), a prompts file, the train-draft flags
+those tests share, and readers of a run's feature cache and training log."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+PROMPTS = ["Name a colour.", "What is 2 + 2?", "Say hello.", "One word, please.", "Count to three.",
+           "Spell cat.", "Pick a number.", "Why?"]
+
+
+def write_prompts(path: str, prompts: list, answers: list[str] | None = None) -> str:
+    with open(path, "w") as f:
+        for i, p in enumerate(prompts):
+            msgs = [{"role": "user", "content": p}]
+            if answers is not None:
+                msgs.append({"role": "assistant", "content": answers[i]})
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def data_flags(out: str, model: str, prompts_file: str) -> list[str]:
+    """Small, fast settings: 2 taps of the 3-layer target, a full-vocab draft."""
+    return ["train-draft", "--out", out, "--model-path", model, "--prompts-file", prompts_file,
+            "--max-new-tokens", "12", "--val-prompts", "0", "--target-layer-ids", "0,1",
+            "--draft-vocab-size", "0", "--markov-rank", "16", "--block-size", "4", "--distill-batch", "4"]
+
+
+def train_flags(steps: int) -> list[str]:
+    return ["--steps", str(steps), "--seqs-per-step", "4", "--anchors-per-seq", "4", "--log-every", "1",
+            "--save-every", "1", "--warmup-frac", "0.3", "--lr", "3e-3"]
+
+
+def features(out: str) -> dict[str, np.ndarray]:
+    d = os.path.join(out, "features")
+    return {n: np.load(os.path.join(d, f"{n}.npy")) for n in ("tokens", "taps", "final")}
+
+
+def assert_same_features(got: dict, want: dict, atol: float = 2e-3) -> None:
+    assert np.array_equal(got["tokens"], want["tokens"])
+    for n in ("taps", "final"):
+        a, b = got[n].astype(np.float32), want[n].astype(np.float32)
+        assert np.array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), atol=atol, rtol=1e-2)
+
+
+def losses(out: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in open(os.path.join(out, "draft", "train_log.jsonl"))]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
