@@ -248,10 +248,11 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
     mine = range(ranks.rank, cfg.seqs_per_step, ranks.world)
     keys = ("wsum", "ce", "l1", "conf", "tau_sum", "blocks")
     metrics: dict = {}
+    last = cfg.steps if cfg.stop_after is None else min(cfg.stop_after, cfg.steps)
     draft.train()
     with tqdm(total=cfg.steps, initial=step, desc="train draft", unit="step",
               disable=not ranks.is_main) as bar:
-        while step < cfg.steps:
+        while step < last:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg) * g["mult"]
             acc = _step_sums(draft, cache, order, step * cfg.seqs_per_step, mine, cfg, teacher)
@@ -287,7 +288,7 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
                     and (step % cfg.val_every == 0 or at_end)):
                 best = validate_step(draft, val_cache, cfg, step, out_dir, best)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", val_tau=f"{best['last']:.3f}")
-            if ranks.is_main and (step % cfg.save_every == 0 or at_end):
+            if ranks.is_main and (step % cfg.save_every == 0 or at_end or step == last):
                 save_checkpoint(draft, opt, step, out_dir, cfg, best)
     ranks.barrier()              # the last checkpoint is written before any rank goes on
     draft.eval()

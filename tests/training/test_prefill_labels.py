@@ -9,8 +9,7 @@ import os
 
 import pytest
 import torch
-from tiny_chat_fixtures import make_tiny_chat_checkpoint
-from train_data_fixtures import PROMPTS, data_flags, train_flags, write_prompts
+from train_data_fixtures import PROMPTS, data_flags, make_char_chat_checkpoint, train_flags, write_prompts
 
 from sparkserve import Engine
 from sparkserve.cli import main
@@ -25,18 +24,23 @@ N = 4
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    """The tiny chat target and its own greedy answers (as text that encodes back to them)."""
+    """The tiny chat target and its own greedy answers (up to a special token: as text that
+    encodes back to them)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("prefill")
-    model = make_tiny_chat_checkpoint(str(root / "model"))
+    model = make_char_chat_checkpoint(str(root / "model"))
     with Engine(model, max_total_tokens=2048) as eng:
         outs = eng.generate(messages=[[{"role": "user", "content": p}] for p in PROMPTS[:N]],
                             sampling_params={"temperature": 0, "max_new_tokens": 12})
         tok = eng.tokenizer
-        answers = [tok.decode(o["output_ids"]) for o in outs]
-        assert [tok.encode(a, add_special_tokens=False) for a in answers] == [o["output_ids"] for o in outs]
-    yield root, model, answers, [o["output_ids"] for o in outs]
+        special = set(tok.all_special_ids)
+        ids = [o["output_ids"][:next((k for k, t in enumerate(o["output_ids"]) if t in special), 12)]
+               for o in outs]
+        answers = [tok.decode(a) for a in ids]
+        assert [tok.encode(a, add_special_tokens=False) for a in answers] == ids
+        assert min(map(len, ids)) >= 8
+    yield root, model, answers, ids
     torch.set_num_threads(n)
 
 

@@ -57,7 +57,7 @@ def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
 def test_two_ranks_equal_one_and_resume_on_one(setup):
     root, model, pfile, one = setup
     two = str(root / "two")
-    res = torchrun(2, data_flags(two, model, pfile) + train_flags(3))
+    res = torchrun(2, data_flags(two, model, pfile) + train_flags(6) + ["--stop-after", "3"])
     assert res.returncode == 0, res.stderr[-4000:]
     # each rank distilled its share (shards/2-0, shards/2-1), merged in prompt order
     assert sorted(os.listdir(os.path.join(two, "shards"))) == ["2-0", "2-1"]

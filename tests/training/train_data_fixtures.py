@@ -7,9 +7,29 @@ import json
 import os
 
 import numpy as np
+from conftest import TINY_CONFIGS, make_tiny_checkpoint
+from tiny_chat_fixtures import CHATML
 
 PROMPTS = ["Name a colour.", "What is 2 + 2?", "Say hello.", "One word, please.", "Count to three.",
            "Spell cat.", "Pick a number.", "Why?"]
+
+
+def make_char_chat_checkpoint(path: str) -> str:
+    """The tiny chat Llama with a tokenizer of one character per id (printable ASCII, newline,
+    then CJK characters; no bytes): any answer it writes decodes to text that encodes back to
+    the same ids, so its own answers can be handed back as a prompts file's answer text."""
+    from tokenizers import Tokenizer, decoders, models
+    make_tiny_checkpoint("llama", path)
+    n = TINY_CONFIGS["llama"]["vocab_size"] - 2
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    chars += [chr(0x4E00 + i) for i in range(n - len(chars))]
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": CHATML, "eos_token": "<|im_end|>", "add_bos_token": False}, f)
+    return path
 
 
 def write_prompts(path: str, prompts: list, answers: list[str] | None = None) -> str:
@@ -26,7 +46,8 @@ def data_flags(out: str, model: str, prompts_file: str) -> list[str]:
     """Small, fast settings: 2 taps of the 3-layer target, a full-vocab draft."""
     return ["train-draft", "--out", out, "--model-path", model, "--prompts-file", prompts_file,
             "--max-new-tokens", "12", "--val-prompts", "0", "--target-layer-ids", "0,1",
-            "--draft-vocab-size", "0", "--markov-rank", "16", "--block-size", "4", "--distill-batch", "4"]
+            "--draft-vocab-size", "0", "--markov-rank", "16", "--block-size", "4", "--distill-batch", "4",
+            "--stages", "prompts,distill,features,train"]
 
 
 def train_flags(steps: int) -> list[str]:
