@@ -25,8 +25,9 @@ from train_data_fixtures import (
 from sparkserve.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Same global batch, other summation order (two ranks' sums all-reduced): float32 rounding only.
-LOSS_RTOL = 1e-4
+# Same global batch, other summation order (two ranks' sums all-reduced): float32 rounding only
+# (measured: at most 3e-7 relative over 6 steps).
+LOSS_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module", autouse=True)
