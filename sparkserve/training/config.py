@@ -36,7 +36,8 @@ class TrainConfig:
     conf_weight: float = _h(1.0, "weight of the confidence head's BCE")
     seed: int = _h(0, "seed of anchor sampling and initialisation")
     stop_after: int | None = _h(None, "stop (checkpointed) after this step, the schedule still that of "
-                                      "--steps: a run split in parts, e.g. resumed on another number of ranks")
+                                      "--steps: a run split in parts, e.g. resumed on another number "
+                                      "of ranks")
     log_every: int = _h(10, "append the step's loss to DIR/draft/train_log.jsonl every N steps")
     save_every: int = _h(200, "checkpoint every N steps (resumable)")
     # The final norm starts small (init_dspark_draft: no anchor echo through a tied head); a

@@ -74,10 +74,10 @@ def distill(cfg: PipelineConfig, target: TargetSource, part: str, ranks: Ranks =
         distill_share(cfg, target, part, range(n), part)
         return
     if not (os.path.exists(out) and sum(1 for _ in open(out)) >= n):
-        distill_share(cfg, target, part, ranks.share(n), shard_dir(part, ranks))
+        distill_share(cfg, target, part, ranks.share(n), shard_dir(part, "distill", ranks.share(n)))
         ranks.barrier()
         if ranks.is_main:
-            merge_shards(part, ranks.world)
+            merge_shards(part, "distill", n, ranks, "distill.jsonl")
     ranks.barrier()
 
 
@@ -178,12 +178,12 @@ def stage_features(cfg: PipelineConfig, target: TargetSource, ranks: Ranks = Ran
                 prefill_log(target, seqs, taps, log)
             else:
                 share = ranks.share(len(seqs))
-                prefill_log(target, seqs[share.start:share.stop], taps,
-                            os.path.join(shard_dir(part, ranks), "features.log"),
-                            os.path.join(shard_dir(part, ranks), "prefill.jsonl"))
+                shard = shard_dir(part, "prefill", share)
+                prefill_log(target, seqs[share.start:share.stop], taps, os.path.join(shard, "features.log"),
+                            os.path.join(shard, "prefill.jsonl"))
                 ranks.barrier()
                 if ranks.is_main:
-                    merge_shards(part, ranks.world, "prefill.jsonl")
+                    merge_shards(part, "prefill", len(seqs), ranks, "prefill.jsonl")
         if ranks.is_main:
             labelled = [bool(r.get("prefill_labelled")) for r in rows]
             feature_cache_from_log(log, seqs, plens, taps, out, labelled)
@@ -205,6 +205,7 @@ def prefill_log(target: TargetSource, seqs: list[list[int]], taps: list[int], pa
         lines.append(json.dumps({"feature_rows": n}) + "\n")
     log.close()
     if lines_path is not None:
+        os.makedirs(os.path.dirname(lines_path), exist_ok=True)
         with open(lines_path, "w") as f:
             f.writelines(lines)
 

@@ -1,8 +1,9 @@
-"""Distillation split over ranks: rank r of N writes its contiguous share of a part's prompts to
-PART/shards/N-r/ (distill.jsonl and features.log, resumable like a one-rank run), and rank 0
-concatenates the shards in rank order into PART/distill.jsonl and PART/features.log: the files
-one rank would have written, so the feature cache, its sequence order and a resume on any
-number of ranks do not depend on N."""
+"""Distillation split over ranks: each rank writes its contiguous share [a, b) of a part's prompts
+to PART/shards/distill-a-b/ (distill.jsonl and features.log, resumable like a one-rank run; named
+by the share, so a rerun on another number of ranks never resumes a file made for other prompts),
+and rank 0 concatenates the shards in order into PART/distill.jsonl and PART/features.log: the
+files one rank would have written, so the feature cache, its sequence order and a resume on any
+number of ranks do not depend on N. The feature stage's prefill capture shards the same way."""
 from __future__ import annotations
 
 import json
@@ -12,14 +13,15 @@ import shutil
 from sparkserve.training.ranks import Ranks
 
 
-def shard_dir(part: str, ranks: Ranks) -> str:
-    return os.path.join(part, "shards", f"{ranks.world}-{ranks.rank}")
+def shard_dir(part: str, kind: str, share: range) -> str:
+    return os.path.join(part, "shards", f"{kind}-{share.start}-{share.stop}")
 
 
-def merge_shards(part: str, world: int, name: str = "distill.jsonl") -> None:
-    """PART/name and PART/features.log from the shards of `world` ranks. A shard's log may hold
-    rows past its last line (a batch cut off mid-write); only the rows its lines promise move."""
-    dirs = [os.path.join(part, "shards", f"{world}-{r}") for r in range(world)]
+def merge_shards(part: str, kind: str, n: int, ranks: Ranks, name: str) -> None:
+    """PART/name and PART/features.log from the `kind` shards of n items over `ranks`. A shard's
+    log may hold rows past its last line (a batch cut off mid-write); only the rows its lines
+    promise move."""
+    dirs = [shard_dir(part, kind, Ranks(r, ranks.world).share(n)) for r in range(ranks.world)]
     log = os.path.join(part, "features.log")
     os.makedirs(log, exist_ok=True)
     shutil.copy(os.path.join(dirs[0], "features.log", "meta.json"), os.path.join(log, "meta.json"))

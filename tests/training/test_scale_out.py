@@ -5,6 +5,7 @@ resumes on one rank where an uninterrupted one-rank run would be."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -60,10 +61,19 @@ def test_two_ranks_equal_one_and_resume_on_one(setup):
     two = str(root / "two")
     res = torchrun(2, data_flags(two, model, pfile) + train_flags(6) + ["--stop-after", "3"])
     assert res.returncode == 0, res.stderr[-4000:]
-    # each rank distilled its share (shards/2-0, shards/2-1), merged in prompt order
-    assert sorted(os.listdir(os.path.join(two, "shards"))) == ["2-0", "2-1"]
+    # each rank distilled its share of the 7 prompts, merged in prompt order
+    assert sorted(os.listdir(os.path.join(two, "shards"))) == ["distill-0-3", "distill-3-7"]
     assert open(os.path.join(two, "distill.jsonl")).read() == open(os.path.join(one, "distill.jsonl")).read()
     assert_same_features(features(two), features(one))
+    # without a distillation log the ranks capture their shares by prefill, merged the same way
+    redo = str(root / "redo")
+    os.makedirs(redo)
+    for name in ("prompts.jsonl", "distill.jsonl"):
+        shutil.copy(os.path.join(two, name), redo)
+    res = torchrun(2, data_flags(redo, model, pfile) + ["--stages", "features"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "capturing by prefill" in res.stdout
+    assert_same_features(features(redo), features(one))
     want = losses(one)
     got = losses(two)
     assert sorted(got) == [1, 2, 3]
