@@ -277,7 +277,7 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
                     + cfg.conf_weight * glob["conf"]) / wsum
             metrics = {"step": step, "loss": loss.item(), "ce": (glob["ce"] / wsum).item(),
                        "l1": (glob["l1"] / wsum).item(), "tau_est": (glob["tau_sum"] / glob["blocks"]).item(),
-                       "lr": lr_at(step - 1, cfg)}
+                       "lr": lr_at(step - 1, cfg), "blocks": int(glob["blocks"])}
             bar.update(1)
             if ranks.is_main and step % log_every == 0:
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau_est']:.2f}")

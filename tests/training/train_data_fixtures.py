@@ -68,6 +68,7 @@ def assert_same_features(got: dict, want: dict, atol: float = 2e-3) -> None:
         np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), atol=atol, rtol=1e-2)
 
 
-def losses(out: str) -> dict[int, float]:
+def train_log(out: str, key: str) -> dict[int, float]:
+    """Step -> the logged `key` (loss, blocks: the draft blocks of the step's global batch)."""
     rows = [json.loads(line) for line in open(os.path.join(out, "draft", "train_log.jsonl"))]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r[key] for r in rows if key in r}
