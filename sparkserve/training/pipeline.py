@@ -96,15 +96,17 @@ def distill_share(cfg: PipelineConfig, target: TargetSource, part: str, share: r
     log = RawFeatureLog(os.path.join(out_dir, "features.log"), taps, target.model_config.hidden_size,
                         sum(r.get("feature_rows", 0) for r in rows))
     target.tap(taps)
-    items = [_distill_item(cfg, target.tokenizer, share.start + k, prompts[k])
+    # validation follows the target's own greedy answers (greedy_acceptance): never prefill-labelled
+    labels = cfg.labels if os.path.abspath(part) == os.path.abspath(cfg.out) else "generated"
+    items = [_distill_item(cfg, labels, target.tokenizer, share.start + k, prompts[k])
              for k in range(done, len(prompts))]
-    runnable = [it for it in items if len(it["prompt_ids"]) <= cfg.max_prompt_tokens]
+    runnable = [it for it in items if it["run"]]
     results = target.run([it["run_ids"] for it in runnable], [it["params"] for it in runnable])
     lines = []
     with open(out, "a") as f, tqdm(total=len(prompts), initial=done, desc="distill", unit="prompt") as bar:
         for n, it in enumerate(items, 1):  # one line per prompt (skipped ones empty) so a rerun resumes right
             row = {"prompt_ids": it["prompt_ids"], "output_ids": []}
-            if len(it["prompt_ids"]) <= cfg.max_prompt_tokens:
+            if it["run"]:
                 meta = (res := next(results))["meta_info"]
                 if it["prefill"]:         # every position was run: drop the last row, as distilled
                     row.update(output_ids=it["answer_ids"], prefill_labelled=True)
@@ -123,21 +125,22 @@ def distill_share(cfg: PipelineConfig, target: TargetSource, part: str, share: r
     log.close()
 
 
-def _distill_item(cfg: PipelineConfig, tok, index: int, messages: list[dict]) -> dict:
+def _distill_item(cfg: PipelineConfig, labels: str, tok, index: int, messages: list[dict]) -> dict:
     """What the target runs for prompt `index`: the prompt to answer, or (prefill labels) the
     prompt and its answer, once."""
     from sparkserve.training.label_mix import is_prefill_labelled, split_answer
     prompt, answer = split_answer(messages)
     ids = tok.encode(tok.apply_chat_template(prompt), add_special_tokens=True)
-    if not is_prefill_labelled(index, cfg.labels, cfg.prefill_frac):
-        return {"prefill": False, "prompt_ids": ids, "run_ids": ids,
+    fits = len(ids) <= cfg.max_prompt_tokens      # longer prompts are skipped (an empty line)
+    if not is_prefill_labelled(index, labels, cfg.prefill_frac):
+        return {"prefill": False, "run": fits, "prompt_ids": ids, "run_ids": ids,
                 "params": {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens}}
     if answer is None:
         raise ValueError(f"--labels {cfg.labels}: prompt {index} brings no answer to prefill (a prompts "
                          "file line whose messages end with an assistant turn)")
     ans = tok.encode(answer, add_special_tokens=False)[:cfg.max_new_tokens]
-    return {"prefill": True, "prompt_ids": ids, "answer_ids": ans, "run_ids": ids + ans,
-            "params": {"max_new_tokens": 0}}
+    return {"prefill": True, "run": fits and len(ans) >= 2, "prompt_ids": ids, "answer_ids": ans,
+            "run_ids": ids + ans, "params": {"max_new_tokens": 0}}
 
 
 def draft_config(cfg: PipelineConfig, target_cfg, tokenizer) -> dict:

@@ -99,6 +99,14 @@ def test_mix_and_flag_errors(target, capsys):
     assert [r["output_ids"] for r in rows] == ids          # generated ones: the same greedy answers
     cache = FeatureCache.open(os.path.join(out, "features"))
     assert [cache.prefill_labelled(i) for i in range(len(cache))] == [False, True, False, True]
+    # validation data follows the target's own answers (offline tau replays greedy serving)
+    val = str(root / "val")
+    flags = data_flags(val, model, write_prompts(str(root / "v.jsonl"), PROMPTS[:N], answers))
+    assert main(flags + ["--labels", "prefill", "--val-prompts", "1", "--stages", "prompts,distill"]) == 0
+    rows = [json.loads(line) for line in open(os.path.join(val, "distill.jsonl"))]
+    val_rows = [json.loads(line) for line in open(os.path.join(val, "val", "distill.jsonl"))]
+    assert all(r.get("prefill_labelled") for r in rows) and not val_rows[0].get("prefill_labelled")
+    assert val_rows[0]["output_ids"] == ids[N - 1]
     base = data_flags(str(root / "bad"), model, write_prompts(str(root / "q.jsonl"), PROMPTS[:2]))
     assert main(base + ["--prefill-frac", "0.5"]) == 2
     assert main(base + ["--labels", "mix"]) == 2
