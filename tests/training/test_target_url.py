@@ -70,3 +70,13 @@ def test_server_with_other_taps_is_refused(served, capsys):
     assert main(flags) == 2
     assert "--hidden-state-layers 0,1" in capsys.readouterr().err
     assert main(flags[:-1] + [servers[0].url, "--tp-size", "2"]) == 2
+
+
+def test_hidden_state_layers_flag_combinations():
+    from sparkserve.args import ServerArgs
+    with pytest.raises(ValueError, match="--hidden-state-layers needs --enable-return-hidden-states"):
+        ServerArgs(hidden_state_layers=[1], disable_radix_cache=True).validate()
+    with pytest.raises(ValueError, match="--hidden-state-layers with --speculative-algorithm"):
+        ServerArgs(hidden_state_layers=[1], enable_return_hidden_states=True, disable_radix_cache=True,
+                   speculative_algorithm="DSPARK").validate()
+    ServerArgs(hidden_state_layers=[1], enable_return_hidden_states=True, disable_radix_cache=True).validate()
