@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator, Protocol
 
 import torch
@@ -77,11 +78,19 @@ class HttpTarget:
         return res
 
     def run(self, seqs: list[list[int]], params: list[dict]) -> Iterator[dict]:
+        """Up to max_in_flight requests past the one the consumer waits for: finished answers
+        (hidden states are large) never pile up behind a slow one."""
+        items = iter(enumerate(zip(seqs, params)))
+        pending: deque[Future] = deque()
         with ThreadPoolExecutor(self.max_in_flight) as pool:
-            futures = [pool.submit(self._post, n, s, p) for n, (s, p) in enumerate(zip(seqs, params))]
             try:
-                for f in futures:
-                    yield f.result()
-            finally:              # a failure or a consumer that stops early sends nothing more
-                for f in futures:
+                while True:
+                    while len(pending) < self.max_in_flight and (item := next(items, None)) is not None:
+                        n, (ids, p) = item
+                        pending.append(pool.submit(self._post, n, ids, p))
+                    if not pending:
+                        return
+                    yield pending.popleft().result()
+            finally:          # a failure or a consumer that stops early sends nothing more
+                for f in pending:
                     f.cancel()
