@@ -86,6 +86,12 @@ class ServerArgs:
     enable_return_hidden_states: bool = field(default=False, metadata=_opt(
         "let requests ask for their final (and tapped aux) hidden states; needs --disable-radix-cache",
         server_only=True))
+    # A target serving draft-training data (train-draft --target-url) taps the draft's layers
+    # without a draft of its own; a DSpark server returns its draft's taps instead.
+    hidden_state_layers: list[int] | None = field(default=None, metadata=_opt(
+        "comma-separated layers whose outputs return_hidden_states returns as aux_hidden_states "
+        "(train-draft --target-layer-ids); needs --enable-return-hidden-states, not with "
+        "--speculative-algorithm (its draft's taps are returned)"))
     # scheduling
     max_running_requests: int = field(default=64, metadata=_opt("max requests decoding at once"))
     chunked_prefill_size: int = field(default=512, metadata=_opt(
@@ -215,6 +221,10 @@ class ServerArgs:
         need(not self.enable_return_hidden_states or self.disable_radix_cache,
              "--enable-return-hidden-states needs --disable-radix-cache: a prompt prefix served from the "
              "cache is not recomputed, so it has no hidden states to return")
+        need(self.hidden_state_layers is None or self.enable_return_hidden_states,
+             "--hidden-state-layers needs --enable-return-hidden-states")
+        need(self.hidden_state_layers is None or self.speculative_algorithm is None,
+             "--hidden-state-layers with --speculative-algorithm: a DSpark target taps its draft's layers")
         need(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
         self._validate_parallel(need)
         self._validate_disaggregation(need)

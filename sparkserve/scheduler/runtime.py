@@ -147,6 +147,8 @@ def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None,
                            window=pool.window, swa_slots=swa_slots, swa_window=pool.swa_window)
     runner = ModelRunner(model, pool, cache.req_to_token.table, cache.full_to_swa, mirror)
     spec = build_dspark_worker(args, runner, num_slots, cache) if args.speculative_algorithm else None
+    if args.hidden_state_layers is not None:
+        model.set_aux_layers(args.hidden_state_layers)     # ranks get them with every forward
     eos = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
     decode_tail = (lambda ids: tokenizer.decode(ids)) if tokenizer else None
     sched_cfg = SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens,

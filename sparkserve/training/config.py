@@ -35,6 +35,10 @@ class TrainConfig:
     l1_weight: float = _h(0.9, "weight of the L1 distance to the target distribution")
     conf_weight: float = _h(1.0, "weight of the confidence head's BCE")
     seed: int = _h(0, "seed of anchor sampling and initialisation")
+    stop_after: int | None = _h(None, "stop (checkpointed) after this step, the schedule still that of "
+                                      "--steps: a run split in parts, e.g. resumed on another number "
+                                      "of ranks")
+    log_every: int = _h(10, "append the step's loss to DIR/draft/train_log.jsonl every N steps")
     save_every: int = _h(200, "checkpoint every N steps (resumable)")
     # The final norm starts small (init_dspark_draft: no anchor echo through a tied head); a
     # faster rate lets the backbone's share of the logits grow within a short CPU run.
@@ -82,6 +86,17 @@ class PipelineConfig:
                               "and keeps the best draft in OUT/draft/best (0 = no validation)")
     eval_prompts: int = _h(32, "held-out prompts per set scored by the eval stage")
     eval_max_new_tokens: int = _h(128, "answer length in the eval stage")
+    labels: str = _h("generated", "generated: the target answers every prompt (self-distillation); "
+                                  "prefill: one teacher-forced pass over the answer each prompt brings (a "
+                                  "prompts-file conversation ending in an assistant turn), labelled by the "
+                                  "target's greedy argmax where the answer agrees with it; mix: both")
+    prefill_frac: float | None = _h(None, "with --labels mix: the share of prompts labelled by prefill")
+    target_url: list[str] | None = _h(None, "comma-separated URLs of `sparkserve serve` servers (or a "
+                                            "router) to distil and capture through (/generate with "
+                                            "return_hidden_states; serve with --enable-return-hidden-states "
+                                            "--disable-radix-cache --hidden-state-layers TAPS), requests "
+                                            "spread over them; --model-path names the same model (config, "
+                                            "tokenizer and, for training, weights are read locally)")
     tp_size: int = _h(1, "the target's tensor-parallel size while distilling, capturing and evaluating")
     pp_size: int = _h(1, "the target's pipeline-parallel size (stages capture their own taps)")
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"cli": False})

@@ -39,33 +39,45 @@ def capture(model, seqs: list[list[int]], layer_ids: list[int]) -> list[tuple[to
 
 
 @torch.inference_mode()
-def logsumexp_rows(head_weight: torch.Tensor, hidden: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-    """log sum exp of the target's full-vocab logits per row: with it, training scores the
-    teacher on a reduced draft vocab without the full LM head at every step."""
-    return torch.cat([torch.logsumexp(hidden[i:i + chunk].float() @ head_weight.T.float(), -1)
-                      for i in range(0, hidden.shape[0], chunk)])
+def teacher_rows(head_weight: torch.Tensor, hidden: torch.Tensor, chunk: int = 512) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """Per row of final hidden states: log sum exp of the target's full-vocab logits (with it,
+    training scores the teacher on a reduced draft vocab without the full LM head at every step)
+    and the target's greedy next token (the labels of prefill-labelled answers)."""
+    lse, greedy = [], []
+    for i in range(0, hidden.shape[0], chunk):
+        logits = hidden[i:i + chunk].float() @ head_weight.T.float()
+        lse.append(torch.logsumexp(logits, -1))
+        greedy.append(logits.argmax(-1))
+    return torch.cat(lse), torch.cat(greedy)
 
 
 def write_lse(path: str, head_weight: torch.Tensor, chunk_tokens: int = 8192) -> None:
-    """Add lse.npy (teacher log-normaliser per token, computed from final.npy) to a cache.
-    Only response rows are computed (training reads the teacher at positions >= the prompt
-    length; prompts are ~half the tokens of chat data and the full-vocab head dominates the
-    cost); prompt rows hold NaN so that a reader of them fails loudly."""
+    """Add lse.npy (teacher log-normaliser per token) and greedy.npy (the target's argmax after
+    each token), both computed from final.npy, to a cache. Only response rows are computed
+    (training reads the teacher at positions >= the prompt length; prompts are ~half the tokens
+    of chat data and the full-vocab head dominates the cost); prompt rows hold NaN / -1 so that
+    a reader of them fails loudly."""
     final = np.load(os.path.join(path, "final.npy"), mmap_mode="r")
     with open(os.path.join(path, "index.json")) as f:
         idx = json.load(f)
     rows = np.concatenate([np.arange(o + p, o + n) for o, n, p in
                            zip(idx["offsets"], idx["lengths"], idx["prompt_lens"])] + [np.empty(0, np.int64)])
-    tmp = os.path.join(path, "lse.tmp.npy")
-    lse = np.lib.format.open_memmap(tmp, "w+", np.float32, (final.shape[0],))
+    tmp = {name: os.path.join(path, f"{name}.tmp.npy") for name in ("lse", "greedy")}
+    lse = np.lib.format.open_memmap(tmp["lse"], "w+", np.float32, (final.shape[0],))
+    greedy = np.lib.format.open_memmap(tmp["greedy"], "w+", np.int32, (final.shape[0],))
     lse[:] = np.nan
+    greedy[:] = -1
     for i in tqdm(range(0, len(rows), chunk_tokens), desc="teacher lse", unit="chunk"):
         r = rows[i:i + chunk_tokens]
         hidden = torch.from_numpy(np.asarray(final[r], dtype=np.float32))
-        lse[r] = logsumexp_rows(head_weight, hidden).numpy()
-    lse.flush()
-    del lse
-    os.replace(tmp, os.path.join(path, "lse.npy"))
+        lse_r, greedy_r = teacher_rows(head_weight, hidden)
+        lse[r] = lse_r.numpy()
+        greedy[r] = greedy_r.numpy()
+    for name, a in (("greedy", greedy), ("lse", lse)):   # lse.npy last: it marks the pass complete
+        a.flush()
+        del a
+        os.replace(tmp[name], os.path.join(path, f"{name}.npy"))
 
 
 def build_feature_cache(model, seqs: list[list[int]], prompt_lens: list[int], layer_ids: list[int],
@@ -149,7 +161,8 @@ class RawFeatureLog:
 
 
 def feature_cache_from_log(log_dir: str, seqs: list[list[int]], prompt_lens: list[int],
-                           layer_ids: list[int], out_dir: str) -> None:
+                           layer_ids: list[int], out_dir: str,
+                           prefill_labelled: list[bool] | None = None) -> None:
     """The feature cache of a RawFeatureLog: the same files build_feature_cache writes."""
     with open(os.path.join(log_dir, "meta.json")) as f:
         d = json.load(f)["hidden_size"]
@@ -165,14 +178,19 @@ def feature_cache_from_log(log_dir: str, seqs: list[list[int]], prompt_lens: lis
             dst[i:i + 65536] = src[i:i + 65536]
         dst.flush()
     tokens.flush()
-    write_index(out_dir, lens, prompt_lens, layer_ids, d)
+    write_index(out_dir, lens, prompt_lens, layer_ids, d, prefill_labelled)
 
 
-def write_index(out_dir: str, lens: list[int], prompt_lens: list[int], layer_ids: list[int], d: int) -> None:
+def write_index(out_dir: str, lens: list[int], prompt_lens: list[int], layer_ids: list[int], d: int,
+                prefill_labelled: list[bool] | None = None) -> None:
+    """prefill_labelled: per sequence, whether its answer was not the target's own (a prefill
+    over an existing answer): training labels it with the target's greedy choices."""
+    idx = {"offsets": np.cumsum([0] + lens[:-1]).tolist(), "lengths": lens, "prompt_lens": list(prompt_lens),
+           "target_layer_ids": list(layer_ids), "hidden_size": d}
+    if prefill_labelled is not None and any(prefill_labelled):
+        idx["prefill_labelled"] = [bool(b) for b in prefill_labelled]
     with open(os.path.join(out_dir, "index.json"), "w") as f:
-        json.dump({"offsets": np.cumsum([0] + lens[:-1]).tolist(), "lengths": lens,
-                   "prompt_lens": list(prompt_lens), "target_layer_ids": list(layer_ids), "hidden_size": d},
-                   f)
+        json.dump(idx, f)
 
 
 @dataclass
@@ -185,6 +203,8 @@ class FeatureCache:
     prompt_lens: list[int]
     target_layer_ids: list[int]
     lse: np.ndarray | None = None     # teacher log-normaliser per token (write_lse), if present
+    greedy: np.ndarray | None = None  # the target's argmax after each token (write_lse), if present
+    prefill_labels: list[bool] | None = None   # per sequence: labelled by the target's argmax
 
     @classmethod
     def open(cls, path: str) -> "FeatureCache":
@@ -192,8 +212,21 @@ class FeatureCache:
             idx = json.load(f)
         load = lambda n: np.load(os.path.join(path, n), mmap_mode="r")
         lse = load("lse.npy") if os.path.exists(os.path.join(path, "lse.npy")) else None
+        has_greedy = lse is not None and os.path.exists(os.path.join(path, "greedy.npy"))
+        greedy = load("greedy.npy") if has_greedy else None
         return cls(load("tokens.npy"), load("taps.npy"), load("final.npy"), idx["offsets"],
-                   idx["lengths"], idx["prompt_lens"], idx["target_layer_ids"], lse)
+                   idx["lengths"], idx["prompt_lens"], idx["target_layer_ids"], lse, greedy,
+                   idx.get("prefill_labelled"))
+
+    def prefill_labelled(self, i: int) -> bool:
+        return bool(self.prefill_labels and self.prefill_labels[i])
+
+    def any_prefill_labelled(self) -> bool:
+        return bool(self.prefill_labels and any(self.prefill_labels))
+
+    def sequence_greedy(self, i: int) -> torch.Tensor:
+        o, n = self.offsets[i], self.lengths[i]
+        return torch.from_numpy(np.array(self.greedy[o:o + n], dtype=np.int64))
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -243,6 +276,8 @@ class ConcatFeatureCache:
         self.caches = caches
         self.target_layer_ids = caches[0].target_layer_ids
         self.lse = caches[0].lse if all(c.lse is not None for c in caches) else None
+        labelled = [c for c in caches if c.any_prefill_labelled()]
+        self.greedy = caches[0].greedy if all(c.greedy is not None for c in labelled) else None
         self.starts = np.cumsum([0] + [len(c) for c in caches]).tolist()
 
     def __len__(self) -> int:
@@ -263,6 +298,17 @@ class ConcatFeatureCache:
     def token_ids(self, i: int) -> tuple[np.ndarray, int]:
         c, j = self._find(i)
         return c.token_ids(j)
+
+    def prefill_labelled(self, i: int) -> bool:
+        c, j = self._find(i)
+        return c.prefill_labelled(j)
+
+    def any_prefill_labelled(self) -> bool:
+        return any(c.any_prefill_labelled() for c in self.caches)
+
+    def sequence_greedy(self, i: int) -> torch.Tensor:
+        c, j = self._find(i)
+        return c.sequence_greedy(j)
 
     def response_token_counts(self, vocab_size: int) -> torch.Tensor:
         return response_token_counts(self, vocab_size)

@@ -50,7 +50,11 @@ def fit_markov_head(draft: DSparkDraft, cache: FeatureCache, max_prev: int = 819
     logp = torch.log((counts + smoothing * unigram) / (counts.sum(1, keepdim=True) + smoothing))
     logp -= logp.mean(1, keepdim=True)            # softmax ignores a per-row shift
     q = min(r, min(logp.shape))
-    U, S, V = torch.svd_lowrank(logp, q=q, niter=4)
+    # svd_lowrank draws a random projection: a fixed seed makes the start the same in every
+    # run and on every rank (a run's losses then do not depend on what ran before it)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        U, S, V = torch.svd_lowrank(logp, q=q, niter=4)
     root = S.sqrt() * scale ** 0.5
     w1 = torch.zeros(cfg.vocab_size, r)
     w1[torch.from_numpy(rows), :q] = U * root

@@ -10,6 +10,9 @@ import time
 from tqdm import tqdm
 
 from sparkserve.training.config import DEFAULT_DRAFT_VOCAB, STAGES, PipelineConfig
+from sparkserve.training.ranks import Ranks, close_ranks, init_ranks
+from sparkserve.training.shards import merge_shards, shard_dir
+from sparkserve.training.target_source import EngineTarget, HttpTarget, TargetSource
 
 
 def _path(cfg: PipelineConfig, *names: str) -> str:
@@ -54,49 +57,90 @@ def stage_prompts(cfg: PipelineConfig) -> None:
                 f.write(json.dumps({"messages": p}) + "\n")
 
 
-def stage_distill(cfg: PipelineConfig, engine) -> None:
+def stage_distill(cfg: PipelineConfig, target: TargetSource, ranks: Ranks = Ranks()) -> None:
     for part in _parts(cfg):
-        distill(cfg, engine, part)
+        distill(cfg, target, part, ranks)
 
 
-def distill(cfg: PipelineConfig, engine, part: str) -> None:
-    """The target answers part/prompts.jsonl with sparkserve's batched engine (resumes mid-file),
-    and the hidden rows it computes on the way are logged for the feature cache (RawFeatureLog)."""
+def distill(cfg: PipelineConfig, target: TargetSource, part: str, ranks: Ranks = Ranks()) -> None:
+    """The target answers part/prompts.jsonl (resumes mid-file), and the hidden rows it computes
+    on the way are logged for the feature cache (RawFeatureLog). Prefill-labelled prompts
+    (--labels) are not answered: one prefill over the answer they bring logs its rows. Over
+    several ranks each distils its share and rank 0 merges them (shards.py)."""
+    from sparkserve.training.prompts import jsonl_prompts
+    n = len(jsonl_prompts(os.path.join(part, "prompts.jsonl")))
+    out = os.path.join(part, "distill.jsonl")
+    if ranks.world == 1:
+        distill_share(cfg, target, part, range(n), part)
+        return
+    if not (os.path.exists(out) and sum(1 for _ in open(out)) >= n):
+        distill_share(cfg, target, part, ranks.share(n), shard_dir(part, "distill", ranks.share(n)))
+        ranks.barrier()
+        if ranks.is_main:
+            merge_shards(part, "distill", n, ranks, "distill.jsonl")
+    ranks.barrier()
+
+
+def distill_share(cfg: PipelineConfig, target: TargetSource, part: str, share: range, out_dir: str) -> None:
+    """Prompts `share` of part/prompts.jsonl into out_dir/distill.jsonl and out_dir/features.log."""
     from sparkserve.training.feature_cache import RawFeatureLog
     from sparkserve.training.prompts import jsonl_prompts
-    prompts = jsonl_prompts(os.path.join(part, "prompts.jsonl"))
-    out = os.path.join(part, "distill.jsonl")
+    prompts = jsonl_prompts(os.path.join(part, "prompts.jsonl"))[share.start:share.stop]
+    os.makedirs(out_dir, exist_ok=True)
+    out = os.path.join(out_dir, "distill.jsonl")
     rows = [json.loads(line) for line in open(out)] if os.path.exists(out) else []
     done = len(rows)
-    if done >= len(prompts):
+    taps = draft_config(cfg, target.model_config, target.tokenizer)["target_layer_ids"]
+    if done >= len(prompts) and os.path.exists(os.path.join(out_dir, "features.log", "meta.json")):
         return
-    taps = draft_config(cfg, engine.model_config, engine.tokenizer)["target_layer_ids"]
-    engine.scheduler.runner.model.set_aux_layers(taps)
-    log = RawFeatureLog(os.path.join(part, "features.log"), taps, engine.model_config.hidden_size,
+    log = RawFeatureLog(os.path.join(out_dir, "features.log"), taps, target.model_config.hidden_size,
                         sum(r.get("feature_rows", 0) for r in rows))
-    tok = engine.tokenizer
-    params = {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens}
-    ids = [tok.encode(tok.apply_chat_template(m), add_special_tokens=True) for m in prompts[done:]]
-    # distill_batch requests in flight, each finished one replaced at once (Engine.generate_many)
-    answers = engine.generate_many((p for p in ids if len(p) <= cfg.max_prompt_tokens), params,
-                                   max_in_flight=cfg.distill_batch, return_hidden_states=True)
+    target.tap(taps)
+    # validation follows the target's own greedy answers (greedy_acceptance): never prefill-labelled
+    labels = cfg.labels if os.path.abspath(part) == os.path.abspath(cfg.out) else "generated"
+    items = [_distill_item(cfg, labels, target.tokenizer, share.start + k, prompts[k])
+             for k in range(done, len(prompts))]
+    runnable = [it for it in items if it["run"]]
+    results = target.run([it["run_ids"] for it in runnable], [it["params"] for it in runnable])
     lines = []
     with open(out, "a") as f, tqdm(total=len(prompts), initial=done, desc="distill", unit="prompt") as bar:
-        for n, p in enumerate(ids, 1):  # one line per prompt (skipped ones empty) so a rerun resumes right
-            row = {"prompt_ids": p, "output_ids": []}
-            if len(p) <= cfg.max_prompt_tokens:
-                ans = next(answers)
-                row["output_ids"] = ans["output_ids"]
-                meta = ans["meta_info"]
-                row["feature_rows"] = log.append(meta["aux_hidden_states"], meta["hidden_states"])
+        for n, it in enumerate(items, 1):  # one line per prompt (skipped ones empty) so a rerun resumes right
+            row = {"prompt_ids": it["prompt_ids"], "output_ids": []}
+            if it["run"]:
+                meta = (res := next(results))["meta_info"]
+                if it["prefill"]:         # every position was run: drop the last row, as distilled
+                    row.update(output_ids=it["answer_ids"], prefill_labelled=True)
+                    row["feature_rows"] = log.append(meta["aux_hidden_states"][:-1],
+                                                     meta["hidden_states"][:-1])
+                else:
+                    row["output_ids"] = res["output_ids"]
+                    row["feature_rows"] = log.append(meta["aux_hidden_states"], meta["hidden_states"])
             lines.append(json.dumps(row) + "\n")
-            if len(lines) == cfg.distill_batch or n == len(ids):
+            if len(lines) == cfg.distill_batch or n == len(items):
                 log.flush()
                 f.writelines(lines)      # after the feature rows: a line promises its rows exist
                 f.flush()
                 bar.update(len(lines))
                 lines = []
     log.close()
+
+
+def _distill_item(cfg: PipelineConfig, labels: str, tok, index: int, messages: list[dict]) -> dict:
+    """What the target runs for prompt `index`: the prompt to answer, or (prefill labels) the
+    prompt and its answer, once."""
+    from sparkserve.training.label_mix import is_prefill_labelled, split_answer
+    prompt, answer = split_answer(messages)
+    ids = tok.encode(tok.apply_chat_template(prompt), add_special_tokens=True)
+    fits = len(ids) <= cfg.max_prompt_tokens      # longer prompts are skipped (an empty line)
+    if not is_prefill_labelled(index, labels, cfg.prefill_frac):
+        return {"prefill": False, "run": fits, "prompt_ids": ids, "run_ids": ids,
+                "params": {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens}}
+    if answer is None:
+        raise ValueError(f"--labels {cfg.labels}: prompt {index} brings no answer to prefill (a prompts "
+                         "file line whose messages end with an assistant turn)")
+    ans = tok.encode(answer, add_special_tokens=False)[:cfg.max_new_tokens]
+    return {"prefill": True, "run": fits and len(ans) >= 2, "prompt_ids": ids, "answer_ids": ans,
+            "run_ids": ids + ans, "params": {"max_new_tokens": 0}}
 
 
 def draft_config(cfg: PipelineConfig, target_cfg, tokenizer) -> dict:
@@ -112,11 +156,12 @@ def draft_config(cfg: PipelineConfig, target_cfg, tokenizer) -> dict:
                               mask, cfg.markov_rank, draft_vocab_size=reduced)
 
 
-def stage_features(cfg: PipelineConfig, engine) -> None:
+def stage_features(cfg: PipelineConfig, target: TargetSource, ranks: Ranks = Ranks()) -> None:
     """The feature cache from the rows logged while distilling; by a prefill pass of the target
-    over every sequence when that log is missing or incomplete (e.g. other taps)."""
+    over every sequence (split over the ranks) when that log is missing or incomplete (e.g.
+    other taps). Rank 0 writes the cache."""
     from sparkserve.training.feature_cache import RawFeatureLog, feature_cache_from_log
-    taps = draft_config(cfg, engine.model_config, engine.tokenizer)["target_layer_ids"]
+    taps = draft_config(cfg, target.model_config, target.tokenizer)["target_layer_ids"]
     for part in _parts(cfg):
         out = os.path.join(part, "features")
         if os.path.exists(os.path.join(out, "index.json")):
@@ -129,24 +174,46 @@ def stage_features(cfg: PipelineConfig, engine) -> None:
         log = os.path.join(part, "features.log")
         if not (all("feature_rows" in r for r in rows) and RawFeatureLog.usable(log, taps, sum(map(len,
                                                                                                    seqs)))):
-            print(f"features: no complete distillation log in {log}: capturing by prefill")
-            prefill_log(engine, seqs, taps, log)
-        feature_cache_from_log(log, seqs, plens, taps, out)
+            if ranks.is_main:
+                print(f"features: no complete distillation log in {log}: capturing by prefill")
+            ranks.barrier()               # every rank has read the log's state before it is rewritten
+            if ranks.world == 1:
+                prefill_log(target, seqs, taps, log)
+            else:
+                share = ranks.share(len(seqs))
+                shard = shard_dir(part, "prefill", share)
+                prefill_log(target, seqs[share.start:share.stop], taps, os.path.join(shard, "features.log"),
+                            os.path.join(shard, "prefill.jsonl"))
+                ranks.barrier()
+                if ranks.is_main:
+                    merge_shards(part, "prefill", len(seqs), ranks, "prefill.jsonl")
+        if ranks.is_main:
+            labelled = [bool(r.get("prefill_labelled")) for r in rows]
+            feature_cache_from_log(log, seqs, plens, taps, out, labelled)
+        ranks.barrier()
 
 
-def prefill_log(engine, seqs: list[list[int]], taps: list[int], path: str) -> None:
-    """A distillation log of `seqs` by the engine's prefill-only capture (max_new_tokens 0 with
-    hidden states returns every position's rows), on whatever ranks the target runs."""
+def prefill_log(target: TargetSource, seqs: list[list[int]], taps: list[int], path: str,
+                lines_path: str | None = None) -> None:
+    """A distillation log of `seqs` by the target's prefill-only capture (max_new_tokens 0 with
+    hidden states returns every position's rows), on whatever ranks the target runs; with
+    lines_path, a line per sequence with its row count (what merge_shards reads)."""
     from sparkserve.training.feature_cache import RawFeatureLog
-    engine.scheduler.runner.model.set_aux_layers(taps)
-    log = RawFeatureLog(path, taps, engine.model_config.hidden_size, 0)
-    for res in engine.generate_many(seqs, {"max_new_tokens": 0}, return_hidden_states=True):
-        meta = res["meta_info"]
-        log.append(meta["aux_hidden_states"][:-1], meta["hidden_states"][:-1])   # as distilled: last row NaN
+    target.tap(taps)
+    log = RawFeatureLog(path, taps, target.model_config.hidden_size, 0)
+    lines = []
+    for res in target.run(seqs, [{"max_new_tokens": 0}] * len(seqs)):
+        meta = res["meta_info"]   # as distilled: the last row NaN
+        n = log.append(meta["aux_hidden_states"][:-1], meta["hidden_states"][:-1])
+        lines.append(json.dumps({"feature_rows": n}) + "\n")
     log.close()
+    if lines_path is not None:
+        os.makedirs(os.path.dirname(lines_path), exist_ok=True)
+        with open(lines_path, "w") as f:
+            f.writelines(lines)
 
 
-def stage_train(cfg: PipelineConfig, engine) -> dict:
+def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
     from sparkserve.models.dspark_draft import init_dspark_draft, target_vocab_weights
     from sparkserve.training.draft_vocab import select_draft_vocab
     from sparkserve.training.feature_cache import FeatureCache, write_lse
@@ -173,9 +240,11 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
     else:
         dcfg = draft_config(cfg, engine.model_config, engine.tokenizer)
     reduced = bool(dcfg.get("draft_vocab_size"))
-    for d in dirs if reduced else []:          # the teacher's log-normaliser, once per cache
-        if FeatureCache.open(d).lse is None:
+    for d in dirs:          # the teacher's log-normaliser and greedy labels, once per cache, by rank 0
+        c = FeatureCache.open(d)
+        if ranks.is_main and ((reduced and c.lse is None) or (c.any_prefill_labelled() and c.greedy is None)):
             write_lse(d, head)
+    ranks.barrier()
     cache = FeatureCache.open_all(dirs)
     if cfg.init_draft and cache.target_layer_ids != dcfg["target_layer_ids"]:
         raise ValueError(f"--init-draft {cfg.init_draft} taps layers {dcfg['target_layer_ids']} but the "
@@ -208,8 +277,8 @@ def stage_train(cfg: PipelineConfig, engine) -> dict:
             fit_markov_head(draft, cache)     # start from the responses' bigram model
     val = _path(cfg, "val", "features")
     val_cache = FeatureCache.open(val) if os.path.exists(os.path.join(val, "index.json")) else None
-    return train(draft, cache, _path(cfg, "draft"), cfg.train, target_head=head,
-                 val_cache=val_cache)
+    return train(draft, cache, _path(cfg, "draft"), cfg.train, log_every=cfg.train.log_every,
+                 target_head=head, val_cache=val_cache, ranks=ranks)
 
 
 def stage_eval(cfg: PipelineConfig) -> dict:
@@ -250,40 +319,88 @@ def _eval_sets(cfg: PipelineConfig, eng, sets: dict, draft_dir: str) -> dict:
     return res
 
 
-def run_pipeline(cfg: PipelineConfig) -> None:
-    stages = cfg.stages
-    bad = [s for s in stages if s not in STAGES]
+def check_flags(cfg: PipelineConfig, ranks: Ranks) -> None:
+    """Bad flag combinations, before anything starts."""
+    from sparkserve.training.label_mix import check_label_flags
+    bad = [s for s in cfg.stages if s not in STAGES]
     if bad:
         raise ValueError(f"--stages: unknown {bad}; choose from {', '.join(STAGES)}")
-    os.makedirs(cfg.out, exist_ok=True)
     walk = cfg.train.walk_anchor_frac
     if not 0 <= walk <= 1:
         raise ValueError(f"--walk-anchor-frac must be within [0, 1], got {walk}")
     if walk and cfg.temperature > 0:
         raise ValueError("--walk-anchor-frac follows greedy verification along the cached answers: "
                          f"distill them with --temperature 0 (got {cfg.temperature})")
+    if walk and cfg.labels != "generated":
+        raise ValueError(f"--walk-anchor-frac follows the target's own greedy answers: not with --labels "
+                         f"{cfg.labels} (prefill over answers the target did not write)")
+    check_label_flags(cfg.labels, cfg.prefill_frac)
+    if cfg.distill_batch < 1:
+        raise ValueError(f"--distill-batch must be >= 1, got {cfg.distill_batch}")
+    if cfg.target_url and (cfg.tp_size > 1 or cfg.pp_size > 1):
+        raise ValueError("--target-url with --tp-size/--pp-size: the served target has its own layout; "
+                         "these flags shard an in-process target")
+    if ranks.world > 1 and (cfg.tp_size > 1 or cfg.pp_size > 1):
+        raise ValueError(f"--tp-size/--pp-size with {ranks.world} torchrun ranks: each rank runs its own "
+                         "in-process target; serve a sharded target and give --target-url instead")
+    if ranks.world > 1 and "eval" in cfg.stages:
+        raise ValueError("--stages eval under torchrun: run the eval stage in one process")
+
+
+def _local_config_and_tokenizer(model_path: str | None):
+    """The target's config and tokenizer without its weights (--target-url's distillation)."""
+    from sparkserve.args import ServerArgs
+    from sparkserve.frontend.tokenizer import load_tokenizer_for
+    from sparkserve.models.registry import load_config
+    args = ServerArgs(model_path=model_path).validate()
+    return load_config(args.model_path), load_tokenizer_for(args)
+
+
+def run_pipeline(cfg: PipelineConfig) -> None:
+    """One process, or one rank of `torchrun --nproc-per-node N -m sparkserve.cli train-draft`
+    (every rank runs this with the same flags)."""
+    ranks = init_ranks()
+    try:
+        check_flags(cfg, ranks)
+        _run_stages(cfg, ranks)
+    finally:
+        close_ranks(ranks)
+
+
+def _run_stages(cfg: PipelineConfig, ranks: Ranks) -> None:
+    stages = cfg.stages
+    os.makedirs(cfg.out, exist_ok=True)
+    data_stages = {"distill", "features"} & set(stages)
     engine = None
-    if {"distill", "features", "train"} & set(stages):
+    if "train" in stages or (data_stages and not cfg.target_url):
         from sparkserve.entrypoints.engine import Engine
         # no prefix cache: a cached prompt prefix is not recomputed, so it has no hidden rows
-        if cfg.distill_batch < 1:
-            raise ValueError(f"--distill-batch must be >= 1, got {cfg.distill_batch}")
         engine = Engine(cfg.model_path, max_total_tokens=cfg.distill_batch * (cfg.max_new_tokens + 2048),
                         max_running_requests=max(64, cfg.distill_batch), tp_size=cfg.tp_size,
                         pp_size=cfg.pp_size, enable_return_hidden_states=True, disable_radix_cache=True)
+    target: TargetSource | None = None
+    if data_stages and cfg.target_url:
+        mc, tok = ((engine.model_config, engine.tokenizer) if engine is not None
+                   else _local_config_and_tokenizer(cfg.model_path))
+        target = HttpTarget(cfg.target_url, mc, tok, cfg.distill_batch)
+    elif data_stages:
+        target = EngineTarget(engine, cfg.distill_batch)
     try:
         for s in STAGES:
             if s not in stages:
                 continue
             if s == "prompts":
-                stage_prompts(cfg)
+                if ranks.is_main:
+                    stage_prompts(cfg)
+                ranks.barrier()
             elif s == "eval":
                 print(json.dumps(stage_eval(cfg), indent=1))
-            else:
-                out = {"distill": stage_distill, "features": stage_features, "train": stage_train}[s](cfg,
-                                                                                                      engine)
-                if out:
+            elif s == "train":
+                out = stage_train(cfg, engine, ranks)
+                if out and ranks.is_main:
                     print(json.dumps(out))
+            else:
+                {"distill": stage_distill, "features": stage_features}[s](cfg, target, ranks)
     finally:
         if engine is not None:
             engine.shutdown()

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from sparkserve.models.dspark_draft import DSparkDraft, save_dspark_draft
 from sparkserve.training.config import TrainConfig
 from sparkserve.training.feature_cache import FeatureCache
+from sparkserve.training.ranks import Ranks
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -103,13 +104,31 @@ def block_forward(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, 
     return h, logits, emb, valid, tgt_pos.clamp(max=S - 1).reshape(-1)
 
 
+def consistent_slots(tokens: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor,
+                     G: int) -> torch.Tensor:
+    """[A, G]: slot k of the block at anchor a is supervised by prefill labels only while the
+    answer's tokens a+1..a+k equal the target's greedy choices there: serving drafts slot k
+    after accepted (greedy) tokens, so an answer that left the greedy path conditions the later
+    slots on a context serving never has."""
+    S = tokens.shape[0]
+    pos = (anchors[:, None] + torch.arange(G)[None, :]).clamp(max=S - 2)      # positions a..a+G-1
+    agree = tokens[pos + 1] == greedy[pos]                                    # x_{p+1} is greedy
+    before = torch.cat([torch.ones(len(anchors), 1, dtype=torch.long), agree[:, :-1].long()], 1)
+    return torch.cumprod(before, 1).bool()
+
+
 def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, final: torch.Tensor,
                  anchors: torch.Tensor, cfg: TrainConfig, teacher: Teacher | None = None,
-                 lse: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Weighted loss sums and weight sum for the blocks of one sequence."""
+                 lse: torch.Tensor | None = None,
+                 greedy: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Weighted loss sums and weight sum for the blocks of one sequence. With `greedy` (the
+    target's argmax after each position, from a prefill over an answer it did not write) slot k
+    learns the target's greedy token, where consistent_slots allows."""
     G, A = draft.block_size, anchors.shape[0]
     k = torch.arange(G)
     h, logits, emb, valid, safe_tgt = block_forward(draft, tokens, taps, anchors, cfg.dropout)
+    if greedy is not None:
+        valid = valid & consistent_slots(tokens, greedy, anchors, G)
     logp_d = F.log_softmax(logits.float(), -1)
     with torch.no_grad():     # target dist. of x_{a+k+1}, once per position (blocks overlap)
         rows, inv = torch.unique(safe_tgt - 1, return_inverse=True)
@@ -120,7 +139,8 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
             outside = (1 - p_t.sum(-1)).clamp_min(0)
     p_d = logp_d.exp()
     l1 = (p_d - p_t).abs().sum(-1) + outside       # teacher mass outside the draft vocab counts fully
-    tgt = tokens[safe_tgt] if teacher is None else teacher.t2d[tokens[safe_tgt]]
+    labels = tokens[safe_tgt] if greedy is None else greedy[safe_tgt - 1]
+    tgt = labels if teacher is None else teacher.t2d[labels]
     in_vocab = tgt >= 0
     ce = F.nll_loss(logp_d, tgt.clamp_min(0), reduction="none") * in_vocab
     w = (torch.exp(-k.float() / cfg.decay_gamma)[None, :] * valid).reshape(-1)
@@ -154,9 +174,9 @@ def _optimizer(draft: DSparkDraft, cfg: TrainConfig) -> tuple[list[torch.Tensor]
     return params, torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def _resume(draft: DSparkDraft, opt: torch.optim.Optimizer, gen: torch.Generator,
-            out_dir: str) -> tuple[int, dict]:
-    """(step, best validation) from out_dir/train_state.pt, the weights, optimizer and RNG loaded."""
+def _resume(draft: DSparkDraft, opt: torch.optim.Optimizer, out_dir: str) -> tuple[int, dict]:
+    """(step, best validation) from out_dir/train_state.pt, the weights and optimizer loaded. The
+    data order and anchors follow from the step (sample_seed), so any number of ranks resumes."""
     best = {"tau": 0.0, "step": 0, "last": 0.0}
     state_path = os.path.join(out_dir, "train_state.pt")
     if not os.path.exists(state_path):
@@ -168,74 +188,109 @@ def _resume(draft: DSparkDraft, opt: torch.optim.Optimizer, gen: torch.Generator
     except ValueError:     # another set of trainable weights (train_lm_head changed)
         print("train draft: the saved optimizer state is for other trainable weights; "
               "resuming the weights with fresh AdamW moments")
-    gen.set_state(st["gen"])
     return st["step"], st.get("best", best)
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """The anchor RNG seed of the sample-th sequence drawn (counted over the whole run): anchors
+    depend on the run's seed and position only, not on which rank draws them or on a resume."""
+    return seed * 1_000_003 + sample
+
+
+def _step_sums(draft: DSparkDraft, cache, order: torch.Tensor, first: int, mine: range,
+               cfg: TrainConfig, teacher: Teacher | None) -> dict[str, torch.Tensor]:
+    """Loss sums of this rank's sequences (`mine`: positions within the global batch that
+    starts at sample `first`)."""
+    acc: dict[str, torch.Tensor] = {}
+    for j in mine:
+        sample = first + j
+        i = int(order[sample % len(cache)])
+        tokens, taps, final, plen = cache.sequence(i)
+        gen = torch.Generator().manual_seed(sample_seed(cfg.seed, sample))
+        anchors = sample_anchors(len(tokens), plen, cfg.anchors_per_seq, gen)
+        if cfg.walk_anchor_frac > 0 and len(anchors):
+            anchors = walk_anchors(draft, tokens, taps, anchors, cfg.walk_anchor_frac)
+        if len(anchors) == 0:
+            continue
+        lse = cache.sequence_lse(i) if teacher is not None else None
+        greedy = cache.sequence_greedy(i) if cache.prefill_labelled(i) else None
+        for key, v in block_losses(draft, tokens, taps, final, anchors, cfg, teacher, lse, greedy).items():
+            acc[key] = acc.get(key, 0) + v
+    return acc
 
 
 def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfig,
           log_every: int = 10, target_head: torch.Tensor | None = None,
-          val_cache: FeatureCache | None = None) -> dict:
+          val_cache: FeatureCache | None = None, ranks: Ranks = Ranks()) -> dict:
     """Resumable: picks up train_state.pt in out_dir. Returns the last logged metrics.
     A reduced-vocab draft needs the target's LM head weight and a cache with lse.npy; its LM
-    head (the target's rows of its vocab) is trained only with cfg.train_lm_head."""
+    head (the target's rows of its vocab) is trained only with cfg.train_lm_head.
+
+    Data parallel over `ranks`: a step's cfg.seqs_per_step sequences (the global batch) are
+    dealt round-robin to the ranks, each rank's loss is scaled so that the averaged gradient is
+    the one-rank gradient of the whole batch, and rank 0 alone logs, validates and saves."""
     if not 0 <= cfg.walk_anchor_frac <= 1:
         raise ValueError(f"walk_anchor_frac must be within [0, 1], got {cfg.walk_anchor_frac}")
     os.makedirs(out_dir, exist_ok=True)
     if draft.d2t is not None and (target_head is None or cache.lse is None):
         raise ValueError("a reduced-vocab draft trains against the target's LM head and the "
                          "cache's lse.npy (feature_cache.write_lse)")
+    if cache.any_prefill_labelled() and cache.greedy is None:
+        raise ValueError("prefill-labelled sequences train on the target's greedy choices: the cache "
+                         "needs greedy.npy (feature_cache.write_lse)")
     params, opt = _optimizer(draft, cfg)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    step, best = _resume(draft, opt, gen, out_dir)
+    step, best = _resume(draft, opt, out_dir)
+    ranks.broadcast_([p.data for p in params])
     # After the resume: a checkpoint brings its own draft vocab (d2t), which may differ from the
     # one this cache would select (more data since), and the teacher must score that one.
     teacher = Teacher.for_draft(draft, target_head) if draft.d2t is not None else None
-    order = torch.randperm(len(cache), generator=gen)
-    cursor = step * cfg.seqs_per_step
+    order = torch.randperm(len(cache), generator=torch.Generator().manual_seed(cfg.seed))
+    mine = range(ranks.rank, cfg.seqs_per_step, ranks.world)
+    keys = ("wsum", "ce", "l1", "conf", "tau_sum", "blocks")
     metrics: dict = {}
+    last = cfg.steps if cfg.stop_after is None else min(cfg.stop_after, cfg.steps)
     draft.train()
-    with tqdm(total=cfg.steps, initial=step, desc="train draft", unit="step") as bar:
-        while step < cfg.steps:
+    with tqdm(total=cfg.steps, initial=step, desc="train draft", unit="step",
+              disable=not ranks.is_main) as bar:
+        while step < last:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg) * g["mult"]
-            acc: dict[str, torch.Tensor] = {}
-            for _ in range(cfg.seqs_per_step):
-                i = int(order[cursor % len(cache)])
-                cursor += 1
-                tokens, taps, final, plen = cache.sequence(i)
-                anchors = sample_anchors(len(tokens), plen, cfg.anchors_per_seq, gen)
-                if cfg.walk_anchor_frac > 0 and len(anchors):
-                    anchors = walk_anchors(draft, tokens, taps, anchors, cfg.walk_anchor_frac)
-                if len(anchors) == 0:
-                    continue
-                lse = cache.sequence_lse(i) if teacher is not None else None
-                for key, v in block_losses(draft, tokens, taps, final, anchors, cfg, teacher, lse).items():
-                    acc[key] = acc.get(key, 0) + v
-            if not acc:
+            acc = _step_sums(draft, cache, order, step * cfg.seqs_per_step, mine, cfg, teacher)
+            total = ranks.sum_(torch.stack([torch.as_tensor(acc.get(k, 0.0), dtype=torch.float32).detach()
+                                            for k in keys]))
+            glob = dict(zip(keys, total))
+            if glob["blocks"] == 0:         # no sequence of this batch had an anchor on any rank
                 step += 1
                 continue
-            wsum = acc["wsum"].clamp_min(1e-6)
-            loss = cfg.ce_weight * acc["ce"] / wsum + cfg.l1_weight * acc["l1"] / wsum
-            if "conf" in acc:
-                loss = loss + cfg.conf_weight * acc["conf"] / wsum
+            wsum = glob["wsum"].clamp_min(1e-6)
+            local = sum(w * acc[k] for k, w in (("ce", cfg.ce_weight), ("l1", cfg.l1_weight),
+                                                ("conf", cfg.conf_weight)) if k in acc)
+            if not acc:                     # nothing here: a zero gradient joins the average
+                local = sum(p.sum() for p in params) * 0.0
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            (local * ranks.world / wsum).backward()
+            ranks.average_grads(params)
             torch.nn.utils.clip_grad_norm_(params, cfg.clip)
             opt.step()
             step += 1
-            metrics = {"step": step, "loss": loss.item(), "ce": (acc["ce"] / wsum).item(),
-                       "l1": (acc["l1"] / wsum).item(), "tau_est": (acc["tau_sum"] / acc["blocks"]).item(),
-                       "lr": lr_at(step - 1, cfg)}
+            loss = (cfg.ce_weight * glob["ce"] + cfg.l1_weight * glob["l1"]
+                    + cfg.conf_weight * glob["conf"]) / wsum
+            metrics = {"step": step, "loss": loss.item(), "ce": (glob["ce"] / wsum).item(),
+                       "l1": (glob["l1"] / wsum).item(), "tau_est": (glob["tau_sum"] / glob["blocks"]).item(),
+                       "lr": lr_at(step - 1, cfg), "blocks": int(glob["blocks"])}
             bar.update(1)
-            if step % log_every == 0:
+            if ranks.is_main and step % log_every == 0:
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau_est']:.2f}")
                 with open(os.path.join(out_dir, "train_log.jsonl"), "a") as f:
                     f.write(json.dumps(metrics) + "\n")
-            if val_cache is not None and cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
+            at_end = step == cfg.steps
+            if (ranks.is_main and val_cache is not None and cfg.val_every
+                    and (step % cfg.val_every == 0 or at_end)):
                 best = validate_step(draft, val_cache, cfg, step, out_dir, best)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", val_tau=f"{best['last']:.3f}")
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                save_checkpoint(draft, opt, gen, step, out_dir, cfg, best)
+            if ranks.is_main and (step % cfg.save_every == 0 or at_end or step == last):
+                save_checkpoint(draft, opt, step, out_dir, cfg, best)
+    ranks.barrier()              # the last checkpoint is written before any rank goes on
     draft.eval()
     return metrics
 
@@ -256,10 +311,10 @@ def validate_step(draft: DSparkDraft, val_cache: FeatureCache, cfg: TrainConfig,
     return best
 
 
-def save_checkpoint(draft, opt, gen, step, out_dir, cfg, best=None) -> None:
+def save_checkpoint(draft, opt, step, out_dir, cfg, best=None) -> None:
     # re-made from the target
     shared = ("embed_tokens",) if draft.d2t is not None else ("embed_tokens", "lm_head")
     trainable = {k: v for k, v in draft.state_dict().items() if not k.startswith(shared)}
-    torch.save({"model": trainable, "opt": opt.state_dict(), "gen": gen.get_state(), "step": step,
+    torch.save({"model": trainable, "opt": opt.state_dict(), "step": step,
                 "config": asdict(cfg), "best": best}, os.path.join(out_dir, "train_state.pt"))
     save_dspark_draft(draft, out_dir, include_shared=False)

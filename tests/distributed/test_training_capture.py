@@ -11,6 +11,7 @@ import numpy as np
 
 from sparkserve import Engine
 from sparkserve.training.pipeline import PipelineConfig, distill, stage_features
+from sparkserve.training.target_source import EngineTarget
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "Count to five."]
 
@@ -23,10 +24,10 @@ def _features(root: str, pp_size: int, fallback: bool) -> dict[str, np.ndarray]:
                          target_layer_ids=[2, 20], pp_size=pp_size)
     with Engine(None, max_total_tokens=2048, enable_return_hidden_states=True, disable_radix_cache=True,
                 pp_size=pp_size, num_threads=1) as eng:
-        distill(cfg, eng, root)
+        distill(cfg, EngineTarget(eng, 2), root)
         if fallback:                              # no distillation log: the stage captures by prefill
             shutil.rmtree(os.path.join(root, "features.log"))
-        stage_features(cfg, eng)
+        stage_features(cfg, EngineTarget(eng, 2))
     out = {name: np.load(os.path.join(root, "features", f"{name}.npy")) for name in ("tokens", "taps",
                                                                                      "final")}
     out["answers"] = [json.loads(line)["output_ids"] for line in open(os.path.join(root, "distill.jsonl"))]

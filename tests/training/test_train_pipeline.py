@@ -103,6 +103,7 @@ def test_distill_resumes_with_requests_in_flight(tmp_path, capsys):
     logged hidden rows that equal a fresh prefill capture (rows logged past the last written
     line, as a stop mid-batch leaves them, are ignored)."""
     from sparkserve.training.pipeline import PipelineConfig, distill, stage_features
+    from sparkserve.training.target_source import EngineTarget
     prompts = PROMPTS[:2] + [" ".join(["word"] * 60)] + PROMPTS[2:]
     cfg = PipelineConfig(model_path=None, out=str(tmp_path), max_new_tokens=8, distill_batch=2,
                          max_prompt_tokens=40, target_layer_ids=[2, 20])
@@ -112,9 +113,9 @@ def test_distill_resumes_with_requests_in_flight(tmp_path, capsys):
         (tmp_path / "prompts.jsonl").write_text(
             "".join(json.dumps({"prompt": p}) + "\n" for p in ps))
     write(prompts[:1])
-    distill(cfg, eng, str(tmp_path))
+    distill(cfg, EngineTarget(eng, 2), str(tmp_path))
     write(prompts)
-    distill(cfg, eng, str(tmp_path))
+    distill(cfg, EngineTarget(eng, 2), str(tmp_path))
     rows = [json.loads(line) for line in open(tmp_path / "distill.jsonl")]
     assert len(rows) == len(prompts) and rows[2]["output_ids"] == [] and "feature_rows" not in rows[2]
     short = [[{"role": "user", "content": p}] for i, p in enumerate(prompts) if i != 2]
@@ -123,7 +124,7 @@ def test_distill_resumes_with_requests_in_flight(tmp_path, capsys):
     for name in ("taps.bin", "final.bin"):      # rows of answers cut off before their lines
         with open(tmp_path / "features.log" / name, "ab") as f:
             f.write(b"\x00" * 4096)
-    stage_features(cfg, eng)
+    stage_features(cfg, EngineTarget(eng, 2))
     assert "capturing by prefill" not in capsys.readouterr().out    # built from the distill log
     cache = FeatureCache.open(str(tmp_path / "features"))
     assert len(cache) == len(short)
