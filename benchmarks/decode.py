@@ -1,29 +1,50 @@
-"""Batch-1 decode tokens/s and batch-32 throughput on the embedded SmolLM2-135M-Instruct:
-sparkserve next to HF transformers (fp32, same GGUF weights), in one run, same threads.
+"""Batch-1 decode, prefill of a 512-token prompt and batch-32 throughput on the embedded
+SmolLM2-135M-Instruct: sparkserve next to the real llama.cpp (`llama-bench`, built from source by
+peers/llamacpp.py, same Q4_1 GGUF) and HF transformers (fp32, same GGUF weights), in one run, same
+threads, same machine: the project's machines differ, so only same-run ratios mean something.
 
-    python benchmarks/decode.py [--threads 2] [--reps 3] [--new-tokens 128]
+    python benchmarks/decode.py [--threads 2] [--reps 3] [--new-tokens 128] [--prompt-tokens 512]
+                                [--skip-transformers] [--skip-llamacpp]
 
-Decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)): prefill cancels out. Medians of
---reps runs; both engines alternate so machine noise hits them alike. Writes
-benchmarks/results/decode.{md,json}."""
+- batch-1 decode tok/s = (N - 1) / (t(N tokens) - t(1 token)): prefill cancels out; next to
+  llama-bench tg128 (`-p 0 -n 128`).
+- prefill-512: time to first token of a 512-token prompt with max_new_tokens=1 (a fresh random
+  prompt each time, so the prefix cache cannot help), as tok/s = 512 / TTFT; next to llama-bench
+  pp512 (`-p 512 -n 0`).
+- batch-32: output tok/s of 32 prompts x N tokens (sparkserve and transformers only).
+Medians of --reps rounds; within a round the engines alternate (order flipped every round) so
+machine noise hits them alike; llama-bench runs one rep per round (`-r 1`, plus its warm-up).
+Writes benchmarks/results/decode.{md,json} with the CPU model, SIMD flags, threads and which
+sparkserve kernels ran (results_io.sparkserve_kernels) in the header. The first run builds
+llama.cpp (~5 min on 2 cores)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import statistics
+import subprocess
 import sys
 import time
 
 import torch
-from results_io import write_results
+from results_io import machine_info, machine_line, sparkserve_kernels, write_results
 
 PROMPT = "Write a short story about a robot who learns to paint."
+LLAMA = "llama.cpp"
 
 
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """n ordinary token ids (no special tokens), different from the first token on for each seed."""
+    rng = random.Random(seed)
+    return [1000 + (seed * 7919) % 30000] + [rng.randrange(1000, 40000) for _ in range(n - 1)]
 
 
 class Sparkserve:
@@ -64,43 +85,123 @@ class Transformers:
                                 min_new_tokens=new, do_sample=False, pad_token_id=2)
 
 
+class LlamaBench:
+    """llama.cpp's own benchmark tool on the same GGUF: tg (`-p 0 -n N`) and pp (`-p P -n 0`)."""
+    name = LLAMA
+
+    def __init__(self, threads: int):
+        from peers.llamacpp import build, build_info
+
+        from sparkserve.embedded import default_model_path
+        self.bin = str(build()["llama-bench"])
+        self.info = build_info()
+        self.model = default_model_path()
+        self.threads = threads
+
+    def tok_s(self, prompt: int, gen: int) -> float:
+        """One llama-bench rep (after its warm-up): tokens/s of pp<prompt> or tg<gen>."""
+        cmd = [self.bin, "-m", self.model, "-t", str(self.threads), "-p", str(prompt), "-n", str(gen),
+               "-r", "1", "-o", "json"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        rows = json.loads(r.stdout)
+        return float(rows[0]["avg_ts"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--skip-transformers", action="store_true", help="no transformers column")
+    ap.add_argument("--skip-llamacpp", action="store_true", help="no llama.cpp column (no build)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    n_new, n_pp, batch = a.new_tokens, a.prompt_tokens, a.batch
+    llama = None if a.skip_llamacpp else LlamaBench(a.threads)    # build first: it needs the cores
     ours = Sparkserve()
-    engines = [ours, Transformers()]
-    p1, pb = ours.prompts(1), ours.prompts(a.batch)
+    engines = [ours] + ([] if a.skip_transformers else [Transformers()])
+    p1, pb = ours.prompts(1), ours.prompts(batch)
+    seed = iter(range(1, 1 << 30))
     for e in engines:                      # warm-up
         e.run(p1, 4)
-    b1 = {e.name: [] for e in engines}
+        e.run([random_prompt(n_pp, next(seed))], 1)
+    names = [e.name for e in engines] + ([LLAMA] if llama else [])
+    b1 = {n: [] for n in names}
+    pp = {n: [] for n in names}
+    ttft = {e.name: [] for e in engines}
     bb = {e.name: [] for e in engines}
-    for _ in range(a.reps):
-        for e in engines:
-            t1 = _timed(lambda: e.run(p1, 1))
-            tn = _timed(lambda: e.run(p1, a.new_tokens))
-            b1[e.name].append((a.new_tokens - 1) / (tn - t1))
-            bb[e.name].append(a.batch * a.new_tokens / _timed(lambda: e.run(pb, a.new_tokens)))
-    med1 = {k: statistics.median(v) for k, v in b1.items()}
-    medb = {k: statistics.median(v) for k, v in bb.items()}
-    res = {"threads": a.threads, "new_tokens": a.new_tokens, "batch": a.batch, "reps": a.reps,
-           "batch1_decode_tok_s": b1, f"batch{a.batch}_tok_s": bb,
-           "ratio_batch1": med1["sparkserve"] / med1["transformers"],
-           f"ratio_batch{a.batch}": medb["sparkserve"] / medb["transformers"],
+
+    def decode(e):
+        t1 = _timed(lambda: e.run(p1, 1))
+        tn = _timed(lambda: e.run(p1, n_new))
+        b1[e.name].append((n_new - 1) / (tn - t1))
+
+    def prefill(e):
+        prompt = [random_prompt(n_pp, next(seed))]
+        t = _timed(lambda: e.run(prompt, 1))
+        ttft[e.name].append(t)
+        pp[e.name].append(n_pp / t)
+
+    def batched(e):
+        bb[e.name].append(batch * n_new / _timed(lambda: e.run(pb, n_new)))
+
+    for rep in range(a.reps):
+        steps = []
+        for fn, llama_fn in ((decode, lambda: b1[LLAMA].append(llama.tok_s(0, n_new))),
+                             (prefill, lambda: pp[LLAMA].append(llama.tok_s(n_pp, 0))),
+                             (batched, None)):
+            group = [(e.name, lambda e=e, fn=fn: fn(e)) for e in engines]
+            if llama and llama_fn:
+                group.append((LLAMA, llama_fn))
+            steps += group if rep % 2 == 0 else group[::-1]
+        for name, step in steps:
+            step()
+        print(f"round {rep + 1}/{a.reps}: " + ", ".join(
+            f"{n} b1 {b1[n][-1]:.1f} pp {pp[n][-1]:.0f}" for n in names), file=sys.stderr, flush=True)
+
+    med = lambda d: {k: statistics.median(v) for k, v in d.items() if v}   # noqa: E731
+    m1, mpp, mttft, mb = med(b1), med(pp), med(ttft), med(bb)
+    ratio = lambda m, peer: m["sparkserve"] / m[peer] if peer in m else None   # noqa: E731
+    machine = machine_info()
+    kernels = sparkserve_kernels()
+    res = {"threads": a.threads, "new_tokens": n_new, "prompt_tokens": n_pp, "batch": batch, "reps": a.reps,
+           "machine": machine, "sparkserve_kernels": kernels,
+           "llamacpp_build": {k: v for k, v in (llama.info if llama else {}).items() if k != "cpu_flags"},
+           "batch1_decode_tok_s": b1, f"prefill{n_pp}_tok_s": pp, f"prefill{n_pp}_ttft_s": ttft,
+           f"batch{batch}_tok_s": bb,
+           "ratio_batch1_vs_llamacpp": ratio(m1, LLAMA),
+           f"ratio_prefill{n_pp}_vs_llamacpp": ratio(mpp, LLAMA),
+           "ratio_batch1": ratio(m1, "transformers"), f"ratio_batch{batch}": ratio(mb, "transformers"),
            "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__}
-    lines = [f"# Decode speed, SmolLM2-135M-Instruct, {a.threads} threads ({res['date']})", "",
-             f"| engine | batch-1 decode tok/s (median of {a.reps}) | batch-{a.batch} output tok/s |",
-             "|---|---|---|"]
-    for e in engines:
-        lines.append(f"| {e.name} | {med1[e.name]:.1f} | {medb[e.name]:.1f} |")
-    lines += ["", f"sparkserve / transformers: **{res['ratio_batch1']:.2f}x** at batch 1, "
-              f"**{res[f'ratio_batch{a.batch}']:.2f}x** at batch {a.batch}.",
-              "", f"{a.new_tokens} new tokens per request, greedy, EOS ignored; fp32 weights "
-              "dequantized from the same Q4_1 GGUF for both."]
+    lb = res["llamacpp_build"]
+    lines = [f"# Decode and prefill speed, SmolLM2-135M-Instruct, {a.threads} threads ({res['date']})", "",
+             f"{machine_line(machine)}; sparkserve kernels: {kernels}; torch {torch.__version__}",
+             *([f"llama.cpp {lb.get('llama_cpp_commit')} (llama-cpp-python {lb.get('llama_cpp_python')} "
+                f"sdist), built from source with GGML_NATIVE, {lb.get('compiler', '?')}"] if llama else []),
+             "", f"| engine | batch-1 decode tok/s | prefill-{n_pp} tok/s (TTFT ms) | "
+             f"batch-{batch} output tok/s |", "|---|---|---|---|"]
+    for n in names:
+        label = f"{LLAMA} (llama-bench tg{n_new} / pp{n_pp})" if n == LLAMA else n
+        t = f" ({1000 * mttft[n]:.0f})" if n in mttft else ""
+        lines.append(f"| {label} | {m1[n]:.1f} | {mpp[n]:.0f}{t} | "
+                     f"{f'{mb[n]:.1f}' if n in mb else '-'} |")
+    lines.append("")
+    if llama:
+        lines.append(f"sparkserve / llama.cpp: **{res['ratio_batch1_vs_llamacpp']:.2f}x** batch-1 decode, "
+                     f"**{res[f'ratio_prefill{n_pp}_vs_llamacpp']:.2f}x** prefill-{n_pp}.")
+    if "transformers" in m1:
+        lines.append(f"sparkserve / transformers: **{res['ratio_batch1']:.2f}x** at batch 1, "
+                     f"**{res[f'ratio_batch{batch}']:.2f}x** at batch {batch}.")
+    lines += ["", f"Medians of {a.reps} rounds, engines alternating. {n_new} new tokens per request, greedy, "
+              "EOS ignored. sparkserve and llama.cpp run the Q4_1 GGUF; transformers runs fp32 weights "
+              f"dequantized from it. Prefill-{n_pp}: sparkserve/transformers time a {n_pp}-token random "
+              "prompt with max_new_tokens=1 (TTFT, includes one sampled token); llama.cpp is llama-bench "
+              f"pp{n_pp}. Batch-1 decode = (N-1)/(t(N)-t(1)); llama.cpp is llama-bench tg{n_new}. "
+              "On a shared machine, trust the ratios more than the absolute numbers."]
     write_results("decode", res, lines)
     return 0
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import os
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# SPARKSERVE_BENCH_RESULTS=DIR sends a trial run elsewhere, leaving the checked-in results alone
+RESULTS = (os.environ.get("SPARKSERVE_BENCH_RESULTS")
+           or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
 
 
 def write_results(name: str, data, lines: list[str]) -> None:
@@ -14,3 +16,42 @@ def write_results(name: str, data, lines: list[str]) -> None:
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+# the SIMD features that decide which kernels llama.cpp and sparkserve can use on this CPU
+FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                     "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def machine_info() -> dict:
+    """CPU model, cores and SIMD flags (from /proc/cpuinfo), for result headers: the project's
+    machines differ (AVX2 only, AVX-512 + VNNI, AMX), so a number means nothing without them."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model == "unknown CPU":
+                    model = val.strip()
+                elif key == "flags" and not flags:
+                    flags = set(val.split())
+    except OSError:
+        pass
+    return {"cpu": model, "cpus": os.cpu_count(), "flags": [f for f in FLAGS_OF_INTEREST if f in flags]}
+
+
+def machine_line(info: dict | None = None) -> str:
+    """One Markdown line: 'CPU: AMD EPYC, 2 CPUs; flags: avx2 fma f16c'."""
+    info = info or machine_info()
+    return f"CPU: {info['cpu']}, {info['cpus']} CPUs; flags: {' '.join(info['flags']) or 'none of interest'}"
+
+
+def sparkserve_kernels() -> str:
+    """Which sparkserve kernels ran: the int8 variant this CPU picked (engine default
+    --activation-quant int8) and the native step, or that the C++ kernels are unavailable.
+    Shared by decode.py and serving.py."""
+    from sparkserve import kernels
+    if not kernels.available():
+        return "unavailable (torch fallback)"
+    return f"C++, int8 activations on {kernels.variant()}, native decode step"

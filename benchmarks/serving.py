@@ -1,11 +1,18 @@
 """Online serving: TTFT, inter-token latency and output tokens/s at concurrency 1, 8 and 32,
-sparkserve next to the llama.cpp server (`python -m llama_cpp.server`, same GGUF), same prompts,
-one run; each server runs alone while it is measured.
+sparkserve next to the real llama.cpp server (`llama-server` built from source by
+peers/llamacpp.py: `-np 32 -c 16384 -kvu`, continuous batching, same GGUF, same threads), same
+prompts, one run, same machine: only same-run ratios mean something on the project's machines.
 
-    python benchmarks/serving.py [--requests 32] [--max-tokens 64] [--engines sparkserve,llamacpp]
+    python benchmarks/serving.py [--requests 32] [--max-tokens 64] [--reps 1]
+                                 [--engines sparkserve,llamacpp] [--threads 2]
 
-Needs `pip install 'llama-cpp-python[server]'` for the peer (compiles llama.cpp, ~7 min).
-Writes benchmarks/results/serving.{md,json} and serving.png (when matplotlib is installed)."""
+Load: streaming chat completions, greedy, `ignore_eos` (both servers honour it, so every request
+gets --max-tokens tokens), a fresh connection per request (llama-server closes idle keep-alive
+connections). Both servers are started up front and the levels alternate between them (order
+flipped every round); an idle server does not compute, so each is measured alone. Per level the
+median over --reps rounds is reported. `--engines llama-cpp-python` is the old Python peer
+(`pip install 'llama-cpp-python[server]'`, one request at a time). The first run builds llama.cpp
+(~5 min on 2 cores). Writes benchmarks/results/serving.{md,json} and serving.png (matplotlib)."""
 from __future__ import annotations
 
 import argparse
@@ -16,10 +23,11 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
-from results_io import RESULTS, write_results
+from results_io import RESULTS, machine_info, machine_line, sparkserve_kernels, write_results
 
 TOPICS = ["the ocean", "a city at night", "learning to code", "the moon", "autumn leaves", "trains",
           "friendship", "coffee", "mountains", "a thunderstorm", "libraries", "gardening", "robots",
@@ -37,44 +45,68 @@ def _start(engine: str, port: int, threads: int) -> subprocess.Popen:
     model = default_model_path()
     if engine == "sparkserve":
         cmd = [sys.executable, "-m", "sparkserve.cli", "serve", "--port", str(port),
-               "--max-running-requests", "32", "--log-level", "warning"]
-    else:
+               "--max-running-requests", "32", "--num-threads", str(threads), "--log-level", "warning"]
+    elif engine == "llamacpp":
+        from peers.llamacpp import build
+        cmd = [str(build()["llama-server"]), "-m", model, "--host", "127.0.0.1", "--port", str(port),
+               "-t", str(threads), "-np", "32", "-c", "16384", "-kvu"]
+    elif engine == "llama-cpp-python":
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--n_threads", str(threads), "--chat_format", "chatml", "--n_ctx", "4096",
                # by default a new request interrupts the running stream: queue instead
                "--interrupt_requests", "False"]
+    else:
+        raise ValueError(f"unknown engine {engine!r}")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    log = open(os.path.join(tempfile.gettempdir(), f"serving-{engine}-{port}.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc.log_path = log.name
+    return proc
+
+
+def _log_tail(proc: subprocess.Popen, n: int = 30) -> str:
+    try:
+        with open(proc.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
 
 
 def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     end = time.time() + timeout
     while time.time() < end:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
+            raise RuntimeError(f"server exited with {proc.returncode}; "
+                               f"log {proc.log_path}:\n{_log_tail(proc)}")
         try:
             if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise TimeoutError("server did not come up")
+    raise TimeoutError(f"server did not come up; log {proc.log_path}:\n{_log_tail(proc)}")
 
 
-async def _one(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int) -> dict:
+async def _one(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
     body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
     t0 = time.perf_counter()
     stamps, usage = [], None
-    async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+    # a fresh connection per request: llama-server drops idle keep-alive connections
+    async with client.stream("POST", base + "/v1/chat/completions", json=body,
+                             headers={"Connection": "close"}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{base}: HTTP {r.status_code}: {(await r.aread())[:500]!r}")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            for c in chunk.get("choices", []):
-                if c.get("delta", {}).get("content"):
+            for c in chunk.get("choices") or []:
+                if (c.get("delta") or {}).get("content"):
                     stamps.append(time.perf_counter())
     t1 = time.perf_counter()
     n = (usage or {}).get("completion_tokens") or len(stamps)
@@ -82,13 +114,14 @@ async def _one(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: in
             "itl": [b - a for a, b in zip(stamps, stamps[1:])]}
 
 
-async def _level(base: str, conc: int, n_req: int, max_tokens: int) -> dict:
+async def _level(base: str, conc: int, n_req: int, max_tokens: int, ignore_eos: bool = True) -> dict:
     prompts = [f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}." for i in range(n_req)]
     sem = asyncio.Semaphore(conc)
-    async with httpx.AsyncClient(timeout=600) as client:
+    limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def run(p):
             async with sem:
-                return await _one(client, base, p, max_tokens)
+                return await _one(client, base, p, max_tokens, ignore_eos)
         t = time.perf_counter()
         res = await asyncio.gather(*(run(p) for p in prompts))
         wall = time.perf_counter() - t
@@ -96,7 +129,8 @@ async def _level(base: str, conc: int, n_req: int, max_tokens: int) -> dict:
     return {"concurrency": conc, "requests": n_req,
             "ttft_median_s": statistics.median(r["ttft"] for r in res),
             "itl_median_ms": 1000 * statistics.median(itl) if itl else float("nan"),
-            "output_tok_s": sum(r["tokens"] for r in res) / wall, "wall_s": wall}
+            "output_tok_s": sum(r["tokens"] for r in res) / wall, "wall_s": wall,
+            "tokens_per_request": statistics.median(r["tokens"] for r in res)}
 
 
 def plot(results: dict[str, list[dict]]) -> None:
@@ -120,45 +154,92 @@ def plot(results: dict[str, list[dict]]) -> None:
     fig.savefig(os.path.join(RESULTS, "serving.png"), dpi=100)
 
 
+METRICS = ("ttft_median_s", "itl_median_ms", "output_tok_s", "wall_s", "tokens_per_request")
+IGNORE_EOS = {"sparkserve": True, "llamacpp": True, "llama-cpp-python": False}
+
+
+def _median_rows(rounds: list[dict]) -> dict:
+    """One level's rows from --reps rounds -> one row of per-metric medians (plus the raw rounds)."""
+    row = {"concurrency": rounds[0]["concurrency"], "requests": rounds[0]["requests"]}
+    row.update({k: statistics.median(r[k] for r in rounds) for k in METRICS})
+    row["rounds"] = rounds
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engines", default="sparkserve,llamacpp")
+    ap.add_argument("--engines", default="sparkserve,llamacpp",
+                    help="sparkserve, llamacpp (llama-server built from source), llama-cpp-python")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=1, help="rounds over all levels; medians reported")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--replot", action="store_true", help="only redraw serving.png from serving.json")
     a = ap.parse_args()
     if a.replot:
         with open(os.path.join(RESULTS, "serving.json")) as f:
-            plot(json.load(f))
+            data = json.load(f)
+        plot(data.get("engines", data))       # older files hold the engines at the top level
         return 0
     levels = [int(x) for x in a.concurrency.split(",")]
-    results: dict[str, list[dict]] = {}
-    for engine in a.engines.split(","):
-        port = _free_port()
-        base = f"http://127.0.0.1:{port}"
-        proc = _start(engine, port, a.threads)
-        try:
+    engines = a.engines.split(",")
+    servers: dict[str, tuple[str, subprocess.Popen]] = {}
+    raw: dict[str, dict[int, list[dict]]] = {e: {c: [] for c in levels} for e in engines}
+    try:
+        for engine in engines:            # one at a time: a starting server (or a build) needs the cores
+            port = _free_port()
+            base = f"http://127.0.0.1:{port}"
+            proc = _start(engine, port, a.threads)
+            servers[engine] = (base, proc)
             _wait_ready(base, proc)
-            asyncio.run(_level(base, 1, 2, 8))                          # warm-up
-            results[engine] = [asyncio.run(_level(base, c, max(a.requests, c) if c > 1 else 8, a.max_tokens))
-                               for c in levels]
-        finally:
+            asyncio.run(_level(base, 1, 2, 8, IGNORE_EOS[engine]))          # warm-up
+        for rep in range(a.reps):
+            for c in levels:
+                for engine in (engines if (rep + levels.index(c)) % 2 == 0 else engines[::-1]):
+                    base, proc = servers[engine]
+                    r = asyncio.run(_level(base, c, max(a.requests, c) if c > 1 else 8, a.max_tokens,
+                                           IGNORE_EOS[engine]))
+                    raw[engine][c].append(r)
+                    print(f"round {rep + 1}/{a.reps} {engine} c={c}: TTFT {r['ttft_median_s']:.3f} s, "
+                          f"ITL {r['itl_median_ms']:.1f} ms, {r['output_tok_s']:.1f} tok/s",
+                          file=sys.stderr, flush=True)
+    finally:
+        for base, proc in servers.values():
             proc.terminate()
-            proc.wait(timeout=30)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    results = {e: [_median_rows(raw[e][c]) for c in levels] for e in engines}
+    machine, kernels = machine_info(), sparkserve_kernels()
     lines = [f"# Online serving, SmolLM2-135M-Instruct GGUF, {a.threads} threads "
-             f"({time.strftime('%Y-%m-%d %H:%M')})",
-             "", f"chat completions, streaming, temperature 0, max_tokens {a.max_tokens}; "
-             "each server alone on the machine while measured", "",
+             f"({time.strftime('%Y-%m-%d %H:%M')})", "",
+             f"{machine_line(machine)}; sparkserve kernels: {kernels}", "",
+             f"chat completions, streaming, temperature 0, max_tokens {a.max_tokens}, ignore_eos, a fresh "
+             f"connection per request; llamacpp = llama-server built from source (-np 32 -c 16384 -kvu "
+             f"-t {a.threads}); servers alternate, medians of {a.reps} round(s)", "",
              "| engine | concurrency | TTFT median (s) | ITL median (ms) | output tok/s |",
              "|---|---|---|---|---|"]
     for engine, rows in results.items():
         for r in rows:
             lines.append(f"| {engine} | {r['concurrency']} | {r['ttft_median_s']:.3f} | "
-                         f"{r['itl_median_ms']:.1f} "
-                         f"| {r['output_tok_s']:.1f} |")
-    write_results("serving", results, lines)
+                         f"{r['itl_median_ms']:.1f} | {r['output_tok_s']:.1f} |")
+    ratios = []
+    if "sparkserve" in results and "llamacpp" in results:
+        lines += ["", "sparkserve / llama.cpp (output tok/s: > 1 means sparkserve is faster; "
+                  "TTFT and ITL: < 1 means sparkserve is faster)", "",
+                  "| concurrency | output tok/s | TTFT | ITL |", "|---|---|---|---|"]
+        for s_row, l_row in zip(results["sparkserve"], results["llamacpp"]):
+            q = {k: s_row[k] / l_row[k] if l_row[k] else float("nan")
+                 for k in ("output_tok_s", "ttft_median_s", "itl_median_ms")}
+            ratios.append({"concurrency": s_row["concurrency"], **q})
+            lines.append(f"| {s_row['concurrency']} | **{q['output_tok_s']:.2f}x** | "
+                         f"{q['ttft_median_s']:.2f}x | {q['itl_median_ms']:.2f}x |")
+    data = {"engines": results, "ratio_sparkserve_vs_llamacpp": ratios, "machine": machine,
+            "sparkserve_kernels": kernels, "threads": a.threads, "max_tokens": a.max_tokens,
+            "reps": a.reps, "date": time.strftime("%Y-%m-%d %H:%M")}
+    write_results("serving", data, lines)
     plot(results)
     return 0
 

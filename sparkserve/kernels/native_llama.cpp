@@ -16,6 +16,7 @@
 #include "paged_attention.h"
 #include "rms_norm.h"
 #include "simd.h"
+#include "thread_pool.h"
 
 namespace sparkserve {
 namespace {
@@ -170,6 +171,7 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
       TORCH_CHECK(s.loc[t] >= 0 && s.loc[t] < k_[l].size(0), "native step: slot ", s.loc[t], " out of range");
   }
 
+  const SpinScope spinning;   // ~150 jobs back to back: keep the workers awake between them
   auto opts = x.options();
   at::Tensor res = x.contiguous().clone();
   at::Tensor h = at::empty({T, hidden_}, opts), qkv = at::empty({T, W}, opts), attn = at::empty({T, H * D}, opts);

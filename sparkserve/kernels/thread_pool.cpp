@@ -1,8 +1,8 @@
 // thread_pool.h. One job at a time: the caller publishes it by bumping `epoch_`; everyone (caller
 // included) claims chunks from `claim_`, whose high bits repeat the job's epoch so a worker that
 // arrives after its job ended claims nothing from the next one; the caller returns when `done_`
-// counts every chunk. Workers spin for SPARKSERVE_SPIN_US (default 100) microseconds after their
-// last job before they sleep on a condition variable.
+// counts every chunk. Workers spin while a SpinScope lives, else for SPARKSERVE_SPIN_US (default
+// 20) microseconds after their last job, then sleep on a condition variable.
 #include "thread_pool.h"
 
 #include <ATen/Parallel.h>
@@ -26,11 +26,12 @@ constexpr int kChunksPerThread = 4;   // claimable pieces per thread: slack for 
 constexpr int kEpochShift = 32;       // claim_ = epoch << 32 | next chunk
 
 thread_local bool t_in_job = false;
+std::atomic<int> g_spin_scopes{0};
 
 int64_t spin_us() {
   static const int64_t us = [] {
     const char* s = std::getenv("SPARKSERVE_SPIN_US");
-    return s ? std::max<int64_t>(0, std::atoll(s)) : int64_t{100};
+    return s ? std::max<int64_t>(0, std::atoll(s)) : int64_t{20};
   }();
   return us;
 }
@@ -103,11 +104,13 @@ class Pool {
   void loop() {
     uint64_t seen = epoch_.load(std::memory_order_acquire);
     for (;;) {
-      const auto t0 = std::chrono::steady_clock::now();
+      auto t0 = std::chrono::steady_clock::now();
       uint64_t e;
       while ((e = epoch_.load(std::memory_order_acquire)) == seen && !stop_.load(std::memory_order_relaxed)) {
         _mm_pause();
-        if (std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us())) {
+        if (g_spin_scopes.load(std::memory_order_relaxed) > 0) {
+          t0 = std::chrono::steady_clock::now();
+        } else if (std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us())) {
           std::unique_lock<std::mutex> lk(sleep_mutex_);
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
           wake_.wait(lk, [&] { return epoch_.load(std::memory_order_seq_cst) != seen || stop_.load(); });
@@ -148,6 +151,9 @@ Pool& pool() {
 }
 
 }  // namespace
+
+SpinScope::SpinScope() { g_spin_scopes.fetch_add(1, std::memory_order_relaxed); }
+SpinScope::~SpinScope() { g_spin_scopes.fetch_sub(1, std::memory_order_relaxed); }
 
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
   if (end <= begin) return;

@@ -1,0 +1,231 @@
+"""The real llama.cpp as a speed peer: `llama-bench` and `llama-server` built from source, once per
+machine kind, so benchmarks compare sparkserve with llama.cpp in the same run on the same CPU.
+
+    python benchmarks/peers/llamacpp.py [--force]      # build (first time ~5 min on 2 cores), print paths
+
+    from peers.llamacpp import build            # (with benchmarks/ on sys.path)
+    paths = build()                            # {"llama-bench": Path, "llama-server": Path}
+
+Why from source: llama-cpp-python's server is a Python wrapper (one request at a time); issue #20
+wants the C++ tools with continuous batching. The source is the llama-cpp-python sdist from PyPI
+(pinned below; it vendors llama.cpp at LLAMA_CPP_COMMIT), fetched with `pip download`, so only PyPI
+must be reachable. Needs cmake, a C++ compiler (g++) and ninja (`pip install ninja` gives one).
+
+Binaries go to ~/.cache/sparkserve/peers/llama.cpp-<version>-<hash>/bin/, where the hash covers the
+CPU flags and the compiler (GGML_NATIVE=ON compiles for this CPU: another machine kind builds its own).
+A file lock makes two concurrent first runs build once. The GCC 12 AMX fix (ldtilecfg) is applied to
+the source before every build, so AMX machines get a peer that does not segfault at batch > 1.
+Environment: SPARKSERVE_PEERS_CACHE (cache root), SPARKSERVE_LLAMACPP_SDIST (a local sdist .tar.gz
+instead of downloading), SPARKSERVE_BUILD_JOBS (parallel compile jobs, default: all cores)."""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"       # the one pin: sdist of llama-cpp-python that vendors llama.cpp
+LLAMA_CPP_COMMIT = "0c1e57098"             # what that sdist vendors (for the record only)
+PATCH_LEVEL = 1                            # bump when the patches below change: forces a rebuild
+TARGETS = ("llama-bench", "llama-server")
+CMAKE_ARGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+              "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+
+# GCC 12's _tile_loadconfig() declares an 8-byte memory operand, so the stores that fill the 64-byte
+# tile config are dropped and AMX matmuls (batch > 1) segfault (llama.cpp issue #20824).
+AMX_FILE = "ggml/src/ggml-cpu/amx/mmq.cpp"
+AMX_OLD = "    _tile_loadconfig(&tc);\n"
+AMX_NEW = ("#if defined(__GNUC__) && !defined(__clang__)\n"
+           "    __asm__ volatile (\"ldtilecfg %0\" :: \"m\" (tc));   // sparkserve: GCC 12 fix\n"
+           "#else\n"
+           "    _tile_loadconfig(&tc);\n"
+           "#endif\n")
+
+
+def _log(msg: str) -> None:
+    print(f"[llama.cpp peer] {msg}", file=sys.stderr, flush=True)
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags (first 'flags' line of /proc/cpuinfo), sorted."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return sorted(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return []
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return f"{cxx}: {out.splitlines()[0] if out else '?'}"
+    except (OSError, subprocess.SubprocessError):
+        return f"{cxx}: ?"
+
+
+def cache_dir() -> Path:
+    """~/.cache/sparkserve/peers/llama.cpp-<version>-<hash of CPU flags, compiler, build options>."""
+    root = Path(os.environ.get("SPARKSERVE_PEERS_CACHE") or Path.home() / ".cache/sparkserve/peers")
+    key = json.dumps([cpu_flags(), _compiler(), CMAKE_ARGS, PATCH_LEVEL])
+    return root / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+def _binaries(d: Path) -> dict[str, Path]:
+    return {t: d / "bin" / t for t in TARGETS}
+
+
+def _ready(d: Path) -> bool:
+    return (d / "build.json").exists() and all(p.exists() for p in _binaries(d).values())
+
+
+def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
+    """Run cmd, appending its output to log; on failure raise with the log's tail."""
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(map(str, cmd))}\n")
+        f.flush()
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd).returncode
+    if rc != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-60:])
+        raise RuntimeError(f"llama.cpp peer build step failed (exit {rc}): {' '.join(map(str, cmd))}\n"
+                           f"--- last lines of {log} ---\n{tail}")
+
+
+def _fetch_sdist(work: Path, log: Path) -> Path:
+    local = os.environ.get("SPARKSERVE_LLAMACPP_SDIST")
+    if local:
+        return Path(local)
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+          f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(work)], log)
+    found = glob.glob(str(work / "llama_cpp_python-*.tar.gz"))
+    if not found:
+        raise RuntimeError(f"pip download left no llama_cpp_python sdist in {work}")
+    return Path(found[0])
+
+
+def _extract_llama_cpp(sdist: Path, work: Path) -> Path:
+    """Extract only vendor/llama.cpp from the sdist; return its directory."""
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name + "/"]
+        if not members:
+            raise RuntimeError(f"{sdist} has no vendor/llama.cpp")
+        tar.extractall(work, members=members, filter="data")
+    src = next(work.glob("*/vendor/llama.cpp"))
+    return src
+
+
+def apply_patches(src: Path) -> list[str]:
+    """Apply the source fixes (idempotent: an already patched tree is left alone)."""
+    done = []
+    f = src / AMX_FILE
+    if f.exists():
+        text = f.read_text()
+        if "ldtilecfg %0" not in text:
+            if AMX_OLD not in text:
+                raise RuntimeError(f"AMX fix: `{AMX_OLD.strip()}` not found in {f}")
+            f.write_text(text.replace(AMX_OLD, AMX_NEW))
+        done.append("amx-ldtilecfg")
+    return done
+
+
+def _check_tools() -> None:
+    missing = [t for t in ("cmake", "ninja") if not shutil.which(t)]
+    if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+        missing.append("c++ (g++)")
+    if missing:
+        raise RuntimeError(f"building the llama.cpp peer needs {', '.join(missing)} on PATH "
+                           "(ninja: `pip install ninja`)")
+
+
+def _build_into(d: Path) -> None:
+    _check_tools()
+    jobs = os.environ.get("SPARKSERVE_BUILD_JOBS") or str(os.cpu_count() or 2)
+    d.mkdir(parents=True, exist_ok=True)
+    log = d / "build.log"
+    log.write_text(f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (llama.cpp {LLAMA_CPP_COMMIT}), "
+                   f"{_compiler()}\n")
+    t0 = time.time()
+    _log(f"first build of llama.cpp {LLAMA_CPP_COMMIT} (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist) "
+         f"into {d} with {jobs} jobs: about 5 min on 2 cores; log: {log}")
+    with tempfile.TemporaryDirectory(prefix="build-", dir=d) as tmp:
+        work = Path(tmp)
+        sdist = _fetch_sdist(work, log)
+        src = _extract_llama_cpp(sdist, work)
+        patches = apply_patches(src)
+        t1 = time.time()
+        _log(f"source ready in {t1 - t0:.0f} s (patches: {', '.join(patches) or 'none'}); compiling...")
+        build = work / "build"
+        _run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_ARGS], log)
+        _run(["cmake", "--build", str(build), "-j", jobs, "--target", *TARGETS], log)
+        (d / "bin").mkdir(exist_ok=True)
+        for t, dst in _binaries(d).items():
+            found = [p for p in (build / "bin" / t, build / t) if p.exists()]
+            if not found:
+                raise RuntimeError(f"build finished but {t} is missing under {build}")
+            shutil.copy2(found[0], dst)
+    took = time.time() - t0
+    (d / "build.json").write_text(json.dumps({
+        "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "llama_cpp_commit": LLAMA_CPP_COMMIT,
+        "patches": patches, "compiler": _compiler(), "cmake_args": CMAKE_ARGS, "jobs": jobs,
+        "build_seconds": round(took, 1), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpu_flags": cpu_flags()}, indent=1))
+    _log(f"first build done in {took:.0f} s ({took / 60:.1f} min)")
+
+
+def build(force: bool = False) -> dict[str, Path]:
+    """Build llama-bench and llama-server unless cached; return {name: path}. Raises on failure."""
+    d = cache_dir()
+    if _ready(d) and not force:
+        return _binaries(d)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with open(d.parent / f"{d.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:                # a second first run waits here, then finds the binaries
+            _log(f"another process is building (lock {lock.name}); waiting")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if force or not _ready(d):
+                (d / "build.json").unlink(missing_ok=True)
+                _build_into(d)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return _binaries(d)
+
+
+def build_info() -> dict:
+    """What build() recorded (version, commit, patches, compiler, build time), or {} if not built."""
+    try:
+        return json.loads((cache_dir() / "build.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    a = ap.parse_args()
+    t = time.time()
+    paths = build(force=a.force)
+    for name, p in paths.items():
+        print(f"{name}: {p}")
+    print(f"cache: {cache_dir()} ({'built' if time.time() - t > 5 else 'cached'}; "
+          f"build took {build_info().get('build_seconds', '?')} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
