@@ -24,6 +24,7 @@ namespace {
 
 constexpr int kChunksPerThread = 4;   // claimable pieces per thread: slack for a descheduled one
 constexpr int kEpochShift = 32;       // claim_ = epoch << 32 | next chunk
+constexpr uint64_t kChunkMask = 0xffffffffu;   // as a next chunk: the job is closed
 
 thread_local bool t_in_job = false;
 std::atomic<int> g_spin_scopes{0};
@@ -44,15 +45,14 @@ class Pool {
   void run(int threads, int64_t begin, int64_t chunk, int64_t nchunks, int64_t end,
            const std::function<void(int64_t, int64_t)>& f) {
     if (static_cast<int>(workers_.size()) != threads - 1) resize(threads - 1);
-    fn_.store(&f, std::memory_order_relaxed);
-    begin_.store(begin, std::memory_order_relaxed);
-    end_.store(end, std::memory_order_relaxed);
-    chunk_.store(chunk, std::memory_order_relaxed);
-    nchunks_.store(nchunks, std::memory_order_relaxed);
-    error_ = nullptr;
-    done_.store(0, std::memory_order_relaxed);
     const uint64_t e = epoch_.load(std::memory_order_relaxed) + 1;
-    claim_.store(e << kEpochShift, std::memory_order_relaxed);
+    // Closed first: a worker still in the previous job can claim nothing while the fields change.
+    claim_.store(e << kEpochShift | kChunkMask);
+    fn_.store(&f);
+    begin_.store(begin), end_.store(end), chunk_.store(chunk), nchunks_.store(nchunks);
+    error_ = nullptr;
+    done_.store(0);
+    claim_.store(e << kEpochShift);
     epoch_.store(e, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       { std::lock_guard<std::mutex> lk(sleep_mutex_); }
@@ -78,17 +78,19 @@ class Pool {
     for (size_t i = 0; i < n; ++i) workers_.emplace_back([this] { loop(); });
   }
 
-  // Claims and runs chunks of job `e` until none are left (or job e is over).
+  // Claims and runs chunks of job `e` until none are left (or job e is over). The fields are read
+  // after the claim counter and before the claim (all sequentially consistent): a claim that
+  // succeeds proves the counter did not change in between, so they were job e's.
   void work(uint64_t e) {
     t_in_job = true;
-    // Read before the first claim; a claim that succeeds proves they belong to job e.
-    const auto* fn = fn_.load(std::memory_order_relaxed);
-    const int64_t begin = begin_.load(std::memory_order_relaxed), end = end_.load(std::memory_order_relaxed);
-    const int64_t chunk = chunk_.load(std::memory_order_relaxed), nchunks = nchunks_.load(std::memory_order_relaxed);
-    uint64_t c = claim_.load(std::memory_order_acquire);
-    while ((c >> kEpochShift) == e && static_cast<int64_t>(c & 0xffffffffu) < nchunks) {
-      if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel)) continue;
-      const int64_t i = static_cast<int64_t>(c & 0xffffffffu);
+    for (;;) {
+      uint64_t c = claim_.load();
+      if ((c >> kEpochShift) != e) break;
+      const auto* fn = fn_.load();
+      const int64_t begin = begin_.load(), end = end_.load(), chunk = chunk_.load(), nchunks = nchunks_.load();
+      const int64_t i = static_cast<int64_t>(c & kChunkMask);
+      if (i >= nchunks) break;
+      if (!claim_.compare_exchange_strong(c, c + 1)) continue;
       try {
         (*fn)(begin + i * chunk, std::min(end, begin + (i + 1) * chunk));
       } catch (...) {
@@ -96,7 +98,6 @@ class Pool {
         if (!error_) error_ = std::current_exception();
       }
       done_.fetch_add(1, std::memory_order_release);
-      c = claim_.load(std::memory_order_acquire);
     }
     t_in_job = false;
   }

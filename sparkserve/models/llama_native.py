@@ -9,6 +9,7 @@ against. The step reads the block weights once, when first used: `reset()` drops
 weights change."""
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +23,8 @@ from sparkserve.mem.kv_pool import KVPool
 
 if TYPE_CHECKING:
     from sparkserve.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 # Most tokens per native forward: the block kernel beats oneDNN up to about this many rows on
 # SmolLM2's widest projection (layers/linear.py), and larger batches are prefill chunks.
@@ -50,6 +53,8 @@ class NativeStep:
             self._unsupported = unsupported(model)
             if self._unsupported is None:
                 self._step = build(model)
+            else:
+                log.info("native forward step off: %s (the layers run from Python)", self._unsupported)
         return self._step is not None
 
     def forward(self, model: LlamaForCausalLM, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

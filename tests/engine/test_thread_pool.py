@@ -118,3 +118,17 @@ def test_idle_pool_sleeps(ext, two_threads):
         busy = {t: s for t, s in _thread_states().items() if t != me and s == "R"}
         assert not busy, f"threads still spinning while idle: {busy}"
         time.sleep(0.02)
+
+
+def test_back_to_back_jobs_of_changing_sizes(ext, two_threads):
+    """Hundreds of jobs in a row, their chunk counts changing every time (the case where a worker
+    late for one job could take a chunk of the next): every output equals its one-thread value."""
+    shapes = [(4099, 1), (7, 3), (1536, 1), (576, 5), (96, 1)]
+    weights = [random_q4_1(n, 576, seed=n) for n, _ in shapes]
+    xs = [torch.randn(m, 576, generator=torch.Generator().manual_seed(m)) for _, m in shapes]
+    torch.set_num_threads(1)
+    want = [quant_linear(x, w) for x, w in zip(xs, weights)]
+    torch.set_num_threads(2)
+    for i in range(400):
+        k = i % len(shapes)
+        assert torch.equal(quant_linear(xs[k], weights[k]), want[k]), (i, shapes[k])
