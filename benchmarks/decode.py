@@ -52,7 +52,7 @@ class Sparkserve:
 
     def __init__(self):
         from sparkserve import Engine
-        self.engine = Engine(max_total_tokens=32 * 512)
+        self.engine = Engine(max_total_tokens=32 * 512, activation_quant="int8")
         self.tok = self.engine.tokenizer
 
     def prompts(self, n: int) -> list[list[int]]:

@@ -45,7 +45,8 @@ def _start(engine: str, port: int, threads: int) -> subprocess.Popen:
     model = default_model_path()
     if engine == "sparkserve":
         cmd = [sys.executable, "-m", "sparkserve.cli", "serve", "--port", str(port),
-               "--max-running-requests", "32", "--num-threads", str(threads), "--log-level", "warning"]
+               "--max-running-requests", "32", "--num-threads", str(threads), "--log-level", "warning",
+               "--activation-quant", "int8"]
     elif engine == "llamacpp":
         from peers.llamacpp import build
         cmd = [str(build()["llama-server"]), "-m", model, "--host", "127.0.0.1", "--port", str(port),

@@ -45,8 +45,8 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     from sparkserve import Engine
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    plain = Engine(max_total_tokens=16384)
-    specs = {m: Engine(max_total_tokens=16384, speculative_algorithm="DSPARK",
+    plain = Engine(max_total_tokens=16384, activation_quant="int8")
+    specs = {m: Engine(max_total_tokens=16384, speculative_algorithm="DSPARK", activation_quant="int8",
                        speculative_draft_model_path=a.draft,
                        speculative_dspark_verify_mode=m,
                        speculative_dspark_confidence_threshold=a.threshold if m == "threshold" else None)

@@ -125,8 +125,8 @@ def smollm2_hf(smollm2_path):
 @pytest.fixture(scope="session")
 def smollm2_engine(smollm2_path):
     """One SmolLM2 Engine for the whole session (loading takes seconds). Tests must leave it idle
-    and leak-free; they may rely on nothing cached in it. fp32 activations (not the engine's int8
-    default): its tests compare tokens with fp32 references (transformers, the torch fallback),
+    and leak-free; they may rely on nothing cached in it. fp32 activations (the engine's default,
+    stated): its tests compare tokens with fp32 references (transformers, the torch fallback),
     which int8 activations may flip (top-1 agrees on ~97% of positions: docs/kernel-notes.md);
     tests/engine/test_int8_kernels.py runs an int8 engine."""
     from sparkserve import Engine

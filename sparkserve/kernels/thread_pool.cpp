@@ -75,7 +75,11 @@ class Pool {
       workers_.clear();
       stop_.store(false);
     }
-    for (size_t i = 0; i < n; ++i) workers_.emplace_back([this] { loop(); });
+    for (size_t i = 0; i < n; ++i)
+      workers_.emplace_back([this] {
+        pthread_setname_np(pthread_self(), "sparkserve-pool");   // named: tools and tests can find them
+        loop();
+      });
   }
 
   // Claims and runs chunks of job `e` until none are left (or job e is over). The fields are read

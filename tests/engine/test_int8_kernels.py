@@ -259,11 +259,13 @@ def test_smollm2_int8_logits_stay_close_to_fp32(smollm2_path):
     assert abs(nll["i8"] - nll["fp"]) <= 0.05, nll
 
 
-def test_default_engine_runs_int8(smollm2_path, smollm2_engine):
-    """An Engine with default args computes with int8 activations (the scheduler's model holds int8
-    layers) and answers a plain factual prompt like the fp32 session engine on its first tokens."""
+def test_int8_engine_runs_int8(smollm2_path, smollm2_engine):
+    """An Engine with --activation-quant int8 computes with int8 activations (the scheduler's model
+    holds int8 layers) and answers a plain factual prompt like the fp32 session engine on its first
+    tokens; the default engine keeps fp32 activations."""
     from sparkserve import Engine
-    engine = Engine(smollm2_path, max_total_tokens=512, max_running_requests=2)
+    assert smollm2_engine.scheduler.runner.model.lm_head.activation_quant == "none"
+    engine = Engine(smollm2_path, max_total_tokens=512, max_running_requests=2, activation_quant="int8")
     try:
         model = engine.scheduler.runner.model
         assert model.lm_head.activation_quant == "int8" and model.lm_head._int8_max_m > 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import threading
 import time
 
 import numpy as np
@@ -94,10 +93,14 @@ def test_forked_child_gets_its_own_workers(ext, two_threads):
     assert q.get(timeout=5) == want
 
 
-def _thread_states() -> dict[int, str]:
-    """State letter (R running/runnable, S sleeping, ...) of each thread of this process."""
+def _pool_thread_states() -> dict[int, str]:
+    """State letter (R running/runnable, S sleeping, ...) of each of the pool's worker threads
+    (named sparkserve-pool; other threads of the test process are not the pool's business)."""
     states = {}
     for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip() != "sparkserve-pool":
+                continue
         with open(f"/proc/self/task/{tid}/stat") as f:
             states[int(tid)] = f.read().rsplit(")", 1)[1].split()[0]
     return states
@@ -113,10 +116,10 @@ def test_idle_pool_sleeps(ext, two_threads):
     for _ in range(50):
         quant_linear(x, w)
     time.sleep(0.25)
-    me = threading.get_native_id()
+    assert _pool_thread_states(), "no pool workers found"
     for _ in range(5):
-        busy = {t: s for t, s in _thread_states().items() if t != me and s == "R"}
-        assert not busy, f"threads still spinning while idle: {busy}"
+        busy = {t: s for t, s in _pool_thread_states().items() if s == "R"}
+        assert not busy, f"pool workers still spinning while idle: {busy}"
         time.sleep(0.02)
 
 
