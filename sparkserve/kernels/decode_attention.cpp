@@ -123,6 +123,7 @@ namespace sparkserve {
 void paged_attention(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, const PagedKV& kv,
                      const int64_t* seq_lens, const int64_t* q_off, int64_t B, float sc, float* op) {
   const int64_t Hkv = kv.Hkv, G = H / Hkv, window = kv.window, kv_start = kv.kv_start;
+  TORCH_CHECK(kv.causal || window <= 0, "paged attention: a window needs causal attention");
   // first gathered index a query at relative position e - 1 (e keys up to it) sees
   auto first = [&](int64_t e) { return window > 0 ? std::max<int64_t>(0, e - window) : 0; };
   // Work items (request, kv head): the K/V rows of a request's queries are fetched once, shared
@@ -141,7 +142,7 @@ void paged_attention(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64
       }
       s.resize(G * (end - begin));
       for (int64_t i = 0; i < nq; ++i) {       // query i: keys first(e) .. e - 1
-        const int64_t e = end - nq + 1 + i, f = first(e), t = q_off[b] + i;
+        const int64_t e = kv.causal ? end - nq + 1 + i : end, f = first(e), t = q_off[b] + i;
         attend(qp + t * qs0 + h * G * qs1, qs1, G, rows.data() + (f - begin), e - f, kv.k, kv.v, sc,
                s.data(), op + t * H * D + h * G * D, D);
       }

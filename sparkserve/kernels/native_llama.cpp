@@ -134,7 +134,7 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
                                              std::optional<at::Tensor> swa_out_loc,
                                              std::optional<at::Tensor> swa_kv_indices, int64_t swa_kv_start,
                                              std::vector<int64_t> seq_lens, std::vector<int64_t> q_lens,
-                                             std::vector<int64_t> aux_layers, bool int8) {
+                                             std::vector<int64_t> aux_layers, bool int8, bool causal) {
   TORCH_CHECK(k_.size() == layers_.size(), "native step: set_pool first");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == hidden_,
               "native step: x must be float32 [T, hidden]");
@@ -204,7 +204,8 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
       std::memcpy(kb + s.loc[t] * Hkv * D, row + H * D, Hkv * D * sizeof(float));
       std::memcpy(vb + s.loc[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
     }
-    const PagedKV kv{kb, vb, k_[l].size(0), Hkv, s.idx.data_ptr<int64_t>(), s.idx.stride(0), s.start, L.window};
+    const PagedKV kv{kb, vb, k_[l].size(0), Hkv, s.idx.data_ptr<int64_t>(), s.idx.stride(0), s.start, L.window,
+                     causal};
     paged_attention(qp, W, D, H, D, kv, seq_lens.data(), s.q_off.data(), B, scale, ap);
     run(L.o, ap, T, tp, int8);
     const float* post_w = L.post_norm.data_ptr<float>();

@@ -1,9 +1,9 @@
-// One call per forward for a Llama-family decoder on one rank: every layer's norms, q|k|v
+// One call per forward for a Llama-family decoder (or a DSpark draft's backbone) on one rank: every layer's norms, q|k|v
 // projection, optional q/k norm, rotary, K/V store, paged attention, o projection, gate|up, SiLU,
 // down projection and the residual adds, in C++ over the block-weight kernels. For decode,
 // VERIFY and small extends, where the Python layer path spends most of its time between ~15
 // small torch calls per layer rather than in them. The Python path stays the reference
-// (sparkserve/models/llama_native.py decides when this one applies).
+// (sparkserve/models/llama_native.py and dspark_native.py decide when this one applies).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -47,11 +47,12 @@ class NativeLlama {
   // ForwardBatch.kv_view describes. Returns [final normed hidden, then the residual stream after
   // each layer listed in aux_layers, in layer order]. int8: the projections quantize their
   // inputs to int8 blocks (block_linear_int8), as the layers do under --activation-quant int8.
+  // causal false: each request's rows all see each other (a DSpark draft's block pass).
   std::vector<at::Tensor> forward(at::Tensor x, at::Tensor positions, at::Tensor out_loc, at::Tensor kv_indices,
                                   int64_t kv_start, std::optional<at::Tensor> swa_out_loc,
                                   std::optional<at::Tensor> swa_kv_indices, int64_t swa_kv_start,
                                   std::vector<int64_t> seq_lens, std::vector<int64_t> q_lens,
-                                  std::vector<int64_t> aux_layers, bool int8);
+                                  std::vector<int64_t> aux_layers, bool int8, bool causal);
 
  private:
   int64_t hidden_, heads_, kv_heads_, head_dim_, intermediate_;

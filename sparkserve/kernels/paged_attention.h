@@ -7,17 +7,19 @@
 namespace sparkserve {
 
 // One layer's K/V pool buffers [slots, Hkv, D] and the batch's slot table: request b's key at
-// position kv_start + j lives in slot idx[b * idx_stride + j]; window <= 0: none.
+// position kv_start + j lives in slot idx[b * idx_stride + j]; window <= 0: none. Not causal:
+// every query of a request sees all its keys (a DSpark draft's block, whose rows are stored last).
 struct PagedKV {
   const float* k;
   const float* v;
   int64_t slots, Hkv;
   const int64_t* idx;
   int64_t idx_stride, kv_start, window;
+  bool causal = true;
 };
 
 // Request b's queries are rows q_off[b] .. q_off[b+1] - 1 of q (row stride qs0, head stride qs1),
-// at positions seq_lens[b] - their count .. seq_lens[b] - 1, causal. out: [T, H * D].
+// at positions seq_lens[b] - their count .. seq_lens[b] - 1. out: [T, H * D].
 void paged_attention(const float* q, int64_t qs0, int64_t qs1, int64_t H, int64_t D, const PagedKV& kv,
                      const int64_t* seq_lens, const int64_t* q_off, int64_t B, float scale, float* out);
 

@@ -21,6 +21,7 @@ from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.causal_lm import CausalLM
+from sparkserve.models.dspark_native import NativeDraftStep
 
 
 @dataclass
@@ -186,6 +187,7 @@ class DSparkDraft(nn.Module):
         self.confidence_head = ConfidenceHead(cfg) if cfg.enable_confidence_head else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
+        self.native: NativeDraftStep | None = None
 
     @property
     def block_size(self) -> int:
@@ -202,9 +204,11 @@ class DSparkDraft(nn.Module):
         out[..., self.to_target_ids(torch.arange(q.shape[-1]))] = q
         return out
 
-    def new_kv_pool(self, num_slots: int, dtype: torch.dtype = torch.float32) -> KVPool:
+    def new_kv_pool(self, num_slots: int, dtype: torch.dtype = torch.float32, block_rows: int = 0) -> KVPool:
+        """The draft's pool at the target's slots 1..num_slots, plus `block_rows` rows after them
+        that no allocator hands out (where the native step keeps the blocks' own K/V)."""
         c = self.config
-        return KVPool(num_slots, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
+        return KVPool(num_slots + block_rows, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
 
     # ---- KV injection -----------------------------------------------------------------------
     def context_hidden(self, taps: list[torch.Tensor]) -> torch.Tensor:
@@ -223,12 +227,17 @@ class DSparkDraft(nn.Module):
             v_buf[slots] = v
 
     # ---- one parallel block pass ------------------------------------------------------------
+    def enable_native_step(self, on: bool) -> None:
+        """Run the block pass as one native call where it can (models/dspark_native.py)."""
+        self.native = NativeDraftStep() if on else None
+
     def block_hidden(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, kv_indices: torch.Tensor,
-                     ctx_lens: list[int], pool: KVPool) -> torch.Tensor:
+                     ctx_lens: list[int], pool: KVPool, block_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Normed hidden states [B, G, d] of the block [anchor, mask x (G-1)] at positions
         anchor_pos.. for B requests whose injected context is kv_indices[b, :ctx_lens[b]].
         Positions at the pad slot 0 are masked out: padding, and pages a sliding-window target
-        gave up (slot 0 never holds a real token)."""
+        gave up (slot 0 never holds a real token). `block_slots`: pool rows no request uses, where
+        the native step may keep the blocks' own K/V (None: the Python path)."""
         B, G = anchors.shape[0], self.block_size
         ids = torch.full((B, G), self.config.mask_token_id, dtype=torch.long)
         ids[:, 0] = anchors
@@ -237,6 +246,8 @@ class DSparkDraft(nn.Module):
         if int(pos.max()) >= self.rotary.max_positions:   # mask slots past the context end (never
             self.rotary.max_positions = int(pos.max()) + 1  # verified, but they shape the block)
             self.rotary.build()
+        if self.native is not None and self.native.applies(self, kv_indices, ctx_lens, block_slots):
+            return self.native.block_hidden(self, x, pos, kv_indices, ctx_lens, pool, block_slots).view(B, G, -1)
         cos_sin = self.rotary.cos_sin(pos)
         L = kv_indices.shape[1]
         ctx_ok = (torch.arange(L)[None, :] < torch.tensor(ctx_lens)[:, None]) & (kv_indices != 0)  # [B, L]

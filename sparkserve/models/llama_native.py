@@ -69,7 +69,7 @@ class NativeStep:
         out = self._step.forward(x, batch.positions, batch.out_cache_loc, batch.kv_indices, batch.kv_start,
                                  batch.swa_out_cache_loc, batch.swa_kv_indices, batch.swa_kv_start,
                                  batch.seq_lens, batch.extend_lens, sorted(i for i in aux if i >= 0),
-                                 model.model.layers[0].self_attn.qkv_proj.activation_quant == "int8")
+                                 model.model.layers[0].self_attn.qkv_proj.activation_quant == "int8", True)
         batch.aux_hidden.extend(out[1:])
         return out[0]
 

@@ -181,4 +181,8 @@ def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, c
     planner = VerifyPlanner(mode, thr or 0.0, costs)
     log.info("DSpark: draft %s, %d layers, gamma %d, verify mode %s", path, draft.config.num_hidden_layers,
              draft.block_size, mode)
-    return DSparkWorker(draft, draft.new_kv_pool(num_slots), planner, cache.req_to_token.table)
+    # the native block pass keeps each block's own K/V in pool rows after the target's slots
+    block_rows = 0 if args.disable_native_step else args.max_running_requests * draft.block_size
+    draft.enable_native_step(block_rows > 0)
+    return DSparkWorker(draft, draft.new_kv_pool(num_slots, block_rows=block_rows), planner,
+                        cache.req_to_token.table, torch.arange(num_slots + 1, num_slots + 1 + block_rows))

@@ -47,8 +47,9 @@ def target_model(target_dir):
 
 def write_checkpoint(path, tcfg: dict, *, markov: str = "vanilla", shared: bool = True, conf: bool = True,
                      conf_markov: bool = True, prefix: str = "", seed: int = 0, layout: str = "deepspec",
-                     drop: tuple[str, ...] = (), extra: dict | None = None, cfg_over: dict | None = None):
-    """A DSpark draft in DeepSpec's layout; returns {DeepSpec name: tensor} as written."""
+                     drop: tuple[str, ...] = (), extra: dict | None = None, cfg_over: dict | None = None,
+                     dtype: torch.dtype = torch.float32):
+    """A DSpark draft in DeepSpec's layout; returns {DeepSpec name: tensor} as written (in fp32)."""
     d, I, V = tcfg["hidden_size"], tcfg["intermediate_size"], tcfg["vocab_size"]
     H, Hkv, D = tcfg["num_attention_heads"], tcfg["num_key_value_heads"], tcfg["head_dim"]
     g = torch.Generator().manual_seed(seed)
@@ -84,7 +85,8 @@ def write_checkpoint(path, tcfg: dict, *, markov: str = "vanilla", shared: bool 
         del t[k]
     t |= extra or {}
     os.makedirs(path, exist_ok=True)
-    save_file({prefix + k: v.contiguous() for k, v in t.items()}, os.path.join(path, "model.safetensors"))
+    t = {k: v.to(dtype).float() for k, v in t.items()}
+    save_file({prefix + k: v.to(dtype).contiguous() for k, v in t.items()}, os.path.join(path, "model.safetensors"))
     if layout == "deepspec":
         cfg = {k: v for k, v in tcfg.items() if k not in ("rope_parameters", "rope_scaling")}
         cfg |= {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "num_hidden_layers": N_LAYERS,
@@ -248,28 +250,11 @@ def test_draft_forward_matches_reference(target_dir, target_cfg, tmp_path, case)
     t = write_checkpoint(str(tmp_path), target_cfg, **kw)
     target = target_model(target_dir)
     draft = load_dspark_draft(str(tmp_path), target)
-    embed = t["embed_tokens.weight"] if kw["shared"] else target.model.embed_tokens.weight
-    lm_head = t["lm_head.weight"] if kw["shared"] else target.lm_head.weight
-    d = target_cfg["hidden_size"]
-    g = torch.Generator().manual_seed(3)
-    ctx_lens, anchors = [5, 9], [17, 201]
     pool = draft.new_kv_pool(64)
-    perm = (torch.randperm(63, generator=g) + 1)[:sum(ctx_lens)]
-    table = torch.zeros(3, 32, dtype=torch.long)
-    rows = [2, 0]
-    taps_per_req, off = [], 0
-    for r, n in zip(rows, ctx_lens):
-        taps = [torch.randn(n, d, generator=g) for _ in TAPS]
-        slots = perm[off:off + n]
-        off += n
-        table[r, :n] = slots
-        draft.inject(taps, torch.arange(n), slots, pool)
-        taps_per_req.append(taps)
+    table, rows, ctx_lens, anchors, perm, refs = two_requests(draft, pool, t, target, target_cfg, kw)
     hidden = draft.block_hidden(torch.tensor(anchors), torch.tensor(ctx_lens), table[rows, :max(ctx_lens)],
                                 ctx_lens, pool)
     shift = 1 if kw.get("layout") == "speculators" else 0
-    refs = [reference_block(t, target_cfg, embed, lm_head, taps, a, shift, kw["markov"], kw.get("conf", True),
-                            kw.get("conf_markov", True)) for taps, a in zip(taps_per_req, anchors)]
     for b, (ref_hidden, _, _) in enumerate(refs):
         assert torch.allclose(hidden[b], ref_hidden, atol=1e-4, rtol=1e-4), \
             (b, (hidden[b] - ref_hidden).abs().max())
@@ -297,6 +282,69 @@ def test_draft_forward_matches_reference(target_dir, target_cfg, tmp_path, case)
     owner = 0 if perm[0] in table[rows[0], :ctx_lens[0]] else 1
     assert not torch.allclose(moved[owner], hidden[owner]) and torch.allclose(moved[1 - owner],
                                                                               hidden[1 - owner])
+
+
+def two_requests(draft, pool, t, target, target_cfg, kw):
+    """Context of two requests (5 and 9 tokens) injected at scattered slots of `pool`; returns
+    the slot table, its rows used, context lengths, anchors, the slots, and the reference blocks."""
+    embed = t["embed_tokens.weight"] if kw["shared"] else target.model.embed_tokens.weight
+    lm_head = t["lm_head.weight"] if kw["shared"] else target.lm_head.weight
+    g = torch.Generator().manual_seed(3)
+    ctx_lens, anchors = [5, 9], [17, 201]
+    perm = (torch.randperm(63, generator=g) + 1)[:sum(ctx_lens)]
+    table = torch.zeros(3, 32, dtype=torch.long)
+    rows = [2, 0]
+    taps_per_req, off = [], 0
+    for r, n in zip(rows, ctx_lens):
+        taps = [torch.randn(n, target_cfg["hidden_size"], generator=g) for _ in TAPS]
+        slots = perm[off:off + n]
+        off += n
+        table[r, :n] = slots
+        draft.inject(taps, torch.arange(n), slots, pool)
+        taps_per_req.append(taps)
+    shift = 1 if kw.get("layout") == "speculators" else 0
+    refs = [reference_block(t, target_cfg, embed, lm_head, taps, a, shift, kw["markov"], kw.get("conf", True),
+                            kw.get("conf_markov", True)) for taps, a in zip(taps_per_req, anchors)]
+    return table, rows, ctx_lens, anchors, perm, refs
+
+
+@pytest.mark.parametrize("case", ["vanilla_shared", "speculators_gated"])
+@torch.inference_mode()
+def test_native_block_pass_matches_reference(target_dir, target_cfg, tmp_path, case, monkeypatch):
+    """An fp16 checkpoint (its layers kept as F16 blocks): the native block pass, with the blocks'
+    own K/V in spare pool rows, equals the reference and the Python path, and leaves the context
+    rows alone; a gap in the context (slot 0, masked by the Python path) falls back to Python."""
+    from sparkserve.models.dspark_draft import load_dspark_draft
+    from sparkserve.models.dspark_native import NativeDraftStep
+    kw = CASES[case]
+    t = write_checkpoint(str(tmp_path), target_cfg, dtype=torch.float16, **kw)
+    target = target_model(target_dir)
+    draft = load_dspark_draft(str(tmp_path), target)
+    draft.enable_native_step(True)
+    calls = []
+    native_pass = NativeDraftStep.block_hidden
+    monkeypatch.setattr(NativeDraftStep, "block_hidden", lambda self, *a: calls.append(1) or native_pass(self, *a))
+    pool = draft.new_kv_pool(64, block_rows=2 * GAMMA)
+    spare = torch.arange(65, 65 + 2 * GAMMA)
+    table, rows, ctx_lens, anchors, perm, refs = two_requests(draft, pool, t, target, target_cfg, kw)
+    before = [k.clone() for k in pool.k]
+    args = (torch.tensor(anchors), torch.tensor(ctx_lens), table[rows, :max(ctx_lens)], ctx_lens, pool)
+    native = draft.block_hidden(*args, spare)
+    assert calls == [1]
+    python = draft.block_hidden(*args)
+    assert calls == [1]
+    for b, (ref_hidden, _, _) in enumerate(refs):
+        assert torch.allclose(native[b], ref_hidden, atol=1e-4, rtol=1e-4), (b, (native[b] - ref_hidden).abs().max())
+    assert (native - python).abs().max() < 1e-5
+    for k, k0 in zip(pool.k, before):
+        assert torch.equal(k[:65], k0[:65])
+    assert not torch.equal(pool.k[0][65:], before[0][65:])       # the block rows went to the spare rows
+    assert draft.block_hidden(*args, spare[:GAMMA]).shape == native.shape and calls == [1]   # too few rows
+    gap = table[rows, :max(ctx_lens)].clone()
+    gap[1, 3] = 0                                                  # a slot the target gave up
+    masked = draft.block_hidden(args[0], args[1], gap, ctx_lens, pool, spare)
+    assert calls == [1]
+    assert torch.allclose(masked[0], python[0], atol=1e-6) and not torch.allclose(masked[1], python[1])
 
 
 # ---- serving the hand-written checkpoints ---------------------------------------------------

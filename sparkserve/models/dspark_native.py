@@ -1,0 +1,96 @@
+"""The DSpark draft's block pass as one native call (kernels/native_llama.cpp, non-causal).
+
+At batch 1 the draft's backbone runs once per speculative cycle, beside a target step that is
+already native, so its ~15 small torch calls per layer weigh on every cycle. The native step runs
+the same layers: the block rows' own K/V go to `block_slots` (rows of the draft pool past the
+allocator's slots, so no request's context is touched) and each block attends to its injected
+context and to all of its own rows. The Python path (DSparkDraft.block_hidden) stays the
+reference and the fallback: a draft without half-precision / GGUF block weights, context with
+gaps (slots a sliding-window target gave up, which the Python path masks), more block rows than
+`block_slots`, or autograd."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from sparkserve.kernels import BlockWeight
+from sparkserve.kernels.build import load_extension
+
+if TYPE_CHECKING:
+    from sparkserve.mem.kv_pool import KVPool
+    from sparkserve.models.dspark_draft import DSparkDraft
+
+log = logging.getLogger(__name__)
+
+
+class NativeDraftStep:
+    def __init__(self) -> None:
+        self._step = None
+        self._cos = None            # the rotary table the step was built with
+        self._pool = None
+        self._unsupported: str | None = None
+
+    def applies(self, draft: DSparkDraft, kv_indices: torch.Tensor, ctx_lens: list[int],
+                block_slots: torch.Tensor | None) -> bool:
+        B, G = kv_indices.shape[0], draft.block_size
+        if block_slots is None or block_slots.numel() < B * G or torch.is_grad_enabled():
+            return False
+        live = torch.arange(kv_indices.shape[1])[None, :] < torch.tensor(ctx_lens)[:, None]
+        if bool((kv_indices[live] == 0).any()):          # gaps in the context: the Python path masks them
+            return False
+        if self._unsupported is None and (self._step is None or self._cos is not draft.rotary.cos):
+            self._unsupported = unsupported(draft)
+            if self._unsupported is None:
+                self._step, self._cos, self._pool = build(draft), draft.rotary.cos, None
+            else:
+                log.info("native draft step off: %s (the draft runs from Python)", self._unsupported)
+        return self._unsupported is None
+
+    def block_hidden(self, draft: DSparkDraft, x: torch.Tensor, positions: torch.Tensor, kv_indices: torch.Tensor,
+                     ctx_lens: list[int], pool: KVPool, block_slots: torch.Tensor) -> torch.Tensor:
+        """x [B*G, d] block embeddings at `positions`; returns the normed hidden rows [B*G, d]."""
+        if pool is not self._pool:
+            self._step.set_pool(pool.k, pool.v, [])
+            self._pool = pool
+        B, G = kv_indices.shape[0], draft.block_size
+        own = block_slots[:B * G].view(B, G)
+        # request b's keys: its context, then its block rows' slots
+        table = torch.cat([kv_indices, torch.zeros(B, G, dtype=torch.long)], 1)
+        table.scatter_(1, torch.tensor(ctx_lens)[:, None] + torch.arange(G)[None, :], own)
+        return self._step.forward(x, positions, own.reshape(-1), table, 0, None, None, 0,
+                                  [n + G for n in ctx_lens], [G] * B, [], False, False)[0]
+
+
+def unsupported(draft: DSparkDraft) -> str | None:
+    """Why this draft's backbone cannot run natively, or None."""
+    if load_extension() is None:
+        return "the C++ kernels are unavailable"
+    for layer in draft.layers:
+        attn = layer.self_attn
+        if any(lin.inference_blocks() is None
+               for lin in (attn.q_proj, attn.kv_proj, attn.o_proj, layer.gate_up_proj, layer.down_proj)):
+            return "a projection has no block weights (an fp32 checkpoint)"
+        if BlockWeight.cat([attn.q_proj.inference_blocks(), attn.kv_proj.inference_blocks()]) is None:
+            return "q and k|v hold different block formats"
+    return None
+
+
+def build(draft: DSparkDraft):
+    c = draft.config
+    step = load_extension().NativeLlama(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                        c.intermediate_size, c.rms_norm_eps, draft.rotary.cos, draft.rotary.sin,
+                                        draft.norm.weight.detach())
+    for layer in draft.layers:
+        attn = layer.self_attn
+        qkv = BlockWeight.cat([attn.q_proj.inference_blocks(), attn.kv_proj.inference_blocks()])
+        bias = None
+        if attn.q_proj.bias is not None:
+            bias = torch.cat([attn.q_proj.bias, attn.kv_proj.bias]).detach()
+        o, gate_up, down = (lin.inference_blocks() for lin in (attn.o_proj, layer.gate_up_proj, layer.down_proj))
+        step.add_layer(qkv.blocks, qkv.qtype, bias, o.blocks, o.qtype, gate_up.blocks, gate_up.qtype,
+                       down.blocks, down.qtype, layer.input_layernorm.weight.detach(),
+                       layer.post_attention_layernorm.weight.detach(), attn.q_norm.weight.detach(),
+                       attn.k_norm.weight.detach(), 0)
+    return step
