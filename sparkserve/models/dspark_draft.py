@@ -232,7 +232,8 @@ class DSparkDraft(nn.Module):
         self.native = NativeDraftStep() if on else None
 
     def block_hidden(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, kv_indices: torch.Tensor,
-                     ctx_lens: list[int], pool: KVPool, block_slots: torch.Tensor | None = None) -> torch.Tensor:
+                     ctx_lens: list[int], pool: KVPool,
+                     block_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Normed hidden states [B, G, d] of the block [anchor, mask x (G-1)] at positions
         anchor_pos.. for B requests whose injected context is kv_indices[b, :ctx_lens[b]].
         Positions at the pad slot 0 are masked out: padding, and pages a sliding-window target
@@ -247,7 +248,8 @@ class DSparkDraft(nn.Module):
             self.rotary.max_positions = int(pos.max()) + 1  # verified, but they shape the block)
             self.rotary.build()
         if self.native is not None and self.native.applies(self, kv_indices, ctx_lens, block_slots):
-            return self.native.block_hidden(self, x, pos, kv_indices, ctx_lens, pool, block_slots).view(B, G, -1)
+            out = self.native.block_hidden(self, x, pos, kv_indices, ctx_lens, pool, block_slots)
+            return out.view(B, G, -1)
         cos_sin = self.rotary.cos_sin(pos)
         L = kv_indices.shape[1]
         ctx_ok = (torch.arange(L)[None, :] < torch.tensor(ctx_lens)[:, None]) & (kv_indices != 0)  # [B, L]

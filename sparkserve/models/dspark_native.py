@@ -48,8 +48,9 @@ class NativeDraftStep:
                 log.info("native draft step off: %s (the draft runs from Python)", self._unsupported)
         return self._unsupported is None
 
-    def block_hidden(self, draft: DSparkDraft, x: torch.Tensor, positions: torch.Tensor, kv_indices: torch.Tensor,
-                     ctx_lens: list[int], pool: KVPool, block_slots: torch.Tensor) -> torch.Tensor:
+    def block_hidden(self, draft: DSparkDraft, x: torch.Tensor, positions: torch.Tensor,
+                     kv_indices: torch.Tensor, ctx_lens: list[int], pool: KVPool,
+                     block_slots: torch.Tensor) -> torch.Tensor:
         """x [B*G, d] block embeddings at `positions`; returns the normed hidden rows [B*G, d]."""
         if pool is not self._pool:
             self._step.set_pool(pool.k, pool.v, [])
@@ -79,16 +80,17 @@ def unsupported(draft: DSparkDraft) -> str | None:
 
 def build(draft: DSparkDraft):
     c = draft.config
-    step = load_extension().NativeLlama(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                        c.intermediate_size, c.rms_norm_eps, draft.rotary.cos, draft.rotary.sin,
-                                        draft.norm.weight.detach())
+    step = load_extension().NativeLlama(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                                        c.head_dim, c.intermediate_size, c.rms_norm_eps, draft.rotary.cos,
+                                        draft.rotary.sin, draft.norm.weight.detach())
     for layer in draft.layers:
         attn = layer.self_attn
         qkv = BlockWeight.cat([attn.q_proj.inference_blocks(), attn.kv_proj.inference_blocks()])
         bias = None
         if attn.q_proj.bias is not None:
             bias = torch.cat([attn.q_proj.bias, attn.kv_proj.bias]).detach()
-        o, gate_up, down = (lin.inference_blocks() for lin in (attn.o_proj, layer.gate_up_proj, layer.down_proj))
+        o, gate_up, down = (lin.inference_blocks()
+                            for lin in (attn.o_proj, layer.gate_up_proj, layer.down_proj))
         step.add_layer(qkv.blocks, qkv.qtype, bias, o.blocks, o.qtype, gate_up.blocks, gate_up.qtype,
                        down.blocks, down.qtype, layer.input_layernorm.weight.detach(),
                        layer.post_attention_layernorm.weight.detach(), attn.q_norm.weight.detach(),

@@ -26,7 +26,8 @@ class Proposal:
 class DSparkWorker:
     def __init__(self, draft: DSparkDraft, pool: KVPool, planner: VerifyPlanner, req_to_token: torch.Tensor,
                  block_slots: torch.Tensor | None = None):
-        """`block_slots`: rows of `pool` no request uses, for the native block pass (DSparkDraft.block_hidden)."""
+        """`block_slots`: rows of `pool` no request uses, for the native block pass
+        (DSparkDraft.block_hidden)."""
         self.draft = draft
         self.pool = pool
         self.block_slots = block_slots
@@ -54,7 +55,8 @@ class DSparkWorker:
         anchor_pos = torch.tensor([r.kv_len for r in reqs])
         ctx_lens = [r.kv_len for r in reqs]
         kv_indices = self.req_to_token[torch.tensor([r.row for r in reqs]), :max(ctx_lens)]
-        hidden = d.block_hidden(anchors, anchor_pos, kv_indices, ctx_lens, self.pool, self.block_slots)[:, self.shift:]
+        hidden = d.block_hidden(anchors, anchor_pos, kv_indices, ctx_lens, self.pool,
+                                self.block_slots)[:, self.shift:]
         base = d.lm_head(hidden.reshape(B * G, -1)).float().view(B, G, -1)
         tokens, embs, q_probs = self._markov_loop(reqs, anchors, hidden, base)
         conf = None

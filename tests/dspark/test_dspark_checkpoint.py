@@ -86,7 +86,8 @@ def write_checkpoint(path, tcfg: dict, *, markov: str = "vanilla", shared: bool 
     t |= extra or {}
     os.makedirs(path, exist_ok=True)
     t = {k: v.to(dtype).float() for k, v in t.items()}
-    save_file({prefix + k: v.to(dtype).contiguous() for k, v in t.items()}, os.path.join(path, "model.safetensors"))
+    save_file({prefix + k: v.to(dtype).contiguous() for k, v in t.items()},
+              os.path.join(path, "model.safetensors"))
     if layout == "deepspec":
         cfg = {k: v for k, v in tcfg.items() if k not in ("rope_parameters", "rope_scaling")}
         cfg |= {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "num_hidden_layers": N_LAYERS,
@@ -323,7 +324,8 @@ def test_native_block_pass_matches_reference(target_dir, target_cfg, tmp_path, c
     draft.enable_native_step(True)
     calls = []
     native_pass = NativeDraftStep.block_hidden
-    monkeypatch.setattr(NativeDraftStep, "block_hidden", lambda self, *a: calls.append(1) or native_pass(self, *a))
+    monkeypatch.setattr(NativeDraftStep, "block_hidden",
+                        lambda self, *a: calls.append(1) or native_pass(self, *a))
     pool = draft.new_kv_pool(64, block_rows=2 * GAMMA)
     spare = torch.arange(65, 65 + 2 * GAMMA)
     table, rows, ctx_lens, anchors, perm, refs = two_requests(draft, pool, t, target, target_cfg, kw)
@@ -334,7 +336,8 @@ def test_native_block_pass_matches_reference(target_dir, target_cfg, tmp_path, c
     python = draft.block_hidden(*args)
     assert calls == [1]
     for b, (ref_hidden, _, _) in enumerate(refs):
-        assert torch.allclose(native[b], ref_hidden, atol=1e-4, rtol=1e-4), (b, (native[b] - ref_hidden).abs().max())
+        assert torch.allclose(native[b], ref_hidden, atol=1e-4, rtol=1e-4), \
+            (b, (native[b] - ref_hidden).abs().max())
     assert (native - python).abs().max() < 1e-5
     for k, k0 in zip(pool.k, before):
         assert torch.equal(k[:65], k0[:65])

@@ -178,7 +178,8 @@ def test_dspark_verify_runs_natively(monkeypatch):
     count = Counter(monkeypatch)
     blocks = []
     native_pass = NativeDraftStep.block_hidden
-    monkeypatch.setattr(NativeDraftStep, "block_hidden", lambda self, *a: blocks.append(1) or native_pass(self, *a))
+    monkeypatch.setattr(NativeDraftStep, "block_hidden",
+                        lambda self, *a: blocks.append(1) or native_pass(self, *a))
     msgs = [[{"role": "user", "content": "Write a Python function that adds two numbers."}]]
     params = dict(GREEDY, max_new_tokens=40)
     with Engine(max_total_tokens=2048, speculative_algorithm="DSPARK") as spec:
