@@ -376,8 +376,8 @@ def test_dspark_draft_masks_positions_the_window_gave_up(tmp_path):
     block_hidden = draft.block_hidden
     seen = {"calls": 0, "freed": 0}
 
-    def checked(anchors, anchor_pos, kv_indices, ctx_lens, pool):
-        out = block_hidden(anchors, anchor_pos, kv_indices, ctx_lens, pool)
+    def checked(anchors, anchor_pos, kv_indices, ctx_lens, pool, block_slots=None):
+        out = block_hidden(anchors, anchor_pos, kv_indices, ctx_lens, pool, block_slots)
         seen["calls"] += 1
         for b, n in enumerate(ctx_lens):
             ctx = kv_indices[b, :n]
