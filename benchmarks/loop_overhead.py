@@ -120,7 +120,8 @@ def main() -> int:
     res = {"threads": a.threads, "new_tokens": a.new_tokens, "reps": a.reps, "engine": steps,
            "server": cpu, "kernels": sparkserve_kernels(), "date": time.strftime("%Y-%m-%d %H:%M")}
     lines = [f"# Serving-loop overhead, SmolLM2-135M-Instruct Q4_1, {a.threads} threads ({res['date']})", "",
-             machine_line(), f"kernels: {res['kernels']}; {a.new_tokens} new tokens, greedy, medians of {a.reps}",
+             machine_line(),
+             f"kernels: {res['kernels']}; {a.new_tokens} new tokens, greedy, medians of {a.reps}",
              "", "Engine decode steps: time outside the model forward (scheduling, sampling, commits)", "",
              "| batch | ms per step | forward ms | outside the forward |", "|---|---|---|---|"]
     for bs, r in steps.items():
