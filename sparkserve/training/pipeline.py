@@ -284,8 +284,9 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
 def stage_eval(cfg: PipelineConfig) -> dict:
     """tau (tokens per verify cycle, bonus included) through the real serving path, on the
     held-out ShareGPT prompts and HumanEval, at temperature 0 and 1; with validation data also
-    the offline greedy tau over all of it. Scores DIR/draft/best (the best validated draft,
-    the one to ship) when training validated, else DIR/draft."""
+    the offline greedy tau over all of it and, as a parity check, the same sequences served.
+    Scores DIR/draft/best (the best validated draft, the one to ship) when training validated,
+    else DIR/draft."""
     from sparkserve.entrypoints.engine import Engine
     from sparkserve.training.prompts import humaneval_prompts, split_sharegpt
     sets = {"sharegpt_heldout": split_sharegpt()[1][:cfg.eval_prompts],
@@ -305,8 +306,10 @@ def _eval_sets(cfg: PipelineConfig, eng, sets: dict, draft_dir: str) -> dict:
     val = _path(cfg, "val", "features")
     if os.path.exists(os.path.join(val, "index.json")):
         from sparkserve.training.feature_cache import FeatureCache
-        from sparkserve.training.validate import greedy_acceptance
-        res["val_greedy_offline"] = greedy_acceptance(eng.scheduler.spec.draft, FeatureCache.open(val))
+        from sparkserve.training.validate import greedy_acceptance, serving_acceptance
+        cache = FeatureCache.open(val)
+        res["val_greedy_offline"] = greedy_acceptance(eng.scheduler.spec.draft, cache)
+        res["val_greedy_serving"] = serving_acceptance(eng, cache)      # the same walk, served: parity
     for name, prompts in sets.items():
         for temp in (0.0, 1.0):
             t = time.time()

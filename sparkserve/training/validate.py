@@ -64,3 +64,25 @@ def greedy_acceptance(draft: DSparkDraft, cache: FeatureCache, max_seqs: int | N
     return {"tau": 1 + float(n.float().mean()) if len(n) else 1.0,
             "slot_accept": (accepted / reached.clamp_min(1)).tolist(), "blocks": len(n),
             "accept_hist": {int(c): int((n == c).sum()) for c in n.unique()}}
+
+
+def serving_acceptance(engine, cache: FeatureCache, max_seqs: int | None = None) -> dict:
+    """The parity check of greedy_acceptance: the same cached sequences served greedily by a
+    DSpark `engine` (each prompt, as many new tokens as cached, EOS ignored) give tau, slot-1
+    acceptance and the accept histogram as serving measures them. Where they differ from the
+    offline walk, training and serving see different drafts (a skew in masks, positions, taps or
+    numerics). `same_tokens`: the share of sequences served token for token as cached (below 1 the
+    target's greedy answers changed since distillation, and the two walks differ for that reason)."""
+    seqs = [cache.token_ids(i) for i in range(len(cache) if max_seqs is None else min(max_seqs, len(cache)))]
+    seqs = [(tokens, plen) for tokens, plen in seqs if len(tokens) - 2 > max(plen, 1)]   # the walk's too
+    before = dict(engine.scheduler.load().spec_accept_hist)
+    outs = engine.generate(input_ids=[tokens[:plen].tolist() for tokens, plen in seqs],
+                           sampling_params=[{"temperature": 0, "max_new_tokens": len(tokens) - plen,
+                                             "ignore_eos": True} for tokens, plen in seqs])
+    after = engine.scheduler.load().spec_accept_hist
+    hist = {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v - before.get(k, 0)}
+    cycles = sum(hist.values())
+    accepted = sum(k * v for k, v in hist.items())
+    same = sum(o["output_ids"] == tokens[plen:].tolist() for o, (tokens, plen) in zip(outs, seqs))
+    return {"tau": 1 + accepted / max(cycles, 1), "slot1_accept": sum(v for k, v in hist.items() if k > 0)
+            / max(cycles, 1), "blocks": cycles, "accept_hist": hist, "same_tokens": same / max(len(seqs), 1)}

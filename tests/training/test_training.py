@@ -12,7 +12,7 @@ from sparkserve.config import ModelConfig
 from sparkserve.models.dspark_draft import dspark_config_dict, init_dspark_draft, load_dspark_draft
 from sparkserve.training.feature_cache import FeatureCache, build_feature_cache, capture
 from sparkserve.training.train_dspark import TrainConfig, block_forward, sample_anchors, train, walk_anchors
-from sparkserve.training.validate import greedy_acceptance
+from sparkserve.training.validate import greedy_acceptance, serving_acceptance
 
 V = 64
 
@@ -128,6 +128,11 @@ def test_offline_acceptance_replays_serving(bigram_target, distilled, tmp_path):
     assert res["blocks"] == sum(hist.values())
     reached0 = res["blocks"]
     assert res["slot_accept"][0] == pytest.approx(sum(v for k, v in hist.items() if k > 0) / reached0)
+    # the eval stage's parity check serves the cached sequences again and reads the same walk
+    served = serving_acceptance(spec, FeatureCache.open(fc_dir), max_seqs=8)
+    assert served["accept_hist"] == res["accept_hist"] and served["same_tokens"] == 1.0
+    assert served["tau"] == pytest.approx(res["tau"]) and served["slot1_accept"] == pytest.approx(
+        res["slot_accept"][0])
 
 
 def test_walk_anchors_step_like_serving(bigram_target, distilled, tmp_path):
