@@ -694,6 +694,6 @@ def test_sigterm_ends_streams_and_exits_0(server, http):
     err = json.loads(events[-2])["error"]
     assert err["code"] == 503 and "shutting down" in err["message"]
     assert server.proc.wait(15) == 0
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30                    # bounded, not hung (a loaded machine is slow)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)                                  # the scheduler process is gone too
