@@ -10,6 +10,7 @@ with full and windowed layers mixed, the windowed layers' pages do."""
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate
@@ -255,6 +256,7 @@ class Scheduler(PromptHandover):
         anchor + drafts, the others their next token, in the same forward."""
         speculating = self._ensure_decode_memory({r for r in self.running if self._speculates(r)})
         spec_reqs = [r for r in self.running if r in speculating]
+        t0 = time.perf_counter()
         props = {}
         if spec_reqs:
             plain = len(self.running) - len(spec_reqs)
@@ -282,6 +284,7 @@ class Scheduler(PromptHandover):
             self._sample_and_commit(reqs, logits)
         else:
             self._verify_and_commit(reqs, sched, props, fb, logits)
+            self.spec.observe_cycle(time.perf_counter() - t0, fb.num_tokens)
         self.running = [r for r in self.running if not r.finished]
         return reqs
 

@@ -3,7 +3,6 @@ KV, then propose a block per request — one parallel backbone pass, a serial Ma
 samples the slots, and a confidence per slot — and pick each request's verify length."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +46,13 @@ class DSparkWorker:
         if rows.numel():
             self.draft.inject([a[rows] for a in aux], positions[rows], slots[rows], self.pool)
 
+    def observe_cycle(self, seconds: float, tokens: int) -> None:
+        """A cycle (propose, verify forward, acceptance, commits) took `seconds` over `tokens` target
+        tokens: the planner charges its cost beyond the forward to the next plans."""
+        self.planner.observe_cycle(seconds, tokens)
+
     @torch.inference_mode()
     def propose(self, reqs: list[Req], plain_tokens: int = 0) -> list[Proposal]:
-        t0 = time.perf_counter()
         d, B, G = self.draft, len(reqs), self.num_drafts
         anchors = torch.tensor([r.output_ids[-1] for r in reqs])
         anchor_pos = torch.tensor([r.kv_len for r in reqs])
@@ -64,7 +67,6 @@ class DSparkWorker:
             conf = d.confidence_head(hidden.reshape(B * G, -1), embs.view(B * G, -1)).view(B, G)
         caps = [max(0, min(G, r.params.max_new_tokens - len(r.output_ids) - 1)) for r in reqs]
         confs = [conf[i] if conf is not None else None for i in range(B)]
-        self.planner.observe_draft(time.perf_counter() - t0)
         lens = self.planner.plan(confs, caps, plain_tokens)
         toks = tokens.tolist()
         return [Proposal(toks[i], confs[i], q_probs[i], lens[i]) for i in range(B)]

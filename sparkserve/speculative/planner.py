@@ -4,10 +4,11 @@ full: verify every draft. threshold: verify the leading drafts whose confidence 
 threshold. adaptive (the paper's Alg. 1): rank every (request, slot) of the batch by its
 survival a = prod of confidences up to that slot, and admit slots while the expected tokens
 per second  tau / (draft + cost(B))  rises, with tau = sum_r (1 + sum_{j<=l_r} a_rj), B = sum_r (1 + l_r),
-cost(B) the measured seconds of one step that verifies B tokens and `draft` the seconds of the
-draft pass (the table's, or the worker's running measurement if larger). When even the best plan
-yields fewer tokens per second than plain decoding (tau0 / cost(B0)), it verifies nothing, so the
-scheduler backs the requests off drafting for a while."""
+cost(B) the measured seconds of one step that verifies B tokens and `draft` what a cycle costs
+beyond that forward: the draft pass, the LM head rows acceptance reads, acceptance and commits
+(the table's draft_seconds, or the scheduler's running measurement of whole cycles if larger).
+When even the best plan yields fewer tokens per second than plain decoding (tau0 / cost(B0)), it
+verifies nothing, so the scheduler backs the requests off drafting for a while."""
 from __future__ import annotations
 
 import bisect
@@ -59,10 +60,12 @@ class VerifyPlanner:
         if mode == "adaptive" and costs is None:
             raise ValueError("adaptive verify needs a step cost table")
         self.mode, self.threshold, self.costs = mode, threshold, costs
-        self.draft_seconds = 0.0          # running mean of the measured draft pass
+        self.cycle_seconds = 0.0          # running mean of a cycle's cost beyond its target forward
 
-    def observe_draft(self, seconds: float) -> None:
-        self.draft_seconds = seconds if not self.draft_seconds else 0.8 * self.draft_seconds + 0.2 * seconds
+    def observe_cycle(self, seconds: float, tokens: int) -> None:
+        """A whole speculative cycle took `seconds` and its target forward ran `tokens` tokens."""
+        extra = max(0.0, seconds - (self.costs.cost(tokens) if self.costs is not None else 0.0))
+        self.cycle_seconds = extra if not self.cycle_seconds else 0.8 * self.cycle_seconds + 0.2 * extra
 
     def plan(self, confidences: list[torch.Tensor | None], caps: list[int],
              plain_tokens: int = 0) -> list[int]:
@@ -86,7 +89,7 @@ class VerifyPlanner:
         lens = [0] * len(caps)
         tau = float(len(caps))
         B = len(caps) + plain_tokens
-        draft = max(self.costs.draft_seconds, self.draft_seconds)
+        draft = max(self.costs.draft_seconds, self.cycle_seconds)
         plain_rate = tau / self.costs.cost(B)
         best = tau / (draft + self.costs.cost(B))
         for a, r, j in ranked:

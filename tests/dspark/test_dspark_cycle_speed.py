@@ -142,13 +142,13 @@ def test_engine_verify_uses_kernel_and_lazy_head(tmp_path, monkeypatch):
 
 
 def test_adaptive_plan_counts_the_draft_and_backs_off():
-    """With the measured draft pass in the cost, a weak draft's best plan is slower than plain
-    decoding: the planner verifies nothing (so the scheduler backs off drafting); without it, or
-    with a strong draft, it verifies."""
+    """With what a measured cycle cost beyond its forward (the draft pass, acceptance) in the
+    cost, a weak draft's best plan is slower than plain decoding: the planner verifies nothing (so
+    the scheduler backs off drafting); without it, or with a strong draft, it verifies."""
     from sparkserve.speculative.planner import StepCostTable, VerifyPlanner
     planner = VerifyPlanner("adaptive", costs=StepCostTable([1, 2, 8], [0.018, 0.021, 0.041]))
     weak, strong = [torch.full((7,), 0.28)], [torch.full((7,), 0.9)]
     assert planner.plan(weak, [7]) == [1]          # (1 + .28) / 21 ms > 1 / 18 ms
-    planner.observe_draft(0.007)
+    planner.observe_cycle(0.028, 2)               # 7 ms beyond the 21 ms forward of 2 tokens
     assert planner.plan(weak, [7]) == [0]          # (1 + .28) / (7 + 21) ms < 1 / 18 ms
     assert planner.plan(strong, [7]) == [7]
