@@ -1,6 +1,7 @@
-// One call per forward for a Llama-family decoder (or a DSpark draft's backbone) on one rank: every layer's norms, q|k|v
-// projection, optional q/k norm, rotary, K/V store, paged attention, o projection, gate|up, SiLU,
-// down projection and the residual adds, in C++ over the block-weight kernels. For decode,
+// One call per forward for a Llama-family decoder (or a DSpark draft's backbone) on one rank: every
+// layer's norms, q|k|v projection, optional q/k norm, rotary, K/V store, paged attention, o
+// projection, gate|up, SiLU, down projection and the residual adds, in C++ over the block-weight
+// kernels. For decode,
 // VERIFY and small extends, where the Python layer path spends most of its time between ~15
 // small torch calls per layer rather than in them. The Python path stays the reference
 // (sparkserve/models/llama_native.py and dspark_native.py decide when this one applies).
