@@ -88,8 +88,9 @@ class PipelineConfig:
     eval_max_new_tokens: int = _h(128, "answer length in the eval stage")
     labels: str = _h("generated", "generated: the target answers every prompt (self-distillation); "
                                   "prefill: one teacher-forced pass over the answer each prompt brings (a "
-                                  "prompts-file conversation ending in an assistant turn), labelled by the "
-                                  "target's greedy argmax where the answer agrees with it; mix: both")
+                                  "prompts-file conversation ending in an assistant turn; ShareGPT's own "
+                                  "replies by default), labelled by the target's greedy argmax where the "
+                                  "answer agrees with it; mix: both")
     prefill_frac: float | None = _h(None, "with --labels mix: the share of prompts labelled by prefill")
     target_url: list[str] | None = _h(None, "comma-separated URLs of `sparkserve serve` servers (or a "
                                             "router) to distil and capture through (/generate with "

@@ -40,7 +40,7 @@ def stage_prompts(cfg: PipelineConfig) -> None:
         val = prompts[len(prompts) - cfg.val_prompts:] if cfg.val_prompts else []
         train = prompts[:len(prompts) - len(val)]
     else:
-        train, held = split_sharegpt()
+        train, held = split_sharegpt(answers=cfg.labels != "generated")   # prefill labels read the replies
         val = held[len(held) - cfg.val_prompts:] if cfg.val_prompts else []
     train = train[cfg.prompts_offset:cfg.prompts_offset + cfg.num_prompts]
     if val and os.path.exists(_path(cfg, "prompts.jsonl")):   # validation added to an earlier run

@@ -45,11 +45,18 @@ def sharegpt_conversations(path: str | None = None) -> Iterator[list[dict]]:
             yield msgs
 
 
-def first_user_turn(conv: list[dict]) -> list[dict] | None:
-    for m in conv:
+def first_user_turn(conv: list[dict], answer: bool = False) -> list[dict] | None:
+    """The first user turn; with `answer`, followed by the dataset's reply to it (if any)."""
+    for i, m in enumerate(conv):
         if m["role"] == "user" and m["content"].strip():
-            return [{"role": "user", "content": m["content"]}]
+            return [{"role": "user", "content": m["content"]}] + (answer_after(conv, i) if answer else [])
     return None
+
+
+def answer_after(conv: list[dict], i: int) -> list[dict]:
+    """[the assistant turn that answers turn i], or [] when none does."""
+    nxt = conv[i + 1] if i + 1 < len(conv) else None
+    return [dict(nxt)] if nxt is not None and nxt["role"] == "assistant" and nxt["content"].strip() else []
 
 
 def humaneval_prompts() -> list[list[dict]]:
@@ -75,10 +82,10 @@ def jsonl_prompts(path: str) -> list[list[dict]]:
     return out
 
 
-def later_user_turns(conv: list[dict], max_chars: int) -> list[list[dict]]:
+def later_user_turns(conv: list[dict], max_chars: int, answer: bool = False) -> list[list[dict]]:
     """Each user turn after the first, with the conversation before it (the dataset's own
-    assistant answers) as a chat server sees it; skipped when the turn is longer than
-    max_chars or the history with it longer than 2 * max_chars."""
+    assistant answers) as a chat server sees it, and with `answer` the reply to it; skipped when
+    the turn is longer than max_chars or the history with it longer than 2 * max_chars."""
     out, users, total = [], 0, 0
     for i, m in enumerate(conv):
         total += len(m["content"])
@@ -86,28 +93,35 @@ def later_user_turns(conv: list[dict], max_chars: int) -> list[list[dict]]:
             continue
         users += 1
         if users > 1 and len(m["content"]) <= max_chars and total <= 2 * max_chars:
-            out.append([dict(x) for x in conv[:i + 1]])
+            out.append([dict(x) for x in conv[:i + 1]] + (answer_after(conv, i) if answer else []))
     return out
 
 
-def split_sharegpt(holdout: int = 2000, max_chars: int = 2000) -> tuple[list[list[dict]], list[list[dict]]]:
+def split_sharegpt(holdout: int = 2000, max_chars: int = 2000,
+                   answers: bool = False) -> tuple[list[list[dict]], list[list[dict]]]:
     """(train, held-out) prompts; held-out = the first user turns of the last `holdout`
     conversations. Training = the first user turns of the other conversations, then their
     later user turns with the history before them (so an offset into the first part names the
-    same prompts as before the later turns were added). A training prompt whose last user text
-    also occurs in the held-out set is dropped (ShareGPT repeats some first turns), so the two
-    sets share no prompt."""
+    same prompts as before the later turns were added); with `answers`, each followed by the
+    dataset's reply to it where there is one (prefill labels: --labels prefill|mix). A training
+    prompt whose last user text also occurs in the held-out set is dropped (ShareGPT repeats some
+    first turns), so the two sets share no prompt."""
     convs = list(sharegpt_conversations())
     train_part, held_part = convs[:-holdout], convs[-holdout:]
 
-    def first_turns(cs):
+    def first_turns(cs, answer):
         out = []
         for c in cs:
-            p = first_user_turn(c)
+            p = first_user_turn(c, answer)
             if p and len(p[0]["content"]) <= max_chars:
                 out.append(p)
         return out
-    held = first_turns(held_part)
+    held = first_turns(held_part, False)
     held_text = {p[0]["content"] for p in held}
-    train = first_turns(train_part) + [p for c in train_part for p in later_user_turns(c, max_chars)]
-    return [p for p in train if p[-1]["content"] not in held_text], held
+    train = first_turns(train_part, answers) + [p for c in train_part
+                                                for p in later_user_turns(c, max_chars, answers)]
+    return [p for p in train if last_user_text(p) not in held_text], held
+
+
+def last_user_text(messages: list[dict]) -> str:
+    return next(m["content"] for m in reversed(messages) if m["role"] == "user")

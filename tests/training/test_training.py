@@ -266,6 +266,30 @@ def test_heldout_split_is_disjoint():
     assert not {key(p) for p in he} & train_keys
 
 
+def test_sharegpt_prompts_bring_their_answers_for_prefill_labels(tmp_path):
+    """--labels prefill|mix on ShareGPT: each training prompt is followed by the dataset's reply
+    to it (what the prefill pass labels), the same prompts in the same order otherwise; the
+    validation and held-out prompts stay bare (validation follows the target's own answers)."""
+    from sparkserve.training.config import PipelineConfig
+    from sparkserve.training.label_mix import split_answer
+    from sparkserve.training.pipeline import stage_prompts
+    from sparkserve.training.prompts import jsonl_prompts, split_sharegpt
+    plain, held = split_sharegpt()
+    with_answers, held2 = split_sharegpt(answers=True)
+    assert held2 == held and [split_answer(p)[0] for p in with_answers] == plain
+    answered = [p for p in with_answers if split_answer(p)[1] is not None]
+    assert len(answered) > 0.99 * len(plain)
+    assert any(len(p) > 2 for p in answered)                 # later turns too, history before them
+    for labels, has in (("prefill", True), ("generated", False)):
+        out = str(tmp_path / labels)
+        stage_prompts(PipelineConfig(out=out, labels=labels, num_prompts=20, prompts_offset=100,
+                                     val_prompts=3))
+        train = jsonl_prompts(os.path.join(out, "prompts.jsonl"))
+        assert [split_answer(p)[0] for p in train] == plain[100:120]
+        assert all((split_answer(p)[1] is not None) == has for p in train)
+        assert jsonl_prompts(os.path.join(out, "val", "prompts.jsonl")) == held[-3:]
+
+
 # ---- reduced draft vocab and the closed-form Markov start ------------------------------------
 def _cache_with_lse(target, fc_dir: str, tmp_path) -> FeatureCache:
     """A copy of the shared cache with the teacher's lse.npy (reduced-vocab training needs it)."""
