@@ -261,8 +261,8 @@ def test_shipped_draft_is_the_default_on_the_embedded_model():
     ref = engine(None).generate(messages=msgs, sampling_params=params)
     for mode in ("full", "adaptive"):
         from sparkserve import Engine
-        eng = Engine(max_total_tokens=4096, speculative_algorithm="DSPARK",
-                     speculative_dspark_verify_mode=mode)
+        eng = Engine(max_total_tokens=4096, speculative_algorithm="DSPARK", max_running_requests=4,
+                     speculative_dspark_verify_mode=mode)       # adaptive: step costs for 4 requests
         draft = eng.scheduler.spec.draft
         assert draft.d2t is not None and draft.embed_tokens is eng.scheduler.runner.model.model.embed_tokens
         out = eng.generate(messages=msgs, sampling_params=params)
