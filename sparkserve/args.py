@@ -98,6 +98,10 @@ class ServerArgs:
         "max prompt tokens per prefill step (-1: no chunking)"))
     max_prefill_tokens: int = field(default=8192, metadata=_opt(
         "max tokens in one prefill batch when chunking is off"))
+    enable_mixed_chunk: bool = field(default=False, metadata=_opt(
+        "run the decoding requests' next tokens in the same forward as a prefill batch, so they do not "
+        "stall while prompts prefill (the batch's prompt tokens shrink by as many); not with "
+        "--speculative-algorithm"))
     decode_log_interval: int = field(default=40, metadata=_opt("log one decode batch in this many steps"))
     max_queued_requests: int | None = field(default=None, metadata=_opt(
         "waiting requests beyond which new ones get 503 (default: no limit)", server_only=True))
@@ -224,6 +228,9 @@ class ServerArgs:
              "cache is not recomputed, so it has no hidden states to return")
         need(self.hidden_state_layers is None or self.enable_return_hidden_states,
              "--hidden-state-layers needs --enable-return-hidden-states")
+        need(not (self.enable_mixed_chunk and self.speculative_algorithm),
+             "--enable-mixed-chunk with --speculative-algorithm: a verify step does not share a forward with "
+             "a prefill batch; drop one of the two flags")
         need(self.hidden_state_layers is None or self.speculative_algorithm is None,
              "--hidden-state-layers with --speculative-algorithm: a DSpark target taps its draft's layers")
         need(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")

@@ -2,8 +2,10 @@
 
 Each `step()` runs one forward: a prefill (EXTEND) batch when waiting requests fit (new ones
 join between steps; long prompts go in chunks of --chunked-prefill-size), else one DECODE
-step for every running request. When KV slots run out, the newest running requests are
-retracted (their KV kept in the prefix cache) and recomputed later, never failed. With every
+step for every running request. With --enable-mixed-chunk the running requests decode inside
+the prefill forward too (one-token extends), so their tokens keep coming while prompts prefill.
+When KV slots run out, the newest running requests are retracted (their KV kept in the prefix
+cache) and recomputed later, never failed. With every
 layer sliding-window, pages that leave the window go back after each forward
 (KVCacheManager.slide_window), so a request holds about a window of KV however long it runs;
 with full and windowed layers mixed, the windowed layers' pages do."""
@@ -40,6 +42,7 @@ class SchedulerConfig:
     chunked_prefill_size: int = 512       # <= 0: no chunking
     max_prefill_tokens: int = 4096
     decode_log_interval: int = 40         # log one decode batch in this many (SGLang's default)
+    mixed_chunk: bool = False             # decodes join prefill forwards (--enable-mixed-chunk)
 
 
 IN_BATCH_PREFIX_MIN = 32     # shared prompt tokens worth waiting one step for
@@ -150,7 +153,7 @@ class Scheduler(PromptHandover):
         prefill = self._schedule_prefill()
         if prefill:
             self.batch_log.prefill(self, prefill)
-            return self._run_prefill(prefill)
+            return self._run_prefill(prefill, self._mixed_decodes())
         if not self.running:
             return []
         before = sum(len(r.output_ids) for r in self.running)
@@ -182,6 +185,8 @@ class Scheduler(PromptHandover):
     def _fill_prefill_batch(self, batch, deferred: list[Req]) -> list[tuple[Req, torch.Tensor, int]]:
         chunk = self.cfg.chunked_prefill_size
         budget = chunk if chunk > 0 else self.cfg.max_prefill_tokens
+        if self.cfg.mixed_chunk:
+            budget -= len(self.running)       # the decodes that join this forward
         while budget > 0:
             from_chunk = self.chunked is not None
             if from_chunk:
@@ -227,16 +232,32 @@ class Scheduler(PromptHandover):
                 break
         return batch
 
-    def _run_prefill(self, batch: list[tuple[Req, torch.Tensor, int]]) -> list[Req]:
+    def _mixed_decodes(self) -> list[tuple[Req, torch.Tensor]]:
+        """With --enable-mixed-chunk: each running request and the slot of its next token, when all
+        of them fit (admission kept that room); else none, and they decode in the next step."""
+        if not self.cfg.mixed_chunk or not self.running:
+            return []
+        page = self.cache.allocator.page_size
+        if not self.cache.room(sum(self.cache.pages_needed(r, 1) for r in self.running) * page):
+            return []
+        return [(r, self.cache.alloc(r, 1)) for r in self.running]
+
+    def _run_prefill(self, batch: list[tuple[Req, torch.Tensor, int]],
+                     decoding: list[tuple[Req, torch.Tensor]] = ()) -> list[Req]:
+        """One EXTEND forward over the prefill batch's chunks and, mixed in after them, the next
+        token of each request in `decoding`."""
         sched = [ScheduledReq(r.row, r.kv_len, r.fill_ids[r.kv_len:r.kv_len + n], slots,
                               logit_rows=int(r.kv_len + n == len(r.fill_ids))) for r, slots, n in batch]
+        sched += [ScheduledReq(r.row, r.kv_len, [r.fill_ids[-1]], slots, logit_rows=1)
+                  for r, slots in decoding]
         fb = self.runner.build_batch(ForwardMode.EXTEND, sched)
         logits = self.runner.forward(fb)
         self.forward_count[ForwardMode.EXTEND] += 1
         if self.spec is not None:       # every prompt row becomes draft context
             self.spec.inject(fb.aux_hidden, torch.arange(fb.num_tokens), fb.positions, fb.out_cache_loc)
-        starts = accumulate((n for _, _, n in batch), initial=0)
+        starts = list(accumulate((n for _, _, n in batch), initial=0))
         self._keep_hidden(fb, ((req, range(o, o + n)) for (req, _, n), o in zip(batch, starts)))
+        self._keep_hidden(fb, ((req, [starts[-1] + j]) for j, (req, _) in enumerate(decoding)))
         done = []
         for (req, _, n) in batch:
             req.kv_len += n
@@ -246,10 +267,14 @@ class Scheduler(PromptHandover):
             self.cache.slide_window(req)
             if req.kv_len == len(req.fill_ids):
                 done.append(req)
-        if done:
-            self._sample_and_commit(done, logits)
-        self.running += [req for req in done if not req.finished]
-        return done
+        decoded = [req for req, _ in decoding]
+        for req in decoded:
+            req.kv_len += 1
+            self.cache.slide_window(req)
+        if done or decoded:
+            self._sample_and_commit(done + decoded, logits)     # the logits rows' order
+        self.running = [r for r in self.running if not r.finished] + [r for r in done if not r.finished]
+        return done + decoded
 
     def _run_decode(self) -> list[Req]:
         """One DECODE step; with DSpark, one VERIFY step: speculating requests score their
