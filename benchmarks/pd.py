@@ -26,9 +26,10 @@ max_tokens 32 with ignore_eos, of a mixed load (--requests, every --long-every't
 prompt of ~--long-tokens tokens of English text (Python's pydoc topics, each its own slice, so
 no two share a prefix), the others short chats of ~30 tokens), and of the short chats alone
 (the reference: what the short chats' inter-token latency is without long prompts), through
-(a) one colocated `sparkserve serve --num-threads 2` and (b) `sparkserve serve
+(a) one colocated `sparkserve serve --num-threads 2`, (b) `sparkserve serve
 --disaggregation-mode prefill` + `--disaggregation-mode decode`, `--num-threads 1` each, behind
-`sparkserve router`, each setup alone on the machine while measured. TTFT and ITL median and
+`sparkserve router`, and (c) (a) with `--enable-mixed-chunk` (running requests decode inside
+prefill steps), each setup alone on the machine while measured. TTFT and ITL median and
 p90 for the short chats and the long prompts separately, output tokens/s, and the KV bytes each
 request's prompt state is (prompt tokens x the pool's bytes per token) and what moved (less the
 prompt tokens the decode server's prefix cache held).
@@ -587,9 +588,10 @@ class Servers:
 def _setup(kind: str, srv: Servers) -> tuple[str, list[str]]:
     """Start a setup; its base URL and the commands that started it."""
     common = ["--log-level", "warning"]
-    if kind == "colocated":
+    if kind.startswith("colocated"):
         port = _free_port()
-        cmds = [srv.start("colocated", ["serve", "--port", str(port), "--num-threads", "2", *common], 2)]
+        mixed = ["--enable-mixed-chunk"] if kind == "colocated_mixed" else []
+        cmds = [srv.start(kind, ["serve", "--port", str(port), "--num-threads", "2", *mixed, *common], 2)]
         base = f"http://127.0.0.1:{port}"
         srv.wait_ready(base)
         return base, cmds
@@ -609,7 +611,8 @@ def _setup(kind: str, srv: Servers) -> tuple[str, list[str]]:
 
 
 SETUPS = {"colocated": "(a) colocated, 1 server, 2 threads",
-          "disaggregated": "(b) prefill + decode server (1 thread each) + router"}
+          "disaggregated": "(b) prefill + decode server (1 thread each) + router",
+          "colocated_mixed": "(c) colocated with --enable-mixed-chunk, 2 threads"}
 
 
 def serving(a) -> dict:
@@ -658,7 +661,7 @@ def serving_table(s: dict) -> list[str]:
              "completion token / the load's wall time. KV = the prompt's state (prompt tokens x "
              f"{s['bytes_per_token']} bytes), moved = less what the decode server's prefix cache held (the "
              "chat template's system prompt); medians. 1-minute load average "
-             + ", ".join(f"{x:.2f}" for x in s["loadavg_1min"]) + " (before, after (a), after (b)).", "",
+             + ", ".join(f"{x:.2f}" for x in s["loadavg_1min"]) + " (before, then after each setup).", "",
              "| setup | load | requests | TTFT median / p90 (s) | ITL median / p90 (ms) | "
              "ITL p99 / max (ms) | output tok/s (whole load) | KV per request / moved (MB) |",
              "|---|---|---|---|---|---|---|---|"]
