@@ -18,10 +18,26 @@ import httpx
 SERVER_THREADS = 1
 
 
+# Ports for test servers come from below the kernel's ephemeral range (32768 and up on Linux, where
+# every outgoing connection takes one), each pytest-xdist worker from its own block: a port handed
+# out here cannot be taken by a connection or by a test of the other worker before its server binds.
+_BLOCK = 3000
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_BASE = 20000 + _BLOCK * (_WORKER % 4)
+_offset = [os.getpid() % _BLOCK]          # where this process starts in its block
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(_BLOCK):
+        port = _BASE + _offset[0]
+        _offset[0] = (_offset[0] + 1) % _BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue                  # in use, or still closing: the next one
+        return port
+    raise RuntimeError(f"no free port in {_BASE}..{_BASE + _BLOCK - 1}")
 
 
 class ServerProcess:

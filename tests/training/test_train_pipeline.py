@@ -92,6 +92,8 @@ def test_train_draft_cli_end_to_end(tmp_path):
     assert ev.pop("draft") == os.path.join(out, "draft", "best")
     best = max(r["val_tau"] for r in logged if "val_tau" in r)
     assert ev.pop("val_greedy_offline")["tau"] == pytest.approx(best)     # all of val = val_seqs
+    served = ev.pop("val_greedy_serving")             # the parity check: the val sequences served again
+    assert served["same_tokens"] == 1.0 and served["blocks"] > 0 and 1.0 <= served["tau"] <= 8.0
     assert set(ev) == {"sharegpt_heldout_T0", "sharegpt_heldout_T1", "humaneval_T0", "humaneval_T1"}
     assert all(v["cycles"] > 0 and 1.0 <= v["tau"] <= 8.0 for v in ev.values()), ev
 
