@@ -5,10 +5,9 @@ join between steps; long prompts go in chunks of --chunked-prefill-size), else o
 step for every running request. With --enable-mixed-chunk the running requests decode inside
 the prefill forward too (one-token extends), so their tokens keep coming while prompts prefill.
 When KV slots run out, the newest running requests are retracted (their KV kept in the prefix
-cache) and recomputed later, never failed. With every
-layer sliding-window, pages that leave the window go back after each forward
-(KVCacheManager.slide_window), so a request holds about a window of KV however long it runs;
-with full and windowed layers mixed, the windowed layers' pages do."""
+cache) and recomputed later, never failed. With every layer sliding-window, pages that leave the
+window go back after each forward (KVCacheManager.slide_window), so a request holds about a window
+of KV however long it runs; with full and windowed layers mixed, the windowed layers' pages do."""
 from __future__ import annotations
 
 import sys
