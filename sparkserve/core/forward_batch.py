@@ -93,14 +93,35 @@ class ForwardBatch:
         slots, the key columns cut to its longest request; no logits rows (the caller picks those
         from the whole batch)."""
         a, b = sum(self.extend_lens[:lo]), sum(self.extend_lens[:hi])
-        seq = self.seq_lens[lo:hi]
+        return self._sub(slice(a, b), slice(lo, hi))
+
+    def split_by_query_len(self, max_q: int) -> list[tuple[torch.Tensor, ForwardBatch]]:
+        """The requests of at most `max_q` new tokens and the longer ones, each as a batch of
+        their own with its flat token rows in this batch: attention runs the short ones with a
+        per-query kernel and pads only the long ones to their longest (cached per forward)."""
+        if "split" not in self._meta:
+            lens = self.extend_lens
+            starts = [0] + torch.tensor(lens).cumsum(0).tolist()
+            groups = []
+            for short in (True, False):
+                reqs = [i for i, n in enumerate(lens) if (n <= max_q) == short]
+                if reqs:
+                    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in reqs])
+                    groups.append((rows, self._sub(rows, torch.tensor(reqs))))
+            self._meta["split"] = groups
+        return self._meta["split"]
+
+    def _sub(self, rows: slice | torch.Tensor, reqs: slice | torch.Tensor) -> ForwardBatch:
+        """The batch of requests `reqs` whose flat token rows are `rows`."""
+        seq = torch.tensor(self.seq_lens)[reqs].tolist()
         swa = {}
         if self.swa_kv_indices is not None:
-            swa = dict(swa_out_cache_loc=self.swa_out_cache_loc[a:b], swa_kv_start=self.swa_kv_start,
-                       swa_kv_indices=self.swa_kv_indices[lo:hi, :max(seq) - self.swa_kv_start])
-        return ForwardBatch(self.mode, self.input_ids[a:b], self.positions[a:b], self.out_cache_loc[a:b],
-                            self.extend_lens[lo:hi], seq, self.kv_indices[lo:hi, :max(seq) - self.kv_start],
-                            self.kv_pool, req_rows=None if self.req_rows is None else self.req_rows[lo:hi],
+            swa = dict(swa_out_cache_loc=self.swa_out_cache_loc[rows], swa_kv_start=self.swa_kv_start,
+                       swa_kv_indices=self.swa_kv_indices[reqs, :max(seq) - self.swa_kv_start])
+        return ForwardBatch(self.mode, self.input_ids[rows], self.positions[rows], self.out_cache_loc[rows],
+                            torch.tensor(self.extend_lens)[reqs].tolist(), seq,
+                            self.kv_indices[reqs, :max(seq) - self.kv_start], self.kv_pool,
+                            req_rows=None if self.req_rows is None else self.req_rows[reqs],
                             kv_start=self.kv_start, **swa)
 
     def parts(self) -> list[tuple[int, int, ForwardBatch]]:

@@ -5,7 +5,9 @@ sliding-window), and the mask works on absolute positions. With full and windowe
 (a split pool) the windowed layers write and read their own slots (`batch.kv_view`).
 Decode, VERIFY blocks and small extends (at most KERNEL_MAX_Q query tokens per request, fp32, no
 grad) skip the gather: the C++ kernel (kernels/decode_attention.cpp) reads K/V in place through
-the slot ids, causally per query token."""
+the slot ids, causally per query token. A batch with both (decodes riding a prefill chunk, a
+prefill of long and short prompts) runs each part its own way, so no short request is padded to
+the longest."""
 from __future__ import annotations
 
 import torch
@@ -34,13 +36,31 @@ class PagedAttention(nn.Module):
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H*D]."""
         k_buf, v_buf = batch.kv_pool.layer(self.layer_id)
-        _, kv_indices, kv_start = batch.kv_view(self.window)
         batch.store(k_buf, k, self.window)
         batch.store(v_buf, v, self.window)
-        ext = self._decode_kernel(q, k_buf, v_buf, batch)
-        if ext is not None:
-            return ext.decode_attention(q, k_buf, v_buf, kv_indices, batch.seq_lens, kv_start,
-                                        self.window or 0, self.scale, batch.extend_lens)
+        ext = self._kernel_extension(q, k_buf, v_buf, batch)
+        if ext is None:
+            return self._sdpa(q, k_buf, v_buf, batch)
+        groups = batch.split_by_query_len(KERNEL_MAX_Q)
+        if len(groups) == 1:
+            return self._kernel(ext, q, k_buf, v_buf, batch) if max(batch.extend_lens) <= KERNEL_MAX_Q \
+                else self._sdpa(q, k_buf, v_buf, batch)
+        (short_rows, short), (long_rows, long) = groups      # e.g. decodes riding a prefill chunk
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        out[short_rows] = self._kernel(ext, q[short_rows], k_buf, v_buf, short)
+        out[long_rows] = self._sdpa(q[long_rows], k_buf, v_buf, long)
+        return out
+
+    def _kernel(self, ext, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        _, kv_indices, kv_start = batch.kv_view(self.window)
+        return ext.decode_attention(q, k_buf, v_buf, kv_indices, batch.seq_lens, kv_start, self.window or 0,
+                                    self.scale, batch.extend_lens)
+
+    def _sdpa(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+              batch: ForwardBatch) -> torch.Tensor:
+        """Gather each request's keys into a padded batch and attend under one mask."""
+        _, kv_indices, _ = batch.kv_view(self.window)
         q_index, flat_index = batch.query_layout()
         B = batch.batch_size
         qp = q.view(B, -1, *q.shape[1:]) if q_index is None else q[q_index]
@@ -54,15 +74,14 @@ class PagedAttention(nn.Module):
         out = out.transpose(1, 2).reshape(B * qmax, self.num_heads * self.head_dim)
         return out if flat_index is None else out[flat_index]
 
-    def _decode_kernel(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                       batch: ForwardBatch):
-        """The extension when the kernel applies (at most KERNEL_MAX_Q query tokens per request,
-        at positions seq_len - n .. seq_len - 1, so not a context-parallel share; fp32 CPU tensors,
+    def _kernel_extension(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                          batch: ForwardBatch):
+        """The extension when its kernel can run this batch's short requests (queries at
+        positions seq_len - n .. seq_len - 1, so not a context-parallel share; fp32 CPU tensors,
         contiguous pool buffers, no autograd), else None."""
         if (batch.cp is not None or q.dtype != torch.float32 or k_buf.dtype != torch.float32
                 or q.device.type != "cpu" or self.head_dim % 8 or torch.is_grad_enabled()
-                or q.shape[0] != batch.num_tokens
-                or not (k_buf.is_contiguous() and v_buf.is_contiguous())
-                or not batch.extend_lens or max(batch.extend_lens) > KERNEL_MAX_Q):
+                or q.shape[0] != batch.num_tokens or not batch.extend_lens
+                or not (k_buf.is_contiguous() and v_buf.is_contiguous())):
             return None
         return load_extension()

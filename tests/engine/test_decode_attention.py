@@ -193,13 +193,29 @@ def test_paged_attention_takes_kernel_in_verify(ext, monkeypatch):
             ref = attn(q, k, v, batch)
         assert (out - ref).abs().max() <= 1e-5
     assert len(calls) == 2
-    monkeypatch.setattr(attention_mod, "KERNEL_MAX_Q", 4)     # a long extend goes to SDPA
-    monkeypatch.setattr(attention_mod, "load_extension", lambda: calls.append(1) or ext)
-    with torch.inference_mode():
-        batch = ForwardBatch(ForwardMode.VERIFY, torch.zeros(T, dtype=torch.long), pos, loc, q_lens, seq_lens,
-                             table, pool)
-        PagedAttention(0, H, Hkv, D)(q, k, v, batch)
-    assert len(calls) == 2
+    # above KERNEL_MAX_Q a request goes to SDPA, padded only to the longest such request, while
+    # the short ones in the same batch still take the kernel
+    monkeypatch.setattr(attention_mod, "KERNEL_MAX_Q", 4)
+    kernel_rows = []
+
+    class Counting:      # the extension, noting how many query rows each kernel call attends
+        def decode_attention(self, q, *args):
+            kernel_rows.append(q.shape[0])
+            return ext.decode_attention(q, *args)
+    counting = lambda: Counting()
+    for window in (None, 4):
+        with torch.inference_mode():
+            batch = ForwardBatch(ForwardMode.VERIFY, torch.zeros(T, dtype=torch.long), pos, loc, q_lens,
+                                 seq_lens, table, pool)
+            monkeypatch.setattr(attention_mod, "load_extension", counting)
+            out = PagedAttention(0, H, Hkv, D, window)(q, k, v, batch)
+            monkeypatch.setattr(attention_mod, "load_extension", lambda: None)
+            ref = PagedAttention(0, H, Hkv, D, window)(q, k, v, batch)
+        assert (out - ref).abs().max() <= 1e-5
+        (short_rows, short), (long_rows, long) = batch.split_by_query_len(4)
+        assert short.extend_lens == [1] and long.extend_lens == [8, 5]
+        assert short_rows.tolist() == [T - 1] and long_rows.tolist() == list(range(T - 1))
+    assert kernel_rows == [1, 1]
 
 
 _DISABLED_SCRIPT = r"""
