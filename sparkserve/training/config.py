@@ -64,6 +64,8 @@ class PipelineConfig:
     num_prompts: int = _h(2000, "training prompts to distill")
     prompts_offset: int = _h(0, "skip this many training prompts (add data in a new run without "
                                 "repeating prompts)")
+    code_math_frac: float | None = _h(None, "reorder the training prompts so this share asks for code or "
+                                            "maths (e.g. 0.4; default: the source's own order)")
     extra_features: list[str] = _h([], "comma-separated feature caches (other runs' OUT/features) to "
                                        "train on as well")
     max_new_tokens: int = _h(256, "distillation answer length")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -205,6 +205,7 @@ class FeatureCache:
     lse: np.ndarray | None = None     # teacher log-normaliser per token (write_lse), if present
     greedy: np.ndarray | None = None  # the target's argmax after each token (write_lse), if present
     prefill_labels: list[bool] | None = None   # per sequence: labelled by the target's argmax
+    tap_columns: np.ndarray | None = None      # with_taps: the taps.npy columns read (None: all)
 
     @classmethod
     def open(cls, path: str) -> "FeatureCache":
@@ -217,6 +218,19 @@ class FeatureCache:
         return cls(load("tokens.npy"), load("taps.npy"), load("final.npy"), idx["offsets"],
                    idx["lengths"], idx["prompt_lens"], idx["target_layer_ids"], lse, greedy,
                    idx.get("prefill_labelled"))
+
+    def with_taps(self, layer_ids: list[int]) -> "FeatureCache":
+        """The cache read as if only `layer_ids` (a subset of its taps, in any order) had been
+        captured: one capture with many taps serves drafts that tap fewer layers."""
+        missing = [t for t in layer_ids if t not in self.target_layer_ids]
+        if missing:
+            raise ValueError(f"the feature cache holds taps {self.target_layer_ids}, not {missing}: "
+                             f"capture with --target-layer-ids {','.join(map(str, layer_ids))}")
+        d = self.final.shape[1]
+        cols = np.concatenate([np.arange(d) + self.target_layer_ids.index(t) * d for t in layer_ids])
+        if self.tap_columns is not None:
+            cols = self.tap_columns[cols]
+        return replace(self, target_layer_ids=list(layer_ids), tap_columns=cols)
 
     def prefill_labelled(self, i: int) -> bool:
         return bool(self.prefill_labels and self.prefill_labels[i])
@@ -234,9 +248,13 @@ class FeatureCache:
     def sequence(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         o, n = self.offsets[i], self.lengths[i]
         return (torch.from_numpy(np.asarray(self.tokens[o:o + n], dtype=np.int64)),
-                torch.from_numpy(np.asarray(self.taps[o:o + n], dtype=np.float32)),
+                torch.from_numpy(np.asarray(self._taps(o, n), dtype=np.float32)),
                 torch.from_numpy(np.asarray(self.final[o:o + n], dtype=np.float32)),
                 self.prompt_lens[i])
+
+    def _taps(self, o: int, n: int) -> np.ndarray:
+        rows = self.taps[o:o + n]
+        return rows if self.tap_columns is None else rows[:, self.tap_columns]
 
     def sequence_lse(self, i: int) -> torch.Tensor:
         o, n = self.offsets[i], self.lengths[i]
@@ -279,6 +297,9 @@ class ConcatFeatureCache:
         labelled = [c for c in caches if c.any_prefill_labelled()]
         self.greedy = caches[0].greedy if all(c.greedy is not None for c in labelled) else None
         self.starts = np.cumsum([0] + [len(c) for c in caches]).tolist()
+
+    def with_taps(self, layer_ids: list[int]) -> "ConcatFeatureCache":
+        return ConcatFeatureCache([c.with_taps(layer_ids) for c in self.caches])
 
     def __len__(self) -> int:
         return self.starts[-1]

@@ -27,7 +27,7 @@ def _parts(cfg: PipelineConfig) -> list[str]:
 def stage_prompts(cfg: PipelineConfig) -> None:
     """Training prompts, and cfg.val_prompts validation prompts that training never sees: the
     last lines of --prompts-file, or the end of ShareGPT's held-out part (eval takes its start)."""
-    from sparkserve.training.prompts import jsonl_prompts, split_sharegpt
+    from sparkserve.training.prompts import jsonl_prompts, mix_code_math, split_sharegpt
     if os.path.exists(_path(cfg, "prompts.jsonl")) and (
             not cfg.val_prompts or os.path.exists(_path(cfg, "val", "prompts.jsonl"))):
         return
@@ -42,6 +42,8 @@ def stage_prompts(cfg: PipelineConfig) -> None:
     else:
         train, held = split_sharegpt(answers=cfg.labels != "generated")   # prefill labels read the replies
         val = held[len(held) - cfg.val_prompts:] if cfg.val_prompts else []
+    if cfg.code_math_frac is not None:
+        train = mix_code_math(train, cfg.code_math_frac)
     train = train[cfg.prompts_offset:cfg.prompts_offset + cfg.num_prompts]
     if val and os.path.exists(_path(cfg, "prompts.jsonl")):   # validation added to an earlier run
         seen = {json.dumps(p) for p in jsonl_prompts(_path(cfg, "prompts.jsonl"))}
@@ -135,6 +137,8 @@ def _distill_item(cfg: PipelineConfig, labels: str, tok, index: int, messages: l
     if not is_prefill_labelled(index, labels, cfg.prefill_frac):
         return {"prefill": False, "run": fits, "prompt_ids": ids, "run_ids": ids,
                 "params": {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens}}
+    if answer is None and not cfg.prompts_file:      # a ShareGPT turn nobody answered: skipped
+        return {"prefill": True, "run": False, "prompt_ids": ids}
     if answer is None:
         raise ValueError(f"--labels {cfg.labels}: prompt {index} brings no answer to prefill (a prompts "
                          "file line whose messages end with an assistant turn)")
@@ -246,11 +250,11 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
             write_lse(d, head)
     ranks.barrier()
     cache = FeatureCache.open_all(dirs)
-    if cfg.init_draft and cache.target_layer_ids != dcfg["target_layer_ids"]:
-        raise ValueError(f"--init-draft {cfg.init_draft} taps layers {dcfg['target_layer_ids']} but the "
-                         f"feature cache holds {cache.target_layer_ids}: capture with --target-layer-ids "
-                         f"{','.join(map(str, dcfg['target_layer_ids']))}")
-    dcfg["target_layer_ids"] = cache.target_layer_ids
+    # the draft taps what --init-draft or --target-layer-ids name (a subset of the cache's taps),
+    # else all the cache holds
+    taps = dcfg["target_layer_ids"] if cfg.init_draft or cfg.target_layer_ids else cache.target_layer_ids
+    cache = cache.with_taps(taps)
+    dcfg["target_layer_ids"] = taps
     resuming = os.path.exists(os.path.join(_path(cfg, "draft"), "train_state.pt"))
     vocab = None
     if reduced and (not cfg.init_draft or cfg.draft_vocab_size is not None):
@@ -276,7 +280,9 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
             from sparkserve.training.markov_init import fit_markov_head
             fit_markov_head(draft, cache)     # start from the responses' bigram model
     val = _path(cfg, "val", "features")
-    val_cache = FeatureCache.open(val) if os.path.exists(os.path.join(val, "index.json")) else None
+    val_cache = None
+    if os.path.exists(os.path.join(val, "index.json")):
+        val_cache = FeatureCache.open(val).with_taps(taps)
     return train(draft, cache, _path(cfg, "draft"), cfg.train, log_every=cfg.train.log_every,
                  target_head=head, val_cache=val_cache, ranks=ranks)
 
@@ -307,8 +313,9 @@ def _eval_sets(cfg: PipelineConfig, eng, sets: dict, draft_dir: str) -> dict:
     if os.path.exists(os.path.join(val, "index.json")):
         from sparkserve.training.feature_cache import FeatureCache
         from sparkserve.training.validate import greedy_acceptance, serving_acceptance
-        cache = FeatureCache.open(val)
-        res["val_greedy_offline"] = greedy_acceptance(eng.scheduler.spec.draft, cache)
+        draft = eng.scheduler.spec.draft
+        cache = FeatureCache.open(val).with_taps(draft.config.target_layer_ids)
+        res["val_greedy_offline"] = greedy_acceptance(draft, cache)
         res["val_greedy_serving"] = serving_acceptance(eng, cache)      # the same walk, served: parity
     for name, prompts in sets.items():
         for temp in (0.0, 1.0):
@@ -338,6 +345,8 @@ def check_flags(cfg: PipelineConfig, ranks: Ranks) -> None:
         raise ValueError(f"--walk-anchor-frac follows the target's own greedy answers: not with --labels "
                          f"{cfg.labels} (prefill over answers the target did not write)")
     check_label_flags(cfg.labels, cfg.prefill_frac)
+    if cfg.code_math_frac is not None and not 0 <= cfg.code_math_frac <= 1:
+        raise ValueError(f"--code-math-frac must be within [0, 1], got {cfg.code_math_frac}")
     if cfg.distill_batch < 1:
         raise ValueError(f"--distill-batch must be >= 1, got {cfg.distill_batch}")
     if cfg.target_url and (cfg.tp_size > 1 or cfg.pp_size > 1):

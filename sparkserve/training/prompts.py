@@ -10,6 +10,7 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 from typing import Iterator
 
 
@@ -125,3 +126,35 @@ def split_sharegpt(holdout: int = 2000, max_chars: int = 2000,
 
 def last_user_text(messages: list[dict]) -> str:
     return next(m["content"] for m in reversed(messages) if m["role"] == "user")
+
+
+# A prompt asks for code or maths when its last user turn shows code or names a language, a
+# programming task or a calculation; a heuristic, good enough to steer a training mix (it marks
+# about a quarter of ShareGPT's training prompts).
+_CODE = re.compile(r"```|\bdef |\bclass \w+|\bimport \w+|#include|\bfunction\b|console\.log|\bSELECT\b|=>|"
+                   r"\bpublic static\b|\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|sql|html|"
+                   r"css|react|node\.?js|bash|regex|api|json|code|script|program|compile|debug|bug)\b", re.I)
+_MATH = re.compile(r"\d\s*[-+*/^=]\s*\d|\b(solve|equation|calculate|integral|derivative|probability|"
+                   r"algebra|geometry|theorem|prove|math|matrix|sum of|percent|how many|fraction|"
+                   r"polynomial)\b", re.I)
+
+
+def is_code_or_math(messages: list[dict]) -> bool:
+    text = last_user_text(messages)
+    return bool(_CODE.search(text) or _MATH.search(text))
+
+
+def mix_code_math(prompts: list[list[dict]], frac: float) -> list[list[dict]]:
+    """The prompts reordered so that a share `frac` of every prefix asks for code or maths (as
+    DeepSpec's and SpecForge's training mixes do), each kind kept in its own order; when one
+    kind runs out the rest of the other follows. Deterministic, so an offset into the result
+    names the same prompts in every run with the same frac."""
+    kinds = ([p for p in prompts if is_code_or_math(p)], [p for p in prompts if not is_code_or_math(p)])
+    out, taken = [], [0, 0]
+    for i in range(len(prompts)):
+        k = 0 if int((i + 1) * frac) > int(i * frac) else 1
+        if taken[k] == len(kinds[k]):
+            k = 1 - k
+        out.append(kinds[k][taken[k]])
+        taken[k] += 1
+    return out

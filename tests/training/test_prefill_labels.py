@@ -112,3 +112,43 @@ def test_mix_and_flag_errors(target, capsys):
     assert main(base + ["--labels", "mix"]) == 2
     assert main(base + ["--labels", "prefill", "--stages", "prompts,distill"]) == 2
     assert "brings no answer" in capsys.readouterr().err
+
+
+def test_training_taps_a_subset_of_the_captured_layers(target, capsys):
+    """One capture of taps 0,1 trains a draft of tap 1 (training and validation read the subset);
+    a tap the cache lacks is refused naming the capture flag."""
+    root, model, _, _ = target
+    out = str(root / "taps")
+    flags = data_flags(out, model, write_prompts(str(root / "taps.jsonl"), PROMPTS))
+    assert main(flags + train_flags(2) + ["--val-prompts", "2",
+                                          "--val-every", "1", "--stages", "prompts,distill,features"]) == 0
+    assert FeatureCache.open(os.path.join(out, "val", "features")).target_layer_ids == [0, 1]
+    assert main(flags + train_flags(2) + ["--target-layer-ids", "1", "--val-prompts", "2",
+                                          "--val-every", "1", "--stages", "train"]) == 0
+    cfg = json.load(open(os.path.join(out, "draft", "config.json")))
+    assert cfg["target_layer_ids"] == [1]
+    log = [json.loads(line) for line in open(os.path.join(out, "draft", "train_log.jsonl"))]
+    assert any("val_tau" in r for r in log)
+    other = str(root / "taps_other")
+    assert main(data_flags(other, model, str(root / "taps.jsonl")) + train_flags(1)
+                + ["--extra-features", os.path.join(out, "features"), "--target-layer-ids=-1,1",
+                   "--stages", "train"]) == 2
+    assert "holds taps [0, 1], not [-1]: capture with --target-layer-ids -1,1" in capsys.readouterr().err
+
+
+def test_unanswered_sharegpt_turn_is_skipped_not_fatal(target):
+    """ShareGPT has a few user turns nobody answered: with prefill labels from ShareGPT they are
+    skipped (an empty distill line, as too-long prompts), while a prompts file must answer every
+    prompt it hands to prefill labels."""
+    from sparkserve.training.config import PipelineConfig
+    from sparkserve.training.pipeline import _distill_item, _local_config_and_tokenizer
+    _, model, answers, _ = target
+    _, tok = _local_config_and_tokenizer(model)
+    bare = [{"role": "user", "content": PROMPTS[0]}]
+    answered = bare + [{"role": "assistant", "content": answers[0]}]
+    sharegpt = PipelineConfig(out="unused", labels="prefill")
+    assert _distill_item(sharegpt, "prefill", tok, 0, answered)["run"]
+    assert not _distill_item(sharegpt, "prefill", tok, 1, bare)["run"]
+    with pytest.raises(ValueError, match="prompt 1 brings no answer"):
+        _distill_item(PipelineConfig(out="unused", labels="prefill", prompts_file="p.jsonl"), "prefill",
+                      tok, 1, bare)

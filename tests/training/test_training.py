@@ -248,6 +248,28 @@ def test_concatenated_caches_read_as_one(distilled, tmp_path):
         FeatureCache.open_all([fc_dir, other])
 
 
+def test_tap_subset_reads_as_its_own_capture(distilled, tmp_path):
+    """One capture with many taps serves drafts tapping fewer layers: the subset (in the draft's
+    order) reads exactly as a capture of just those layers; a layer not captured is refused."""
+    _, target, _, _, prompts, _, seqs = distilled
+    plens = [len(p) for p in prompts[:6]]
+    caches = {}
+    for taps in ([-1, 0, 1], [-1, 1], [0]):
+        d = str(tmp_path / "_".join(map(str, taps)))
+        build_feature_cache(target, seqs[:6], plens, taps, d)
+        caches[tuple(taps)] = FeatureCache.open(d)
+    wide = caches[(-1, 0, 1)]
+    both = FeatureCache.open_all([str(tmp_path / "-1_0_1")] * 2)        # sequence 6 + i is sequence i
+    views = (((-1, 1), wide.with_taps([-1, 1]), 0), ((0,), wide.with_taps([0, 1]).with_taps([0]), 5),
+             ((-1, 1), both.with_taps([-1, 1]), 6 + 5))
+    for sub, view, i in views:
+        assert view.target_layer_ids == list(sub)
+        for a, b in zip(view.sequence(i), caches[sub].sequence(i % 6)):
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    with pytest.raises(ValueError, match="capture with --target-layer-ids 0,2"):
+        wide.with_taps([0, 2])
+
+
 def test_heldout_split_is_disjoint():
     from sparkserve.training.prompts import humaneval_prompts, split_sharegpt
     train_p, held = split_sharegpt(holdout=2000)
@@ -288,6 +310,27 @@ def test_sharegpt_prompts_bring_their_answers_for_prefill_labels(tmp_path):
         assert [split_answer(p)[0] for p in train] == plain[100:120]
         assert all((split_answer(p)[1] is not None) == has for p in train)
         assert jsonl_prompts(os.path.join(out, "val", "prompts.jsonl")) == held[-3:]
+
+
+def test_code_math_mix_spreads_each_kind_in_order(tmp_path):
+    """--code-math-frac: every prefix of the reordered prompts holds the asked share of code and
+    maths prompts (until they run out), each kind in its own order; on ShareGPT too."""
+    from sparkserve.training.config import PipelineConfig
+    from sparkserve.training.pipeline import stage_prompts
+    from sparkserve.training.prompts import is_code_or_math, jsonl_prompts, mix_code_math
+    user = lambda t: [{"role": "user", "content": t}]
+    code = [user(f"Write a Python function that returns {i}.") for i in range(5)]
+    code += [[user(f"Solve the equation x + {i} = 7."), user(f"What is {i} * 13?")][i % 2] for i in range(5)]
+    chat = [user(f"Tell me a story about river number {i}.") for i in range(30)]
+    assert all(map(is_code_or_math, code)) and not any(map(is_code_or_math, chat))
+    mixed = mix_code_math(chat[:15] + code + chat[15:], 0.4)
+    assert [p for p in mixed if p in code] == code and [p for p in mixed if p in chat] == chat
+    assert [sum(p in code for p in mixed[:n]) for n in (5, 10, 20, 25, 40)] == [2, 4, 8, 10, 10]
+    out = str(tmp_path / "mix")
+    stage_prompts(PipelineConfig(out=out, code_math_frac=0.4, num_prompts=50, prompts_offset=10,
+                                 val_prompts=0))
+    train = jsonl_prompts(os.path.join(out, "prompts.jsonl"))
+    assert len(train) == 50 and sum(map(is_code_or_math, train)) == 20
 
 
 # ---- reduced draft vocab and the closed-form Markov start ------------------------------------
