@@ -135,7 +135,9 @@ def test_engine_verify_uses_kernel_and_lazy_head(tmp_path, monkeypatch):
     assert out == ref
     hist = eng.scheduler.accept_hist
     committed = sum((k + 1) * v for k, v in hist.items())
-    assert max(q_lens_seen) == 5, "VERIFY blocks (anchor + 4 drafts) did not take the kernel"
+    # VERIFY blocks (anchor + 4 drafts) take the kernel; so do the 3- and 9-token prompts of the
+    # first prefill, split from the longer ones
+    assert 5 in q_lens_seen, "VERIFY blocks (anchor + 4 drafts) did not take the kernel"
     assert hist.get(0, 0) > 0 and max(hist) >= 2, hist           # rejections and multi-token accepts
     assert committed <= stats["scored"] < stats["verified"], (stats, committed)
     assert_no_kv_leak(eng)
