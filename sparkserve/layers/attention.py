@@ -41,11 +41,12 @@ class PagedAttention(nn.Module):
         ext = self._kernel_extension(q, k_buf, v_buf, batch)
         if ext is None:
             return self._sdpa(q, k_buf, v_buf, batch)
-        groups = batch.split_by_query_len(KERNEL_MAX_Q)
-        if len(groups) == 1:
-            return self._kernel(ext, q, k_buf, v_buf, batch) if max(batch.extend_lens) <= KERNEL_MAX_Q \
-                else self._sdpa(q, k_buf, v_buf, batch)
-        (short_rows, short), (long_rows, long) = groups      # e.g. decodes riding a prefill chunk
+        if max(batch.extend_lens) <= KERNEL_MAX_Q:        # decode, VERIFY: no split to build
+            return self._kernel(ext, q, k_buf, v_buf, batch)
+        if min(batch.extend_lens) > KERNEL_MAX_Q:
+            return self._sdpa(q, k_buf, v_buf, batch)
+        # e.g. decodes riding a prefill chunk
+        (short_rows, short), (long_rows, long) = batch.split_by_query_len(KERNEL_MAX_Q)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         out[short_rows] = self._kernel(ext, q[short_rows], k_buf, v_buf, short)
         out[long_rows] = self._sdpa(q[long_rows], k_buf, v_buf, long)
