@@ -19,6 +19,21 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at
                             std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
                             std::vector<int64_t> q_lens);
 
+// The linears as torch operators too (torch.ops.sparkserve.*), so a compiled graph calls them
+// through the dispatcher without a trip into Python (benchmarks/compile.py).
+TORCH_LIBRARY(sparkserve, m) {
+  m.def("quant_linear(Tensor x, Tensor w, int qtype, Tensor? bias=None) -> Tensor");
+  m.def("quant_linear_int8(Tensor x, Tensor w, int qtype, Tensor? bias=None, str variant='') -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sparkserve, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_int8", [](at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias,
+                                 c10::string_view variant) {
+    return quant_linear_int8(x, w, qtype, bias, std::string(variant));
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ W.T with W in GGUF blocks (Q4_1, Q8_0, BF16)",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());

@@ -80,6 +80,20 @@ def test_kernel_matches_linear_on_dequantized_weight(qtype, n, k):
         assert_close_to_linear(kernels.quant_linear(x, w, bias), x, dense, bias)
 
 
+def test_linears_are_torch_operators():
+    """torch.ops.sparkserve.* (what a compiled graph calls) run the same kernels as the bindings."""
+    g = torch.Generator().manual_seed(2)
+    for qtype in (Q4_1, Q8_0):
+        w = random_blocks(qtype, 40, 96, seed=qtype)
+        x, bias = torch.randn(3, 96, generator=g), torch.randn(40, generator=g)
+        assert torch.equal(torch.ops.sparkserve.quant_linear(x, w.blocks, w.qtype, bias),
+                           kernels.quant_linear(x, w, bias))
+        assert torch.equal(torch.ops.sparkserve.quant_linear_int8(x, w.blocks, w.qtype),
+                           kernels.quant_linear_int8(x, w))
+        assert not torch.equal(torch.ops.sparkserve.quant_linear_int8(x, w.blocks, w.qtype),
+                               kernels.quant_linear(x, w))      # int8 really is another computation
+
+
 def test_kernel_rejects_bad_shapes():
     w = random_blocks(Q4_1, 8, 64)
     with pytest.raises(RuntimeError, match="bytes per row"):
