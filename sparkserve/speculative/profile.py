@@ -13,7 +13,12 @@ def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: i
                        reps: int = 3) -> StepCostTable:
     """Time forwards of n = 1, 2, 4, ... tokens after a `context`-token prefix (median of reps),
     with the LM head over one row: a verify scores the rows after the anchor's only as far as
-    its drafts are accepted (speculative/verify.py), so an unaccepted slot costs just its forward."""
+    its drafts are accepted (speculative/verify.py), so an unaccepted slot costs just its forward.
+    Small forwards run slower right after other work (start-up, a large forward on torch's OpenMP
+    threads, whose workers go on spinning), and a cost(1) above cost(2) made drafting look cheaper
+    than plain decoding: so the sizes go from the largest down, each once untimed first, as a
+    decode step follows decode steps. A forward over more tokens never costs less, so the table
+    is made non-decreasing."""
     sizes = [1]
     while sizes[-1] < max_tokens:
         sizes.append(min(sizes[-1] * 2, max_tokens))
@@ -29,15 +34,18 @@ def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: i
     cache.req_to_token.table[row, :len(slots)] = slots
     seconds = []
     try:
-        for n in sizes:
+        median = {}
+        for n in reversed(sizes):
             sr = ScheduledReq(row, context, [0] * n, slots[context:context + n], logit_rows=1)
             times = []
-            for _ in range(reps):
+            for _ in range(reps + 1):
                 fb = runner.build_batch(ForwardMode.VERIFY, [sr])
                 t = time.perf_counter()
                 runner.forward(fb)
                 times.append(time.perf_counter() - t)
-            seconds.append(sorted(times)[len(times) // 2])
+            median[n] = sorted(times[1:])[reps // 2]       # the first one warms up
+        for n in sizes:
+            seconds.append(max(median[n], seconds[-1] if seconds else 0.0))
     finally:
         cache.allocator.free(slots)
         cache.req_to_token.free(row)
