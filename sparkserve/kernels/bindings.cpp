@@ -13,6 +13,7 @@ at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::opt
                              const std::string& variant);
 std::string int8_variant_name();
 std::vector<std::string> int8_variants_runnable();
+int64_t int8_packed_weights_held();
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor r, at::Tensor w, double eps);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
@@ -42,6 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("variant") = "");
   m.def("int8_variants_runnable", &int8_variants_runnable, "int8 variants built here that this CPU runs");
   m.def("int8_variant", &int8_variant_name, "the int8 kernel variant in use (avx512vnni, avxvnni, avx2, fp32)");
+  m.def("int8_packed_weights_held", &int8_packed_weights_held, "packed weight copies the int8 kernel holds");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32, contiguous)");
   m.def("add_rms_norm", &add_rms_norm, "s = x + r; returns (s, rms_norm(s))");
   m.def("decode_attention", &decode_attention,

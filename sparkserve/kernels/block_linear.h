@@ -1,6 +1,8 @@
 // The block-weight linear kernel as a C++ entry point, for the kernels that call it without
 // going through Python (the native forward step) and for the Python binding (quant_linear).
 #pragma once
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 
 namespace sparkserve {
@@ -17,7 +19,9 @@ void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
 // Q8_0/Q8_1 activations) and integer dot products against Q4_1 / Q8_0 blocks (int32 inside a
 // block, fp32 across blocks), on the best variant this CPU runs (int8_dispatch.cpp). BF16 / F16
 // weights, or every variant switched off by SPARKSERVE_KERNEL_VARIANTS_OFF, take block_linear.
-void block_linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int qtype,
+// `w` is the tensor of the blocks (uint8 [N, row bytes], contiguous): a variant may read a packed
+// copy of it, made on first use (int8_packed.h).
+void block_linear_int8(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, int qtype,
                        const float* bias, float* y);
 
 // The int8 variant block_linear_int8 runs: "avx512vnni", "avxvnni", "avx2", or "fp32" (none).

@@ -52,10 +52,12 @@ void quantize_rows(const float* x, int64_t m0, int64_t m1, const QuantX& q) {
     int8_t* qs = q.qs + t0 * K;
     float* d = q.d + t0 * nb;
     float* s = q.s + t0 * nb;
+    int32_t* xn = q.xn + t0 * nb;
     for (int64_t blk = 0; blk < nb; ++blk) {
       for (int64_t m = 0; m < kTile; ++m) {
         if (m >= mt) {
           d[blk * kTile + m] = s[blk * kTile + m] = 0.0f;
+          xn[blk * kTile + m] = 0;
           continue;
         }
         const float* xp = x + (t0 + m) * K + blk * 32;
@@ -78,8 +80,10 @@ void quantize_rows(const float* x, int64_t m0, int64_t m1, const QuantX& q) {
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+        const int32_t isum = _mm_cvtsi128_si32(t);
         d[blk * kTile + m] = dd;
-        s[blk * kTile + m] = dd * static_cast<float>(_mm_cvtsi128_si32(t));
+        s[blk * kTile + m] = dd * static_cast<float>(isum);
+        xn[blk * kTile + m] = -128 * isum;
       }
     }
   }

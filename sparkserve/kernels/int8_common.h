@@ -18,6 +18,7 @@ struct QuantX {
   int8_t* qs;      // M * K
   float* d;        // ceil(M / kTile) * kTile * K/32
   float* s;        // same
+  int32_t* xn;     // same layout: -128 * sum(q), the offset of the packed kernel's Q8_0 weights
   int64_t M, K;
 };
 
@@ -31,7 +32,22 @@ using RowsFn = void (*)(const QuantX& q, const uint8_t* w, int64_t row_bytes, in
                         int64_t n1, const float* bias, float* y, int64_t N);
 void rows_avx2(const QuantX&, const uint8_t*, int64_t, int, int64_t, int64_t, const float*, float*, int64_t);
 void rows_avxvnni(const QuantX&, const uint8_t*, int64_t, int, int64_t, int64_t, const float*, float*, int64_t);
-void rows_avx512vnni(const QuantX&, const uint8_t*, int64_t, int, int64_t, int64_t, const float*, float*,
-                     int64_t);
+
+// Packed weights (int8_packed.cpp): output rows in groups of kGroupRows, and within a group, per
+// block of 32 inputs, a record of kGroupRows fp16 d, (Q4_1) kGroupRows fp16 m, then the quants
+// as unsigned bytes in 64-byte chunks of kGroupRows rows x 4 consecutive inputs, so one vector
+// of 16 int32 lanes holds one output row each (no horizontal sums):
+//   Q4_1, 320 bytes: chunk i (i < 4) holds GGUF nibble bytes 4i..4i+3 of each row: their low
+//     nibbles are inputs 4i..4i+3, their high nibbles inputs 16+4i..16+4i+3;
+//   Q8_0, 544 bytes: chunk i (i < 8) holds q + 128 of inputs 4i..4i+3 of each row (the offset
+//     makes them unsigned; the kernel starts each dot at -128 * sum(q_x) to cancel it).
+// Rows past N (the last group's padding) are zero. Same size as the GGUF blocks.
+constexpr int64_t kGroupRows = 16;
+inline int64_t packed_record_bytes(int qtype) { return qtype == 3 ? 320 : 544; }
+
+// y[:, n0:n1] (+ bias) from packed weights `wp`; n0 a multiple of kGroupRows, one thread.
+using PackedRowsFn = void (*)(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1,
+                              const float* bias, float* y, int64_t N);
+void rows_avx512vnni_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
 
 }  // namespace sparkserve::int8

@@ -15,16 +15,19 @@
 #include <vector>
 
 #include "block_linear.h"
-#include "thread_pool.h"
 #include "int8_common.h"
+#include "int8_packed.h"
+#include "thread_pool.h"
 
 namespace {
 
+using sparkserve::int8::PackedRowsFn;
 using sparkserve::int8::RowsFn;
 
 struct Variant {
   const char* name;
-  RowsFn rows;   // nullptr: fp32 activations
+  RowsFn rows;            // on GGUF blocks
+  PackedRowsFn packed;    // or on their packed copy (int8_common.h); both nullptr: fp32 activations
 };
 
 bool switched_off(const char* name) {
@@ -53,12 +56,12 @@ bool cpu_has(const std::string& name) {
 const std::vector<Variant>& built() {
   static const std::vector<Variant> v = {
 #ifdef SPARKSERVE_HAS_AVX512VNNI
-      {"avx512vnni", sparkserve::int8::rows_avx512vnni},
+      {"avx512vnni", nullptr, sparkserve::int8::rows_avx512vnni_packed},
 #endif
 #ifdef SPARKSERVE_HAS_AVXVNNI
-      {"avxvnni", sparkserve::int8::rows_avxvnni},
+      {"avxvnni", sparkserve::int8::rows_avxvnni, nullptr},
 #endif
-      {"avx2", sparkserve::int8::rows_avx2},
+      {"avx2", sparkserve::int8::rows_avx2, nullptr},
   };
   return v;
 }
@@ -66,7 +69,7 @@ const std::vector<Variant>& built() {
 Variant choose() {
   for (const Variant& v : built())
     if (cpu_has(v.name) && !switched_off(v.name)) return v;
-  return {"fp32", nullptr};
+  return {"fp32", nullptr, nullptr};
 }
 
 const Variant& variant() {
@@ -84,17 +87,18 @@ const char* int8_variant() { return variant().name; }
 
 namespace {
 
-void linear_int8_on(RowsFn rows, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int qtype,
-                    const float* bias, float* y) {
-  if ((qtype != kQ4_1 && qtype != kQ8_0) || rows == nullptr) {
-    block_linear(x, M, K, w, N, qtype, bias, y);
+void linear_int8_on(const Variant& v, const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N,
+                    int qtype, const float* bias, float* y) {
+  if ((qtype != kQ4_1 && qtype != kQ8_0) || (v.rows == nullptr && v.packed == nullptr)) {
+    block_linear(x, M, K, w.data_ptr<uint8_t>(), N, qtype, bias, y);
     return;
   }
   if (M == 0 || N == 0) return;
   std::vector<int8_t> qs(M * K);
   const int64_t ns = int8::quantx_scales(M, K);
   std::vector<float> ds(ns), ss(ns);
-  const int8::QuantX q{qs.data(), ds.data(), ss.data(), M, K};
+  std::vector<int32_t> xn(ns);
+  const int8::QuantX q{qs.data(), ds.data(), ss.data(), xn.data(), M, K};
   const int64_t tiles = (M + int8::kTile - 1) / int8::kTile;
   // Quantizing x is cheap next to the product: threads only from a few tiles of wide rows on.
   const int64_t qgrain = std::max<int64_t>(1, (64 << 10) / (int8::kTile * K));
@@ -103,14 +107,23 @@ void linear_int8_on(RowsFn rows, const float* x, int64_t M, int64_t K, const uin
   });
   const int64_t row_bytes = K / 32 * block_bytes_of(qtype);
   const int64_t grain = std::max<int64_t>(16, (32 << 10) / row_bytes);   // >= ~32 KiB of weights per task
-  sparkserve::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows(q, w, row_bytes, qtype, n0, n1, bias, y, N); });
+  if (v.packed != nullptr) {   // tasks split at group edges
+    const uint8_t* wp = int8::packed_weights(w, N, K, qtype);
+    const int64_t groups = (N + int8::kGroupRows - 1) / int8::kGroupRows, G = int8::kGroupRows;
+    sparkserve::parallel_for(0, groups, (grain + G - 1) / G, [&](int64_t g0, int64_t g1) {
+      v.packed(q, wp, qtype, g0 * G, std::min(N, g1 * G), bias, y, N);
+    });
+    return;
+  }
+  const uint8_t* wb = w.data_ptr<uint8_t>();
+  sparkserve::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { v.rows(q, wb, row_bytes, qtype, n0, n1, bias, y, N); });
 }
 
 }  // namespace
 
-void block_linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int qtype,
+void block_linear_int8(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, int qtype,
                        const float* bias, float* y) {
-  linear_int8_on(variant().rows, x, M, K, w, N, qtype, bias, y);
+  linear_int8_on(variant(), x, M, K, w, N, qtype, bias, y);
 }
 
 }  // namespace sparkserve
@@ -121,16 +134,17 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional
 // `variant`: "" for the dispatcher's choice, or a variant by name (tests; it must run on this CPU).
 at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias,
                              const std::string& variant_name) {
-  RowsFn rows = variant().rows;
+  Variant v = variant();
   if (!variant_name.empty()) {
-    rows = nullptr;
-    for (const Variant& v : built())
-      if (variant_name == v.name) rows = v.rows;
-    TORCH_CHECK(rows != nullptr || variant_name == "fp32", "quant_linear_int8: variant ", variant_name,
-                " is not built");
-    TORCH_CHECK(rows == nullptr || cpu_has(variant_name), "quant_linear_int8: this CPU cannot run ", variant_name);
+    v = {"fp32", nullptr, nullptr};
+    for (const Variant& b : built())
+      if (variant_name == b.name) v = b;
+    const bool found = v.rows != nullptr || v.packed != nullptr;
+    TORCH_CHECK(found || variant_name == "fp32", "quant_linear_int8: variant ", variant_name, " is not built");
+    TORCH_CHECK(!found || cpu_has(variant_name), "quant_linear_int8: this CPU cannot run ", variant_name);
   }
-  if ((qtype != kQ4_1 && qtype != kQ8_0) || rows == nullptr) return quant_linear(x, w, qtype, bias);
+  if ((qtype != kQ4_1 && qtype != kQ8_0) || (v.rows == nullptr && v.packed == nullptr))
+    return quant_linear(x, w, qtype, bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear_int8: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -148,8 +162,7 @@ at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::opt
   }
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
-  sparkserve::linear_int8_on(rows, x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N, static_cast<int>(qtype), bp,
-                             y.data_ptr<float>());
+  sparkserve::linear_int8_on(v, x.data_ptr<float>(), M, K, w, N, static_cast<int>(qtype), bp, y.data_ptr<float>());
   return y;
 }
 
@@ -162,3 +175,5 @@ std::vector<std::string> int8_variants_runnable() {
     if (cpu_has(v.name)) out.push_back(v.name);
   return out;
 }
+
+int64_t int8_packed_weights_held() { return sparkserve::int8::packed_weights_held(); }

@@ -35,8 +35,9 @@ BlockProj proj(at::Tensor blocks, int64_t qtype, std::optional<at::Tensor> bias,
 }
 
 void run(const BlockProj& p, const float* x, int64_t rows, float* y, bool int8) {
-  (int8 ? block_linear_int8 : block_linear)(x, rows, p.k, p.blocks.data_ptr<uint8_t>(), p.n, p.qtype,
-                                            p.bias.defined() ? p.bias.data_ptr<float>() : nullptr, y);
+  const float* bias = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+  if (int8) block_linear_int8(x, rows, p.k, p.blocks, p.n, p.qtype, bias, y);
+  else block_linear(x, rows, p.k, p.blocks.data_ptr<uint8_t>(), p.n, p.qtype, bias, y);
 }
 
 at::Tensor norm_weight(const at::Tensor& w, int64_t dim) {

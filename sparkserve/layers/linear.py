@@ -8,12 +8,13 @@ A layer loaded from GGUF blocks (Q4_1, Q8_0) or bf16 also keeps those blocks (`s
 for up to QUANT_MAX_M rows (decode, batched decode, verify blocks) the C++ kernel in
 sparkserve.kernels reads them directly — 5-6x fewer bytes than fp32 for Q4_1 — and computes
 in fp32 on exactly the dequantized values. Larger M (prefill) and anything with autograd keep
-the fp32 weight.
+the fp32 weight (oneDNN).
 
 `set_activation_quant("int8")` (the engine's --activation-quant, applied by load_model) lets Q4_1 /
 Q8_0 layers quantize x to int8 per block of 32 and use integer dot products (llama.cpp's scheme)
-at every M the block kernel takes; "none" (the default of a bare Linear) keeps the fp32-exact
-kernel. Int8 is used for all those M, not only where it is fastest (up to 8 rows on AVX2): a row's
+at every M the block kernel takes (every M at all where the int8 variant is faster than oneDNN
+at prefill sizes, `kernels.int8_beats_gemm()`); "none" (the default of a bare Linear) keeps the
+fp32-exact kernel. Int8 is used for all those M, not only where it is fastest (up to 8 rows on AVX2): a row's
 int8 result is then bit-identical whatever the batch (decode, batched decode, a verify block), so
 speculative verify agrees with plain decode and a request's tokens do not depend on how many
 others run with it (docs/kernel-notes.md)."""
@@ -84,7 +85,10 @@ class Linear(Sharded):
             raise ValueError(f"activation_quant {mode!r}: use one of {', '.join(ACTIVATION_QUANTS)}")
         self.activation_quant = mode
         int8_ok = self._blocks is not None and self._blocks.qtype in (kernels.Q4_1, kernels.Q8_0)
-        self._int8_max_m = self._max_m if mode == "int8" and int8_ok else 0
+        # An int8 variant that beats oneDNN's fp32 GEMM at prefill sizes too takes every row count
+        # (docs/kernel-notes.md); the others stop where the block kernel does.
+        any_m = kernels.int8_beats_gemm()
+        self._int8_max_m = (1 << 62 if any_m else self._max_m) if mode == "int8" and int8_ok else 0
 
     def inference_blocks(self) -> BlockWeight | None:
         """The block form of `weight` while it still holds the same values (for kernels that
@@ -105,10 +109,10 @@ class Linear(Sharded):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and not torch.is_grad_enabled():
-            b = self._blocks
-            if b is not None and x.shape[0] <= self._max_m and x.dtype == torch.float32:
+            b, m = self._blocks, x.shape[0]
+            if b is not None and (m <= self._max_m or m <= self._int8_max_m) and x.dtype == torch.float32:
                 if _version(self.weight) == self._blocks_version:
-                    fn = self._int8_fn if x.shape[0] <= self._int8_max_m else self._block_fn
+                    fn = self._int8_fn if m <= self._int8_max_m else self._block_fn
                     return fn(x, b.blocks, b.qtype, bias)
                 self._blocks = None                         # weight was trained / overwritten
                 self._int8_max_m = 0

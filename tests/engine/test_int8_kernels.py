@@ -105,6 +105,24 @@ def test_quantizer_matches_reference_exactly():
         assert torch.equal(kernels.quant_linear_int8(x, w, variant=variant), want), variant
 
 
+def test_packed_copies_go_with_their_weights():
+    """A variant on packed weights (AVX-512 VNNI) keeps one copy per weight tensor, reused across
+    calls, and drops it once the weight is gone; another weight of the same shape gets its own."""
+    if "avx512vnni" not in kernels.runnable_variants():
+        pytest.skip("no packed-weight variant runs on this CPU (it needs AVX-512 VNNI)")
+    held = kernels.load_extension().int8_packed_weights_held
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(6))
+    w1, w2 = random_blocks(Q8_0, 40, 96, seed=1), random_blocks(Q8_0, 40, 96, seed=2)
+    y1 = kernels.quant_linear_int8(x, w1, variant="avx512vnni")
+    n = held()
+    assert torch.equal(kernels.quant_linear_int8(x, w1, variant="avx512vnni"), y1) and held() == n
+    del w1
+    y2 = kernels.quant_linear_int8(x, w2, variant="avx512vnni")
+    assert held() <= n                                   # w1's copy went as w2's came
+    assert torch.equal(y2, kernels.quant_linear_int8(x, w2, variant="avx512vnni"))
+    assert not torch.equal(y1, y2)
+
+
 def test_half_weights_keep_fp32_activations():
     w = random_blocks(BF16, 16, 64)
     x = torch.randn(5, 64)
@@ -127,7 +145,7 @@ from test_quant_kernels import random_blocks
 w = random_blocks(Q4_1, 40, 128, seed=1)
 x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
 same_as_fp32 = torch.equal(kernels.quant_linear_int8(x, w), kernels.quant_linear(x, w))
-print(json.dumps({"variant": kernels.variant(), "fp32": same_as_fp32}))
+print(json.dumps({"variant": kernels.variant(), "fp32": same_as_fp32, "any_m": kernels.int8_beats_gemm()}))
 """
 
 
@@ -149,6 +167,7 @@ def test_env_switches_variants_off_in_order():
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         assert res["variant"] == want, (off, res)
         assert res["fp32"] == (want == "fp32"), (off, res)
+        assert res["any_m"] == (want == "avx512vnni"), (off, res)     # only it takes prefill sizes
 
 
 def _layer(qtype: int, n: int = 48, k: int = 64) -> Linear:
@@ -163,16 +182,21 @@ def _layer(qtype: int, n: int = 48, k: int = 64) -> Linear:
 
 @pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["Q4_1", "Q8_0"])
 def test_linear_activation_modes(qtype):
-    """"none" is the exact fp32 kernel at every M; "int8" is the int8 kernel at every M the block
-    kernel takes, each row's result independent of the batch; a bad mode is refused."""
+    """"none" is the exact fp32 kernel at every M it takes; "int8" is the int8 kernel at every M
+    the block kernel takes, and past it too where the variant beats oneDNN (int8_beats_gemm), each
+    row's result independent of the batch; a bad mode is refused."""
     lin = _layer(qtype)
     b = lin._blocks
     g = torch.Generator().manual_seed(4)
     assert lin.activation_quant == "none"
+    big = linear_mod.QUANT_MAX_M + 40
     with torch.no_grad():
-        rows = torch.randn(linear_mod.QUANT_MAX_M, 64, generator=g)
+        rows = torch.randn(big, 64, generator=g)
         lin.set_activation_quant("int8")
         alone = torch.cat([lin(rows[i:i + 1]) for i in range(rows.shape[0])])
+        y = lin(rows)
+        assert torch.equal(y, alone) == kernels.int8_beats_gemm()     # else oneDNN's fp32 GEMM
+        assert torch.equal(y, kernels.quant_linear_int8(rows, b, lin.bias)) == kernels.int8_beats_gemm()
         for m in (1, 5, 8, 9, 17, 40, linear_mod.QUANT_MAX_M):
             x = rows[:m]
             lin.set_activation_quant("none")
@@ -190,7 +214,7 @@ def test_mode_survives_set_blocks_and_skips_half_blocks():
     lin = _layer(Q4_1)
     lin.set_activation_quant("int8")
     lin.set_blocks(random_blocks(Q8_0, 48, 64))     # the loader may hand blocks after the mode
-    assert lin._int8_max_m == linear_mod.QUANT_MAX_M
+    assert lin._int8_max_m >= linear_mod.QUANT_MAX_M
     lin.set_blocks(random_blocks(BF16, 48, 64))
     assert lin.activation_quant == "int8" and lin._int8_max_m == 0
 

@@ -1,0 +1,15 @@
+// Packed weight copies for the int8 variants that read them (int8_packed.cpp).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace sparkserve::int8 {
+
+// The packed copy of the Q4_1 / Q8_0 blocks `w` ([N, K/32 blocks], contiguous), made on first use.
+const uint8_t* packed_weights(const at::Tensor& w, int64_t N, int64_t K, int qtype);
+
+// How many packed copies are held (tests: a copy goes at the next insert after its weights).
+int64_t packed_weights_held();
+
+}  // namespace sparkserve::int8
