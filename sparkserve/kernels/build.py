@@ -14,6 +14,7 @@ rejects is left out (the AVX2 one is required). int8_dispatch.cpp picks one at r
 flags; SPARKSERVE_KERNEL_VARIANTS_OFF=avx512vnni,avxvnni switches variants off (see `variant()`)."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -33,8 +34,8 @@ SOURCES = [os.path.join(_DIR, f)
            for f in ("quant_gemv.cpp", "int8_dispatch.cpp", "int8_packed.cpp", "rms_norm.cpp",
                      "decode_attention.cpp", "native_llama.cpp", "thread_pool.cpp", "bindings.cpp")]
 HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h", "int8_common.h", "int8_kernel.h",
-                                           "int8_packed.h", "paged_attention.h", "rms_norm.h",
-                                           "native_llama.h", "thread_pool.h")]
+                                           "int8_packed.h", "int8_packed_ymm.h", "paged_attention.h",
+                                           "rms_norm.h", "native_llama.h", "thread_pool.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 # int8 kernel variants, best last: name -> extra ISA flags (on top of the AVX2 baseline).
 VARIANTS = {
@@ -116,6 +117,10 @@ def _build() -> ModuleType:
     name = f"sparkserve_kernels_{os.path.basename(path)}"
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)        # another process building this: wait for it
+        # torch's own lock file in the build folder: holding the flock, nobody else is building,
+        # so one left here is from a build that was killed, and torch would wait on it forever
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, "lock"))
         if not os.path.exists(os.path.join(path, name + ".so")):
             log.info("building the CPU kernels (first run, about a minute) in %s", path)
         variants = _compile_variants(path)

@@ -281,3 +281,20 @@ def test_disable_env_falls_back_to_fp32_with_same_tokens(smollm2_engine):
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["available"] is False and res["head_blocks"] is False
     assert res["ids"] == ours
+
+
+def test_build_left_by_a_killed_process_does_not_hang_the_next():
+    """torch's build leaves a `lock` file in the build folder while it compiles; a process killed
+    then leaves it behind, and torch alone would wait on it forever."""
+    import fcntl
+
+    from sparkserve.kernels.build import build_dir
+    path = build_dir()
+    with open(path + ".lock", "w") as flock:      # as the builders do: nobody builds meanwhile
+        fcntl.flock(flock, fcntl.LOCK_EX)
+        open(os.path.join(path, "lock"), "w").close()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", "from sparkserve import kernels; print(kernels.available())"],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]
+    assert not os.path.exists(os.path.join(path, "lock"))
