@@ -1,6 +1,7 @@
 // Int8 kernel, AVX2 variant (maddubs + madd), and the activation quantizer every variant uses.
 // Built with -mavx2 -mfma -mf16c only (build.py).
 #include "int8_kernel.h"
+#include "int8_packed_ymm.h"
 
 namespace {
 
@@ -34,9 +35,28 @@ struct Isa {
   static void hsums(F v, float* out) { out[0] = hsum8(v); }
 };
 
+// On packed Q4_1 weights: nibbles are at most 15, so a maddubs pair is at most 2 * 15 * 127 and
+// the eight of a block add up in int16 before one madd. (Q8_0's bytes would saturate maddubs:
+// it stays on the GGUF-layout kernel above.)
+struct PackedIsa {
+  template <int QT>
+  static __m256i block_dot(const __m256i w[8], const int8_t* xr, __m256i start) {
+    static_assert(QT == 3, "the AVX2 packed kernel reads Q4_1 only");
+    __m256i s = _mm256_maddubs_epi16(w[0], bcast4(xr));
+    for (int g = 1; g < 8; ++g) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[g], bcast4(xr + 4 * g)));
+    return _mm256_add_epi32(start, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+  }
+};
+
 }  // namespace
 
 namespace sparkserve::int8 {
+
+void rows_avx2_packed(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1, const float* bias,
+                      float* y, int64_t N) {
+  (void)qtype;   // Q4_1 (int8_dispatch.cpp sends Q8_0 to rows_avx2)
+  packed_rows_typed<PackedIsa, 3>(q, wp, n0, n1, bias, y, N);
+}
 
 void rows_avx2(const QuantX& q, const uint8_t* w, int64_t row_bytes, int qtype, int64_t n0, int64_t n1,
                const float* bias, float* y, int64_t N) {

@@ -2,6 +2,7 @@
 // (no int16 step). Built with -mavx2 -mfma -mf16c -mavxvnni (build.py); run only where the CPU
 // has avx_vnni (int8_dispatch.cpp).
 #include "int8_kernel.h"
+#include "int8_packed_ymm.h"
 
 namespace {
 
@@ -32,9 +33,28 @@ struct Isa {
   static void hsums(F v, float* out) { out[0] = hsum8(v); }
 };
 
+// On packed weights: dpbusd in two chains of 4; Q8_0's quants are q + 128 and `start` undoes it.
+struct PackedIsa {
+  template <int QT>
+  static __m256i block_dot(const __m256i w[8], const int8_t* xr, __m256i start) {
+    __m256i a0 = start, a1 = _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      a0 = _mm256_dpbusd_avx_epi32(a0, w[g], bcast4(xr + 4 * g));
+      a1 = _mm256_dpbusd_avx_epi32(a1, w[g + 4], bcast4(xr + 4 * (g + 4)));
+    }
+    return _mm256_add_epi32(a0, a1);
+  }
+};
+
 }  // namespace
 
 namespace sparkserve::int8 {
+
+void rows_avxvnni_packed(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1, const float* bias,
+                         float* y, int64_t N) {
+  if (qtype == 3) packed_rows_typed<PackedIsa, 3>(q, wp, n0, n1, bias, y, N);
+  else packed_rows_typed<PackedIsa, 8>(q, wp, n0, n1, bias, y, N);
+}
 
 void rows_avxvnni(const QuantX& q, const uint8_t* w, int64_t row_bytes, int qtype, int64_t n0, int64_t n1,
                   const float* bias, float* y, int64_t N) {

@@ -49,5 +49,7 @@ inline int64_t packed_record_bytes(int qtype) { return qtype == 3 ? 320 : 544; }
 using PackedRowsFn = void (*)(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1,
                               const float* bias, float* y, int64_t N);
 void rows_avx512vnni_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
+void rows_avxvnni_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
+void rows_avx2_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);  // Q4_1
 
 }  // namespace sparkserve::int8

@@ -27,7 +27,8 @@ using sparkserve::int8::RowsFn;
 struct Variant {
   const char* name;
   RowsFn rows;            // on GGUF blocks
-  PackedRowsFn packed;    // or on their packed copy (int8_common.h); both nullptr: fp32 activations
+  PackedRowsFn packed;    // on their packed copy (int8_common.h), for Q4_1, and Q8_0 if packs_q8_0
+  bool packs_q8_0;        // rows and packed both nullptr: fp32 activations
 };
 
 bool switched_off(const char* name) {
@@ -56,12 +57,12 @@ bool cpu_has(const std::string& name) {
 const std::vector<Variant>& built() {
   static const std::vector<Variant> v = {
 #ifdef SPARKSERVE_HAS_AVX512VNNI
-      {"avx512vnni", nullptr, sparkserve::int8::rows_avx512vnni_packed},
+      {"avx512vnni", nullptr, sparkserve::int8::rows_avx512vnni_packed, true},
 #endif
 #ifdef SPARKSERVE_HAS_AVXVNNI
-      {"avxvnni", sparkserve::int8::rows_avxvnni, nullptr},
+      {"avxvnni", sparkserve::int8::rows_avxvnni, sparkserve::int8::rows_avxvnni_packed, true},
 #endif
-      {"avx2", sparkserve::int8::rows_avx2, nullptr},
+      {"avx2", sparkserve::int8::rows_avx2, sparkserve::int8::rows_avx2_packed, false},
   };
   return v;
 }
@@ -69,7 +70,7 @@ const std::vector<Variant>& built() {
 Variant choose() {
   for (const Variant& v : built())
     if (cpu_has(v.name) && !switched_off(v.name)) return v;
-  return {"fp32", nullptr, nullptr};
+  return {"fp32", nullptr, nullptr, false};
 }
 
 const Variant& variant() {
@@ -107,7 +108,7 @@ void linear_int8_on(const Variant& v, const float* x, int64_t M, int64_t K, cons
   });
   const int64_t row_bytes = K / 32 * block_bytes_of(qtype);
   const int64_t grain = std::max<int64_t>(16, (32 << 10) / row_bytes);   // >= ~32 KiB of weights per task
-  if (v.packed != nullptr) {   // tasks split at group edges
+  if (v.packed != nullptr && (qtype == kQ4_1 || v.packs_q8_0)) {   // tasks split at group edges
     const uint8_t* wp = int8::packed_weights(w, N, K, qtype);
     const int64_t groups = (N + int8::kGroupRows - 1) / int8::kGroupRows, G = int8::kGroupRows;
     sparkserve::parallel_for(0, groups, (grain + G - 1) / G, [&](int64_t g0, int64_t g1) {
@@ -136,7 +137,7 @@ at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::opt
                              const std::string& variant_name) {
   Variant v = variant();
   if (!variant_name.empty()) {
-    v = {"fp32", nullptr, nullptr};
+    v = {"fp32", nullptr, nullptr, false};
     for (const Variant& b : built())
       if (variant_name == b.name) v = b;
     const bool found = v.rows != nullptr || v.packed != nullptr;

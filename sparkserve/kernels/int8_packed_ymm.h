@@ -1,0 +1,95 @@
+// The packed-weight kernel body of the ymm variants (int8_avx2.cpp, int8_avxvnni.cpp): the packed
+// layout of int8_common.h read 8 output rows at a time (one half of each 64-byte chunk), so one
+// ymm lane is one output row. `Isa::block_dot<QT>(w, xr, start)` sums one 32-input block per row
+// in int32, from `start`, over the 8 unpacked weight vectors w[g] (inputs 4g..4g+3 of the 8 rows:
+// Q4_1's low nibbles of chunk i are inputs 4i.., its high nibbles 16 + 4i..) and the x bytes at xr. x tiles of 8 rows go in two passes of 4, so weights (8 ymm) and accumulators fit
+// the 16 registers. Internal linkage: each variant's copy is compiled with its own flags.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "int8_common.h"
+
+namespace {
+
+using sparkserve::int8::kGroupRows;
+using sparkserve::int8::kTile;
+using sparkserve::int8::QuantX;
+
+constexpr int kQ4_1p = 3;
+constexpr int kHalf = 8;          // output rows per ymm
+constexpr int kPass = 4;          // x rows per pass
+
+inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+
+// Rows [8h, 8h + 8) of one group against x rows [m1, m1 + MT) of one tile of mt rows.
+template <class Isa, int QT, int MT>
+inline void half_pass(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, int64_t mt, int64_t m1,
+                      const float* xd, const float* xs, const int32_t* xn, __m256 acc[MT]) {
+  constexpr int64_t GB = QT == kQ4_1p ? 320 : 544;
+  constexpr int QOFF = QT == kQ4_1p ? 64 : 32;
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* rec = wg + blk * GB;
+    if (h == 0 && m1 == 0)
+      for (int o = 0; o < GB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + nb * GB + o), _MM_HINT_T0);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
+    __m256 mw = _mm256_setzero_ps();
+    __m256i w[8];
+    if (QT == kQ4_1p) {
+      mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)));
+      for (int i = 0; i < 4; ++i) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QOFF + 64 * i + 32 * h));
+        w[i] = _mm256_and_si256(raw, lo4);
+        w[i + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+      }
+    } else {
+      for (int i = 0; i < 8; ++i)
+        w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QOFF + 64 * i + 32 * h));
+    }
+    const int8_t* xb = xq + blk * (mt * 32);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t i = blk * kTile + m1 + m;
+      const __m256i start = QT == kQ4_1p ? _mm256_setzero_si256() : _mm256_set1_epi32(xn[i]);
+      const __m256i p = Isa::template block_dot<QT>(w, xb + (m1 + m) * 32, start);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i])), acc[m]);
+      if (QT == kQ4_1p) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i]), acc[m]);
+    }
+  }
+}
+
+template <class Isa, int QT, int MT>
+void store_pass(const QuantX& q, const uint8_t* wp, int64_t n, int h, int64_t m0, int64_t mt, int64_t m1,
+                const float* bias, float* y, int64_t N) {
+  constexpr int64_t GB = QT == kQ4_1p ? 320 : 544;
+  const int64_t nb = q.K / 32, row0 = n + kHalf * h;
+  __m256 acc[MT];
+  half_pass<Isa, QT, MT>(wp + n / kGroupRows * nb * GB, nb, h, q.qs + m0 * q.K, mt, m1, q.d + m0 * nb,
+                         q.s + m0 * nb, q.xn + m0 * nb, acc);
+  const int64_t valid = N - row0 < kHalf ? N - row0 : kHalf;
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256 b = bias ? _mm256_maskload_ps(bias + row0, mask) : _mm256_setzero_ps();
+  for (int m = 0; m < MT; ++m) _mm256_maskstore_ps(y + (m0 + m1 + m) * N + row0, mask, _mm256_add_ps(acc[m], b));
+}
+
+template <class Isa, int QT>
+void packed_rows_typed(const QuantX& q, const uint8_t* wp, int64_t n0, int64_t n1, const float* bias, float* y,
+                       int64_t N) {
+  for (int64_t n = n0; n < n1; n += kGroupRows)
+    for (int h = 0; h < 2 && n + kHalf * h < N; ++h)
+      for (int64_t m0 = 0; m0 < q.M; m0 += kTile) {
+        const int64_t mt = q.M - m0 < kTile ? q.M - m0 : kTile;
+        for (int64_t m1 = 0; m1 < mt; m1 += kPass) {
+          switch (mt - m1 < kPass ? mt - m1 : kPass) {
+            case 4: store_pass<Isa, QT, 4>(q, wp, n, h, m0, mt, m1, bias, y, N); break;
+            case 3: store_pass<Isa, QT, 3>(q, wp, n, h, m0, mt, m1, bias, y, N); break;
+            case 2: store_pass<Isa, QT, 2>(q, wp, n, h, m0, mt, m1, bias, y, N); break;
+            default: store_pass<Isa, QT, 1>(q, wp, n, h, m0, mt, m1, bias, y, N); break;
+          }
+        }
+      }
+}
+
+}  // namespace
