@@ -31,7 +31,6 @@ void quantize_rows(const float* x, int64_t m0, int64_t m1, const QuantX& q);
 using RowsFn = void (*)(const QuantX& q, const uint8_t* w, int64_t row_bytes, int qtype, int64_t n0,
                         int64_t n1, const float* bias, float* y, int64_t N);
 void rows_avx2(const QuantX&, const uint8_t*, int64_t, int, int64_t, int64_t, const float*, float*, int64_t);
-void rows_avxvnni(const QuantX&, const uint8_t*, int64_t, int, int64_t, int64_t, const float*, float*, int64_t);
 
 // Packed weights (int8_packed.cpp): output rows in groups of kGroupRows, and within a group, per
 // block of 32 inputs, a record of kGroupRows fp16 d, (Q4_1) kGroupRows fp16 m, then the quants

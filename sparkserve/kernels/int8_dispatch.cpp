@@ -60,7 +60,7 @@ const std::vector<Variant>& built() {
       {"avx512vnni", nullptr, sparkserve::int8::rows_avx512vnni_packed, true},
 #endif
 #ifdef SPARKSERVE_HAS_AVXVNNI
-      {"avxvnni", sparkserve::int8::rows_avxvnni, sparkserve::int8::rows_avxvnni_packed, true},
+      {"avxvnni", nullptr, sparkserve::int8::rows_avxvnni_packed, true},
 #endif
       {"avx2", sparkserve::int8::rows_avx2, sparkserve::int8::rows_avx2_packed, false},
   };
