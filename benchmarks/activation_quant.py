@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_io import write_results  # noqa: E402
+from results_io import machine_line, write_results  # noqa: E402
 
 from sparkserve import kernels  # noqa: E402
 from sparkserve.core.forward_batch import ForwardMode  # noqa: E402
@@ -180,7 +180,8 @@ def main() -> None:
     tok = load_tokenizer(path)
     data: dict = {"variant": kernels.variant(), "threads": 1}
     lines = ["# Int8 vs fp32 activations (SmolLM2-135M Q4_1)", "",
-             f"int8 kernel variant: {data['variant']}; 1 thread; medians of repeated calls.", ""]
+             f"{machine_line()}; int8 kernel variant: {data['variant']}; 1 thread; "
+             "medians of repeated calls.", ""]
     if not args.skip_speed:
         data["speed"] = speed(model)
         lines += ["| shape (N x K) | " + " | ".join(f"M={m}" for m in MS) + " |",

@@ -13,7 +13,7 @@ import sys
 import time
 
 import torch
-from results_io import write_results
+from results_io import machine_info, machine_line, sparkserve_kernels, write_results
 
 QUESTIONS = ["Explain how a refrigerator works.", "Write a Python function that reverses a string.",
              "What are the benefits of regular exercise?", "Describe the water cycle.",
@@ -68,8 +68,10 @@ def main() -> int:
                                              "speedup": statistics.median(ts[m]) / statistics.median(tp)}
                                          for m in modes}}
     res = {"draft": a.draft or "shipped", "modes": modes, "threads": a.threads, "new_tokens": a.new_tokens,
-           "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M")}
+           "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
+           "sparkserve_kernels": sparkserve_kernels()}
     lines = [f"# DSpark vs plain decoding, SmolLM2-135M-Instruct, {a.threads} threads ({res['date']})", "",
+             f"{machine_line(res['machine'])}; sparkserve kernels: {res['sparkserve_kernels']}", "",
              f"draft: {res['draft']}, {a.new_tokens} new tokens, greedy, chat prompts, medians of {a.reps}",
              "",
              "| batch | verify mode | plain tok/s | DSpark tok/s | speedup | tokens per cycle (tau) |",
