@@ -14,6 +14,9 @@ namespace {
 
 using sparkserve::int8::kGroupRows;
 using sparkserve::int8::kTile;
+using sparkserve::int8::packed_m_at;
+using sparkserve::int8::packed_quants_at;
+using sparkserve::int8::packed_record_bytes;
 using sparkserve::int8::QuantX;
 
 constexpr int kQ4_1 = 3;
@@ -33,8 +36,8 @@ inline __m512 halves(const uint8_t* p) {
 template <int QT, int MT>
 inline void group_tile(const uint8_t* wg, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
                        const int32_t* xn, __m512 acc[MT]) {
-  constexpr int64_t GB = QT == kQ4_1 ? 320 : 544;
-  constexpr int QOFF = QT == kQ4_1 ? 64 : 32;
+  constexpr int64_t GB = packed_record_bytes(QT);
+  constexpr int QOFF = packed_quants_at(QT);
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   for (int64_t blk = 0; blk < nb; ++blk) {
@@ -45,7 +48,7 @@ inline void group_tile(const uint8_t* wg, int64_t nb, const int8_t* xq, const fl
     __m512 mw = _mm512_setzero_ps();
     __m512i w[8];
     if (QT == kQ4_1) {
-      mw = halves(rec + 32);
+      mw = halves(rec + packed_m_at);
       for (int i = 0; i < 4; ++i) {
         const __m512i raw = _mm512_loadu_si512(rec + QOFF + 64 * i);
         w[i] = _mm512_and_si512(raw, lo4);
@@ -75,7 +78,7 @@ inline void group_tile(const uint8_t* wg, int64_t nb, const int8_t* xq, const fl
 template <int QT, int MT>
 void tile_rows(const QuantX& q, int64_t m0, const uint8_t* wp, int64_t n, const float* bias, float* y,
                int64_t N) {
-  constexpr int64_t GB = QT == kQ4_1 ? 320 : 544;
+  constexpr int64_t GB = packed_record_bytes(QT);
   const int64_t nb = q.K / 32;
   __m512 acc[MT];
   // m0 is a multiple of kTile: the tile's scales start at m0 * nb

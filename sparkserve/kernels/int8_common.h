@@ -42,7 +42,9 @@ void rows_avx2(const QuantX&, const uint8_t*, int64_t, int, int64_t, int64_t, co
 //     makes them unsigned; the kernel starts each dot at -128 * sum(q_x) to cancel it).
 // Rows past N (the last group's padding) are zero. Same size as the GGUF blocks.
 constexpr int64_t kGroupRows = 16;
-inline int64_t packed_record_bytes(int qtype) { return qtype == 3 ? 320 : 544; }
+constexpr int64_t packed_record_bytes(int qtype) { return qtype == 3 ? 320 : 544; }
+constexpr int packed_m_at = 32;                                            // Q4_1's m, after d
+constexpr int packed_quants_at(int qtype) { return qtype == 3 ? 64 : 32; }   // the first chunk
 
 // y[:, n0:n1] (+ bias) from packed weights `wp`; n0 a multiple of kGroupRows, one thread.
 using PackedRowsFn = void (*)(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1,

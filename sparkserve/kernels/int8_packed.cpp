@@ -29,19 +29,20 @@ void pack(const uint8_t* w, int64_t N, int64_t K, int qtype, uint8_t* out) {
       uint8_t* rec = out + (g * nb + b) * rb;
       for (int64_t r = 0; r < kGroupRows; ++r) {
         const int64_t n = g * kGroupRows + r;
+        uint8_t* quants = rec + packed_quants_at(qtype) + 4 * r;
         if (n >= N) {          // padding: zero scales, and Q8_0 quants that mean 0 (+128 offset)
           if (qtype != kQ4_1)
-            for (int i = 0; i < 8; ++i) std::memset(rec + 32 + 64 * i + 4 * r, 0x80, 4);
+            for (int i = 0; i < 8; ++i) std::memset(quants + 64 * i, 0x80, 4);
           continue;
         }
         const uint8_t* blk = w + (n * nb + b) * bb;
-        std::memcpy(rec + 2 * r, blk, 2);                               // d
+        std::memcpy(rec + 2 * r, blk, 2);                                  // d
         if (qtype == kQ4_1) {
-          std::memcpy(rec + 32 + 2 * r, blk + 2, 2);                    // m
-          for (int i = 0; i < 4; ++i) std::memcpy(rec + 64 + 64 * i + 4 * r, blk + 4 + 4 * i, 4);
+          std::memcpy(rec + packed_m_at + 2 * r, blk + 2, 2);              // m
+          for (int i = 0; i < 4; ++i) std::memcpy(quants + 64 * i, blk + 4 + 4 * i, 4);
         } else {
           for (int i = 0; i < 8; ++i)
-            for (int j = 0; j < 4; ++j) rec[32 + 64 * i + 4 * r + j] = blk[2 + 4 * i + j] ^ 0x80;
+            for (int j = 0; j < 4; ++j) quants[64 * i + j] = blk[2 + 4 * i + j] ^ 0x80;
         }
       }
     }

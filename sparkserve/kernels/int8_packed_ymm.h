@@ -14,6 +14,9 @@ namespace {
 
 using sparkserve::int8::kGroupRows;
 using sparkserve::int8::kTile;
+using sparkserve::int8::packed_m_at;
+using sparkserve::int8::packed_quants_at;
+using sparkserve::int8::packed_record_bytes;
 using sparkserve::int8::QuantX;
 
 constexpr int kQ4_1p = 3;
@@ -26,8 +29,8 @@ inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(*reinterpret_c
 template <class Isa, int QT, int MT>
 inline void half_pass(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, int64_t mt, int64_t m1,
                       const float* xd, const float* xs, const int32_t* xn, __m256 acc[MT]) {
-  constexpr int64_t GB = QT == kQ4_1p ? 320 : 544;
-  constexpr int QOFF = QT == kQ4_1p ? 64 : 32;
+  constexpr int64_t GB = packed_record_bytes(QT);
+  constexpr int QOFF = packed_quants_at(QT);
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi8(0x0F);
   for (int64_t blk = 0; blk < nb; ++blk) {
@@ -38,7 +41,7 @@ inline void half_pass(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, in
     __m256 mw = _mm256_setzero_ps();
     __m256i w[8];
     if (QT == kQ4_1p) {
-      mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)));
+      mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + packed_m_at + 16 * h)));
       for (int i = 0; i < 4; ++i) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QOFF + 64 * i + 32 * h));
         w[i] = _mm256_and_si256(raw, lo4);
@@ -62,7 +65,7 @@ inline void half_pass(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, in
 template <class Isa, int QT, int MT>
 void store_pass(const QuantX& q, const uint8_t* wp, int64_t n, int h, int64_t m0, int64_t mt, int64_t m1,
                 const float* bias, float* y, int64_t N) {
-  constexpr int64_t GB = QT == kQ4_1p ? 320 : 544;
+  constexpr int64_t GB = packed_record_bytes(QT);
   const int64_t nb = q.K / 32, row0 = n + kHalf * h;
   __m256 acc[MT];
   half_pass<Isa, QT, MT>(wp + n / kGroupRows * nb * GB, nb, h, q.qs + m0 * q.K, mt, m1, q.d + m0 * nb,
