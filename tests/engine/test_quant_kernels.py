@@ -294,7 +294,8 @@ def test_build_left_by_a_killed_process_does_not_hang_the_next():
         fcntl.flock(flock, fcntl.LOCK_EX)
         open(os.path.join(path, "lock"), "w").close()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", "from sparkserve import kernels; print(kernels.available())"],
-                          env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    code = "from sparkserve import kernels; print(kernels.available())"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
     assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]
     assert not os.path.exists(os.path.join(path, "lock"))
