@@ -50,8 +50,9 @@ at::Tensor norm_weight(const at::Tensor& w, int64_t dim) {
 // (layers/rotary.py): x' = x * cos + roll(x, D/2) * sin.
 void rotate(float* x, const float* cos, const float* sin, int64_t D, float* tmp) {
   std::memcpy(tmp, x, D * sizeof(float));
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < D; ++i) x[i] = tmp[i] * cos[i] + tmp[(i + half) % D] * sin[i];
+  const int64_t half = D / 2;   // two loops, not an index modulo D: they vectorize
+  for (int64_t i = 0; i < half; ++i) x[i] = tmp[i] * cos[i] + tmp[i + half] * sin[i];
+  for (int64_t i = half; i < D; ++i) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
 // out = silu(g) * u over n floats; sigmoid from exp(-|g|) so the exp argument stays <= 0.
