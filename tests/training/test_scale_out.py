@@ -91,3 +91,27 @@ def test_rank_flag_conflicts_fail_at_start(setup):
     root, model, pfile, _ = setup
     res = torchrun(2, data_flags(str(root / "bad"), model, pfile) + ["--stages", "eval"])
     assert res.returncode != 0 and "--stages eval under torchrun" in res.stderr
+
+
+def test_two_nodes_train_as_one_rank(setup):
+    """`--nnodes 2`: two torchrun launchers of one rank each meet over TCP as two machines would
+    (here both on 127.0.0.1, `--out` on one filesystem as the design asks of several nodes), and
+    the train stage's losses are the one-rank run's."""
+    import socket
+    root, model, pfile, one = setup
+    nodes = str(root / "nodes")
+    shutil.copytree(one, nodes, ignore=shutil.ignore_patterns("draft"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    args = data_flags(nodes, model, pfile) + train_flags(6) + ["--stages", "train", "--stop-after", "2"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+              "--master-addr=127.0.0.1", f"--master-port={port}"]
+    procs = [subprocess.Popen([*launch, f"--node-rank={n}", "-m", "sparkserve.cli", *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    want, got = train_log(one, "loss"), train_log(nodes, "loss")
+    assert sorted(got) == [1, 2]
+    np.testing.assert_allclose([got[1], got[2]], [want[1], want[2]], rtol=LOSS_RTOL)
