@@ -106,20 +106,18 @@ def test_quantizer_matches_reference_exactly():
 
 
 def test_packed_copies_go_with_their_weights():
-    """A variant on packed weights (AVX-512 VNNI) keeps one copy per weight tensor, reused across
-    calls, and drops it once the weight is gone; another weight of the same shape gets its own."""
-    if "avx512vnni" not in kernels.runnable_variants():
-        pytest.skip("no packed-weight variant runs on this CPU (it needs AVX-512 VNNI)")
+    """Every variant reads Q4_1 from a packed copy: one per weight tensor, reused across calls,
+    dropped once the weight is gone; another weight of the same shape gets its own."""
     held = kernels.load_extension().int8_packed_weights_held
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(6))
-    w1, w2 = random_blocks(Q8_0, 40, 96, seed=1), random_blocks(Q8_0, 40, 96, seed=2)
-    y1 = kernels.quant_linear_int8(x, w1, variant="avx512vnni")
+    w1, w2 = random_blocks(Q4_1, 40, 96, seed=1), random_blocks(Q4_1, 40, 96, seed=2)
+    y1 = kernels.quant_linear_int8(x, w1)
     n = held()
-    assert torch.equal(kernels.quant_linear_int8(x, w1, variant="avx512vnni"), y1) and held() == n
+    assert torch.equal(kernels.quant_linear_int8(x, w1), y1) and held() == n
     del w1
-    y2 = kernels.quant_linear_int8(x, w2, variant="avx512vnni")
+    y2 = kernels.quant_linear_int8(x, w2)
     assert held() <= n                                   # w1's copy went as w2's came
-    assert torch.equal(y2, kernels.quant_linear_int8(x, w2, variant="avx512vnni"))
+    assert torch.equal(y2, kernels.quant_linear_int8(x, w2))
     assert not torch.equal(y1, y2)
 
 
