@@ -1,12 +1,16 @@
 // Paged attention of few query tokens per request (decode: one; VERIFY blocks and small
 // extends: a handful, causal), K/V read in place from the pool through the request's slot ids.
 // The torch path gathers a padded [B, L, Hkv, D] copy of K and V every layer (aten::index) before
-// SDPA; here each K/V row is fetched once, straight from its slot, for all H/Hkv query heads that
-// share it (GQA). Work items are (request, kv head), split over the kernels' thread pool (thread_pool.h). fp32
-// throughout; the softmax is exact (scores of all keys kept, then max, exp, sum) rather than
-// online, so results differ from SDPA only by summation order and exp rounding (~1e-7 relative).
+// SDPA; here each K/V row is fetched once, straight from its slot, for all the query rows that
+// share it: the H/Hkv query heads of GQA and, in a block, every query token. Work items are
+// (request, kv head, chunk of its queries), split over the kernels' thread pool (thread_pool.h),
+// with more chunks when a lone request would leave threads idle. fp32 throughout; the softmax is
+// exact (scores of all keys kept, then max, exp, sum) rather than online, so results differ from
+// SDPA only by summation order and exp rounding (~1e-7 relative). A row's result does not depend
+// on the block it is in: a VERIFY row equals the decode step at its position bit for bit.
 //
 // Built with -mavx2 -mfma by sparkserve/kernels/build.py, which checks the CPU first.
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
@@ -25,95 +29,124 @@ namespace {
 using sparkserve::exp256;
 using sparkserve::hsum;
 
-// q . k for one key (D a multiple of 8).
-inline float dot1(const float* q, const float* k, int64_t D) {
-  __m256 s = _mm256_setzero_ps();
-  for (int64_t c = 0; c < D; c += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), s);
-  return hsum(s);
-}
-
-// q . k for four keys at once: one q load per four FMAs, one shuffle-reduction for all four.
-inline __m128 dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3,
-                   int64_t D) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+// Scores of NR query rows against four keys: 2 x 4 accumulators fit the 16 ymm registers with the
+// key vectors. Each (row, key) pair is reduced by the same lane order and hadd tree wherever it
+// sits, so a score's bits depend only on its query and key, never on the tile or the block size.
+template <int NR>
+inline void qk_tile(const float* const* q, const float* const* k, int64_t D, float* s, int64_t ss, int64_t nk) {
+  __m256 a[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int x = 0; x < 4; ++x) a[r][x] = _mm256_setzero_ps();
   for (int64_t c = 0; c < D; c += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + c);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + c), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + c), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + c), a3);
+    const __m256 k0 = _mm256_loadu_ps(k[0] + c), k1 = _mm256_loadu_ps(k[1] + c);
+    const __m256 k2 = _mm256_loadu_ps(k[2] + c), k3 = _mm256_loadu_ps(k[3] + c);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 qv = _mm256_loadu_ps(q[r] + c);
+      a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
+      a[r][2] = _mm256_fmadd_ps(qv, k2, a[r][2]);
+      a[r][3] = _mm256_fmadd_ps(qv, k3, a[r][3]);
+    }
   }
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  for (int r = 0; r < NR; ++r) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    if (nk == 4) {
+      _mm_storeu_ps(s + r * ss, v);
+    } else {
+      alignas(16) float tmp[4];
+      _mm_store_ps(tmp, v);
+      for (int64_t x = 0; x < nk; ++x) s[r * ss + x] = tmp[x];
+    }
+  }
 }
 
-// o[g][c0 .. c0 + 8 NV) = sum_j p[g][j] V[j][c0 ..] for NG heads sharing the V rows, the
-// accumulators in registers (NG * NV <= 12).
-template <int NG, int NV>
-void pv_block(const float* p, int64_t n, const float* vp, const int64_t* rows, int64_t c0, float* o,
-              int64_t D) {
-  __m256 acc[NG][NV];
-  for (int g = 0; g < NG; ++g)
-    for (int i = 0; i < NV; ++i) acc[g][i] = _mm256_setzero_ps();
+// s[r][j] = q_r . k_j for the R rows and the n keys at rows[0..n) (offsets into kp), keys in
+// groups of four (the last group padded with its last key, whose extra scores are dropped).
+void scores(const float* const* q, int64_t R, const int64_t* rows, int64_t n, const float* kp, int64_t D,
+            float* s) {
+  for (int64_t j = 0; j < n; j += 4) {
+    const int64_t nk = std::min<int64_t>(4, n - j);
+    const float* k[4];
+    for (int64_t x = 0; x < 4; ++x) k[x] = kp + rows[j + std::min(x, nk - 1)];
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2) qk_tile<2>(q + r, k, D, s + r * n + j, n, nk);
+    if (r < R) qk_tile<1>(q + r, k, D, s + r * n + j, n, nk);
+  }
+}
+
+// softmax(scale * s) over the row's visible keys [lo, hi) (max, exp, sum, then normalize), zero
+// elsewhere, so the PV sum may run over all the work item's keys and still add the same terms in
+// the same order as over the row's own keys.
+void softmax_row(float* row, int64_t n, int64_t lo, int64_t hi, float sc) {
+  float* sg = row + lo;
+  const int64_t m_n = hi - lo;
+  float m = sg[0];
+  for (int64_t i = 1; i < m_n; ++i) m = std::max(m, sg[i]);
+  const __m256 scv = _mm256_set1_ps(sc), ms = _mm256_set1_ps(m * sc);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= m_n; i += 8) {
+    const __m256 e = exp256(_mm256_fmsub_ps(_mm256_loadu_ps(sg + i), scv, ms));
+    _mm256_storeu_ps(sg + i, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum(sum8);
+  for (; i < m_n; ++i) {
+    alignas(32) float t[8] = {sg[i] * sc - m * sc};
+    _mm256_store_ps(t, exp256(_mm256_load_ps(t)));
+    sum += (sg[i] = t[0]);
+  }
+  const float inv = 1.f / sum;
+  for (i = 0; i < m_n; ++i) sg[i] *= inv;
+  std::fill(row, row + lo, 0.f);
+  std::fill(row + hi, row + n, 0.f);
+}
+
+// o_r[c0 .. c0 + 8 NV) = sum_j p[r][j] V[j][c0 ..] for NR rows sharing the V rows, the
+// accumulators in registers.
+template <int NR, int NV>
+void pv_tile(const float* p, int64_t n, const float* vp, const int64_t* rows, int64_t c0, float* const* o) {
+  __m256 acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < NV; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const float* vr = vp + rows[j] + c0;
     __m256 v[NV];
     for (int i = 0; i < NV; ++i) v[i] = _mm256_loadu_ps(vr + 8 * i);
-    for (int g = 0; g < NG; ++g) {
-      const __m256 pg = _mm256_broadcast_ss(p + g * n + j);
-      for (int i = 0; i < NV; ++i) acc[g][i] = _mm256_fmadd_ps(pg, v[i], acc[g][i]);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 pr = _mm256_broadcast_ss(p + r * n + j);
+      for (int i = 0; i < NV; ++i) acc[r][i] = _mm256_fmadd_ps(pr, v[i], acc[r][i]);
     }
   }
-  for (int g = 0; g < NG; ++g)
-    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o + g * D + c0 + 8 * i, acc[g][i]);
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o[r] + c0 + 8 * i, acc[r][i]);
 }
 
-template <int NG>
-void pv(const float* p, int64_t n, const float* vp, const int64_t* rows, float* o, int64_t D) {
+template <int NR>
+void pv(const float* p, int64_t n, const float* vp, const int64_t* rows, float* const* o, int64_t D) {
   int64_t c = 0;
-  for (; c + 32 <= D; c += 32) pv_block<NG, 4>(p, n, vp, rows, c, o, D);
-  for (; c < D; c += 8) pv_block<NG, 1>(p, n, vp, rows, c, o, D);
+  for (; c + 32 <= D; c += 32) pv_tile<NR, 4>(p, n, vp, rows, c, o);
+  for (; c < D; c += 8) pv_tile<NR, 1>(p, n, vp, rows, c, o);
 }
 
-// Attention of the G query heads at qh (head stride qs1) over the n keys whose K/V rows start
-// at rows[0..n) (offsets into the buffers): exact softmax in s [G, n], then o [G, D].
-void attend(const float* qh, int64_t qs1, int64_t G, const int64_t* rows, int64_t n, const float* kp,
-            const float* vp, float sc, float* s, float* o, int64_t D) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const float *k0 = kp + rows[j], *k1 = kp + rows[j + 1], *k2 = kp + rows[j + 2], *k3 = kp + rows[j + 3];
-    for (int64_t g = 0; g < G; ++g) _mm_storeu_ps(&s[g * n + j], dot4(qh + g * qs1, k0, k1, k2, k3, D));
+// One work item: a request's queries i0 .. i1 - 1 for one kv head, all G query heads of each.
+struct Item {
+  int64_t b, h, i0, i1;
+};
+
+// Enough items for the pool's threads: a request's queries are split into chunks when there are
+// fewer (request, kv head) pairs than twice the threads (a VERIFY block of one request).
+std::vector<Item> work_items(const int64_t* q_off, int64_t B, int64_t Hkv) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t per_pair = std::max<int64_t>(1, (2 * threads + B * Hkv - 1) / (B * Hkv));
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nq = q_off[b + 1] - q_off[b], chunks = std::min(nq, per_pair), size = (nq + chunks - 1) / chunks;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t i0 = 0; i0 < nq; i0 += size) items.push_back({b, h, i0, std::min(nq, i0 + size)});
   }
-  for (; j < n; ++j)
-    for (int64_t g = 0; g < G; ++g) s[g * n + j] = dot1(qh + g * qs1, kp + rows[j], D);
-  // softmax(scale * s) per head: max, exp and sum, then normalize (all in s)
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * n;
-    float m = sg[0];
-    for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
-    const __m256 scv = _mm256_set1_ps(sc), ms = _mm256_set1_ps(m * sc);
-    __m256 sum8 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const __m256 e = exp256(_mm256_fmsub_ps(_mm256_loadu_ps(sg + i), scv, ms));
-      _mm256_storeu_ps(sg + i, e);
-      sum8 = _mm256_add_ps(sum8, e);
-    }
-    float sum = hsum(sum8);
-    for (; i < n; ++i) {
-      alignas(32) float t[8] = {sg[i] * sc - m * sc};
-      _mm256_store_ps(t, exp256(_mm256_load_ps(t)));
-      sum += (sg[i] = t[0]);
-    }
-    const float inv = 1.f / sum;
-    for (i = 0; i < n; ++i) sg[i] *= inv;
-  }
-  for (int64_t g = 0; g < G; g += 3) {
-    const float* pg = s + g * n;
-    if (G - g >= 3) pv<3>(pg, n, vp, rows, o + g * D, D);
-    else if (G - g == 2) pv<2>(pg, n, vp, rows, o + g * D, D);
-    else pv<1>(pg, n, vp, rows, o + g * D, D);
-  }
+  return items;
 }
 
 }  // namespace
@@ -126,26 +159,43 @@ void paged_attention(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64
   TORCH_CHECK(kv.causal || window <= 0, "paged attention: a window needs causal attention");
   // first gathered index a query at relative position e - 1 (e keys up to it) sees
   auto first = [&](int64_t e) { return window > 0 ? std::max<int64_t>(0, e - window) : 0; };
-  // Work items (request, kv head): the K/V rows of a request's queries are fetched once, shared
-  // by its G query heads and, from cache, by its later queries.
-  sparkserve::parallel_for(0, B * Hkv, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> s;        // scores, then probabilities: [G, n]
-    std::vector<int64_t> rows;   // row offset of each visible key in the K/V buffers
+  const std::vector<Item> items = work_items(q_off, B, Hkv);
+  // An item's G * (i1 - i0) query rows share every K/V row it fetches: scores as small
+  // register-tiled products, an exact softmax per row, then P V for all rows at once.
+  sparkserve::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> s;             // scores, then probabilities: [R, n]
+    std::vector<int64_t> rows;        // row offset of each key in the K/V buffers
+    std::vector<const float*> q;      // the item's query rows
+    std::vector<float*> o;            // and their outputs
+    std::vector<int64_t> lo, hi;      // each row's visible keys
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / Hkv, h = w % Hkv, nq = q_off[b + 1] - q_off[b];
-      const int64_t end = seq_lens[b] - kv_start, begin = first(end - nq + 1);
-      rows.resize(end - begin);
-      for (int64_t j = begin; j < end; ++j) {
+      const Item& it = items[w];
+      const int64_t b = it.b, h = it.h, nq = q_off[b + 1] - q_off[b], end = seq_lens[b] - kv_start;
+      auto last_key = [&](int64_t i) { return kv.causal ? end - nq + 1 + i : end; };   // keys < this
+      const int64_t begin = first(last_key(it.i0)), stop = last_key(it.i1 - 1), n = stop - begin;
+      rows.resize(n);
+      for (int64_t j = begin; j < stop; ++j) {
         const int64_t slot = kv.idx[b * kv.idx_stride + j];
         TORCH_CHECK(slot >= 0 && slot < kv.slots, "paged attention: slot id out of range");
         rows[j - begin] = (slot * Hkv + h) * D;
       }
-      s.resize(G * (end - begin));
-      for (int64_t i = 0; i < nq; ++i) {       // query i: keys first(e) .. e - 1
-        const int64_t e = kv.causal ? end - nq + 1 + i : end, f = first(e), t = q_off[b] + i;
-        attend(qp + t * qs0 + h * G * qs1, qs1, G, rows.data() + (f - begin), e - f, kv.k, kv.v, sc,
-               s.data(), op + t * H * D + h * G * D, D);
+      const int64_t R = (it.i1 - it.i0) * G;
+      q.resize(R), o.resize(R), lo.resize(R), hi.resize(R);
+      for (int64_t i = it.i0; i < it.i1; ++i) {
+        const int64_t t = q_off[b] + i, e = last_key(i);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = (i - it.i0) * G + g;
+          q[r] = qp + t * qs0 + (h * G + g) * qs1;
+          o[r] = op + t * H * D + (h * G + g) * D;
+          lo[r] = first(e) - begin, hi[r] = e - begin;
+        }
       }
+      s.resize(R * n);
+      scores(q.data(), R, rows.data(), n, kv.k, D, s.data());
+      for (int64_t r = 0; r < R; ++r) softmax_row(s.data() + r * n, n, lo[r], hi[r], sc);
+      int64_t r = 0;
+      for (; r + 2 <= R; r += 2) pv<2>(s.data() + r * n, n, kv.v, rows.data(), o.data() + r, D);
+      if (r < R) pv<1>(s.data() + r * n, n, kv.v, rows.data(), o.data() + r, D);
     }
   });
 }

@@ -16,8 +16,8 @@ from torch import nn
 from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.kernels.build import load_extension
 
-# Most query tokens per request for the kernel: it attends one query at a time (GEMV-like), so
-# long prefill chunks go to SDPA's blocked GEMMs.
+# Most query tokens per request for the kernel: it keeps every score of a request's block, so
+# long prefill chunks go to SDPA's blocked, online-softmax GEMMs.
 KERNEL_MAX_Q = 16
 
 
