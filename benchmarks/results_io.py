@@ -48,8 +48,8 @@ def machine_line(info: dict | None = None) -> str:
 
 
 def sparkserve_kernels() -> str:
-    """Which sparkserve kernels ran: the int8 variant this CPU picked (the benchmarks run
-    --activation-quant int8, as llama.cpp quantizes its activations) and the native step, or that
+    """Which sparkserve kernels ran: the int8 variant this CPU picked (the benchmarks run the
+    default --activation-quant int8, as llama.cpp quantizes its activations) and the native step, or that
     the C++ kernels are unavailable. Shared by decode.py and serving.py."""
     from sparkserve import kernels
     if not kernels.available():

@@ -10,14 +10,14 @@ sparkserve.kernels reads them directly â€” 5-6x fewer bytes than fp32 for Q4_1 â
 in fp32 on exactly the dequantized values. Larger M (prefill) and anything with autograd keep
 the fp32 weight (oneDNN).
 
-`set_activation_quant("int8")` (the engine's --activation-quant, applied by load_model) lets Q4_1 /
+`set_activation_quant("int8")` (the engine's default --activation-quant, applied by load_model) lets Q4_1 /
 Q8_0 layers quantize x to int8 per block of 32 and use integer dot products (llama.cpp's scheme)
 at every M the block kernel takes (every M at all where the int8 variant is faster than oneDNN
 at prefill sizes, `kernels.int8_beats_gemm()`); "none" (the default of a bare Linear) keeps the
 fp32-exact kernel. Int8 is used for all those M, not only where it is fastest (up to 8 rows on AVX2): a row's
 int8 result is then bit-identical whatever the batch (decode, batched decode, a verify block), so
-speculative verify agrees with plain decode and a request's tokens do not depend on how many
-others run with it (docs/kernel-notes.md)."""
+speculative verify agrees with plain decode and a decode row does not depend on how many others
+run with it (docs/kernel-notes.md)."""
 from __future__ import annotations
 
 import torch

@@ -102,6 +102,8 @@ class PipelineConfig:
                                             "tokenizer and, for training, weights are read locally)")
     tp_size: int = _h(1, "the target's tensor-parallel size while distilling, capturing and evaluating")
     pp_size: int = _h(1, "the target's pipeline-parallel size (stages capture their own taps)")
+    activation_quant: str = _h("int8", "the target's activations while distilling, capturing and evaluating "
+                                       "(`serve --activation-quant`): train on what the served target runs")
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"cli": False})
 
 

@@ -1,6 +1,7 @@
 """Draft-training data from a sharded target: distillation with hidden-state capture, and the
 prefill capture the feature stage falls back to, give the single-process rows when the embedded
-SmolLM2 runs as two pipeline stages (each capturing the taps of its own layers)."""
+SmolLM2 runs as two pipeline stages (each capturing the taps of its own layers). The target runs
+exact activations, under which the stages' rows equal one process's up to fp32 summation order."""
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ def _features(root: str, pp_size: int, fallback: bool) -> dict[str, np.ndarray]:
     cfg = PipelineConfig(model_path=None, out=root, max_new_tokens=8, distill_batch=2, val_prompts=0,
                          target_layer_ids=[2, 20], pp_size=pp_size)
     with Engine(None, max_total_tokens=2048, enable_return_hidden_states=True, disable_radix_cache=True,
-                pp_size=pp_size, num_threads=1) as eng:
+                pp_size=pp_size, num_threads=1, activation_quant="none") as eng:
         distill(cfg, EngineTarget(eng, 2), root)
         if fallback:                              # no distillation log: the stage captures by prefill
             shutil.rmtree(os.path.join(root, "features.log"))

@@ -218,11 +218,11 @@ def test_mode_survives_set_blocks_and_skips_half_blocks():
 
 
 def test_engine_option_reaches_the_layers(smollm2_path):
-    """--activation-quant is a ServerArgs field (default none: exact) that load_model applies to every layer
-    holding Q4_1 / Q8_0 blocks (the LM head is Q8_0)."""
+    """--activation-quant is a ServerArgs field (default int8, as llama.cpp) that load_model applies to
+    every layer holding Q4_1 / Q8_0 blocks (the LM head is Q8_0)."""
     from sparkserve.args import ServerArgs
     from sparkserve.models.registry import load_model
-    assert ServerArgs().activation_quant == "none"
+    assert ServerArgs().activation_quant == "int8"
     with pytest.raises(ValueError, match="--activation-quant"):
         ServerArgs(activation_quant="fp8").validate()
     for mode in ("int8", "none"):
