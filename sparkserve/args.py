@@ -110,7 +110,8 @@ class ServerArgs:
         "activations of layers with Q4_1 / Q8_0 (GGUF) weights on CPU: int8 (default, as llama.cpp and "
         "vLLM's GGUF kernels) quantizes them per block of 32 for integer dot products (several times "
         "faster; logits move slightly, perplexity +0.3-1.0%% on SmolLM2: docs/kernel-notes.md); none "
-        "keeps fp32 activations (exact). Other weights always run fp32 activations", choices=ACTIVATION_QUANTS))
+        "keeps fp32 activations (exact). Other weights always run fp32 activations",
+        choices=ACTIVATION_QUANTS))
     num_threads: int | None = field(default=None, metadata=_opt("torch CPU threads (default: torch's)"))
     random_seed: int | None = field(default=None, metadata=_opt("seed of the global RNG"))
     disable_native_step: bool = field(default=False, metadata=_opt(
