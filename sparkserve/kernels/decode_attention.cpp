@@ -75,10 +75,10 @@ void scores(const float* const* q, int64_t R, const int64_t* rows, int64_t n, co
   }
 }
 
-// softmax(scale * s) over the row's visible keys [lo, hi) (max, exp, sum, then normalize), zero
-// elsewhere, so the PV sum may run over all the work item's keys and still add the same terms in
-// the same order as over the row's own keys.
-void softmax_row(float* row, int64_t n, int64_t lo, int64_t hi, float sc) {
+// exp(scale * s - max) over the row's visible keys [lo, hi) of its chunk, zero elsewhere (so the
+// P V sum may run over all the item's keys and still add the same terms in the same order as over
+// the row's own); returns the scaled max and writes the sum of the exps.
+float softmax_partial(float* row, int64_t n, int64_t lo, int64_t hi, float sc, float* sum_out) {
   float* sg = row + lo;
   const int64_t m_n = hi - lo;
   float m = sg[0];
@@ -97,10 +97,10 @@ void softmax_row(float* row, int64_t n, int64_t lo, int64_t hi, float sc) {
     _mm256_store_ps(t, exp256(_mm256_load_ps(t)));
     sum += (sg[i] = t[0]);
   }
-  const float inv = 1.f / sum;
-  for (i = 0; i < m_n; ++i) sg[i] *= inv;
   std::fill(row, row + lo, 0.f);
   std::fill(row + hi, row + n, 0.f);
+  *sum_out = sum;
+  return m * sc;
 }
 
 // o_r[c0 .. c0 + 8 NV) = sum_j p[r][j] V[j][c0 ..] for NR rows sharing the V rows, the
@@ -130,24 +130,23 @@ void pv(const float* p, int64_t n, const float* vp, const int64_t* rows, float* 
   for (; c < D; c += 8) pv_tile<NR, 1>(p, n, vp, rows, c, o);
 }
 
-// One work item: a request's queries i0 .. i1 - 1 for one kv head, all G query heads of each.
+// Keys are cut at fixed gathered indices, every kKeyChunk. Each chunk of a row's keys gives a
+// partial result (max, sum of exps, unnormalized P V), and a row's partials merge in order. The
+// cut depends on neither the block nor the threads, so neither do a row's bits; and a long
+// context splits over the threads even for one request's decode step.
+constexpr int64_t kKeyChunk = 256;
+constexpr int64_t kInlineWork = 2048;
+
+// One work item: key chunks c0 .. c1 - 1 of a request's queries i0 .. i1 - 1 for one kv head,
+// all G query heads of each.
 struct Item {
-  int64_t b, h, i0, i1;
+  int64_t b, h, i0, i1, c0, c1;
 };
 
-// Enough items for the pool's threads: a request's queries are split into chunks when there are
-// fewer (request, kv head) pairs than twice the threads (a VERIFY block of one request).
-std::vector<Item> work_items(const int64_t* q_off, int64_t B, int64_t Hkv) {
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t per_pair = std::max<int64_t>(1, (2 * threads + B * Hkv - 1) / (B * Hkv));
-  std::vector<Item> items;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t nq = q_off[b + 1] - q_off[b], chunks = std::min(nq, per_pair), size = (nq + chunks - 1) / chunks;
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t i0 = 0; i0 < nq; i0 += size) items.push_back({b, h, i0, std::min(nq, i0 + size)});
-  }
-  return items;
-}
+// Where a request's queries and keys lie, and where its partial results go.
+struct Request {
+  int64_t nq, end, chunk0, chunks, part;   // keys < end; key chunks chunk0 ..; first partial
+};
 
 }  // namespace
 
@@ -155,47 +154,149 @@ namespace sparkserve {
 
 void paged_attention(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, const PagedKV& kv,
                      const int64_t* seq_lens, const int64_t* q_off, int64_t B, float sc, float* op) {
-  const int64_t Hkv = kv.Hkv, G = H / Hkv, window = kv.window, kv_start = kv.kv_start;
+  const int64_t Hkv = kv.Hkv, G = H / Hkv, window = kv.window, kv_start = kv.kv_start, C = kKeyChunk;
   TORCH_CHECK(kv.causal || window <= 0, "paged attention: a window needs causal attention");
   // first gathered index a query at relative position e - 1 (e keys up to it) sees
   auto first = [&](int64_t e) { return window > 0 ? std::max<int64_t>(0, e - window) : 0; };
-  const std::vector<Item> items = work_items(q_off, B, Hkv);
+  std::vector<Request> req(B);
+  int64_t parts = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    Request& r = req[b];
+    r.nq = q_off[b + 1] - q_off[b];
+    r.end = seq_lens[b] - kv_start;
+    const int64_t lo = first(kv.causal ? r.end - r.nq + 1 : r.end);
+    r.chunk0 = lo / C;
+    r.chunks = (r.end - 1) / C - r.chunk0 + 1;
+    r.part = parts;
+    parts += r.nq * H * r.chunks;
+  }
+  auto last_key = [&](const Request& r, int64_t i) { return kv.causal ? r.end - r.nq + 1 + i : r.end; };
+  // A row whose keys lie in one chunk is finished by its item; the others merge afterwards.
+  auto one_chunk = [&](const Request& r, int64_t i) {
+    const int64_t e = last_key(r, i);
+    return first(e) / C == (e - 1) / C;
+  };
+  bool split = false;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < req[b].nq; ++i) split = split || !one_chunk(req[b], i);
+  // With fewer (request, kv head) pairs than twice the threads, each pair is cut into about
+  // as many items as make up the difference: by its key chunks first (a long context), then by
+  // its queries (a VERIFY block), so that every thread has work even for one request.
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t pieces = std::max<int64_t>(1, (2 * threads + B * Hkv - 1) / (B * Hkv));
+  std::vector<Item> items;
+  int64_t work = 0;                   // query rows x keys, summed over the items
+  for (int64_t b = 0; b < B; ++b) {
+    const Request& r = req[b];
+    work += r.nq * H * (r.end - first(last_key(r, 0)));
+    const int64_t kparts = std::min(r.chunks, pieces);
+    const int64_t qparts = std::min(r.nq, (pieces + kparts - 1) / kparts), size = (r.nq + qparts - 1) / qparts;
+    for (int64_t i0 = 0; i0 < r.nq; i0 += size) {
+      const int64_t i1 = std::min(r.nq, i0 + size);
+      const int64_t c0 = first(last_key(r, i0)) / C, n = (last_key(r, i1 - 1) - 1) / C + 1 - c0;
+      const int64_t k = std::min(kparts, n);
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t x = 0; x < k; ++x) items.push_back({b, h, i0, i1, c0 + x * n / k, c0 + (x + 1) * n / k});
+    }
+  }
+  // partial results: [D] P V, then the scaled max and the sum, per (query row, head, key chunk)
+  thread_local std::vector<float> part_buf;
+  const int64_t P = D + 2;
+  if (static_cast<int64_t>(part_buf.size()) < parts * P) part_buf.resize(parts * P);
+  float* part = part_buf.data();
+  auto entry = [&](const Request& r, int64_t i, int64_t head, int64_t c) {
+    return part + (r.part + (i * H + head) * r.chunks + (c - r.chunk0)) * P;
+  };
+
   // An item's G * (i1 - i0) query rows share every K/V row it fetches: scores as small
-  // register-tiled products, an exact softmax per row, then P V for all rows at once.
-  sparkserve::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> s;             // scores, then probabilities: [R, n]
+  // register-tiled products, a softmax partial per row, then P V for all rows at once.
+  // Below a few thousand row-keys (a short decode) handing items to threads costs more than it saves.
+  const int64_t n_items = static_cast<int64_t>(items.size()), grain = work < kInlineWork ? n_items : 1;
+  sparkserve::parallel_for(0, n_items, grain, [&](int64_t w0, int64_t w1) {
+    std::vector<float> s;             // scores, then exps: [R, n]
     std::vector<int64_t> rows;        // row offset of each key in the K/V buffers
     std::vector<const float*> q;      // the item's query rows
-    std::vector<float*> o;            // and their outputs
-    std::vector<int64_t> lo, hi;      // each row's visible keys
-    for (int64_t w = w0; w < w1; ++w) {
-      const Item& it = items[w];
-      const int64_t b = it.b, h = it.h, nq = q_off[b + 1] - q_off[b], end = seq_lens[b] - kv_start;
-      auto last_key = [&](int64_t i) { return kv.causal ? end - nq + 1 + i : end; };   // keys < this
-      const int64_t begin = first(last_key(it.i0)), stop = last_key(it.i1 - 1), n = stop - begin;
+    std::vector<float*> o;            // and their P V: the output, or a partial to merge
+    std::vector<float> sum;           // each row's sum of exps
+    std::vector<float> unused(D);     // P V of a row without keys in the chunk (all zero)
+    // One key chunk of an item: its rows' partials, or the outputs of rows with no other chunk.
+    auto chunk = [&](const Item& it, int64_t c) {
+      const Request& r = req[it.b];
+      const int64_t h = it.h;
+      const int64_t k0 = std::max(c * C, first(last_key(r, it.i0)));
+      const int64_t k1 = std::min((c + 1) * C, last_key(r, it.i1 - 1)), n = k1 - k0;
       rows.resize(n);
-      for (int64_t j = begin; j < stop; ++j) {
-        const int64_t slot = kv.idx[b * kv.idx_stride + j];
+      for (int64_t j = k0; j < k1; ++j) {
+        const int64_t slot = kv.idx[it.b * kv.idx_stride + j];
         TORCH_CHECK(slot >= 0 && slot < kv.slots, "paged attention: slot id out of range");
-        rows[j - begin] = (slot * Hkv + h) * D;
+        rows[j - k0] = (slot * Hkv + h) * D;
       }
       const int64_t R = (it.i1 - it.i0) * G;
-      q.resize(R), o.resize(R), lo.resize(R), hi.resize(R);
-      for (int64_t i = it.i0; i < it.i1; ++i) {
-        const int64_t t = q_off[b] + i, e = last_key(i);
+      q.resize(R), o.resize(R), sum.resize(R), s.resize(R * n);
+      for (int64_t i = it.i0; i < it.i1; ++i)
         for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = (i - it.i0) * G + g;
-          q[r] = qp + t * qs0 + (h * G + g) * qs1;
-          o[r] = op + t * H * D + (h * G + g) * D;
-          lo[r] = first(e) - begin, hi[r] = e - begin;
+          const int64_t k = (i - it.i0) * G + g, t = q_off[it.b] + i, head = h * G + g;
+          q[k] = qp + t * qs0 + head * qs1;
+          o[k] = one_chunk(r, i) ? op + t * H * D + head * D : entry(r, i, head, c);
+        }
+      scores(q.data(), R, rows.data(), n, kv.k, D, s.data());
+      for (int64_t i = it.i0; i < it.i1; ++i) {
+        const int64_t e = last_key(r, i), lo = std::max(first(e), k0) - k0, hi = std::min(e, k1) - k0;
+        for (int64_t k = (i - it.i0) * G; k < (i - it.i0 + 1) * G; ++k) {
+          float* row = s.data() + k * n;
+          if (hi <= lo) {                  // none of this row's keys here: its P V goes nowhere
+            std::fill(row, row + n, 0.f);
+            o[k] = unused.data(), sum[k] = 0.f;
+            continue;
+          }
+          const float m = softmax_partial(row, n, lo, hi, sc, &sum[k]);
+          if (!one_chunk(r, i)) o[k][D] = m, o[k][D + 1] = sum[k];
         }
       }
-      s.resize(R * n);
-      scores(q.data(), R, rows.data(), n, kv.k, D, s.data());
-      for (int64_t r = 0; r < R; ++r) softmax_row(s.data() + r * n, n, lo[r], hi[r], sc);
-      int64_t r = 0;
-      for (; r + 2 <= R; r += 2) pv<2>(s.data() + r * n, n, kv.v, rows.data(), o.data() + r, D);
-      if (r < R) pv<1>(s.data() + r * n, n, kv.v, rows.data(), o.data() + r, D);
+      int64_t k = 0;
+      for (; k + 2 <= R; k += 2) pv<2>(s.data() + k * n, n, kv.v, rows.data(), o.data() + k, D);
+      if (k < R) pv<1>(s.data() + k * n, n, kv.v, rows.data(), o.data() + k, D);
+      for (int64_t i = it.i0; i < it.i1; ++i) {
+        if (!one_chunk(r, i)) continue;
+        for (int64_t x = (i - it.i0) * G; x < (i - it.i0 + 1) * G; ++x) {
+          if (o[x] == unused.data()) continue;
+          const __m256 inv = _mm256_set1_ps(1.f / sum[x]);
+          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o[x] + d, _mm256_mul_ps(inv, _mm256_loadu_ps(o[x] + d)));
+        }
+      }
+    };
+    for (int64_t w = w0; w < w1; ++w) {
+      const Item& it = items[w];
+      for (int64_t c = it.c0; c < it.c1; ++c) chunk(it, c);
+    }
+  });
+
+  // Merge the other rows' chunks in order: out = sum_c exp(m_c - M) pv_c / sum_c exp(m_c - M) l_c.
+  if (!split) return;
+  std::vector<int64_t> req_of(q_off[B]);
+  for (int64_t b = 0; b < B; ++b) std::fill(req_of.begin() + q_off[b], req_of.begin() + q_off[b + 1], b);
+  sparkserve::parallel_for(0, q_off[B] * H, 16, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t t = w / H, head = w % H, b = req_of[t], i = t - q_off[b];
+      const Request& r = req[b];
+      if (one_chunk(r, i)) continue;
+      const int64_t e = last_key(r, i), c0 = first(e) / C, c1 = (e - 1) / C;
+      float m = -INFINITY;
+      for (int64_t c = c0; c <= c1; ++c) m = std::max(m, entry(r, i, head, c)[D]);
+      float* out = op + t * H * D + head * D;
+      float sum = 0.f;
+      for (int64_t c = c0; c <= c1; ++c) {
+        const float* pc = entry(r, i, head, c);
+        const float wgt = std::exp(pc[D] - m);
+        sum += wgt * pc[D + 1];
+        const __m256 wv = _mm256_set1_ps(wgt);
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 acc = c == c0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + d);
+          _mm256_storeu_ps(out + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(pc + d), acc));
+        }
+      }
+      const __m256 inv = _mm256_set1_ps(1.f / sum);
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(inv, _mm256_loadu_ps(out + d)));
     }
   });
 }
