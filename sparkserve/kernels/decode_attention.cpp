@@ -2,12 +2,14 @@
 // extends: a handful, causal), K/V read in place from the pool through the request's slot ids.
 // The torch path gathers a padded [B, L, Hkv, D] copy of K and V every layer (aten::index) before
 // SDPA; here each K/V row is fetched once, straight from its slot, for all the query rows that
-// share it: the H/Hkv query heads of GQA and, in a block, every query token. Work items are
-// (request, kv head, chunk of its queries), split over the kernels' thread pool (thread_pool.h),
-// with more chunks when a lone request would leave threads idle. fp32 throughout; the softmax is
-// exact (scores of all keys kept, then max, exp, sum) rather than online, so results differ from
-// SDPA only by summation order and exp rounding (~1e-7 relative). A row's result does not depend
-// on the block it is in: a VERIFY row equals the decode step at its position bit for bit.
+// share it: the H/Hkv query heads of GQA and, in a block, every query token. Keys are taken in
+// fixed chunks of 256: within one the softmax is exact (every score kept, then max, exp, sum);
+// a row with several merges their partials (flash-decoding), so one long context spreads over
+// the threads. Work items are (request, kv head, chunks, queries), split over the kernels'
+// thread pool (thread_pool.h), cut finer when few requests would leave threads idle. fp32
+// throughout: results differ from SDPA only by summation order and exp rounding (~1e-7
+// relative). A row's result depends only on its query and keys, not on the block or the threads
+// it runs with: a VERIFY row equals the decode step at its position bit for bit.
 //
 // Built with -mavx2 -mfma by sparkserve/kernels/build.py, which checks the CPU first.
 #include <ATen/Parallel.h>
