@@ -51,9 +51,12 @@ def variant() -> str:
 
 def int8_beats_gemm() -> bool:
     """Whether the int8 variant in use is faster than oneDNN's fp32 GEMM at prefill sizes too, so
-    int8 layers send it every row count: the AVX-512 VNNI kernel on packed weights is (about 0.4x
-    oneDNN's time at 128-512 rows); the ymm variants are not (2x oneDNN's)."""
-    return variant() == "avx512vnni"
+    int8 layers send it every row count. It is wherever oneDNN computes with vectors no wider
+    than the kernel's (docs/kernel-notes.md): the AVX-512 VNNI kernel always (about 0.25-0.6x
+    oneDNN's time at 128-512 rows), the ymm variants on CPUs without AVX-512 (about 0.5-0.65x
+    AVX2 oneDNN's), but not against AVX-512 oneDNN (1-1.3x its time)."""
+    v = variant()
+    return v == "avx512vnni" or (v in ("avxvnni", "avx2") and torch.backends.cpu.get_cpu_capability() != "AVX512")
 
 
 def runnable_variants() -> list[str]:

@@ -149,23 +149,33 @@ print(json.dumps({"variant": kernels.variant(), "fp32": same_as_fp32, "any_m": k
 
 def test_env_switches_variants_off_in_order():
     """SPARKSERVE_KERNEL_VARIANTS_OFF applies at load (a fresh process per setting): switching off
-    the best k variants runs the next one; switching off all of them computes in fp32."""
+    the best k variants runs the next one; switching off all of them computes in fp32. Prefill
+    sizes go to the int8 kernel where it beats oneDNN: AVX-512 VNNI always, the ymm variants only
+    where torch and oneDNN run no wider than AVX2 (an AVX2 CPU, made here by capping both)."""
     runnable = kernels.runnable_variants()
     assert kernels.variant() == runnable[0]     # this process: nothing switched off
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests", "engine"),
                                                        os.environ.get("PYTHONPATH", "")]))
-    cases = [(runnable[:k], runnable[k] if k < len(runnable) else "fp32")
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    cases = [(runnable[:k], runnable[k] if k < len(runnable) else "fp32", False)
              for k in range(1, len(runnable) + 1)]
-    cases.append((["avx512vnni", "avxvnni"], "avx2"))    # the documented setting
-    for off, want in cases:
+    cases.append((["avx512vnni", "avxvnni"], "avx2", False))    # the documented setting
+    cases.append((["avx512vnni"], runnable[1] if runnable[0] == "avx512vnni" else runnable[0], True))
+    for off, want, capped in cases:
         env["SPARKSERVE_KERNEL_VARIANTS_OFF"] = " , ".join(off)
+        for name, value in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2")):
+            if capped:
+                env[name] = value
+            else:
+                env.pop(name, None)
         proc = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT], env=env, capture_output=True,
                               text=True, timeout=300, cwd=REPO)
         assert proc.returncode == 0, proc.stderr[-2000:]
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         assert res["variant"] == want, (off, res)
         assert res["fp32"] == (want == "fp32"), (off, res)
-        assert res["any_m"] == (want == "avx512vnni"), (off, res)     # only it takes prefill sizes
+        ymm_wins = want in ("avxvnni", "avx2") and (capped or not avx512)
+        assert res["any_m"] == (want == "avx512vnni" or ymm_wins), (off, capped, res)
 
 
 def _layer(qtype: int, n: int = 48, k: int = 64) -> Linear:
