@@ -51,8 +51,8 @@ def measure(threads: int) -> dict:
         blocks = lin.inference_blocks()
         for m in MS:
             x = torch.randn(m, lin.in_features)
-            row = {"onednn": _median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, lin._packed, None, "none",
-                                                                                   [], ""))}
+            gemm = torch.ops.mkldnn._linear_pointwise
+            row = {"onednn": _median_ms(lambda: gemm(x, lin._packed, None, "none", [], ""))}
             for v in kernels.runnable_variants():
                 row[v] = _median_ms(lambda: kernels.quant_linear_int8(x, blocks, variant=v))
             out[f"{name}/{m}"] = row

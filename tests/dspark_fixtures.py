@@ -208,9 +208,11 @@ def chi_square_gof(counts, probs, min_expected: float = 5.0) -> tuple[float, int
 # ---- invariant: the draft's context KV is what a fresh prefill would inject --------------------
 @torch.inference_mode()
 def check_draft_context(eng, hf_model, atol: float = 2e-4) -> int:
-    """For every request holding KV, the draft pool rows at its slots for positions < kv_len equal
-    the K/V that the draft computes from taps of a from-scratch transformers forward over those
-    tokens (tap l = HF hidden_states[l + 1]). Returns the number of rows checked."""
+    """For every request holding KV, the draft context of its positions < kv_len equals the K/V
+    that the draft computes from taps of a from-scratch transformers forward over those tokens
+    (tap l = HF hidden_states[l + 1]): the draft pool rows at its slots, or, for rows the request
+    keeps back while it does not draft (DSparkWorker.defer), the K/V of the kept taps at the same
+    positions and slots. Returns the number of rows checked."""
     sched = eng.scheduler
     draft, pool = sched.spec.draft, sched.spec.pool
     table = sched.cache.req_to_token.table
@@ -226,12 +228,24 @@ def check_draft_context(eng, hf_model, atol: float = 2e-4) -> int:
         ctx = draft.context_hidden(taps)
         cos_sin = draft.rotary.cos_sin(torch.arange(n))
         slots = table[req.row, :n]
+        kept = {}                                  # position -> (K, V) of the kept-back taps
+        for kept_taps, positions, kept_slots in req.draft_backlog:
+            assert torch.equal(kept_slots, slots[positions]), "kept-back rows name other slots"
+            kc = draft.rotary.cos_sin(positions)
+            for i, layer in enumerate(draft.layers):
+                k, v = layer.self_attn.kv(draft.context_hidden(kept_taps), kc)
+                for j, p in enumerate(positions.tolist()):
+                    kept[(i, p)] = (k[j], v[j])
         for i, layer in enumerate(draft.layers):
             k, v = layer.self_attn.kv(ctx, cos_sin)
             kb, vb = pool.layer(i)
-            assert torch.allclose(kb[slots], k, atol=atol, rtol=1e-3), \
+            got_k, got_v = kb[slots].clone(), vb[slots].clone()
+            for (li, p), (kk, vv) in kept.items():
+                if li == i:
+                    got_k[p], got_v[p] = kk, vv
+            assert torch.allclose(got_k, k, atol=atol, rtol=1e-3), \
                 f"draft context K of {req.rid} (layer {i}) differs from a fresh prefill"
-            assert torch.allclose(vb[slots], v, atol=atol, rtol=1e-3), \
+            assert torch.allclose(got_v, v, atol=atol, rtol=1e-3), \
                 f"draft context V of {req.rid} (layer {i}) differs from a fresh prefill"
         checked += n
     return checked

@@ -56,7 +56,8 @@ def int8_beats_gemm() -> bool:
     oneDNN's time at 128-512 rows), the ymm variants on CPUs without AVX-512 (about 0.5-0.65x
     AVX2 oneDNN's), but not against AVX-512 oneDNN (1-1.3x its time)."""
     v = variant()
-    return v == "avx512vnni" or (v in ("avxvnni", "avx2") and torch.backends.cpu.get_cpu_capability() != "AVX512")
+    ymm_onednn = torch.backends.cpu.get_cpu_capability() != "AVX512"
+    return v == "avx512vnni" or (v in ("avxvnni", "avx2") and ymm_onednn)
 
 
 def runnable_variants() -> list[str]:

@@ -253,7 +253,7 @@ class Scheduler(PromptHandover):
         logits = self.runner.forward(fb)
         self.forward_count[ForwardMode.EXTEND] += 1
         if self.spec is not None:       # every prompt row becomes draft context
-            self.spec.inject(fb.aux_hidden, torch.arange(fb.num_tokens), fb.positions, fb.out_cache_loc)
+            self.spec.inject(fb.aux_hidden, fb.positions, fb.out_cache_loc)
         starts = list(accumulate((n for _, _, n in batch), initial=0))
         self._keep_hidden(fb, ((req, range(o, o + n)) for (req, _, n), o in zip(batch, starts)))
         self._keep_hidden(fb, ((req, [starts[-1] + j]) for j, (req, _) in enumerate(decoding)))
@@ -284,6 +284,7 @@ class Scheduler(PromptHandover):
         props = {}
         if spec_reqs:
             plain = len(self.running) - len(spec_reqs)
+            self.spec.flush(spec_reqs)
             props = dict(zip(spec_reqs, self.spec.propose(spec_reqs, plain)))
             for r in spec_reqs:
                 self._note_verify_budget(r, props[r].verify_len)
@@ -300,7 +301,7 @@ class Scheduler(PromptHandover):
         self.forward_count[mode] += 1
         reqs = list(self.running)
         if not props:
-            self._inject_rows(fb, torch.arange(fb.num_tokens))
+            self._inject_rows(fb, [(req, [i]) for i, req in enumerate(reqs)], ())
             self._keep_hidden(fb, ((req, [i]) for i, req in enumerate(reqs)))
             for req in reqs:
                 req.kv_len += 1
@@ -332,9 +333,31 @@ class Scheduler(PromptHandover):
         if req.spec_idle >= 2:
             req.spec_resume_at = len(req.output_ids) + min(2 ** (req.spec_idle - 1), DRAFT_BACKOFF_MAX)
 
-    def _inject_rows(self, fb, rows: torch.Tensor) -> None:
+    def _inject_rows(self, fb, groups: Iterable[tuple[Req, range | list[int]]], drafted) -> None:
+        """Each request's committed rows of this forward become draft context: now for those that
+        drafted in it; the others keep theirs back until they draft again or leave (a backed-off
+        request then pays one batched projection instead of one per step). Not under a sliding
+        window, which may free the rows' pages meanwhile."""
+        if self.spec is None:
+            return
+        later = self.cache.window is None and not self.cache.split
+        now: list[int] = []
+        for req, rows in groups:
+            if later and req not in drafted:
+                i = torch.as_tensor(list(rows))
+                self.spec.defer(req, [a[i] for a in fb.aux_hidden], fb.positions[i], fb.out_cache_loc[i])
+            else:
+                now.extend(rows)
+        if now:
+            i = torch.as_tensor(now)
+            self.spec.inject([a[i] for a in fb.aux_hidden], fb.positions[i], fb.out_cache_loc[i])
+
+    def _release(self, req: Req) -> None:
+        """A running request leaves (finished, aborted, retracted): its KV goes to the prefix
+        cache, so the draft context of its rows is written first."""
         if self.spec is not None:
-            self.spec.inject(fb.aux_hidden, rows, fb.positions, fb.out_cache_loc)
+            self.spec.flush([req])
+        self.cache.release(req)
 
     @staticmethod
     def _keep_hidden(fb, groups: Iterable[tuple[Req, range | list[int]]]) -> None:
@@ -366,7 +389,6 @@ class Scheduler(PromptHandover):
         plain_out = (self.sampler.sample(torch.cat([logits.rows[i][:1] for i in plain]),
                                          [reqs[i].sampling for i in plain]) if plain else None)
         plain_pos = {i: j for j, i in enumerate(plain)}
-        committed_rows: list[int] = []
         kept_rows: list[tuple[Req, range]] = []
         kept: list[int] = []
         results: list[tuple[Req, list[int], list[float], list, int | None]] = []
@@ -383,7 +405,6 @@ class Scheduler(PromptHandover):
                 req.spec_verify_ct += 1
                 req.spec_draft_token_num += len(items[i][1])
                 self.accept_hist[n_acc] = self.accept_hist.get(n_acc, 0) + 1
-            committed_rows.extend(range(starts[i], starts[i] + n_acc + 1))
             kept_rows.append((req, range(starts[i], starts[i] + n_acc + 1)))
             kept.append(n_acc + 1)
             alloc_end = req.kv_len + len(sched[i].tokens)
@@ -391,7 +412,7 @@ class Scheduler(PromptHandover):
             self.cache.truncate(req, alloc_end)
             self.cache.slide_window(req)      # after the truncate: only committed tokens count
             results.append((req, toks, lps, tops, accepted))
-        self._inject_rows(fb, torch.tensor(committed_rows))
+        self._inject_rows(fb, kept_rows, props)
         self._keep_hidden(fb, kept_rows)
         self.runner.commit_verify(fb, kept)
         for req, toks, lps, tops, accepted in results:
@@ -424,7 +445,7 @@ class Scheduler(PromptHandover):
             if req.kv_len > len(req.fill_ids):    # stopped inside an accepted block: drop the
                 end, req.kv_len = req.kv_len, len(req.fill_ids)   # KV of drafts after the stop
                 self.cache.truncate(req, end)
-            self.cache.release(req)
+            self._release(req)
 
     def _tail_text(self, req: Req) -> Callable[[int], str] | None:
         """Decodes the last k output tokens of `req` (stop strings need text), if a tokenizer is known."""
@@ -452,7 +473,7 @@ class Scheduler(PromptHandover):
                 victim = self.running.pop()
             else:
                 return speculating
-            self.cache.release(victim)
+            self._release(victim)
             self.num_retractions += 1
             self.waiting.appendleft(victim)
 
@@ -465,5 +486,5 @@ class Scheduler(PromptHandover):
 
     def _finish(self, req: Req, reason: BaseFinishReason) -> None:
         req.finished_reason = reason
-        self.cache.release(req)
+        self._release(req)
 

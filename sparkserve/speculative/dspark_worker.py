@@ -13,6 +13,10 @@ from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.dspark_draft import DSparkDraft
 from sparkserve.speculative.planner import VerifyPlanner
 
+# Most rows a request keeps back (defer) before they are injected anyway: bounds the memory of a
+# request that never drafts (penalties) and still batches most of the projections.
+MAX_BACKLOG_ROWS = 64
+
 
 @dataclass
 class Proposal:
@@ -41,10 +45,26 @@ class DSparkWorker:
                 "num_layers": self.draft.config.num_hidden_layers}
 
     @torch.inference_mode()
-    def inject(self, aux: list[torch.Tensor], rows: torch.Tensor, positions: torch.Tensor,
-               slots: torch.Tensor) -> None:
-        if rows.numel():
-            self.draft.inject([a[rows] for a in aux], positions[rows], slots[rows], self.pool)
+    def inject(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Target rows (their taps, positions and slots) become draft context now."""
+        if positions.numel():
+            self.draft.inject(taps, positions, slots, self.pool)
+
+    def defer(self, req: Req, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Keep a request's rows back while it does not draft: one projection of all of them when
+        it drafts again or leaves (flush) costs a fraction of one per decode step."""
+        req.draft_backlog.append((taps, positions, slots))
+        if sum(len(p) for _, p, _ in req.draft_backlog) >= MAX_BACKLOG_ROWS:
+            self.flush([req])
+
+    def flush(self, reqs: list[Req]) -> None:
+        """Inject the rows these requests kept back."""
+        parts = [part for r in reqs for part in r.draft_backlog]
+        if parts:
+            taps = [torch.cat([p[0][i] for p in parts]) for i in range(len(parts[0][0]))]
+            self.inject(taps, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
+        for r in reqs:
+            r.draft_backlog = []
 
     def observe_cycle(self, seconds: float, tokens: int) -> None:
         """A cycle (propose, verify forward, acceptance, commits) took `seconds` over `tokens` target
