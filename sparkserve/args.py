@@ -17,6 +17,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "nixl", "mooncake")
 ACTIVATION_QUANTS = ("int8", "none")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,11 @@ class ServerArgs:
         "faster; logits move slightly, perplexity +0.3-1.0%% on SmolLM2: docs/kernel-notes.md); none "
         "keeps fp32 activations (exact). Other weights always run fp32 activations",
         choices=ACTIVATION_QUANTS))
+    kv_cache_dtype: str = field(default="auto", metadata=_opt(
+        "what the KV pool stores: auto keeps the model's compute dtype (float32 on CPU); float16 or "
+        "bfloat16 halve the pool's bytes per token (twice the tokens in the same memory, half the "
+        "bytes a decode step reads), rounding each K/V value once (as llama.cpp's default f16 cache). "
+        "Llama-family models", choices=KV_CACHE_DTYPES))
     num_threads: int | None = field(default=None, metadata=_opt("torch CPU threads (default: torch's)"))
     random_seed: int | None = field(default=None, metadata=_opt("seed of the global RNG"))
     disable_native_step: bool = field(default=False, metadata=_opt(
@@ -216,6 +222,8 @@ class ServerArgs:
              "--max-queued-requests must be >= 0")
         need(self.activation_quant in ACTIVATION_QUANTS,
              f"--activation-quant {self.activation_quant}: use one of {', '.join(ACTIVATION_QUANTS)}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"--kv-cache-dtype {self.kv_cache_dtype}: use one of {', '.join(KV_CACHE_DTYPES)}")
         need(self.log_level.lower() in LOG_LEVELS,
              f"--log-level {self.log_level}: use one of {', '.join(LOG_LEVELS)}")
         need(os.path.exists(self.model_path), f"--model-path {self.model_path} does not exist")

@@ -158,6 +158,7 @@ class ForwardBatch:
         """Write this forward's rows of a token_page pool item (K, V, latent, index K/V) at the
         new tokens' slots; under context parallel every rank's rows are gathered first, so each
         rank keeps the whole sequence where decode reads it."""
+        rows = rows.to(buf.dtype)     # a float16 / bfloat16 pool (--kv-cache-dtype) rounds once, here
         if self.cp is None:
             buf[self.kv_view(window)[0]] = rows
         else:

@@ -14,6 +14,8 @@
 // Built with -mavx2 -mfma by sparkserve/kernels/build.py, which checks the CPU first.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 
@@ -31,17 +33,26 @@ namespace {
 using sparkserve::exp256;
 using sparkserve::hsum;
 
+// Eight K/V elements as fp32 (exactly: every float16 and bfloat16 value is a float32 one).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 // Scores of NR query rows against four keys: 2 x 4 accumulators fit the 16 ymm registers with the
 // key vectors. Each (row, key) pair is reduced by the same lane order and hadd tree wherever it
 // sits, so a score's bits depend only on its query and key, never on the tile or the block size.
-template <int NR>
-inline void qk_tile(const float* const* q, const float* const* k, int64_t D, float* s, int64_t ss, int64_t nk) {
+template <int NR, typename T>
+inline void qk_tile(const float* const* q, const T* const* k, int64_t D, float* s, int64_t ss, int64_t nk) {
   __m256 a[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int x = 0; x < 4; ++x) a[r][x] = _mm256_setzero_ps();
   for (int64_t c = 0; c < D; c += 8) {
-    const __m256 k0 = _mm256_loadu_ps(k[0] + c), k1 = _mm256_loadu_ps(k[1] + c);
-    const __m256 k2 = _mm256_loadu_ps(k[2] + c), k3 = _mm256_loadu_ps(k[3] + c);
+    const __m256 k0 = load8(k[0] + c), k1 = load8(k[1] + c), k2 = load8(k[2] + c), k3 = load8(k[3] + c);
     for (int r = 0; r < NR; ++r) {
       const __m256 qv = _mm256_loadu_ps(q[r] + c);
       a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);
@@ -65,11 +76,11 @@ inline void qk_tile(const float* const* q, const float* const* k, int64_t D, flo
 
 // s[r][j] = q_r . k_j for the R rows and the n keys at rows[0..n) (offsets into kp), keys in
 // groups of four (the last group padded with its last key, whose extra scores are dropped).
-void scores(const float* const* q, int64_t R, const int64_t* rows, int64_t n, const float* kp, int64_t D,
-            float* s) {
+template <typename T>
+void scores(const float* const* q, int64_t R, const int64_t* rows, int64_t n, const T* kp, int64_t D, float* s) {
   for (int64_t j = 0; j < n; j += 4) {
     const int64_t nk = std::min<int64_t>(4, n - j);
-    const float* k[4];
+    const T* k[4];
     for (int64_t x = 0; x < 4; ++x) k[x] = kp + rows[j + std::min(x, nk - 1)];
     int64_t r = 0;
     for (; r + 2 <= R; r += 2) qk_tile<2>(q + r, k, D, s + r * n + j, n, nk);
@@ -107,15 +118,15 @@ float softmax_partial(float* row, int64_t n, int64_t lo, int64_t hi, float sc, f
 
 // o_r[c0 .. c0 + 8 NV) = sum_j p[r][j] V[j][c0 ..] for NR rows sharing the V rows, the
 // accumulators in registers.
-template <int NR, int NV>
-void pv_tile(const float* p, int64_t n, const float* vp, const int64_t* rows, int64_t c0, float* const* o) {
+template <int NR, int NV, typename T>
+void pv_tile(const float* p, int64_t n, const T* vp, const int64_t* rows, int64_t c0, float* const* o) {
   __m256 acc[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < NV; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const float* vr = vp + rows[j] + c0;
+    const T* vr = vp + rows[j] + c0;
     __m256 v[NV];
-    for (int i = 0; i < NV; ++i) v[i] = _mm256_loadu_ps(vr + 8 * i);
+    for (int i = 0; i < NV; ++i) v[i] = load8(vr + 8 * i);
     for (int r = 0; r < NR; ++r) {
       const __m256 pr = _mm256_broadcast_ss(p + r * n + j);
       for (int i = 0; i < NV; ++i) acc[r][i] = _mm256_fmadd_ps(pr, v[i], acc[r][i]);
@@ -125,8 +136,8 @@ void pv_tile(const float* p, int64_t n, const float* vp, const int64_t* rows, in
     for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o[r] + c0 + 8 * i, acc[r][i]);
 }
 
-template <int NR>
-void pv(const float* p, int64_t n, const float* vp, const int64_t* rows, float* const* o, int64_t D) {
+template <int NR, typename T>
+void pv(const float* p, int64_t n, const T* vp, const int64_t* rows, float* const* o, int64_t D) {
   int64_t c = 0;
   for (; c + 32 <= D; c += 32) pv_tile<NR, 4>(p, n, vp, rows, c, o);
   for (; c < D; c += 8) pv_tile<NR, 1>(p, n, vp, rows, c, o);
@@ -150,12 +161,12 @@ struct Request {
   int64_t nq, end, chunk0, chunks, part;   // keys < end; key chunks chunk0 ..; first partial
 };
 
-}  // namespace
+using sparkserve::PagedKV;
 
-namespace sparkserve {
-
-void paged_attention(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, const PagedKV& kv,
-                     const int64_t* seq_lens, const int64_t* q_off, int64_t B, float sc, float* op) {
+// paged_attention over K/V buffers of element type T.
+template <typename T>
+void attend(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, const PagedKV& kv, const T* kp,
+            const T* vp, const int64_t* seq_lens, const int64_t* q_off, int64_t B, float sc, float* op) {
   const int64_t Hkv = kv.Hkv, G = H / Hkv, window = kv.window, kv_start = kv.kv_start, C = kKeyChunk;
   TORCH_CHECK(kv.causal || window <= 0, "paged attention: a window needs causal attention");
   // first gathered index a query at relative position e - 1 (e keys up to it) sees
@@ -241,7 +252,7 @@ void paged_attention(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64
           q[k] = qp + t * qs0 + head * qs1;
           o[k] = one_chunk(r, i) ? op + t * H * D + head * D : entry(r, i, head, c);
         }
-      scores(q.data(), R, rows.data(), n, kv.k, D, s.data());
+      scores(q.data(), R, rows.data(), n, kp, D, s.data());
       for (int64_t i = it.i0; i < it.i1; ++i) {
         const int64_t e = last_key(r, i), lo = std::max(first(e), k0) - k0, hi = std::min(e, k1) - k0;
         for (int64_t k = (i - it.i0) * G; k < (i - it.i0 + 1) * G; ++k) {
@@ -256,8 +267,8 @@ void paged_attention(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64
         }
       }
       int64_t k = 0;
-      for (; k + 2 <= R; k += 2) pv<2>(s.data() + k * n, n, kv.v, rows.data(), o.data() + k, D);
-      if (k < R) pv<1>(s.data() + k * n, n, kv.v, rows.data(), o.data() + k, D);
+      for (; k + 2 <= R; k += 2) pv<2>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
+      if (k < R) pv<1>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
       for (int64_t i = it.i0; i < it.i1; ++i) {
         if (!one_chunk(r, i)) continue;
         for (int64_t x = (i - it.i0) * G; x < (i - it.i0 + 1) * G; ++x) {
@@ -303,6 +314,38 @@ void paged_attention(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64
   });
 }
 
+}  // namespace
+
+namespace sparkserve {
+
+void paged_attention(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, const PagedKV& kv,
+                     const int64_t* seq_lens, const int64_t* q_off, int64_t B, float sc, float* op) {
+  switch (kv.type) {
+    case KVType::kFloat:
+      attend(qp, qs0, qs1, H, D, kv, static_cast<const float*>(kv.k), static_cast<const float*>(kv.v), seq_lens,
+             q_off, B, sc, op);
+      break;
+    case KVType::kHalf:
+      attend(qp, qs0, qs1, H, D, kv, static_cast<const c10::Half*>(kv.k), static_cast<const c10::Half*>(kv.v),
+             seq_lens, q_off, B, sc, op);
+      break;
+    case KVType::kBFloat16:
+      attend(qp, qs0, qs1, H, D, kv, static_cast<const c10::BFloat16*>(kv.k),
+             static_cast<const c10::BFloat16*>(kv.v), seq_lens, q_off, B, sc, op);
+      break;
+  }
+}
+
+KVType kv_type_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return KVType::kFloat;
+    case at::kHalf: return KVType::kHalf;
+    case at::kBFloat16: return KVType::kBFloat16;
+    default: TORCH_CHECK(false, "paged attention: K/V buffers must be float32, float16 or bfloat16, not ",
+                         t.scalar_type());
+  }
+}
+
 std::vector<int64_t> query_offsets(const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& q_lens,
                                    int64_t kv_start, int64_t gathered) {
   const int64_t B = static_cast<int64_t>(seq_lens.size());
@@ -327,8 +370,8 @@ std::vector<int64_t> query_offsets(const std::vector<int64_t>& seq_lens, const s
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                             std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
                             std::vector<int64_t> q_lens) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_buf.scalar_type() == at::kFloat &&
-              v_buf.scalar_type() == at::kFloat, "decode_attention: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: q must be float32");
+  TORCH_CHECK(v_buf.scalar_type() == k_buf.scalar_type(), "decode_attention: K and V buffers of one dtype");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "decode_attention: q must be [T, H, D], last dim contiguous");
   TORCH_CHECK(k_buf.dim() == 3 && k_buf.is_contiguous() && v_buf.sizes() == k_buf.sizes() &&
               v_buf.is_contiguous(), "decode_attention: K/V buffers must be contiguous [slots, Hkv, D]");
@@ -342,8 +385,9 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at
   const auto q_off = sparkserve::query_offsets(seq_lens, q_lens, kv_start, kv_indices.size(1));
   TORCH_CHECK(q.size(0) == q_off[B], "decode_attention: q must have sum(q_lens) rows");
   auto out = at::empty({q_off[B], H * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  const sparkserve::PagedKV kv{k_buf.data_ptr<float>(), v_buf.data_ptr<float>(), k_buf.size(0), Hkv,
-                               kv_indices.data_ptr<int64_t>(), kv_indices.stride(0), kv_start, window};
+  const sparkserve::PagedKV kv{k_buf.data_ptr(), v_buf.data_ptr(), k_buf.size(0), Hkv,
+                               kv_indices.data_ptr<int64_t>(), kv_indices.stride(0), kv_start, window,
+                               true, sparkserve::kv_type_of(k_buf)};
   sparkserve::paged_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), H, D, kv, seq_lens.data(),
                               q_off.data(), B, static_cast<float>(scale), out.data_ptr<float>());
   return out;

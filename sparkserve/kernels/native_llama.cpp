@@ -6,6 +6,8 @@
 #include "native_llama.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -82,6 +84,22 @@ const int64_t* long_ptr(const at::Tensor& t, int64_t n, const char* what) {
   return t.data_ptr<int64_t>();
 }
 
+// n fp32 values into a pool buffer of element type `type` at element offset `at`, rounded to
+// nearest even as torch's .to() rounds them (the layer path's store), so both paths hold the same K/V.
+void store_kv(void* buf, int64_t at, const float* x, int64_t n, KVType type) {
+  switch (type) {
+    case KVType::kFloat:
+      std::memcpy(static_cast<float*>(buf) + at, x, n * sizeof(float));
+      break;
+    case KVType::kHalf:
+      for (int64_t i = 0; i < n; ++i) static_cast<c10::Half*>(buf)[at + i] = c10::Half(x[i]);
+      break;
+    case KVType::kBFloat16:
+      for (int64_t i = 0; i < n; ++i) static_cast<c10::BFloat16*>(buf)[at + i] = c10::BFloat16(x[i]);
+      break;
+  }
+}
+
 }  // namespace
 
 NativeLlama::NativeLlama(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -118,10 +136,12 @@ void NativeLlama::add_layer(at::Tensor qkv, int64_t qkv_type, std::optional<at::
 void NativeLlama::set_pool(std::vector<at::Tensor> k, std::vector<at::Tensor> v, std::vector<int64_t> swa_layers) {
   TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "native step: one K and V per layer");
   for (size_t i = 0; i < k.size(); ++i)
-    TORCH_CHECK(k[i].scalar_type() == at::kFloat && k[i].is_contiguous() && k[i].dim() == 3 &&
-                    k[i].size(1) == kv_heads_ && k[i].size(2) == head_dim_ && v[i].sizes() == k[i].sizes() &&
-                    v[i].scalar_type() == at::kFloat && v[i].is_contiguous(),
-                "native step: pool buffers must be contiguous float32 [slots, kv_heads, head_dim]");
+    TORCH_CHECK(k[i].is_contiguous() && k[i].dim() == 3 && k[i].size(1) == kv_heads_ &&
+                    k[i].size(2) == head_dim_ && v[i].sizes() == k[i].sizes() &&
+                    v[i].scalar_type() == k[i].scalar_type() && v[i].is_contiguous(),
+                "native step: pool buffers must be contiguous [slots, kv_heads, head_dim], K and V of one dtype");
+  kv_type_ = k.empty() ? KVType::kFloat : kv_type_of(k[0]);
+  for (const at::Tensor& t : k) TORCH_CHECK(kv_type_of(t) == kv_type_, "native step: one K/V dtype for all layers");
   own_slots_.assign(layers_.size(), false);
   for (int64_t l : swa_layers) {
     TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(layers_.size()), "native step: bad windowed layer ", l);
@@ -192,8 +212,8 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
     const float* in_w = L.input_norm.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) rms_row(rp + t * hidden_, in_w, hp + t * hidden_, hidden_, eps_);
     run(L.qkv, hp, T, qp, int8);
-    float* kb = k_[l].data_ptr<float>();
-    float* vb = v_[l].data_ptr<float>();
+    void* kb = k_[l].data_ptr();
+    void* vb = v_[l].data_ptr();
     for (int64_t t = 0; t < T; ++t) {
       float* row = qp + t * W;
       if (L.q_norm.defined()) {
@@ -203,11 +223,11 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
       }
       const float *c = cosp + pos[t] * D, *sn = sinp + pos[t] * D;
       for (int64_t hd = 0; hd < H + Hkv; ++hd) rotate(row + hd * D, c, sn, D, rot.data());
-      std::memcpy(kb + s.loc[t] * Hkv * D, row + H * D, Hkv * D * sizeof(float));
-      std::memcpy(vb + s.loc[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
+      store_kv(kb, s.loc[t] * Hkv * D, row + H * D, Hkv * D, kv_type_);
+      store_kv(vb, s.loc[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D, kv_type_);
     }
     const PagedKV kv{kb, vb, k_[l].size(0), Hkv, s.idx.data_ptr<int64_t>(), s.idx.stride(0), s.start, L.window,
-                     causal};
+                     causal, kv_type_};
     paged_attention(qp, W, D, H, D, kv, seq_lens.data(), s.q_off.data(), B, scale, ap);
     run(L.o, ap, T, tp, int8);
     const float* post_w = L.post_norm.data_ptr<float>();

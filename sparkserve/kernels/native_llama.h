@@ -12,6 +12,8 @@
 #include <optional>
 #include <vector>
 
+#include "paged_attention.h"
+
 namespace sparkserve {
 
 // A projection's weight as N rows of GGUF blocks of `qtype` (and an optional fp32 bias).
@@ -61,6 +63,7 @@ class NativeLlama {
   at::Tensor cos_, sin_, final_norm_;
   std::vector<NativeLayer> layers_;
   std::vector<at::Tensor> k_, v_;
+  KVType kv_type_ = KVType::kFloat;   // what the pool buffers hold
   std::vector<bool> own_slots_;   // per layer: reads and writes the windowed slot space
 };
 

@@ -1,21 +1,31 @@
 // The paged attention kernel of decode_attention.cpp as a C++ entry point (the native forward
 // step calls it once per layer without going through Python).
 #pragma once
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <vector>
 
 namespace sparkserve {
 
-// One layer's K/V pool buffers [slots, Hkv, D] and the batch's slot table: request b's key at
-// position kv_start + j lives in slot idx[b * idx_stride + j]; window <= 0: none. Not causal:
-// every query of a request sees all its keys (a DSpark draft's block, whose rows are stored last).
+// What the pool's K/V buffers hold (--kv-cache-dtype); the kernel computes in fp32 either way.
+enum class KVType { kFloat, kHalf, kBFloat16 };
+
+// The KVType of a pool buffer (an error for other dtypes).
+KVType kv_type_of(const at::Tensor& t);
+
+// One layer's K/V pool buffers [slots, Hkv, D] of element `type` and the batch's slot table:
+// request b's key at position kv_start + j lives in slot idx[b * idx_stride + j]; window <= 0:
+// none. Not causal: every query of a request sees all its keys (a DSpark draft's block, whose
+// rows are stored last).
 struct PagedKV {
-  const float* k;
-  const float* v;
+  const void* k;
+  const void* v;
   int64_t slots, Hkv;
   const int64_t* idx;
   int64_t idx_stride, kv_start, window;
   bool causal = true;
+  KVType type = KVType::kFloat;
 };
 
 // Request b's queries are rows q_off[b] .. q_off[b+1] - 1 of q (row stride qs0, head stride qs1),

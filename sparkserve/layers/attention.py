@@ -19,6 +19,8 @@ from sparkserve.kernels.build import load_extension
 # Most query tokens per request for the kernel: it keeps every score of a request's block, so
 # long prefill chunks go to SDPA's blocked, online-softmax GEMMs.
 KERNEL_MAX_Q = 16
+# What the kernel reads from the pool (converting to fp32 as it loads).
+KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class PagedAttention(nn.Module):
@@ -67,8 +69,8 @@ class PagedAttention(nn.Module):
         qp = q.view(B, -1, *q.shape[1:]) if q_index is None else q[q_index]
         qmax = qp.shape[1]
         qp = qp.transpose(1, 2)                                          # [B, H, Qmax, D]
-        kp = k_buf[kv_indices].transpose(1, 2)                           # [B, Hkv, L, D]
-        vp = v_buf[kv_indices].transpose(1, 2)
+        kp = k_buf[kv_indices].transpose(1, 2).to(q.dtype)              # [B, Hkv, L, D]
+        vp = v_buf[kv_indices].transpose(1, 2).to(q.dtype)
         out = torch.nn.functional.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=batch.attn_mask(self.window), scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads)
@@ -80,7 +82,7 @@ class PagedAttention(nn.Module):
         """The extension when its kernel can run this batch's short requests (queries at
         positions seq_len - n .. seq_len - 1, so not a context-parallel share; fp32 CPU tensors,
         contiguous pool buffers, no autograd), else None."""
-        if (batch.cp is not None or q.dtype != torch.float32 or k_buf.dtype != torch.float32
+        if (batch.cp is not None or q.dtype != torch.float32 or k_buf.dtype not in KERNEL_KV_DTYPES
                 or q.device.type != "cpu" or self.head_dim % 8 or torch.is_grad_enabled()
                 or q.shape[0] != batch.num_tokens or not batch.extend_lens
                 or not (k_buf.is_contiguous() and v_buf.is_contiguous())):

@@ -157,6 +157,14 @@ class CausalLM(AuxCaptureMixin, nn.Module):
         """Whether small forwards may run as one native call (models/llama_native.py); a model
         without a native step always runs its layers from Python."""
 
+    def set_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        """What make_pool's K/V buffers hold (--kv-cache-dtype), set before the pool is sized. A
+        model whose pools keep other state (latents, recurrent state, index keys) stays float32."""
+        if dtype != torch.float32:
+            name = str(dtype).removeprefix("torch.")
+            raise ValueError(f"--kv-cache-dtype {name}: {type(self).__name__} keeps its pools in float32; "
+                             "use --kv-cache-dtype auto")
+
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:
         """After a VERIFY forward: request i keeps the state after its first kept[i] tokens.
         KV rows need nothing (rejected slots are just freed); recurrent state does."""

@@ -105,9 +105,15 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, LlamaModel(cfg))
         self.native = NativeStep()
+        self.kv_dtype = torch.float32      # what the KV pool stores (--kv-cache-dtype)
 
     def enable_native_step(self, on: bool) -> None:
         self.native.enabled = on
+
+    def set_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"--kv-cache-dtype {dtype}: use float16 or bfloat16")
+        self.kv_dtype = dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 proxy: PPProxy | None = None) -> torch.Tensor | PPProxy:
@@ -129,8 +135,8 @@ class LlamaForCausalLM(CausalLM):
     def make_pool(self, num_slots: int, num_rows: int, swa_slots: int = 0) -> KVPool:
         c = self.config
         windows = split_windows(c.layer_windows) if swa_slots else None
-        return KVPool(num_slots, c.num_hidden_layers, self._kv_heads(), c.head_dim, layers=self.layer_range,
-                      split=kv_split(c.num_key_value_heads),
+        return KVPool(num_slots, c.num_hidden_layers, self._kv_heads(), c.head_dim, self.kv_dtype,
+                      layers=self.layer_range, split=kv_split(c.num_key_value_heads),
                       window=uniform_window(c.layer_windows), swa_layers=windows[0] if windows else (),
                       swa_slots=swa_slots, swa_window=windows[1] if windows else None)
 
@@ -140,7 +146,7 @@ class LlamaForCausalLM(CausalLM):
         c = self.config
         split = split_windows(c.layer_windows)
         n = len([i for i in self.layer_range if not split or i not in split[0]])
-        return KVPool.bytes_per_token(n, self._kv_heads(), c.head_dim, torch.float32)
+        return KVPool.bytes_per_token(n, self._kv_heads(), c.head_dim, self.kv_dtype)
 
     def pool_bytes_per_swa_token(self) -> int:
         c = self.config
@@ -148,7 +154,7 @@ class LlamaForCausalLM(CausalLM):
         if not split:
             return 0
         n = len([i for i in split[0] if i in self.layer_range])
-        return KVPool.bytes_per_token(n, self._kv_heads(), c.head_dim, torch.float32)
+        return KVPool.bytes_per_token(n, self._kv_heads(), c.head_dim, self.kv_dtype)
 
     def _kv_heads(self) -> int:
         """KV heads this rank keeps (all of them on one rank)."""

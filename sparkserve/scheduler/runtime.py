@@ -104,6 +104,8 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
         ps.init_distributed(args.parallel_config(), rank, args.dist_init_addr, args.dist_timeout)
     model = load_model(args.model_path, cfg, activation_quant=args.activation_quant)
     model.enable_native_step(not args.disable_native_step)
+    if args.kv_cache_dtype != "auto":
+        model.set_kv_cache_dtype(getattr(torch, args.kv_cache_dtype))
     return model, cfg
 
 

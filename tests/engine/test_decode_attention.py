@@ -286,3 +286,23 @@ def test_block_rows_equal_one_query_calls_bit_for_bit(ext, window):
                     assert torch.equal(block[i], one[0]), f"seq {seq} block {n} row {i} (threads {threads})"
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_pool_reads_as_its_float32_values(ext, dtype):
+    """A float16 / bfloat16 pool (--kv-cache-dtype) is read by converting each value exactly, so
+    the kernel gives, bit for bit, what it gives on the same values held as float32: decode,
+    causal blocks, windows, contexts past a key chunk. Another dtype is refused by name."""
+    g = torch.Generator().manual_seed(3)
+    H, Hkv, D, L = 9, 3, 64, 600
+    k16 = torch.randn(L + 1, Hkv, D, generator=g).to(dtype)
+    v16 = torch.randn(L + 1, Hkv, D, generator=g).to(dtype)
+    kv_indices = (1 + torch.randperm(L, generator=g))[None]
+    q = torch.randn(16, H, D, generator=g)
+    for seq, n, window in ((L, 1, 0), (L, 16, 0), (300, 8, 0), (40, 5, 7), (L, 3, 200)):
+        args = (kv_indices, [seq], 0, window, D ** -0.5, [n])
+        half = ext.decode_attention(q[:n], k16, v16, *args)
+        full = ext.decode_attention(q[:n], k16.float(), v16.float(), *args)
+        assert torch.equal(half, full), (seq, n, window)
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
+        ext.decode_attention(q[:1], k16.double(), v16.double(), kv_indices, [L], 0, 0, D ** -0.5)

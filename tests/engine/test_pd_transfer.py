@@ -59,6 +59,25 @@ def test_decode_continues_from_transferred_state(arch, models):
     assert_no_kv_leak(decode.scheduler.cache)
 
 
+@pytest.mark.parametrize("layouts", [("float16", "float16"), ("auto", "bfloat16")])
+def test_half_precision_pools_transfer(layouts, models):
+    """--kv-cache-dtype on either side: float16 pools move their rows as they are (the colocated
+    float16 engine's tokens and logprobs); a float32 prefill side's rows are rounded once into a
+    bfloat16 decode pool, as a bfloat16 engine would have stored them."""
+    path = models["windowed"]
+    want = Engine(path, **KW, kv_cache_dtype=layouts[1]).generate(input_ids=PROMPTS, sampling_params=SP)
+    prefill = Engine(path, **KW, kv_cache_dtype=layouts[0])
+    decode = Engine(path, **KW, kv_cache_dtype=layouts[1])
+    got = [disaggregated(prefill, decode, ids, SP) for ids in PROMPTS]
+    assert decode.scheduler.forward_count[ForwardMode.EXTEND] == 0
+    for g, w in zip(got, want):
+        if layouts[0] == layouts[1]:
+            _same(g, w)
+        else:     # the prefill side's attention read float32 K/V: logits move by one rounding
+            assert g["output_ids"][:2] == w["output_ids"][:2]
+    assert_no_kv_leak(decode.scheduler.cache)
+
+
 def test_seeded_sampling_goes_on_where_prefill_left_it(models):
     """The decode side draws from the request's RNG where the prefill side's first draw left it:
     seeded sampled output equals one engine's."""

@@ -73,11 +73,12 @@ class Driver:
         self.seqs = []
 
 
-def make_runner(path: str, page_size: int, num_slots: int = 1024) -> tuple[ModelRunner, KVCacheManager]:
+def make_runner(path: str, page_size: int, num_slots: int = 1024,
+                kv_dtype: torch.dtype = torch.float32) -> tuple[ModelRunner, KVCacheManager]:
     """What scheduler/runtime.build_scheduler builds, minus the scheduler."""
     cfg = load_config(path)
     model = load_model(path, cfg)
-    pool = KVPool(num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    pool = KVPool(num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
     cache = KVCacheManager(num_slots, page_size, 8, cfg.context_length + 1, disable_radix_cache=True)
     return ModelRunner(model, pool, cache.req_to_token.table), cache
 

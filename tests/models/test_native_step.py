@@ -56,11 +56,12 @@ def logits_of(driver: Driver) -> list[torch.Tensor]:
     return [torch.stack([s.logits[p] for p in sorted(s.logits)]) for s in driver.seqs]
 
 
-def run_both(path: str, prompt_lens: list[int], decode_steps: int, page_size: int = 1):
+def run_both(path: str, prompt_lens: list[int], decode_steps: int, page_size: int = 1,
+             kv_dtype: torch.dtype = torch.float32):
     """(native driver, python driver): the same schedule through each."""
     drivers = []
     for native in (True, False):
-        runner, cache = make_runner(path, page_size)
+        runner, cache = make_runner(path, page_size, kv_dtype=kv_dtype)
         runner.model.enable_native_step(native)
         d = Driver(runner, cache)
         run_schedule(d, runner.model.config.vocab_size, prompt_lens, decode_steps, seed=5)
@@ -91,6 +92,21 @@ def test_native_step_equals_python_path_and_transformers(arch, bf16_dirs, monkey
     for d in (native, python):
         d.release()
         assert d.cache.allocator.free_slots == d.cache.num_slots
+
+
+@pytest.mark.parametrize("kv_dtype,rel", [(torch.float16, 1e-2), (torch.bfloat16, 3e-2)])
+def test_half_precision_kv_pool(kv_dtype, rel, bf16_dirs, monkeypatch):
+    """--kv-cache-dtype float16 / bfloat16: the native step writes its K/V rounded as the layer
+    path's store does and reads them back through the same kernel, so the two paths agree as
+    closely as with a float32 pool; against transformers the logits move by what one rounding of
+    each K/V value costs (bfloat16 keeps 3 fewer mantissa bits than float16)."""
+    from conftest import load_hf_reference
+    count = Counter(monkeypatch)
+    native, python = run_both(bf16_dirs["llama"], [13, 1, 23, 6], decode_steps=6, kv_dtype=kv_dtype)
+    assert count.calls
+    assert native.runner.kv_pool.k[0].dtype == kv_dtype
+    assert_close(logits_of(native), logits_of(python), 1e-4)
+    check_against_hf(native, load_hf_reference(bf16_dirs["llama"]), rel)
 
 
 def test_native_step_records_the_same_aux_taps(bf16_dirs):
