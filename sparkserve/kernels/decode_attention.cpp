@@ -148,7 +148,6 @@ void pv(const float* p, int64_t n, const T* vp, const int64_t* rows, float* cons
 // cut depends on neither the block nor the threads, so neither do a row's bits; and a long
 // context splits over the threads even for one request's decode step.
 constexpr int64_t kKeyChunk = 256;
-constexpr int64_t kInlineWork = 2048;
 
 // One work item: key chunks c0 .. c1 - 1 of a request's queries i0 .. i1 - 1 for one kv head,
 // all G query heads of each.
@@ -198,10 +197,8 @@ void attend(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, con
   const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t pieces = std::max<int64_t>(1, (2 * threads + B * Hkv - 1) / (B * Hkv));
   std::vector<Item> items;
-  int64_t work = 0;                   // query rows x keys, summed over the items
   for (int64_t b = 0; b < B; ++b) {
     const Request& r = req[b];
-    work += r.nq * H * (r.end - first(last_key(r, 0)));
     const int64_t kparts = std::min(r.chunks, pieces);
     const int64_t qparts = std::min(r.nq, (pieces + kparts - 1) / kparts), size = (r.nq + qparts - 1) / qparts;
     for (int64_t i0 = 0; i0 < r.nq; i0 += size) {
@@ -223,15 +220,15 @@ void attend(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, con
 
   // An item's G * (i1 - i0) query rows share every K/V row it fetches: scores as small
   // register-tiled products, a softmax partial per row, then P V for all rows at once.
-  // Below a few thousand row-keys (a short decode) handing items to threads costs more than it saves.
-  const int64_t n_items = static_cast<int64_t>(items.size()), grain = work < kInlineWork ? n_items : 1;
-  sparkserve::parallel_for(0, n_items, grain, [&](int64_t w0, int64_t w1) {
-    std::vector<float> s;             // scores, then exps: [R, n]
-    std::vector<int64_t> rows;        // row offset of each key in the K/V buffers
-    std::vector<const float*> q;      // the item's query rows
-    std::vector<float*> o;            // and their P V: the output, or a partial to merge
-    std::vector<float> sum;           // each row's sum of exps
-    std::vector<float> unused(D);     // P V of a row without keys in the chunk (all zero)
+  sparkserve::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t w0, int64_t w1) {
+    // per thread, kept between calls (a decode step calls this once per layer)
+    thread_local std::vector<float> s;             // scores, then exps: [R, n]
+    thread_local std::vector<int64_t> rows;        // row offset of each key in the K/V buffers
+    thread_local std::vector<const float*> q;      // the item's query rows
+    thread_local std::vector<float*> o;            // and their P V: the output, or a partial to merge
+    thread_local std::vector<float> sum;           // each row's sum of exps
+    thread_local std::vector<float> unused;        // P V of a row without keys in the chunk
+    unused.resize(D);
     // One key chunk of an item: its rows' partials, or the outputs of rows with no other chunk.
     auto chunk = [&](const Item& it, int64_t c) {
       const Request& r = req[it.b];
@@ -267,8 +264,9 @@ void attend(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, con
         }
       }
       int64_t k = 0;
-      for (; k + 2 <= R; k += 2) pv<2>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
-      if (k < R) pv<1>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
+      for (; k + 3 <= R; k += 3) pv<3>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
+      if (R - k == 2) pv<2>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
+      if (R - k == 1) pv<1>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
       for (int64_t i = it.i0; i < it.i1; ++i) {
         if (!one_chunk(r, i)) continue;
         for (int64_t x = (i - it.i0) * G; x < (i - it.i0 + 1) * G; ++x) {
