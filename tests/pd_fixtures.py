@@ -65,4 +65,18 @@ def start_router(kind: str, prefill: ServerProcess, bootstrap: int,
     else:
         cmd = [sys.executable, "-m", "sparkserve.cli", "router", "--prefill", prefill.url, str(bootstrap),
                "--decode", decode.url, "--port", str(port), "--log-level", "warning"]
-    return _start(cmd, url, "/v1/models"), url
+    proc = _start(cmd, url, "/v1/models")
+    if kind == "sglang-router":      # it answers once one worker is in; it adds the other by itself
+        _wait_for_workers(proc, url, {prefill.url, decode.url})
+    return proc, url
+
+
+def _wait_for_workers(proc: subprocess.Popen, url: str, want: set[str]) -> None:
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        workers = httpx.get(url + "/workers", timeout=5).json()["workers"]
+        if want <= {w["url"] for w in workers}:
+            return
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError(f"sglang-router at {url} did not register {sorted(want)} within 60 s")
