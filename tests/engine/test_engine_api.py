@@ -11,7 +11,9 @@ from sparkserve import Engine
 
 @pytest.fixture(scope="module")
 def eng(smollm2_path):
-    return Engine(smollm2_path, max_total_tokens=2048, decode_log_interval=2)
+    # exact activations: batched and one-by-one prompts must answer alike (int8 rounding can
+    # resolve a near-tie differently when a prompt is prefilled among others)
+    return Engine(smollm2_path, max_total_tokens=2048, decode_log_interval=2, activation_quant="none")
 
 
 CHATS = [[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "Count to three."}]]
