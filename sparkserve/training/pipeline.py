@@ -372,11 +372,13 @@ def run_pipeline(cfg: PipelineConfig) -> None:
     """One process, or one rank of `torchrun --nproc-per-node N -m sparkserve.cli train-draft`
     (every rank runs this with the same flags)."""
     ranks = init_ranks()
+    finished = False
     try:
         check_flags(cfg, ranks)
         _run_stages(cfg, ranks)
+        finished = True
     finally:
-        close_ranks(ranks)
+        close_ranks(ranks, finished)
 
 
 def _run_stages(cfg: PipelineConfig, ranks: Ranks) -> None:

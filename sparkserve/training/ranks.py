@@ -70,6 +70,11 @@ def init_ranks() -> Ranks:
     return Ranks(dist.get_rank(), dist.get_world_size())
 
 
-def close_ranks(ranks: Ranks) -> None:
+def close_ranks(ranks: Ranks, finished: bool) -> None:
+    """A finished run waits for every rank before the group goes: gloo torn down under a peer
+    still talking to it aborts that peer ("terminate called without an active exception"). A
+    failed one does not wait (its peers may never come)."""
     if ranks.world > 1 and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
