@@ -264,9 +264,8 @@ void attend(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, con
         }
       }
       int64_t k = 0;
-      for (; k + 3 <= R; k += 3) pv<3>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
-      if (R - k == 2) pv<2>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
-      if (R - k == 1) pv<1>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
+      for (; k + 2 <= R; k += 2) pv<2>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
+      if (k < R) pv<1>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
       for (int64_t i = it.i0; i < it.i1; ++i) {
         if (!one_chunk(r, i)) continue;
         for (int64_t x = (i - it.i0) * G; x < (i - it.i0 + 1) * G; ++x) {
