@@ -107,6 +107,9 @@ def make_oracle_draft(target_dir: str, draft_dir: str, f: list[int], *, block_si
 def engine(model_dir: str | None, draft_dir: str | None = None, mode: str = "full", **kw: Any):
     from sparkserve import Engine
     kw.setdefault("max_total_tokens", 4096)
+    # Exact activations: check_draft_context recomputes the draft context from transformers' taps,
+    # which int8 rounding of the draft's inputs would move (the int8 draft: test_dspark_checkpoint).
+    kw.setdefault("activation_quant", "none")
     if draft_dir is not None:
         kw.update(speculative_algorithm="DSPARK", speculative_draft_model_path=draft_dir,
                   speculative_dspark_verify_mode=mode)

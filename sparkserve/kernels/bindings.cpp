@@ -19,6 +19,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor r, at::
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                             std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
                             std::vector<int64_t> q_lens);
+at::Tensor markov_pack(at::Tensor w2);
+std::tuple<at::Tensor, at::Tensor> markov_greedy(at::Tensor base, at::Tensor w1, at::Tensor w2p,
+                                                 std::optional<at::Tensor> d2t, at::Tensor anchors);
 
 // The linears as torch operators too (torch.ops.sparkserve.*), so a compiled graph calls them
 // through the dispatcher without a trip into Python (benchmarks/compile.py).
@@ -51,6 +54,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indices"), py::arg("seq_lens"),
         py::arg("kv_start"), py::arg("window"), py::arg("scale"),
         py::arg("q_lens") = std::vector<int64_t>());
+  m.def("markov_greedy", &markov_greedy,
+        "a DSpark Markov head's greedy loop over a block: (target ids [B, G], previous-token codes [B, G, r])",
+        py::arg("base"), py::arg("w1"), py::arg("w2p"), py::arg("d2t"), py::arg("anchors"));
+  m.def("markov_pack", &markov_pack, "a Markov head's W2 [V, r] in the layout markov_greedy reads");
   py::class_<sparkserve::NativeLlama>(m, "NativeLlama", "one call per forward of a Llama-family decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &sparkserve::NativeLlama::add_layer)

@@ -65,6 +65,14 @@ class BlockWeight:
         n, k = w.shape
         return cls(_HALF_TYPES[w.dtype], w.contiguous().view(torch.uint8).reshape(n, 2 * k).clone(), k)
 
+    @classmethod
+    def q8_0(cls, w: torch.Tensor) -> "BlockWeight":
+        """Q8_0 blocks of a 2-D float tensor [N, K] (ggml's rounding, by gguf-py)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+        data = quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0)
+        return cls.from_numpy(Q8_0, data, tuple(w.shape))
+
     @staticmethod
     def half_type(t: torch.Tensor) -> int | None:
         """The block type that holds `t` exactly, if it is a half-precision 2-D tensor."""

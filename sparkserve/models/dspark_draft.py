@@ -14,8 +14,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from sparkserve.kernels import BlockWeight
 from sparkserve.layers.activation import silu_and_mul
-from sparkserve.layers.linear import FusedLinear, Linear
+from sparkserve.layers.linear import ACTIVATION_QUANTS, FusedLinear, Linear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.loader.weights import WeightLoader
@@ -188,6 +189,9 @@ class DSparkDraft(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
         self.native: NativeDraftStep | None = None
+        self.activation_quant = "none"
+        # modules that are the target's (load_weights), or whole copies of its vocab-split ones
+        self.shared_with_target: set[str] = set()
 
     @property
     def block_size(self) -> int:
@@ -225,6 +229,28 @@ class DSparkDraft(nn.Module):
             k_buf, v_buf = pool.layer(i)
             k_buf[slots] = k
             v_buf[slots] = v
+
+    def set_activation_quant(self, mode: str) -> None:
+        """"int8": the draft's own projections (backbone, fc, a reduced-vocab LM head) run as the
+        target's do under --activation-quant int8 — int8 activations on Q8_0 blocks made from their
+        weights, which then take the Q8_0 values, so the Python path and the native block pass
+        compute one draft. Proposals change slightly; verification keeps the output exact. The
+        heads' small matrices (Markov, confidence) and modules shared with the target keep theirs."""
+        if mode not in ACTIVATION_QUANTS:
+            raise ValueError(f"activation_quant {mode!r}: use one of {', '.join(ACTIVATION_QUANTS)}")
+        self.activation_quant = mode
+        if mode != "int8":
+            return
+        own = [self.fc, *([] if "lm_head" in self.shared_with_target else [self.lm_head])]
+        for layer in self.layers:
+            attn = layer.self_attn
+            own += [attn.q_proj, attn.kv_proj, attn.o_proj, layer.gate_up_proj, layer.down_proj]
+        for lin in own:
+            if lin.in_features % 32 == 0:
+                blocks = BlockWeight.q8_0(lin.weight)
+                lin.weight.data.copy_(blocks.dequantize())
+                lin.set_blocks(blocks)
+                lin.set_activation_quant("int8")
 
     # ---- one parallel block pass ------------------------------------------------------------
     def enable_native_step(self, on: bool) -> None:
@@ -295,6 +321,7 @@ class DSparkDraft(nn.Module):
                 if target.vocab_sharded:
                     full = full or target_vocab_weights(target)
                     loader.load(f"{shared}.weight", full[f"{shared}.weight"])
+                    self.shared_with_target.add(shared)
                     continue
                 src = target.model.embed_tokens if shared == "embed_tokens" else target.lm_head
                 own = getattr(self, shared).weight
@@ -302,11 +329,13 @@ class DSparkDraft(nn.Module):
                     raise ValueError(f"{shared}: target shape {tuple(src.weight.shape)} != draft "
                                      f"{tuple(own.shape)}")
                 setattr(self, shared, src)        # share the module (and its packed weight)
+                self.shared_with_target.add(shared)
                 loader.mark_loaded(f"{shared}.weight")
         loader.check_complete()
 
 
-def load_dspark_draft(path: str, target: CausalLM | None = None) -> DSparkDraft:
+def load_dspark_draft(path: str, target: CausalLM | None = None,
+                      activation_quant: str = "none") -> DSparkDraft:
     from sparkserve.layers.linear import pack_linears
     from sparkserve.loader.hf import hf_weights
     with open(os.path.join(path, "config.json")) as f:
@@ -318,6 +347,7 @@ def load_dspark_draft(path: str, target: CausalLM | None = None) -> DSparkDraft:
     draft.rotary.build()
     draft.load_weights(hf_weights(path), target)
     draft.eval().requires_grad_(False)
+    draft.set_activation_quant(activation_quant)
     pack_linears(draft)
     return draft
 

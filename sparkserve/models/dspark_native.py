@@ -31,6 +31,7 @@ class NativeDraftStep:
         self._cos = None            # the rotary table the step was built with
         self._pool = None
         self._unsupported: str | None = None
+        self._w2: tuple[torch.Tensor, torch.Tensor] | None = None     # (W2, packed for the kernel)
 
     def applies(self, draft: DSparkDraft, kv_indices: torch.Tensor, ctx_lens: list[int],
                 block_slots: torch.Tensor | None) -> bool:
@@ -61,7 +62,21 @@ class NativeDraftStep:
         table = torch.cat([kv_indices, torch.zeros(B, G, dtype=torch.long)], 1)
         table.scatter_(1, torch.tensor(ctx_lens)[:, None] + torch.arange(G)[None, :], own)
         return self._step.forward(x, positions, own.reshape(-1), table, 0, None, None, 0,
-                                  [n + G for n in ctx_lens], [G] * B, [], False, False)[0]
+                                  [n + G for n in ctx_lens], [G] * B, [], draft.activation_quant == "int8",
+                                  False)[0]
+
+    def markov_greedy(self, draft: DSparkDraft, base: torch.Tensor,
+                      anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The Markov loop of greedy requests in one call (kernels/markov_greedy.cpp): target ids
+        [B, G] and each slot's previous-token code [B, G, r]; None for a gated head (its gate
+        reads the slot's hidden state) or without the kernels."""
+        head, ext = draft.markov_head, load_extension()
+        if head.gate_proj is not None or ext is None or torch.is_grad_enabled():
+            return None
+        w2 = head.markov_w2.weight
+        if self._w2 is None or self._w2[0] is not w2:
+            self._w2 = (w2, ext.markov_pack(w2.detach()))
+        return ext.markov_greedy(base, head.markov_w1.weight.detach(), self._w2[1], draft.d2t, anchors)
 
 
 def unsupported(draft: DSparkDraft) -> str | None:

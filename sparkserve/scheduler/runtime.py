@@ -167,7 +167,7 @@ def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, c
     from sparkserve.speculative.planner import StepCostTable, VerifyPlanner
     from sparkserve.speculative.profile import measure_step_costs
     path = args.speculative_draft_model_path
-    draft = load_dspark_draft(path, runner.model)   # also sets the target's aux taps
+    draft = load_dspark_draft(path, runner.model, args.activation_quant)   # also sets the target's aux taps
     if args.speculative_dspark_block_size:
         draft.config.block_size = args.speculative_dspark_block_size
     thr, mode = args.speculative_dspark_confidence_threshold, args.verify_mode
@@ -179,7 +179,8 @@ def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, c
         costs = (StepCostTable.load(args.speculative_dspark_sps_table_path)
                  if args.speculative_dspark_sps_table_path
                  else measure_step_costs(runner, cache,
-                                         max_tokens=args.max_running_requests * (draft.block_size + 1)))
+                                         max_tokens=args.max_running_requests * (draft.block_size + 1),
+                                         max_requests=args.max_running_requests))
     planner = VerifyPlanner(mode, thr or 0.0, costs)
     log.info("DSpark: draft %s, %d layers, gamma %d, verify mode %s", path, draft.config.num_hidden_layers,
              draft.block_size, mode)

@@ -73,6 +73,7 @@ class Scheduler(PromptHandover):
         self.forward_count = {m: 0 for m in ForwardMode}
         self.spec = spec
         self.accept_hist: dict[int, int] = {}     # accepted drafts per verify -> count
+        self.spec_idle = 0                        # the latest proposal's streak of empty budgets
         self.batch_log = BatchLog(cfg.decode_log_interval)
         # PD prefill side: called after each forward that computed prompt rows of a request that
         # hands off (`Req.hands_off`), with the rows' first position, before any leave a window.
@@ -86,6 +87,8 @@ class Scheduler(PromptHandover):
         and ends there."""
         if self.ends_at_once(req):
             return False
+        req.spec_idle = self.spec_idle
+        self._back_off(req)
         self.waiting.append(req)
         return True
 
@@ -280,14 +283,17 @@ class Scheduler(PromptHandover):
         anchor + drafts, the others their next token, in the same forward."""
         speculating = self._ensure_decode_memory({r for r in self.running if self._speculates(r)})
         spec_reqs = [r for r in self.running if r in speculating]
-        t0 = time.perf_counter()
         props = {}
         if spec_reqs:
-            plain = len(self.running) - len(spec_reqs)
-            self.spec.flush(spec_reqs)
-            props = dict(zip(spec_reqs, self.spec.propose(spec_reqs, plain)))
-            for r in spec_reqs:
-                self._note_verify_budget(r, props[r].verify_len)
+            self.spec.flush(spec_reqs)      # context kept back: owed whether or not drafting pays
+            t0 = time.perf_counter()
+            proposals = self.spec.propose(spec_reqs, len(self.running) - len(spec_reqs))
+            self.spec.observe_draft(time.perf_counter() - t0, len(spec_reqs))
+            for r, p in zip(spec_reqs, proposals):
+                self._note_verify_budget(r, p.verify_len)
+                if p.verify_len:            # a request verifying nothing decodes as plain ones do
+                    props[r] = p
+        t0 = time.perf_counter()
         sched = []
         for req in self.running:
             p = props.get(req)
@@ -307,9 +313,11 @@ class Scheduler(PromptHandover):
                 req.kv_len += 1
                 self.cache.slide_window(req)
             self._sample_and_commit(reqs, logits)
+            if self.spec is not None and not spec_reqs:    # (a step that drafted in vain is neither)
+                self.spec.observe_plain(time.perf_counter() - t0, len(reqs))
         else:
             self._verify_and_commit(reqs, sched, props, fb, logits)
-            self.spec.observe_cycle(time.perf_counter() - t0, fb.num_tokens)
+            self.spec.observe_cycle(time.perf_counter() - t0, len(reqs), len(props), fb.num_tokens)
         self.running = [r for r in self.running if not r.finished]
         return reqs
 
@@ -321,15 +329,17 @@ class Scheduler(PromptHandover):
                 and len(req.output_ids) + 1 < req.params.max_new_tokens
                 and len(req.output_ids) >= req.spec_resume_at)
 
-    @staticmethod
-    def _note_verify_budget(req: Req, verify_len: int) -> None:
-        """Drafting costs a draft forward even when the planner then verifies nothing: a request
+    def _note_verify_budget(self, req: Req, verify_len: int) -> None:
+        """Drafting costs a draft pass even when the planner then verifies nothing: a request
         whose budget comes out 0 twice in a row decodes plainly for 2, 4, .. DRAFT_BACKOFF_MAX
-        tokens before it drafts again (threshold / adaptive modes; full always verifies)."""
-        if verify_len > 0:
-            req.spec_idle = 0
-            return
-        req.spec_idle += 1
+        tokens before it drafts again (threshold / adaptive modes; full always verifies). The
+        latest proposal's streak is kept, and a new request starts from it (add_request): a draft
+        that does not pay on this traffic is not tried afresh at every request's first tokens."""
+        self.spec_idle = req.spec_idle = 0 if verify_len > 0 else req.spec_idle + 1
+        self._back_off(req)
+
+    @staticmethod
+    def _back_off(req: Req) -> None:
         if req.spec_idle >= 2:
             req.spec_resume_at = len(req.output_ids) + min(2 ** (req.spec_idle - 1), DRAFT_BACKOFF_MAX)
 

@@ -66,10 +66,19 @@ class DSparkWorker:
         for r in reqs:
             r.draft_backlog = []
 
-    def observe_cycle(self, seconds: float, tokens: int) -> None:
-        """A cycle (propose, verify forward, acceptance, commits) took `seconds` over `tokens` target
-        tokens: the planner charges its cost beyond the forward to the next plans."""
-        self.planner.observe_cycle(seconds, tokens)
+    def observe_draft(self, seconds: float, requests: int) -> None:
+        """A draft pass (propose) for `requests` requests took `seconds`."""
+        self.planner.observe_draft(seconds, requests)
+
+    def observe_cycle(self, seconds: float, requests: int, drafting: int, tokens: int) -> None:
+        """A verify cycle after its draft pass (forward, acceptance, commits) took `seconds`: the
+        planner charges what it cost beyond a plain step to the next plans."""
+        self.planner.observe_cycle(seconds, requests, drafting, tokens)
+
+    def observe_plain(self, seconds: float, requests: int) -> None:
+        """A plain decode step (no request drafted) of `requests` requests took `seconds`: what a
+        step costs beyond its forward, which a cycle's cost is measured against."""
+        self.planner.observe_plain(seconds, requests)
 
     @torch.inference_mode()
     def propose(self, reqs: list[Req], plain_tokens: int = 0) -> list[Proposal]:
@@ -97,9 +106,13 @@ class DSparkWorker:
         previous token [B, G, r], and per request the distributions sampled from (None: greedy)."""
         d, (B, G) = self.draft, base.shape[:2]
         head = d.markov_head
+        sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+        if not sampled and d.native is not None:
+            native = d.native.markov_greedy(d, base, anchors)
+            if native is not None:
+                return *native, [None] * B
         tokens = torch.empty(B, G, dtype=torch.long)
         embs = torch.empty(B, G, d.config.markov_rank)
-        sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         q_probs = [None if r.params.is_greedy else torch.empty(G, base.shape[-1])   # draft vocab
                    for r in reqs]
         prev = anchors

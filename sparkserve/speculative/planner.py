@@ -3,45 +3,64 @@
 full: verify every draft. threshold: verify the leading drafts whose confidence is >= the
 threshold. adaptive (the paper's Alg. 1): rank every (request, slot) of the batch by its
 survival a = prod of confidences up to that slot, and admit slots while the expected tokens
-per second  tau / (draft + cost(B))  rises, with tau = sum_r (1 + sum_{j<=l_r} a_rj), B = sum_r (1 + l_r),
-cost(B) the measured seconds of one step that verifies B tokens and `draft` what a cycle costs
-beyond that forward: the draft pass, the LM head rows acceptance reads, acceptance and commits
-(the table's draft_seconds, or the scheduler's running measurement of whole cycles if larger).
-When even the best plan yields fewer tokens per second than plain decoding (tau0 / cost(B0)), it
-verifies nothing, so the scheduler backs the requests off drafting for a while."""
+per second  tau / (step + draft + cost(R, B))  rises, with tau = R + sum_r sum_{j<=l_r} a_rj over
+the forward's R requests, B = R + sum_r l_r its tokens, cost(R, B) the measured seconds of such a
+forward, `step` what a step of R requests costs beyond its forward (sampling, commits, scheduling:
+measured on plain steps) and `draft` what drafting adds: the draft pass, the LM head rows acceptance
+reads (the table's draft_seconds, or the scheduler's measurements if larger). When even the best
+plan yields fewer tokens per second than plain decoding (R / (step + cost(R, R))), it verifies
+nothing, so the scheduler backs the requests off drafting for a while."""
 from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 MODES = ("full", "threshold", "adaptive")
+# How many recent steps the running cost estimates look at.
+RECENT_STEPS = 32
+
+
+def _piecewise(xs: list[int], ys: list[float], x: float) -> float:
+    """Linear interpolation through (xs, ys), flat below xs[0], the last slope beyond xs[-1]."""
+    if x <= xs[0] or len(xs) == 1:
+        return ys[0]
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 @dataclass
 class StepCostTable:
-    """Seconds of one target forward over `tokens` tokens (piecewise linear), plus the fixed
-    per-cycle draft cost."""
+    """Seconds of one target forward: of one request over `tokens` tokens, and of a decode step of
+    `requests` requests with a token each (piecewise linear); plus a fixed per-cycle draft cost.
+    Many requests' decode step costs more than one request's as many tokens (an attention context
+    and an LM head row each), and a table without `requests` takes them as the same."""
     tokens: list[int]
     seconds: list[float]
     draft_seconds: float = 0.0
+    requests: list[int] = field(default_factory=list)
+    request_seconds: list[float] = field(default_factory=list)
 
     def cost(self, n: int) -> float:
-        t, s = self.tokens, self.seconds
-        if n <= t[0]:
-            return s[0]
-        i = bisect.bisect_left(t, n)
-        if i == len(t):            # extrapolate with the last segment's slope
-            i = len(t) - 1
-        x0, x1, y0, y1 = t[i - 1], t[i], s[i - 1], s[i]
-        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        """One request's forward over n tokens."""
+        return _piecewise(self.tokens, self.seconds, n)
+
+    def batch_cost(self, requests: int, tokens: int) -> float:
+        """A forward of `requests` requests over `tokens` tokens in all: their decode step, plus the
+        rows beyond one a request as one request's extra rows cost."""
+        decode = (_piecewise(self.requests, self.request_seconds, requests) if self.requests
+                  else self.cost(requests))
+        return decode + self.cost(1 + tokens - requests) - self.cost(1)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
-            json.dump({"tokens": self.tokens, "seconds": self.seconds,
-                       "draft_seconds": self.draft_seconds}, f)
+            json.dump({"tokens": self.tokens, "seconds": self.seconds, "draft_seconds": self.draft_seconds,
+                       "requests": self.requests, "request_seconds": self.request_seconds}, f)
 
     @classmethod
     def load(cls, path: str) -> "StepCostTable":
@@ -50,7 +69,10 @@ class StepCostTable:
         if len(d.get("tokens", [])) < 2 or len(d["tokens"]) != len(d.get("seconds", [])):
             raise ValueError(f"{path}: a step cost table needs matching 'tokens' and 'seconds' lists of >= 2 "
                              f"points")
-        return cls(list(d["tokens"]), list(d["seconds"]), float(d.get("draft_seconds", 0.0)))
+        if len(d.get("requests", [])) != len(d.get("request_seconds", [])):
+            raise ValueError(f"{path}: 'requests' and 'request_seconds' must have the same length")
+        return cls(list(d["tokens"]), list(d["seconds"]), float(d.get("draft_seconds", 0.0)),
+                   list(d.get("requests", [])), list(d.get("request_seconds", [])))
 
 
 class VerifyPlanner:
@@ -60,12 +82,49 @@ class VerifyPlanner:
         if mode == "adaptive" and costs is None:
             raise ValueError("adaptive verify needs a step cost table")
         self.mode, self.threshold, self.costs = mode, threshold, costs
-        self.cycle_seconds = 0.0          # running mean of a cycle's cost beyond its target forward
+        # Recent costs per request: of a plain step beyond its forward; of a draft pass (whether or
+        # not its drafts were then verified); of a verify cycle beyond a plain step, its draft pass
+        # left out.
+        self._plain: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._drafts: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._cycles: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._first_cycle = True
 
-    def observe_cycle(self, seconds: float, tokens: int) -> None:
-        """A whole speculative cycle took `seconds` and its target forward ran `tokens` tokens."""
-        extra = max(0.0, seconds - (self.costs.cost(tokens) if self.costs is not None else 0.0))
-        self.cycle_seconds = extra if not self.cycle_seconds else 0.8 * self.cycle_seconds + 0.2 * extra
+    def observe_plain(self, seconds: float, requests: int) -> None:
+        """A plain decode step of `requests` requests took `seconds`."""
+        beyond = seconds - self._forward(requests, requests)
+        self._plain.append(max(0.0, beyond) / requests)
+
+    def observe_draft(self, seconds: float, requests: int) -> None:
+        """A draft pass (propose) for `requests` requests took `seconds`."""
+        self._drafts.append(seconds / requests)
+
+    def observe_cycle(self, seconds: float, requests: int, drafting: int, tokens: int) -> None:
+        """A verify cycle after its draft pass (forward, acceptance, commits) took `seconds`; its
+        forward ran `requests` requests over `tokens` tokens, `drafting` of them verifying drafts.
+        The first one is not kept: it also paid for what the kernels set up on first use."""
+        if self._first_cycle:
+            self._first_cycle = False
+            return
+        beyond = seconds - self._forward(requests, tokens) - self.step_seconds(requests)
+        self._cycles.append(max(0.0, beyond) / drafting)
+
+    def _forward(self, requests: int, tokens: int) -> float:
+        return self.costs.batch_cost(requests, tokens) if self.costs is not None else 0.0
+
+    def step_seconds(self, requests: int) -> float:
+        """What a plain step of `requests` requests recently cost beyond its forward (0 before any)."""
+        return requests * statistics.median(self._plain) if self._plain else 0.0
+
+    def draft_seconds(self, requests: int) -> float:
+        """What drafting for `requests` requests adds to a step: the draft pass, plus what a verify
+        cycle costs beyond a plain step (more LM head rows, acceptance, injecting at once). Medians
+        of recent ones: a slow one (another process took the core) does not steer the plans, and
+        while the cycles look dear, proposals confident enough to pay anyway keep measuring them."""
+        passes = statistics.median(self._drafts) if self._drafts else 0.0
+        verify = statistics.median(self._cycles) if self._cycles else 0.0
+        table = self.costs.draft_seconds if self.costs is not None else 0.0
+        return max(table, requests * (passes + verify))
 
     def plan(self, confidences: list[torch.Tensor | None], caps: list[int],
              plain_tokens: int = 0) -> list[int]:
@@ -87,15 +146,15 @@ class VerifyPlanner:
         ranked = sorted(((a, r, j) for r, s in enumerate(survival) for j, a in enumerate(s)),
                         key=lambda x: (-x[0], x[2]))
         lens = [0] * len(caps)
-        tau = float(len(caps))
-        B = len(caps) + plain_tokens
-        draft = max(self.costs.draft_seconds, self.cycle_seconds)
-        plain_rate = tau / self.costs.cost(B)
-        best = tau / (draft + self.costs.cost(B))
+        R = len(caps) + plain_tokens            # the forward's requests, a token each before drafts
+        tau, B = float(R), R
+        step, draft = self.step_seconds(R), self.draft_seconds(len(caps))
+        plain_rate = tau / (step + self.costs.batch_cost(R, B))
+        best = tau / (step + draft + self.costs.batch_cost(R, B))
         for a, r, j in ranked:
             if j != lens[r]:          # survival is non-increasing along a block: keep prefixes
                 continue
-            theta = (tau + a) / (draft + self.costs.cost(B + 1))
+            theta = (tau + a) / (step + draft + self.costs.batch_cost(R, B + 1))
             if theta <= best:
                 break
             lens[r] += 1

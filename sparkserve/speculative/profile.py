@@ -1,4 +1,4 @@
-"""Measure the target's step cost per number of verified tokens (for adaptive verify)."""
+"""Measure the target's step cost per number of verified tokens and of requests (for adaptive verify)."""
 from __future__ import annotations
 
 import time
@@ -9,46 +9,68 @@ from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.speculative.planner import StepCostTable
 
 
-def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: int, context: int = 64,
-                       reps: int = 3) -> StepCostTable:
-    """Time forwards of n = 1, 2, 4, ... tokens after a `context`-token prefix (median of reps),
-    with the LM head over one row: a verify scores the rows after the anchor's only as far as
-    its drafts are accepted (speculative/verify.py), so an unaccepted slot costs just its forward.
+def _doublings(top: int) -> list[int]:
+    sizes = [1]
+    while sizes[-1] < top:
+        sizes.append(min(sizes[-1] * 2, top))
+    return sizes
+
+
+def _timed(runner: ModelRunner, batches: dict[int, list[ScheduledReq]], reps: int) -> list[float]:
+    """Median seconds of each batch's forward, in the dict's key order, made non-decreasing.
     Small forwards run slower right after other work (start-up, a large forward on torch's OpenMP
     threads, whose workers go on spinning), and a cost(1) above cost(2) made drafting look cheaper
-    than plain decoding: so the sizes go from the largest down, each once untimed first, as a
-    decode step follows decode steps. A forward over more tokens never costs less, so the table
-    is made non-decreasing."""
-    sizes = [1]
-    while sizes[-1] < max_tokens:
-        sizes.append(min(sizes[-1] * 2, max_tokens))
-    total = context + sizes[-1]
+    than plain decoding: so the batches run from the largest down, each once untimed first, as a
+    decode step follows decode steps. A forward over more never costs less."""
+    median = {}
+    for key in reversed(list(batches)):
+        times = []
+        for _ in range(reps + 1):
+            fb = runner.build_batch(ForwardMode.VERIFY, batches[key])
+            t = time.perf_counter()
+            runner.forward(fb)
+            times.append(time.perf_counter() - t)
+        median[key] = sorted(times[1:])[reps // 2]       # the first one warms up
+    out: list[float] = []
+    for key in batches:
+        out.append(max(median[key], out[-1] if out else 0.0))
+    return out
+
+
+def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: int, context: int = 64,
+                       reps: int = 3, max_requests: int = 1) -> StepCostTable:
+    """Time forwards of one request over n = 1, 2, 4, ... max_tokens tokens, and decode steps of
+    r = 1, 2, 4, ... max_requests requests, after a `context`-token prefix each, with the LM head
+    over one row a request: a verify scores the rows after the anchor's only as far as its drafts
+    are accepted (speculative/verify.py), so an unaccepted slot costs just its forward."""
     free = cache.allocator.free_slots
     if cache.split:                   # the windowed layers' slots are allocated alongside
         free = min(free, cache.allocator.swa_free_slots)
-    free = min(free, cache.req_to_token.table.shape[1])   # and one request's positions fit its row
-    if total > free:
-        sizes = [n for n in sizes if context + n <= free] or [1]
-    row = cache.req_to_token.alloc()
-    slots = cache.allocator.alloc(0, context + sizes[-1], 0)
-    cache.req_to_token.table[row, :len(slots)] = slots
-    seconds = []
+    sizes = [n for n in _doublings(max_tokens) if context + n <= min(free, cache.req_to_token.table.shape[1])]
+    sizes = sizes or [1]
+    counts = [r for r in _doublings(max_requests)
+              if (r - 1) * (context + 1) <= free - context - sizes[-1] and r <= cache.req_to_token.available]
+    rows, held = [], []
     try:
-        median = {}
-        for n in reversed(sizes):
-            sr = ScheduledReq(row, context, [0] * n, slots[context:context + n], logit_rows=1)
-            times = []
-            for _ in range(reps + 1):
-                fb = runner.build_batch(ForwardMode.VERIFY, [sr])
-                t = time.perf_counter()
-                runner.forward(fb)
-                times.append(time.perf_counter() - t)
-            median[n] = sorted(times[1:])[reps // 2]       # the first one warms up
-        for n in sizes:
-            seconds.append(max(median[n], seconds[-1] if seconds else 0.0))
+        for i in range(counts[-1]):
+            rows.append(cache.req_to_token.alloc())
+            n = context + (sizes[-1] if i == 0 else 1)
+            held.append(cache.allocator.alloc(0, n, 0))
+            cache.req_to_token.table[rows[-1], :n] = held[-1]
+        one = {n: [ScheduledReq(rows[0], context, [0] * n, held[0][context:context + n], logit_rows=1)]
+               for n in sizes}
+        seconds = _timed(runner, one, reps)
+        many = {r: [ScheduledReq(rows[i], context, [0], held[i][context:context + 1], logit_rows=1)
+                    for i in range(r)] for r in counts if r > 1}
+        request_seconds = []
+        for t in ([seconds[0], *_timed(runner, many, reps)] if many else []):
+            request_seconds.append(max(t, request_seconds[-1] if request_seconds else 0.0))
     finally:
-        cache.allocator.free(slots)
-        cache.req_to_token.free(row)
+        for slots in held:
+            cache.allocator.free(slots)
+        for row in rows:
+            cache.req_to_token.free(row)
     if len(sizes) == 1:
         sizes, seconds = [1, 2], [seconds[0], seconds[0]]
-    return StepCostTable(sizes, seconds)
+    return StepCostTable(sizes, seconds, requests=[1, *many] if many else [],
+                         request_seconds=request_seconds)

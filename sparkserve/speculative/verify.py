@@ -9,9 +9,9 @@ draft, so the output has exactly the target's sampling distribution.
 
 Both rules read the target's rows in order and stop at the first rejection, so the rows after it
 are never needed: `accept_batch` computes the LM head lazily (VerifyLogits), in at most two head
-calls per cycle — the rows the draft's confidence says will likely be read, then the rest for the
-requests that got that far. (A big-vocab LM head costs several times more for 8 rows than for one,
-and most drafts of a weak draft are rejected at the first slot.)"""
+calls per cycle — the rows the draft's confidence says may well be read, then the rest for the
+requests that got that far. (For 8 rows a big-vocab LM head costs more than twice what it does for
+one, and most drafts of a weak draft are rejected at the first slot.)"""
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
@@ -20,6 +20,11 @@ import torch
 
 from sparkserve.executor.sampler import processed_probs, sample_from_probs
 from sparkserve.sampling_params import SamplingParams
+
+# A row is scored in the first head call when the draft's confidence gives at least these odds that
+# acceptance reads it: a second call streams the head's whole weight matrix again, which costs
+# several times what one more row of the first call does.
+UP_FRONT_SURVIVAL = 0.1
 
 # An accept rule as a generator: it yields how many target logits rows (a prefix) it needs, and
 # is sent every row computed so far (at least that many); it returns (number accepted, bonus).
@@ -62,11 +67,11 @@ def accept_steps(req, drafts: list[int], q_probs: torch.Tensor | None) -> Steps:
 
 
 def first_rows(confidence: torch.Tensor | None, num_drafts: int) -> int:
-    """Rows to compute up front: the anchor's and those of the drafts the confidence head expects
-    to pass (survival >= 1/2); all of them without a confidence head."""
+    """Rows to compute up front: the anchor's and those of the drafts that the confidence head
+    gives at least UP_FRONT_SURVIVAL odds of passing; all of them without a confidence head."""
     if confidence is None:
         return num_drafts + 1
-    return 1 + int((torch.cumprod(confidence[:num_drafts].double(), 0) >= 0.5).sum())
+    return 1 + int((torch.cumprod(confidence[:num_drafts].double(), 0) >= UP_FRONT_SURVIVAL).sum())
 
 
 def accept_batch(items: dict[int, tuple], logits: VerifyLogits,

@@ -350,6 +350,80 @@ def test_native_block_pass_matches_reference(target_dir, target_cfg, tmp_path, c
     assert torch.allclose(masked[0], python[0], atol=1e-6) and not torch.allclose(masked[1], python[1])
 
 
+@torch.inference_mode()
+def test_int8_draft_runs_q8_0_blocks(target_dir, target_cfg, tmp_path, monkeypatch):
+    """Under --activation-quant int8 the draft's own projections hold Q8_0 blocks of their weights,
+    whose values the fp32 weights then take, and quantize their inputs to int8; the LM head it shares
+    with the target keeps the target's. The native block pass equals the Python path, and both stay
+    near the exact reference."""
+    from sparkserve.kernels import Q8_0
+    from sparkserve.models.dspark_draft import load_dspark_draft
+    from sparkserve.models.dspark_native import NativeDraftStep
+    kw = CASES["vanilla_no_conf_prefixed"]                  # lm_head: the target's
+    t = write_checkpoint(str(tmp_path), target_cfg, dtype=torch.float16, **kw)
+    target = target_model(target_dir)
+    draft = load_dspark_draft(str(tmp_path), target, activation_quant="int8")
+    attn = draft.layers[0].self_attn
+    for lin in (draft.fc, attn.q_proj, attn.kv_proj, draft.layers[1].down_proj):
+        assert lin.inference_blocks().qtype == Q8_0 and lin.activation_quant == "int8"
+        assert torch.equal(lin.weight, lin.inference_blocks().dequantize())
+    assert draft.lm_head is target.lm_head and target.lm_head.activation_quant == "none"
+    draft.enable_native_step(True)
+    calls = []
+    native_pass = NativeDraftStep.block_hidden
+    monkeypatch.setattr(NativeDraftStep, "block_hidden",
+                        lambda self, *a: calls.append(1) or native_pass(self, *a))
+    pool = draft.new_kv_pool(64, block_rows=2 * GAMMA)
+    table, rows, ctx_lens, anchors, perm, refs = two_requests(draft, pool, t, target, target_cfg, kw)
+    args = (torch.tensor(anchors), torch.tensor(ctx_lens), table[rows, :max(ctx_lens)], ctx_lens, pool)
+    native = draft.block_hidden(*args, torch.arange(65, 65 + 2 * GAMMA))
+    python = draft.block_hidden(*args)
+    assert calls == [1]
+    assert (native - python).abs().max() < 1e-4, (native - python).abs().max()
+    for b, (ref_hidden, _, _) in enumerate(refs):      # int8 rounding through two random layers
+        err = (native[b] - ref_hidden).norm() / ref_hidden.norm()
+        assert 0 < err < 0.1, (b, err)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 100])
+@torch.inference_mode()
+def test_native_markov_loop_equals_python_loop(target_dir, draft_vocab, monkeypatch):
+    """Greedy requests' Markov loop in one native call (kernels/markov_greedy.cpp) picks the Python
+    loop's tokens and returns its previous-token codes, for three requests at once, over the
+    target's vocab and over a reduced one of 100 ids (not a whole number of the kernel's tiles)."""
+    from sparkserve.core.req import Req
+    from sparkserve.core.sampling_state import RequestSamplingState
+    from sparkserve.models.dspark_draft import dspark_config_dict, init_dspark_draft
+    from sparkserve.sampling_params import SamplingParams
+    from sparkserve.speculative.dspark_worker import DSparkWorker
+    from sparkserve.speculative.planner import VerifyPlanner
+    target = target_model(target_dir)
+    g = torch.Generator().manual_seed(5)
+    vocab = (torch.randperm(target.config.vocab_size, generator=g)[:draft_vocab]
+             if draft_vocab else None)
+    with torch.inference_mode(False):
+        draft = init_dspark_draft(dspark_config_dict(target.config, block_size=GAMMA, markov_rank=RANK,
+                                                     draft_vocab_size=draft_vocab), target, vocab=vocab)
+    draft.markov_head.markov_w2.weight.data.mul_(100)      # Markov biases as large as the logits
+    worker = DSparkWorker(draft, draft.new_kv_pool(8), VerifyPlanner("full"), torch.zeros(1, 1))
+    params = SamplingParams(temperature=0.0, max_new_tokens=100)
+    reqs = [Req(f"r{i}", [1], params, RequestSamplingState(params)) for i in range(3)]
+    V, d = draft.config.out_vocab, draft.config.hidden_size
+    base, hidden = torch.randn(3, GAMMA, V, generator=g) * 3, torch.randn(3, GAMMA, d, generator=g)
+    anchors = torch.randint(0, target.config.vocab_size, (3,), generator=g)
+    tokens, embs, q = worker._markov_loop(reqs, anchors, hidden, base)
+    from sparkserve.models.dspark_native import NativeDraftStep
+    calls = []
+    native_loop = NativeDraftStep.markov_greedy
+    monkeypatch.setattr(NativeDraftStep, "markov_greedy",
+                        lambda self, *a: calls.append(1) or native_loop(self, *a))
+    draft.enable_native_step(True)
+    native_tokens, native_embs, native_q = worker._markov_loop(reqs, anchors, hidden, base)
+    assert calls == [1] and native_tokens.shape == (3, GAMMA) and native_q == q == [None] * 3
+    assert torch.equal(native_tokens, tokens) and torch.equal(native_embs, embs)
+    assert len(set(tokens.flatten().tolist())) > GAMMA          # the slots did not all pick one id
+
+
 # ---- serving the hand-written checkpoints ---------------------------------------------------
 @pytest.mark.parametrize("case", ["gated_no_shared_conf_plain", "speculators_gated"])
 def test_handwritten_checkpoint_serves_greedy_identically(target_dir, target_cfg, tmp_path, case):

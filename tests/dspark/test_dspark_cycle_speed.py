@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from dspark_fixtures import (
     assert_no_kv_leak,
@@ -86,8 +87,8 @@ def test_accept_batch_equals_full_logits_and_skips_rejected_rows():
 
 def test_first_rows_follows_confidence():
     assert first_rows(None, 4) == 5
-    assert first_rows(torch.tensor([0.9, 0.8, 0.5, 0.9]), 4) == 3       # survival .9 .72 .36 ..
-    assert first_rows(torch.tensor([0.4, 1.0]), 2) == 1
+    assert first_rows(torch.tensor([0.9, 0.3, 0.3, 0.9]), 4) == 3       # survival .9 .27 .081 ..
+    assert first_rows(torch.tensor([0.05, 1.0]), 2) == 1
     assert first_rows(torch.tensor([0.9, 0.9, 0.9]), 0) == 1
 
 
@@ -144,13 +145,30 @@ def test_engine_verify_uses_kernel_and_lazy_head(tmp_path, monkeypatch):
 
 
 def test_adaptive_plan_counts_the_draft_and_backs_off():
-    """With what a measured cycle cost beyond its forward (the draft pass, acceptance) in the
-    cost, a weak draft's best plan is slower than plain decoding: the planner verifies nothing (so
-    the scheduler backs off drafting); without it, or with a strong draft, it verifies."""
+    """With what drafting measurably adds to a step (the draft pass; a verify cycle's cost beyond
+    a plain step's) in the cost, a weak draft's best plan is slower than plain decoding: the
+    planner verifies nothing (so the scheduler backs off drafting); without it, or with a strong
+    draft, it verifies. What plain steps cost beyond their forward is charged to both sides."""
     from sparkserve.speculative.planner import StepCostTable, VerifyPlanner
     planner = VerifyPlanner("adaptive", costs=StepCostTable([1, 2, 8], [0.018, 0.021, 0.041]))
     weak, strong = [torch.full((7,), 0.28)], [torch.full((7,), 0.9)]
     assert planner.plan(weak, [7]) == [1]          # (1 + .28) / 21 ms > 1 / 18 ms
-    planner.observe_cycle(0.028, 2)               # 7 ms beyond the 21 ms forward of 2 tokens
-    assert planner.plan(weak, [7]) == [0]          # (1 + .28) / (7 + 21) ms < 1 / 18 ms
+    for _ in range(3):                             # plain steps take 6 ms beyond their forward
+        planner.observe_plain(0.024, 1)
+    assert planner.plan(weak, [7]) == [1]          # (1 + .28) / (6 + 21) ms > 1 / (6 + 18) ms
+    planner.observe_cycle(0.5, 1, 1, 2)            # the first cycle also set the kernels up: not kept
+    assert planner.plan(weak, [7]) == [1]
+    planner.observe_cycle(0.034, 1, 1, 2)          # 7 ms beyond a plain step and its 21 ms forward
+    assert planner.plan(weak, [7]) == [0]          # (1 + .28) / (6 + 7 + 21) ms < 1 / 24 ms
+    assert planner.plan(strong, [7]) == [7]
+    for _ in range(3):                             # 1 ms: the median of recent cycles counts
+        planner.observe_cycle(0.028, 1, 1, 2)
+    assert planner.plan(weak, [7]) == [1]
+    planner.observe_cycle(0.5, 1, 1, 2)            # so a slow one (the core was taken) stops nothing
+    assert planner.plan(weak, [7]) == [1]
+    for _ in range(3):                             # draft passes of 5 ms
+        planner.observe_draft(0.005, 1)
+    assert planner.draft_seconds(1) == pytest.approx(0.006)
+    assert planner.draft_seconds(4) == pytest.approx(0.024)      # a pass per request
+    assert planner.plan(weak, [7]) == [0]          # (1 + .28) / (6 + 6 + 21) ms < 1 / 24 ms
     assert planner.plan(strong, [7]) == [7]

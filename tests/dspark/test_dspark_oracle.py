@@ -106,9 +106,9 @@ def test_oracle_draft_accepts_everything_it_verifies(orc, mode, tmp_path):
     assert out == generate_ids(orc.plain, PROMPTS, params)
     assert out == [orc.chain(p, m) for p, m in zip(PROMPTS, MAX_NEW)]       # vs transformers' f
     hist = eng.scheduler.accept_hist
-    assert sum(hist.values()) == len(eng.plan_log)
-    # Every verify accepts all the drafts it verified: the accepted counts are exactly the lens.
-    lens = sorted(n for _, n in eng.plan_log)
+    # Every verify accepts all the drafts it verified: the accepted counts are exactly the lens
+    # (a proposal with nothing to verify decodes plainly).
+    lens = sorted(n for _, n in eng.plan_log if n > 0)
     assert sorted(k for k, c in hist.items() for _ in range(c)) == lens
     if mode == "full":
         uncapped = [n for c, n in eng.plan_log if c == GAMMA]

@@ -11,20 +11,22 @@ MS = 1e-3
 
 
 class WarmingRunner:
-    """A forward of n tokens takes 10 ms + 0.5 ms per token, and 20 ms more within 60 ms of the
-    runner's start or of the end of a large forward (>= 32 tokens: torch's OpenMP workers go on
-    spinning beside the small forward's threads): the behaviour a CPU showed, scaled up so that
-    a busy test machine's scheduling noise stays small beside it."""
+    """A forward of n tokens takes 10 ms + 0.5 ms per token + 2 ms per request after the first,
+    and 20 ms more within 60 ms of the runner's start or of the end of a large forward (>= 32
+    tokens: torch's OpenMP workers go on spinning beside the small forward's threads): the
+    behaviour a CPU showed, scaled up so that a busy test machine's scheduling noise stays small
+    beside it."""
 
     def __init__(self):
         self.busy_until = time.perf_counter() + 60 * MS
 
     def build_batch(self, mode, reqs):
-        return len(reqs[0].tokens)
+        return sum(len(r.tokens) for r in reqs), len(reqs)
 
-    def forward(self, n):
+    def forward(self, batch):
+        n, requests = batch
         slow = time.perf_counter() < self.busy_until
-        end = time.perf_counter() + (10 + 0.5 * n + (20 if slow else 0)) * MS
+        end = time.perf_counter() + (10 + 0.5 * n + 2 * (requests - 1) + (20 if slow else 0)) * MS
         while time.perf_counter() < end:
             pass
         if n >= 32:
@@ -32,10 +34,17 @@ class WarmingRunner:
 
 
 def test_step_costs_rank_sizes_as_decode_steps_see_them():
-    cache = KVCacheManager(1024, 1, 2, 1024, disable_radix_cache=True)
-    free = cache.allocator.free_slots
-    table = measure_step_costs(WarmingRunner(), cache, max_tokens=128, reps=3)
+    cache = KVCacheManager(1024, 1, 4, 1024, disable_radix_cache=True)
+    free, rows = cache.allocator.free_slots, cache.req_to_token.available
+    table = measure_step_costs(WarmingRunner(), cache, max_tokens=128, reps=3, max_requests=4)
     assert table.tokens == [1, 2, 4, 8, 16, 32, 64, 128]
     assert table.seconds == sorted(table.seconds)                    # more tokens never cost less
     assert table.cost(1) < 20 * MS             # 10.5 ms, not the 30.5 ms at start or after a large one
-    assert cache.allocator.free_slots == free                        # the slots went back
+    # Decode steps of 1, 2, 4 requests: 10.5, 13, 18 ms, where one request's 4 tokens take 12 ms.
+    assert table.requests == [1, 2, 4] and table.request_seconds == sorted(table.request_seconds)
+    assert abs(table.request_seconds[2] - 18 * MS) < 4 * MS
+    assert table.request_seconds[2] > table.cost(4) + 3 * MS
+    # 4 requests verifying 3 drafts in all: their decode step plus 3 rows
+    assert abs(table.batch_cost(4, 7) - (table.request_seconds[2] + table.cost(4) - table.cost(1))) < 1e-12
+    assert table.batch_cost(1, 5) == table.cost(5)
+    assert cache.allocator.free_slots == free and cache.req_to_token.available == rows   # all went back

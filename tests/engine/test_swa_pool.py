@@ -371,7 +371,8 @@ def test_dspark_draft_masks_positions_the_window_gave_up(tmp_path):
     draft_dir = make_random_draft(target, str(tmp_path / "d"), block_size=4)
     eng = engine(target, max_total_tokens=64, page_size=2, chunked_prefill_size=4,
                  speculative_algorithm="DSPARK", speculative_draft_model_path=draft_dir,
-                 speculative_dspark_verify_mode="full")
+                 speculative_dspark_verify_mode="full",
+                 activation_quant="none")    # the native pass vs the Python one, to fp32 rounding
     draft = eng.scheduler.spec.draft
     block_hidden = draft.block_hidden
     seen = {"calls": 0, "freed": 0}

@@ -275,7 +275,8 @@ def test_dspark_greedy_matches_plain(served, monkeypatch, draft, mode, rollback)
     sched = eng.scheduler
     assert sched.forward_count[ForwardMode.VERIFY] > 0
     hist = sched.accept_hist
-    assert hist.get(0, 0) > 0, hist                                      # rejections happened
+    if mode == "full":       # (threshold: a block cut to no drafts decodes plainly, not counted)
+        assert hist.get(0, 0) > 0, hist                                  # rejections happened
     if draft == "fitted":                                                # and partial accepts
         assert any(0 < k < GAMMA for k in hist) and max(hist) >= 2, hist
     assert_no_kv_leak(eng)

@@ -1,0 +1,100 @@
+// The DSpark Markov head's serial loop over a block, for greedy requests, in one call.
+//
+// Slot k's logits are base[b, k] + W2 W1[prev], prev being the anchor for slot 0 and slot k-1's
+// argmax after it. Each slot waits for the previous one's token, so from Python the loop is G
+// rounds of five small torch calls, which cost more than the arithmetic (a rank-r product over
+// a few thousand logits). Requests are independent and split over the threads.
+#include <torch/extension.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace {
+
+constexpr int64_t kTile = 64;     // logits per tile: 8 ymm accumulators, enough to keep two FMA ports busy
+
+// logits = base + W2 emb over tiles of kTile vocab rows; W2 packed as [tiles][r][kTile] (zero
+// rows past V), so a tile streams one contiguous panel. Returns the first maximum, as torch.argmax.
+int64_t slot_argmax(const float* base, const float* emb, const float* packed, int64_t r, int64_t V,
+                    float* logits) {
+  const int64_t tiles = (V + kTile - 1) / kTile;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const float* w = packed + t * r * kTile;
+    __m256 acc[kTile / 8];
+    for (int i = 0; i < kTile / 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < r; ++j, w += kTile) {
+      const __m256 e = _mm256_set1_ps(emb[j]);
+      for (int i = 0; i < kTile / 8; ++i) acc[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(w + 8 * i), acc[i]);
+    }
+    float* out = logits + t * kTile;
+    for (int i = 0; i < kTile / 8; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+  }
+  int64_t best = 0;
+  float top = base[0] + logits[0];
+  for (int64_t v = 1; v < V; ++v) {
+    const float x = base[v] + logits[v];
+    if (x > top) top = x, best = v;
+  }
+  return best;
+}
+
+}  // namespace
+
+// W2 [V, r] fp32 as markov_greedy reads it.
+at::Tensor markov_pack(at::Tensor w2) {
+  TORCH_CHECK(w2.dim() == 2 && w2.scalar_type() == at::kFloat, "w2 must be float32 [V, r]");
+  const int64_t V = w2.size(0), r = w2.size(1), tiles = (V + kTile - 1) / kTile;
+  at::Tensor padded = at::zeros({tiles * kTile, r}, at::kFloat);
+  padded.slice(0, 0, V).copy_(w2);
+  return padded.view({tiles, kTile, r}).transpose(1, 2).contiguous();
+}
+
+// base [B, G, V] fp32; w1 [target vocab, r] fp32 (the previous token's code); w2p: W2 by
+// markov_pack; d2t [V] int64: draft id i is target id i + d2t[i] (None: same vocab);
+// anchors [B] int64 target ids. Returns (tokens [B, G] target ids, embs [B, G, r]: the code of
+// each slot's previous token, which the confidence head reads).
+std::tuple<at::Tensor, at::Tensor> markov_greedy(at::Tensor base, at::Tensor w1, at::Tensor w2p,
+                                                 std::optional<at::Tensor> d2t, at::Tensor anchors) {
+  TORCH_CHECK(base.dim() == 3 && base.scalar_type() == at::kFloat, "base must be float32 [B, G, V]");
+  TORCH_CHECK(w1.dim() == 2 && w1.scalar_type() == at::kFloat, "w1 must be float32 [vocab, r]");
+  const int64_t B = base.size(0), G = base.size(1), V = base.size(2), r = w1.size(1), vocab = w1.size(0);
+  TORCH_CHECK(w2p.scalar_type() == at::kFloat && w2p.is_contiguous() &&
+                  w2p.numel() == (V + kTile - 1) / kTile * kTile * r, "w2p must be markov_pack(W2 [V, r])");
+  TORCH_CHECK(anchors.dim() == 1 && anchors.size(0) == B && anchors.scalar_type() == at::kLong,
+              "anchors must be int64 [B]");
+  if (d2t) TORCH_CHECK(d2t->dim() == 1 && d2t->size(0) == V && d2t->scalar_type() == at::kLong,
+                       "d2t must be int64 [V]");
+  base = base.contiguous();
+  w1 = w1.contiguous();
+  anchors = anchors.contiguous();
+  at::Tensor map = d2t ? d2t->contiguous() : at::Tensor();
+  at::Tensor tokens = at::empty({B, G}, at::kLong);
+  at::Tensor embs = at::empty({B, G, r}, at::kFloat);
+  const float *pb = base.data_ptr<float>(), *pw1 = w1.data_ptr<float>(), *pw2 = w2p.data_ptr<float>();
+  const int64_t* pa = anchors.data_ptr<int64_t>();
+  const int64_t* pm = d2t ? map.data_ptr<int64_t>() : nullptr;
+  int64_t* pt = tokens.data_ptr<int64_t>();
+  float* pe = embs.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(pa[b] >= 0 && pa[b] < vocab, "anchor ", pa[b], " is outside the vocab of ", vocab);
+  sparkserve::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> logits((V + kTile - 1) / kTile * kTile);
+    for (int64_t b = b0; b < b1; ++b) {
+      int64_t prev = pa[b];
+      for (int64_t k = 0; k < G; ++k) {
+        float* emb = pe + (b * G + k) * r;
+        std::copy(pw1 + prev * r, pw1 + (prev + 1) * r, emb);
+        const int64_t best = slot_argmax(pb + (b * G + k) * V, emb, pw2, r, V, logits.data());
+        prev = pm ? best + pm[best] : best;
+        pt[b * G + k] = prev;
+      }
+    }
+  });
+  return {tokens, embs};
+}
