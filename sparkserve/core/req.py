@@ -48,6 +48,7 @@ class Req:
     spec_resume_at: int = 0          # draft again once len(output_ids) reaches this (back-off)
     # draft context not yet injected while the request did not draft: (taps rows, positions, slots)
     draft_backlog: list = field(default_factory=list)
+    draft_backlog_rows: int = 0
     # return_hidden_states: (positions, final normed hidden, concatenated aux taps) of every
     # forward that computed rows of this request; a recomputed position (retraction) comes again.
     hidden_parts: list[HiddenPart] | None = None

@@ -353,8 +353,8 @@ class Scheduler(PromptHandover):
         later = self.cache.window is None and not self.cache.split
         now: list[int] = []
         for req, rows in groups:
-            if later and req not in drafted:
-                i = torch.as_tensor(list(rows))
+            if later and req not in drafted:      # (rows are consecutive: views, not copies)
+                i = slice(rows[0], rows[-1] + 1)
                 self.spec.defer(req, [a[i] for a in fb.aux_hidden], fb.positions[i], fb.out_cache_loc[i])
             else:
                 now.extend(rows)

@@ -54,7 +54,8 @@ class DSparkWorker:
         """Keep a request's rows back while it does not draft: one projection of all of them when
         it drafts again or leaves (flush) costs a fraction of one per decode step."""
         req.draft_backlog.append((taps, positions, slots))
-        if sum(len(p) for _, p, _ in req.draft_backlog) >= MAX_BACKLOG_ROWS:
+        req.draft_backlog_rows += len(positions)
+        if req.draft_backlog_rows >= MAX_BACKLOG_ROWS:
             self.flush([req])
 
     def flush(self, reqs: list[Req]) -> None:
@@ -64,7 +65,7 @@ class DSparkWorker:
             taps = [torch.cat([p[0][i] for p in parts]) for i in range(len(parts[0][0]))]
             self.inject(taps, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
         for r in reqs:
-            r.draft_backlog = []
+            r.draft_backlog, r.draft_backlog_rows = [], 0
 
     def observe_draft(self, seconds: float, requests: int) -> None:
         """A draft pass (propose) for `requests` requests took `seconds`."""
