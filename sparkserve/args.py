@@ -142,7 +142,9 @@ class ServerArgs:
     speculative_dspark_confidence_threshold: float | None = field(default=None, metadata=_opt(
         "verify the leading drafts whose confidence is >= this"))
     speculative_dspark_sps_table_path: str | None = field(default=None, metadata=_opt(
-        "step-cost table (JSON) for adaptive verify (default: measured at start-up)"))
+        "step-cost table (JSON) for adaptive verify: {tokens, seconds} of one request's forwards, "
+        "optionally {requests, request_seconds} of decode steps and draft_seconds (default: measured at "
+        "start-up)"))
     # parallelism: one process per rank, on torch.distributed
     tp_size: int = field(default=1, metadata=_opt("tensor parallel size (Llama-family models so far)"))
     pp_size: int = field(default=1, metadata=_opt("pipeline parallel size (stages of contiguous layers)"))

@@ -309,6 +309,14 @@ def two_requests(draft, pool, t, target, target_cfg, kw):
     return table, rows, ctx_lens, anchors, perm, refs
 
 
+def native_calls(monkeypatch, method: str) -> list[int]:
+    """Records each call of NativeDraftStep.<method> (the native path really ran)."""
+    from sparkserve.models.dspark_native import NativeDraftStep
+    calls, real = [], getattr(NativeDraftStep, method)
+    monkeypatch.setattr(NativeDraftStep, method, lambda self, *a: calls.append(1) or real(self, *a))
+    return calls
+
+
 @pytest.mark.parametrize("case", ["vanilla_shared", "speculators_gated"])
 @torch.inference_mode()
 def test_native_block_pass_matches_reference(target_dir, target_cfg, tmp_path, case, monkeypatch):
@@ -316,16 +324,12 @@ def test_native_block_pass_matches_reference(target_dir, target_cfg, tmp_path, c
     own K/V in spare pool rows, equals the reference and the Python path, and leaves the context
     rows alone; a gap in the context (slot 0, masked by the Python path) falls back to Python."""
     from sparkserve.models.dspark_draft import load_dspark_draft
-    from sparkserve.models.dspark_native import NativeDraftStep
     kw = CASES[case]
     t = write_checkpoint(str(tmp_path), target_cfg, dtype=torch.float16, **kw)
     target = target_model(target_dir)
     draft = load_dspark_draft(str(tmp_path), target)
     draft.enable_native_step(True)
-    calls = []
-    native_pass = NativeDraftStep.block_hidden
-    monkeypatch.setattr(NativeDraftStep, "block_hidden",
-                        lambda self, *a: calls.append(1) or native_pass(self, *a))
+    calls = native_calls(monkeypatch, "block_hidden")
     pool = draft.new_kv_pool(64, block_rows=2 * GAMMA)
     spare = torch.arange(65, 65 + 2 * GAMMA)
     table, rows, ctx_lens, anchors, perm, refs = two_requests(draft, pool, t, target, target_cfg, kw)
@@ -358,7 +362,6 @@ def test_int8_draft_runs_q8_0_blocks(target_dir, target_cfg, tmp_path, monkeypat
     near the exact reference."""
     from sparkserve.kernels import Q8_0
     from sparkserve.models.dspark_draft import load_dspark_draft
-    from sparkserve.models.dspark_native import NativeDraftStep
     kw = CASES["vanilla_no_conf_prefixed"]                  # lm_head: the target's
     t = write_checkpoint(str(tmp_path), target_cfg, dtype=torch.float16, **kw)
     target = target_model(target_dir)
@@ -369,10 +372,7 @@ def test_int8_draft_runs_q8_0_blocks(target_dir, target_cfg, tmp_path, monkeypat
         assert torch.equal(lin.weight, lin.inference_blocks().dequantize())
     assert draft.lm_head is target.lm_head and target.lm_head.activation_quant == "none"
     draft.enable_native_step(True)
-    calls = []
-    native_pass = NativeDraftStep.block_hidden
-    monkeypatch.setattr(NativeDraftStep, "block_hidden",
-                        lambda self, *a: calls.append(1) or native_pass(self, *a))
+    calls = native_calls(monkeypatch, "block_hidden")
     pool = draft.new_kv_pool(64, block_rows=2 * GAMMA)
     table, rows, ctx_lens, anchors, perm, refs = two_requests(draft, pool, t, target, target_cfg, kw)
     args = (torch.tensor(anchors), torch.tensor(ctx_lens), table[rows, :max(ctx_lens)], ctx_lens, pool)
@@ -412,11 +412,7 @@ def test_native_markov_loop_equals_python_loop(target_dir, draft_vocab, monkeypa
     base, hidden = torch.randn(3, GAMMA, V, generator=g) * 3, torch.randn(3, GAMMA, d, generator=g)
     anchors = torch.randint(0, target.config.vocab_size, (3,), generator=g)
     tokens, embs, q = worker._markov_loop(reqs, anchors, hidden, base)
-    from sparkserve.models.dspark_native import NativeDraftStep
-    calls = []
-    native_loop = NativeDraftStep.markov_greedy
-    monkeypatch.setattr(NativeDraftStep, "markov_greedy",
-                        lambda self, *a: calls.append(1) or native_loop(self, *a))
+    calls = native_calls(monkeypatch, "markov_greedy")
     draft.enable_native_step(True)
     native_tokens, native_embs, native_q = worker._markov_loop(reqs, anchors, hidden, base)
     assert calls == [1] and native_tokens.shape == (3, GAMMA) and native_q == q == [None] * 3
