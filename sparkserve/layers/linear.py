@@ -37,6 +37,7 @@ QUANT_MAX_M = 96
 QUANT_MAX_M_WIDE_K = 64        # in_features > 1024
 
 ACTIVATION_QUANTS = ("int8", "none")
+ALL_ROWS = 1 << 62             # an M limit that takes every row count
 
 
 def _version(t: torch.Tensor) -> int:
@@ -56,6 +57,7 @@ class Linear(Sharded):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None
         self._packed_version = 0
+        self._pack_wanted = False
         self._blocks: BlockWeight | None = None
         self._block_fn = None
         self._blocks_version = 0
@@ -88,7 +90,9 @@ class Linear(Sharded):
         # An int8 variant that beats oneDNN's fp32 GEMM at prefill sizes too takes every row count
         # (docs/kernel-notes.md); the others stop where the block kernel does.
         any_m = kernels.int8_beats_gemm()
-        self._int8_max_m = (1 << 62 if any_m else self._max_m) if mode == "int8" and int8_ok else 0
+        self._int8_max_m = (ALL_ROWS if any_m else self._max_m) if mode == "int8" and int8_ok else 0
+        if self._pack_wanted:
+            self.pack()
 
     def inference_blocks(self) -> BlockWeight | None:
         """The block form of `weight` while it still holds the same values (for kernels that
@@ -98,7 +102,13 @@ class Linear(Sharded):
         return None
 
     def pack(self) -> None:
-        """Keep a oneDNN-packed copy of the weight for inference (CPU fp32 only)."""
+        """Keep a oneDNN-packed copy of the weight for inference (CPU fp32 only): the row counts the
+        block kernels leave run on it. None while int8 activations take every row count: it would
+        go unread and hold as much memory as the weight (set_activation_quant packs on a switch)."""
+        self._pack_wanted = True
+        if self._int8_max_m >= ALL_ROWS:
+            self._packed = None
+            return
         w = self.weight
         if self._packed is None and _mkldnn_ok() and w.device.type == "cpu" and w.dtype == torch.float32:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())

@@ -218,6 +218,23 @@ def test_linear_activation_modes(qtype):
         lin.set_activation_quant("int4")
 
 
+@torch.no_grad()
+def test_no_packed_copy_while_int8_takes_every_row_count():
+    """Where the int8 kernel takes every row count, a packed oneDNN copy of the weight would go
+    unread: the layer keeps none under int8 (as much memory as the weight saved), packs when switched
+    to fp32 activations, and a prefill-sized input gives oneDNN's fp32 result again."""
+    lin = _layer(Q8_0)
+    x = torch.randn(linear_mod.QUANT_MAX_M + 40, 64, generator=torch.Generator().manual_seed(5))
+    exact = lin(x)                                   # "none": oneDNN on the packed copy
+    assert lin._packed is not None
+    lin.set_activation_quant("int8")
+    assert (lin._packed is None) == kernels.int8_beats_gemm()
+    int8 = kernels.quant_linear_int8(x, lin._blocks, lin.bias)
+    assert torch.equal(lin(x), int8) == kernels.int8_beats_gemm()
+    lin.set_activation_quant("none")
+    assert lin._packed is not None and torch.equal(lin(x), exact)
+
+
 def test_mode_survives_set_blocks_and_skips_half_blocks():
     lin = _layer(Q4_1)
     lin.set_activation_quant("int8")
