@@ -275,9 +275,9 @@ def test_shipped_draft_is_the_default_on_the_embedded_model():
 
 
 def test_drafting_backs_off_when_nothing_is_verified(setups):
-    """A threshold no confidence reaches: every verify budget is 0, so after two such proposals a
-    request decodes plainly for 2, 4, .. tokens before drafting again — far fewer draft passes
-    than decode steps, output still identical."""
+    """A threshold no confidence reaches: every verify budget is 0, so every step is a plain
+    DECODE, and after two such proposals a request decodes plainly for 2, 4, .. tokens before
+    drafting again — far fewer draft passes than decode steps, output still identical."""
     s = setups["llama"]
     eng = spec_engine(s, "random", "threshold", speculative_dspark_confidence_threshold=1.0)
     check_run(s, eng)
@@ -289,6 +289,7 @@ def test_drafting_backs_off_when_nothing_is_verified(setups):
     longest = max(len(s.ref[i]) for i in speculating)
     assert len(lens) < 0.5 * sum(len(s.ref[i]) for i in speculating), (len(lens), steps)
     assert eng.scheduler.forward_count[ForwardMode.DECODE] > 0 and steps >= longest - 1
+    assert eng.scheduler.forward_count[ForwardMode.VERIFY] == 0    # nothing to verify: plain steps
     # A request that comes after them starts from the back-off they reached: it drafts fewer
     # times than the same request on a fresh engine, where it starts drafting at once.
     prompt, params = s.prompts[1], dict(s.params[1], max_new_tokens=20)
