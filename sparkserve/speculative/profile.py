@@ -16,8 +16,10 @@ def _doublings(top: int) -> list[int]:
     return sizes
 
 
-def _timed(runner: ModelRunner, batches: dict[int, list[ScheduledReq]], reps: int) -> list[float]:
-    """Median seconds of each batch's forward, in the dict's key order, made non-decreasing.
+def _timed(runner: ModelRunner, batches: dict[int, list[ScheduledReq]], reps: int,
+           floor: float = 0.0) -> list[float]:
+    """Median seconds of each batch's forward, in the dict's key order, made non-decreasing from
+    `floor`.
     Small forwards run slower right after other work (start-up, a large forward on torch's OpenMP
     threads, whose workers go on spinning), and a cost(1) above cost(2) made drafting look cheaper
     than plain decoding: so the batches run from the largest down, each once untimed first, as a
@@ -33,7 +35,7 @@ def _timed(runner: ModelRunner, batches: dict[int, list[ScheduledReq]], reps: in
         median[key] = sorted(times[1:])[reps // 2]       # the first one warms up
     out: list[float] = []
     for key in batches:
-        out.append(max(median[key], out[-1] if out else 0.0))
+        out.append(max(median[key], out[-1] if out else floor))
     return out
 
 
@@ -62,9 +64,7 @@ def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: i
         seconds = _timed(runner, one, reps)
         many = {r: [ScheduledReq(rows[i], context, [0], held[i][context:context + 1], logit_rows=1)
                     for i in range(r)] for r in counts if r > 1}
-        request_seconds = []
-        for t in ([seconds[0], *_timed(runner, many, reps)] if many else []):
-            request_seconds.append(max(t, request_seconds[-1] if request_seconds else 0.0))
+        request_seconds = [seconds[0], *_timed(runner, many, reps, seconds[0])] if many else []
     finally:
         for slots in held:
             cache.allocator.free(slots)
