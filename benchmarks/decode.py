@@ -4,7 +4,7 @@ peers/llamacpp.py, same Q4_1 GGUF) and HF transformers (fp32, same GGUF weights)
 threads, same machine: the project's machines differ, so only same-run ratios mean something.
 
     python benchmarks/decode.py [--threads 2] [--reps 3] [--new-tokens 128] [--prompt-tokens 512]
-                                [--skip-transformers] [--skip-llamacpp]
+                                [--skip-transformers] [--skip-llamacpp] [--isa native|avx2]
 
 - batch-1 decode tok/s = (N - 1) / (t(N tokens) - t(1 token)): prefill cancels out; next to
   llama-bench tg128 (`-p 0 -n 128`).
@@ -16,7 +16,8 @@ Medians of --reps rounds; within a round the engines alternate (order flipped ev
 machine noise hits them alike; llama-bench runs one rep per round (`-r 1`, plus its warm-up).
 Writes benchmarks/results/decode.{md,json} with the CPU model, SIMD flags, threads and which
 sparkserve kernels ran (results_io.sparkserve_kernels) in the header. The first run builds
-llama.cpp (~5 min on 2 cores)."""
+llama.cpp (~5 min on 2 cores). --isa avx2 holds every engine to AVX2 (results_io.ISA_ENV, a llama.cpp
+built without AVX-512/VNNI) and writes decode_avx2.{md,json}: an AVX2-only machine's ratios."""
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,16 @@ import sys
 import time
 
 import torch
-from results_io import machine_info, machine_line, sparkserve_kernels, write_results
+from results_io import (
+    ISA_ENV,
+    cap_isa,
+    isa_build,
+    machine_info,
+    machine_line,
+    results_name,
+    sparkserve_kernels,
+    write_results,
+)
 
 PROMPT = "Write a short story about a robot who learns to paint."
 LLAMA = "llama.cpp"
@@ -89,12 +99,12 @@ class LlamaBench:
     """llama.cpp's own benchmark tool on the same GGUF: tg (`-p 0 -n N`) and pp (`-p P -n 0`)."""
     name = LLAMA
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, isa: str):
         from peers.llamacpp import build, build_info
 
         from sparkserve.embedded import default_model_path
-        self.bin = str(build()["llama-bench"])
-        self.info = build_info()
+        self.bin = str(build(isa=isa)["llama-bench"])
+        self.info = build_info(isa)
         self.model = default_model_path()
         self.threads = threads
 
@@ -118,10 +128,13 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true", help="no transformers column")
     ap.add_argument("--skip-llamacpp", action="store_true", help="no llama.cpp column (no build)")
+    ap.add_argument("--isa", default="native", choices=sorted(ISA_ENV),
+                    help="what every engine may use of the CPU (avx2: as on an AVX2-only machine)")
     a = ap.parse_args()
+    cap_isa(a.isa)
     torch.set_num_threads(a.threads)
     n_new, n_pp, batch = a.new_tokens, a.prompt_tokens, a.batch
-    llama = None if a.skip_llamacpp else LlamaBench(a.threads)    # build first: it needs the cores
+    llama = None if a.skip_llamacpp else LlamaBench(a.threads, a.isa)    # build first: it needs the cores
     ours = Sparkserve()
     engines = [ours] + ([] if a.skip_transformers else [Transformers()])
     p1, pb = ours.prompts(1), ours.prompts(batch)
@@ -166,7 +179,7 @@ def main() -> int:
     med = lambda d: {k: statistics.median(v) for k, v in d.items() if v}   # noqa: E731
     m1, mpp, mttft, mb = med(b1), med(pp), med(ttft), med(bb)
     ratio = lambda m, peer: m["sparkserve"] / m[peer] if peer in m else None   # noqa: E731
-    machine = machine_info()
+    machine = machine_info(a.isa)
     kernels = sparkserve_kernels()
     res = {"threads": a.threads, "new_tokens": n_new, "prompt_tokens": n_pp, "batch": batch, "reps": a.reps,
            "machine": machine, "sparkserve_kernels": kernels,
@@ -181,7 +194,8 @@ def main() -> int:
     lines = [f"# Decode and prefill speed, SmolLM2-135M-Instruct, {a.threads} threads ({res['date']})", "",
              f"{machine_line(machine)}; sparkserve kernels: {kernels}; torch {torch.__version__}",
              *([f"llama.cpp {lb.get('llama_cpp_commit')} (llama-cpp-python {lb.get('llama_cpp_python')} "
-                f"sdist), built from source with GGML_NATIVE, {lb.get('compiler', '?')}"] if llama else []),
+                f"sdist), built from source with {isa_build(a.isa)}, {lb.get('compiler', '?')}"]
+               if llama else []),
              "", f"| engine | batch-1 decode tok/s | prefill-{n_pp} tok/s (TTFT ms) | "
              f"batch-{batch} output tok/s |", "|---|---|---|---|"]
     for n in names:
@@ -202,7 +216,7 @@ def main() -> int:
               "prompt with max_new_tokens=1 (TTFT, includes one sampled token); llama.cpp is llama-bench "
               f"pp{n_pp}. Batch-1 decode = (N-1)/(t(N)-t(1)); llama.cpp is llama-bench tg{n_new}. "
               "On a shared machine, trust the ratios more than the absolute numbers."]
-    write_results("decode", res, lines)
+    write_results(results_name("decode", a.isa), res, lines)
     return 0
 
 

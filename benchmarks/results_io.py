@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 # SPARKSERVE_BENCH_RESULTS=DIR sends a trial run elsewhere, leaving the checked-in results alone
 RESULTS = (os.environ.get("SPARKSERVE_BENCH_RESULTS")
@@ -23,9 +24,35 @@ FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"
                      "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 
 
-def machine_info() -> dict:
-    """CPU model, cores and SIMD flags (from /proc/cpuinfo), for result headers: the project's
-    machines differ (AVX2 only, AVX-512 + VNNI, AMX), so a number means nothing without them."""
+# --isa avx2 runs what an AVX2-only machine (a laptop before AVX-VNNI) would, on a bigger CPU:
+# sparkserve's int8 kernels, torch's own (ATen) and oneDNN are held to AVX2, as is llama.cpp's
+# build (peers/llamacpp.py ISA_ARGS).
+ISA_ENV = {"native": {},
+           "avx2": {"SPARKSERVE_KERNEL_VARIANTS_OFF": "avx512vnni,avxvnni", "ATEN_CPU_CAPABILITY": "avx2",
+                    "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+
+
+def cap_isa(isa: str) -> None:
+    """Hold this process to `isa`: torch reads its caps when it loads, so a process without them
+    in its environment runs itself again with them (and exits with that run's status)."""
+    want = ISA_ENV[isa]
+    if any(os.environ.get(k) != v for k, v in want.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **want})
+
+
+def isa_build(isa: str) -> str:
+    """How llama.cpp was built for `isa`, for result headers."""
+    return "GGML_NATIVE" if isa == "native" else f"{isa.upper()} only (GGML_NATIVE off, AVX-512/VNNI/AMX off)"
+
+
+def results_name(name: str, isa: str) -> str:
+    """decode, decode_avx2, ...: a capped run keeps the machine's own results."""
+    return name if isa == "native" else f"{name}_{isa}"
+
+
+def machine_info(isa: str = "native") -> dict:
+    """CPU model, cores, SIMD flags (from /proc/cpuinfo) and the ISA cap, for result headers: the
+    project's machines differ (AVX2 only, AVX-512 + VNNI, AMX), so a number means nothing without them."""
     model, flags = "unknown CPU", set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -38,13 +65,17 @@ def machine_info() -> dict:
                     flags = set(val.split())
     except OSError:
         pass
-    return {"cpu": model, "cpus": os.cpu_count(), "flags": [f for f in FLAGS_OF_INTEREST if f in flags]}
+    return {"cpu": model, "cpus": os.cpu_count(), "flags": [f for f in FLAGS_OF_INTEREST if f in flags],
+            "isa": isa}
 
 
 def machine_line(info: dict | None = None) -> str:
     """One Markdown line: 'CPU: AMD EPYC, 2 CPUs; flags: avx2 fma f16c'."""
     info = info or machine_info()
-    return f"CPU: {info['cpu']}, {info['cpus']} CPUs; flags: {' '.join(info['flags']) or 'none of interest'}"
+    cap = "" if info.get("isa", "native") == "native" else \
+        f"; **held to {info['isa'].upper()}** (sparkserve, torch, oneDNN and llama.cpp's build)"
+    return (f"CPU: {info['cpu']}, {info['cpus']} CPUs; flags: {' '.join(info['flags']) or 'none of interest'}"
+            f"{cap}")
 
 
 def sparkserve_kernels() -> str:

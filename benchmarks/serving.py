@@ -4,7 +4,7 @@ peers/llamacpp.py: `-np 32 -c 16384 -kvu`, continuous batching, same GGUF, same 
 prompts, one run, same machine: only same-run ratios mean something on the project's machines.
 
     python benchmarks/serving.py [--requests 32] [--max-tokens 64] [--reps 1]
-                                 [--engines sparkserve,llamacpp] [--threads 2]
+                                 [--engines sparkserve,llamacpp] [--threads 2] [--isa native|avx2]
 
 Load: streaming chat completions, greedy, `ignore_eos` (both servers honour it, so every request
 gets --max-tokens tokens), a fresh connection per request (llama-server closes idle keep-alive
@@ -12,7 +12,8 @@ connections). Both servers are started up front and the levels alternate between
 flipped every round); an idle server does not compute, so each is measured alone. Per level the
 median over --reps rounds is reported. `--engines llama-cpp-python` is the old Python peer
 (`pip install 'llama-cpp-python[server]'`, one request at a time). The first run builds llama.cpp
-(~5 min on 2 cores). Writes benchmarks/results/serving.{md,json} and serving.png (matplotlib)."""
+(~5 min on 2 cores). Writes benchmarks/results/serving.{md,json} and serving.png (matplotlib);
+--isa avx2 holds both servers to AVX2 (as decode.py) and writes serving_avx2.*."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,17 @@ import tempfile
 import time
 
 import httpx
-from results_io import RESULTS, machine_info, machine_line, sparkserve_kernels, write_results
+from results_io import (
+    ISA_ENV,
+    RESULTS,
+    cap_isa,
+    isa_build,
+    machine_info,
+    machine_line,
+    results_name,
+    sparkserve_kernels,
+    write_results,
+)
 
 TOPICS = ["the ocean", "a city at night", "learning to code", "the moon", "autumn leaves", "trains",
           "friendship", "coffee", "mountains", "a thunderstorm", "libraries", "gardening", "robots",
@@ -40,7 +51,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(engine: str, port: int, threads: int) -> subprocess.Popen:
+def _start(engine: str, port: int, threads: int, isa: str) -> subprocess.Popen:
     from sparkserve.embedded import default_model_path
     model = default_model_path()
     if engine == "sparkserve":
@@ -49,7 +60,7 @@ def _start(engine: str, port: int, threads: int) -> subprocess.Popen:
                "--activation-quant", "int8"]
     elif engine == "llamacpp":
         from peers.llamacpp import build
-        cmd = [str(build()["llama-server"]), "-m", model, "--host", "127.0.0.1", "--port", str(port),
+        cmd = [str(build(isa=isa)["llama-server"]), "-m", model, "--host", "127.0.0.1", "--port", str(port),
                "-t", str(threads), "-np", "32", "-c", "16384", "-kvu"]
     elif engine == "llama-cpp-python":
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1",
@@ -134,7 +145,7 @@ async def _level(base: str, conc: int, n_req: int, max_tokens: int, ignore_eos: 
             "tokens_per_request": statistics.median(r["tokens"] for r in res)}
 
 
-def plot(results: dict[str, list[dict]]) -> None:
+def plot(results: dict[str, list[dict]], name: str = "serving") -> None:
     try:
         import matplotlib
     except ImportError:
@@ -152,7 +163,7 @@ def plot(results: dict[str, list[dict]]) -> None:
             ax.set_title(label)
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "serving.png"), dpi=100)
+    fig.savefig(os.path.join(RESULTS, f"{name}.png"), dpi=100)
 
 
 METRICS = ("ttft_median_s", "itl_median_ms", "output_tok_s", "wall_s", "tokens_per_request")
@@ -177,12 +188,16 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=1, help="rounds over all levels; medians reported")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--replot", action="store_true", help="only redraw serving.png from serving.json")
+    ap.add_argument("--isa", default="native", choices=sorted(ISA_ENV),
+                    help="what both servers may use of the CPU (avx2: as on an AVX2-only machine)")
     a = ap.parse_args()
+    name = results_name("serving", a.isa)
     if a.replot:
-        with open(os.path.join(RESULTS, "serving.json")) as f:
+        with open(os.path.join(RESULTS, f"{name}.json")) as f:
             data = json.load(f)
-        plot(data.get("engines", data))       # older files hold the engines at the top level
+        plot(data.get("engines", data), name)       # older files hold the engines at the top level
         return 0
+    cap_isa(a.isa)
     levels = [int(x) for x in a.concurrency.split(",")]
     engines = a.engines.split(",")
     servers: dict[str, tuple[str, subprocess.Popen]] = {}
@@ -191,7 +206,7 @@ def main() -> int:
         for engine in engines:            # one at a time: a starting server (or a build) needs the cores
             port = _free_port()
             base = f"http://127.0.0.1:{port}"
-            proc = _start(engine, port, a.threads)
+            proc = _start(engine, port, a.threads, a.isa)
             servers[engine] = (base, proc)
             _wait_ready(base, proc)
             asyncio.run(_level(base, 1, 2, 8, IGNORE_EOS[engine]))          # warm-up
@@ -213,13 +228,13 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     results = {e: [_median_rows(raw[e][c]) for c in levels] for e in engines}
-    machine, kernels = machine_info(), sparkserve_kernels()
+    machine, kernels = machine_info(a.isa), sparkserve_kernels()
     lines = [f"# Online serving, SmolLM2-135M-Instruct GGUF, {a.threads} threads "
              f"({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"{machine_line(machine)}; sparkserve kernels: {kernels}", "",
              f"chat completions, streaming, temperature 0, max_tokens {a.max_tokens}, ignore_eos, a fresh "
-             f"connection per request; llamacpp = llama-server built from source (-np 32 -c 16384 -kvu "
-             f"-t {a.threads}); servers alternate, medians of {a.reps} round(s)", "",
+             f"connection per request; llamacpp = llama-server built from source with {isa_build(a.isa)} "
+             f"(-np 32 -c 16384 -kvu -t {a.threads}); servers alternate, medians of {a.reps} round(s)", "",
              "| engine | concurrency | TTFT median (s) | ITL median (ms) | output tok/s |",
              "|---|---|---|---|---|"]
     for engine, rows in results.items():
@@ -240,8 +255,8 @@ def main() -> int:
     data = {"engines": results, "ratio_sparkserve_vs_llamacpp": ratios, "machine": machine,
             "sparkserve_kernels": kernels, "threads": a.threads, "max_tokens": a.max_tokens,
             "reps": a.reps, "date": time.strftime("%Y-%m-%d %H:%M")}
-    write_results("serving", data, lines)
-    plot(results)
+    write_results(name, data, lines)
+    plot(results, name)
     return 0
 
 

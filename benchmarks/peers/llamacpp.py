@@ -40,6 +40,15 @@ TARGETS = ("llama-bench", "llama-server")
 CMAKE_ARGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+# What the build may use of the CPU: "native" is all of it; "avx2" stands in for an AVX2-only
+# machine (a laptop before AVX-VNNI) on a bigger one, beside sparkserve with the same cap. The later
+# -D of a name wins in cmake.
+ISA_ARGS = {
+    "native": [],
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF",
+             "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"],
+}
 
 # GCC 12's _tile_loadconfig() declares an 8-byte memory operand, so the stores that fill the 64-byte
 # tile config are dropped and AMX matmuls (batch > 1) segfault (llama.cpp issue #20824).
@@ -77,10 +86,16 @@ def _compiler() -> str:
         return f"{cxx}: ?"
 
 
-def cache_dir() -> Path:
+def _cmake_args(isa: str) -> list[str]:
+    if isa not in ISA_ARGS:
+        raise ValueError(f"isa must be one of {', '.join(ISA_ARGS)}, not {isa!r}")
+    return CMAKE_ARGS + ISA_ARGS[isa]
+
+
+def cache_dir(isa: str = "native") -> Path:
     """~/.cache/sparkserve/peers/llama.cpp-<version>-<hash of CPU flags, compiler, build options>."""
     root = Path(os.environ.get("SPARKSERVE_PEERS_CACHE") or Path.home() / ".cache/sparkserve/peers")
-    key = json.dumps([cpu_flags(), _compiler(), CMAKE_ARGS, PATCH_LEVEL])
+    key = json.dumps([cpu_flags(), _compiler(), _cmake_args(isa), PATCH_LEVEL])
     return root / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
@@ -150,7 +165,7 @@ def _check_tools() -> None:
                            "(ninja: `pip install ninja`)")
 
 
-def _build_into(d: Path) -> None:
+def _build_into(d: Path, isa: str) -> None:
     _check_tools()
     jobs = os.environ.get("SPARKSERVE_BUILD_JOBS") or str(os.cpu_count() or 2)
     d.mkdir(parents=True, exist_ok=True)
@@ -168,7 +183,7 @@ def _build_into(d: Path) -> None:
         t1 = time.time()
         _log(f"source ready in {t1 - t0:.0f} s (patches: {', '.join(patches) or 'none'}); compiling...")
         build = work / "build"
-        _run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_ARGS], log)
+        _run(["cmake", "-S", str(src), "-B", str(build), *_cmake_args(isa)], log)
         _run(["cmake", "--build", str(build), "-j", jobs, "--target", *TARGETS], log)
         (d / "bin").mkdir(exist_ok=True)
         for t, dst in _binaries(d).items():
@@ -179,15 +194,15 @@ def _build_into(d: Path) -> None:
     took = time.time() - t0
     (d / "build.json").write_text(json.dumps({
         "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "llama_cpp_commit": LLAMA_CPP_COMMIT,
-        "patches": patches, "compiler": _compiler(), "cmake_args": CMAKE_ARGS, "jobs": jobs,
+        "patches": patches, "compiler": _compiler(), "cmake_args": _cmake_args(isa), "isa": isa, "jobs": jobs,
         "build_seconds": round(took, 1), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cpu_flags": cpu_flags()}, indent=1))
     _log(f"first build done in {took:.0f} s ({took / 60:.1f} min)")
 
 
-def build(force: bool = False) -> dict[str, Path]:
-    """Build llama-bench and llama-server unless cached; return {name: path}. Raises on failure."""
-    d = cache_dir()
+def build(force: bool = False, isa: str = "native") -> dict[str, Path]:
+    """Build llama-bench and llama-server for `isa` unless cached; return {name: path}. Raises on failure."""
+    d = cache_dir(isa)
     if _ready(d) and not force:
         return _binaries(d)
     d.parent.mkdir(parents=True, exist_ok=True)
@@ -200,16 +215,16 @@ def build(force: bool = False) -> dict[str, Path]:
         try:
             if force or not _ready(d):
                 (d / "build.json").unlink(missing_ok=True)
-                _build_into(d)
+                _build_into(d, isa)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return _binaries(d)
 
 
-def build_info() -> dict:
+def build_info(isa: str = "native") -> dict:
     """What build() recorded (version, commit, patches, compiler, build time), or {} if not built."""
     try:
-        return json.loads((cache_dir() / "build.json").read_text())
+        return json.loads((cache_dir(isa) / "build.json").read_text())
     except (OSError, ValueError):
         return {}
 
@@ -217,13 +232,15 @@ def build_info() -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    ap.add_argument("--isa", default="native", choices=sorted(ISA_ARGS),
+                    help="what the build may use of the CPU")
     a = ap.parse_args()
     t = time.time()
-    paths = build(force=a.force)
+    paths = build(force=a.force, isa=a.isa)
     for name, p in paths.items():
         print(f"{name}: {p}")
-    print(f"cache: {cache_dir()} ({'built' if time.time() - t > 5 else 'cached'}; "
-          f"build took {build_info().get('build_seconds', '?')} s)")
+    print(f"cache: {cache_dir(a.isa)} ({'built' if time.time() - t > 5 else 'cached'}; "
+          f"build took {build_info(a.isa).get('build_seconds', '?')} s)")
     return 0
 
 
