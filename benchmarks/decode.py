@@ -4,7 +4,7 @@ peers/llamacpp.py, same Q4_1 GGUF) and HF transformers (fp32, same GGUF weights)
 threads, same machine: the project's machines differ, so only same-run ratios mean something.
 
     python benchmarks/decode.py [--threads 2] [--reps 3] [--new-tokens 128] [--prompt-tokens 512]
-                                [--skip-transformers] [--skip-llamacpp] [--isa native|avx2]
+                                [--skip-transformers] [--skip-llamacpp] [--isa native|avx2|avx512]
 
 - batch-1 decode tok/s = (N - 1) / (t(N tokens) - t(1 token)): prefill cancels out; next to
   llama-bench tg128 (`-p 0 -n 128`).
@@ -17,7 +17,8 @@ machine noise hits them alike; llama-bench runs one rep per round (`-r 1`, plus 
 Writes benchmarks/results/decode.{md,json} with the CPU model, SIMD flags, threads and which
 sparkserve kernels ran (results_io.sparkserve_kernels) in the header. The first run builds
 llama.cpp (~5 min on 2 cores). --isa avx2 holds every engine to AVX2 (results_io.ISA_ENV, a llama.cpp
-built without AVX-512/VNNI) and writes decode_avx2.{md,json}: an AVX2-only machine's ratios."""
+built without AVX-512/VNNI) and writes decode_avx2.{md,json}: an AVX2-only machine's ratios; --isa
+avx512 the same for AVX-512 without VNNI (decode_avx512.*)."""
 from __future__ import annotations
 
 import argparse
@@ -129,7 +130,7 @@ def main() -> int:
     ap.add_argument("--skip-transformers", action="store_true", help="no transformers column")
     ap.add_argument("--skip-llamacpp", action="store_true", help="no llama.cpp column (no build)")
     ap.add_argument("--isa", default="native", choices=sorted(ISA_ENV),
-                    help="what every engine may use of the CPU (avx2: as on an AVX2-only machine)")
+                    help="what every engine may use of the CPU (avx2: an AVX2-only machine; avx512: no VNNI)")
     a = ap.parse_args()
     cap_isa(a.isa)
     torch.set_num_threads(a.threads)

@@ -79,7 +79,7 @@ def main() -> int:
     lines = ["# Int8 kernel variants vs oneDNN's fp32 GEMM at prefill sizes", "", machine_line(),
              f"Threads: {a.threads}. Cells: int8 time / oneDNN time (below 1: int8 faster); oneDNN ms in "
              "brackets. A variant should take prefill sizes where it wins against the oneDNN of a CPU "
-             "that has it: AVX-512 VNNI against native oneDNN, the ymm variants against AVX2 oneDNN.", ""]
+             "that has it: the AVX-512 ones against native oneDNN, the ymm ones against AVX2 oneDNN.", ""]
     for cap, res in runs.items():
         lines += [f"## oneDNN {'at the CPU width' if cap == 'native' else 'capped to ' + cap}", "",
                   "| projection / M | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]

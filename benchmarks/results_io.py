@@ -24,12 +24,15 @@ FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"
                      "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 
 
-# --isa avx2 runs what an AVX2-only machine (a laptop before AVX-VNNI) would, on a bigger CPU:
-# sparkserve's int8 kernels, torch's own (ATen) and oneDNN are held to AVX2, as is llama.cpp's
-# build (peers/llamacpp.py ISA_ARGS).
+# --isa avx2 runs what an AVX2-only machine (a laptop before AVX-VNNI) would, on a bigger CPU, and
+# --isa avx512 what an AVX-512 machine without VNNI (Skylake-SP/X) would: sparkserve's int8
+# kernels, torch's own (ATen) and oneDNN are held to that, as is llama.cpp's build
+# (peers/llamacpp.py ISA_ARGS).
 ISA_ENV = {"native": {},
-           "avx2": {"SPARKSERVE_KERNEL_VARIANTS_OFF": "avx512vnni,avxvnni", "ATEN_CPU_CAPABILITY": "avx2",
-                    "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+           "avx2": {"SPARKSERVE_KERNEL_VARIANTS_OFF": "avx512vnni,avx512,avxvnni",
+                    "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+           "avx512": {"SPARKSERVE_KERNEL_VARIANTS_OFF": "avx512vnni,avxvnni",
+                      "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}}
 
 
 def cap_isa(isa: str) -> None:
@@ -42,7 +45,8 @@ def cap_isa(isa: str) -> None:
 
 def isa_build(isa: str) -> str:
     """How llama.cpp was built for `isa`, for result headers."""
-    return "GGML_NATIVE" if isa == "native" else f"{isa.upper()} only (GGML_NATIVE off, AVX-512/VNNI/AMX off)"
+    off = "VNNI/AMX" if isa == "avx512" else "AVX-512/VNNI/AMX"
+    return "GGML_NATIVE" if isa == "native" else f"{isa.upper()} only (GGML_NATIVE off, {off} off)"
 
 
 def results_name(name: str, isa: str) -> str:
@@ -73,7 +77,8 @@ def machine_line(info: dict | None = None) -> str:
     """One Markdown line: 'CPU: AMD EPYC, 2 CPUs; flags: avx2 fma f16c'."""
     info = info or machine_info()
     cap = "" if info.get("isa", "native") == "native" else \
-        f"; **held to {info['isa'].upper()}** (sparkserve, torch, oneDNN and llama.cpp's build)"
+        f"; **held to {info['isa'].upper()}{' without VNNI' if info['isa'] == 'avx512' else ''}** " \
+        "(sparkserve, torch, oneDNN and llama.cpp's build)"
     return (f"CPU: {info['cpu']}, {info['cpus']} CPUs; flags: {' '.join(info['flags']) or 'none of interest'}"
             f"{cap}")
 

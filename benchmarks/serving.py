@@ -4,7 +4,7 @@ peers/llamacpp.py: `-np 32 -c 16384 -kvu`, continuous batching, same GGUF, same 
 prompts, one run, same machine: only same-run ratios mean something on the project's machines.
 
     python benchmarks/serving.py [--requests 32] [--max-tokens 64] [--reps 1]
-                                 [--engines sparkserve,llamacpp] [--threads 2] [--isa native|avx2]
+                                 [--engines sparkserve,llamacpp] [--threads 2] [--isa native|avx2|avx512]
 
 Load: streaming chat completions, greedy, `ignore_eos` (both servers honour it, so every request
 gets --max-tokens tokens), a fresh connection per request (llama-server closes idle keep-alive
@@ -13,7 +13,7 @@ flipped every round); an idle server does not compute, so each is measured alone
 median over --reps rounds is reported. `--engines llama-cpp-python` is the old Python peer
 (`pip install 'llama-cpp-python[server]'`, one request at a time). The first run builds llama.cpp
 (~5 min on 2 cores). Writes benchmarks/results/serving.{md,json} and serving.png (matplotlib);
---isa avx2 holds both servers to AVX2 (as decode.py) and writes serving_avx2.*."""
+--isa avx2 / avx512 holds both servers to that (as decode.py) and writes serving_avx2.* / serving_avx512.*."""
 from __future__ import annotations
 
 import argparse
@@ -189,7 +189,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--replot", action="store_true", help="only redraw serving.png from serving.json")
     ap.add_argument("--isa", default="native", choices=sorted(ISA_ENV),
-                    help="what both servers may use of the CPU (avx2: as on an AVX2-only machine)")
+                    help="what both servers may use of the CPU (avx2: an AVX2-only machine; avx512: no VNNI)")
     a = ap.parse_args()
     name = results_name("serving", a.isa)
     if a.replot:

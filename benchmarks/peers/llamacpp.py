@@ -41,13 +41,16 @@ CMAKE_ARGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "
               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"]
 # What the build may use of the CPU: "native" is all of it; "avx2" stands in for an AVX2-only
-# machine (a laptop before AVX-VNNI) on a bigger one, beside sparkserve with the same cap. The later
-# -D of a name wins in cmake.
+# machine (a laptop before AVX-VNNI), "avx512" for an AVX-512 one without VNNI (Skylake-SP/X), on a
+# bigger one, beside sparkserve with the same cap (results_io.ISA_ENV). The later -D of a name wins
+# in cmake.
+_AVX2 = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+         "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+         "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 ISA_ARGS = {
     "native": [],
-    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-             "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF",
-             "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"],
+    "avx2": _AVX2 + ["-DGGML_AVX512=OFF"],
+    "avx512": _AVX2 + ["-DGGML_AVX512=ON"],
 }
 
 # GCC 12's _tile_loadconfig() declares an 8-byte memory operand, so the stores that fill the 64-byte

@@ -45,7 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quant_linear with x quantized to int8 per block of 32 and integer dot products (Q4_1, Q8_0)",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("variant") = "");
   m.def("int8_variants_runnable", &int8_variants_runnable, "int8 variants built here that this CPU runs");
-  m.def("int8_variant", &int8_variant_name, "the int8 kernel variant in use (avx512vnni, avxvnni, avx2, fp32)");
+  m.def("int8_variant", &int8_variant_name, "the int8 kernel variant in use (avx512vnni, avx512, avxvnni, avx2, fp32)");
   m.def("int8_packed_weights_held", &int8_packed_weights_held, "packed weight copies the int8 kernel holds");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32, contiguous)");
   m.def("add_rms_norm", &add_rms_norm, "s = x + r; returns (s, rms_norm(s))");

@@ -11,7 +11,7 @@ SPARKSERVE_DISABLE_KERNELS=1 forces that fallback.
 The int8-activation kernels come in CPU variants (VARIANTS), each its own translation unit compiled
 here to an object file with its own ISA flags and linked into the extension; a variant the compiler
 rejects is left out (the AVX2 one is required). int8_dispatch.cpp picks one at run time by the CPU's
-flags; SPARKSERVE_KERNEL_VARIANTS_OFF=avx512vnni,avxvnni switches variants off (see `variant()`)."""
+flags; SPARKSERVE_KERNEL_VARIANTS_OFF=avx512vnni,avx512,avxvnni switches variants off (see `variant()`)."""
 from __future__ import annotations
 
 import contextlib
@@ -35,13 +35,14 @@ SOURCES = [os.path.join(_DIR, f)
                      "decode_attention.cpp", "native_llama.cpp", "markov_greedy.cpp", "thread_pool.cpp",
                      "bindings.cpp")]
 HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h", "int8_common.h", "int8_packed.h",
-                                           "int8_packed_ymm.h", "paged_attention.h", "rms_norm.h",
-                                           "native_llama.h", "thread_pool.h")]
+                                           "int8_packed_ymm.h", "int8_packed_zmm.h", "paged_attention.h",
+                                           "rms_norm.h", "native_llama.h", "thread_pool.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 # int8 kernel variants, best last: name -> extra ISA flags (on top of the AVX2 baseline).
 VARIANTS = {
     "avx2": [],
     "avxvnni": ["-mavxvnni"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl"],
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
 }
 VARIANT_SOURCES = [os.path.join(_DIR, f"int8_{name}.cpp") for name in VARIANTS]

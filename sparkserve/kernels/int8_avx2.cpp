@@ -1,71 +1,35 @@
-// Int8 kernel, AVX2 variant, and the activation quantizer every variant uses. Built with -mavx2
-// -mfma -mf16c only (build.py). Q4_1 runs on packed weights (int8_packed_ymm.h); Q8_0 reads the
-// GGUF blocks as they are: its bytes would saturate maddubs in the packed layout's +128 form, so
-// it keeps llama.cpp's trick of |w| as the unsigned operand with w's sign moved onto x.
-#include <cstring>
-
+// Int8 kernel, AVX2 variant, on packed weights (int8_packed_ymm.h, maddubs: MaddubsYmm), and the
+// activation quantizer every variant uses. Built with -mavx2 -mfma -mf16c only (build.py).
 #include "int8_packed_ymm.h"
 
 namespace {
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// Nibbles are at most 15, so a maddubs pair is at most 2 * 15 * 127 and the eight of a block add
-// up in int16 before one madd.
-struct PackedIsa {
+// The block dot without VNNI: maddubs sums pairs of u8 * s8 in int16. Q4_1's nibbles are at most
+// 15, so a pair is at most 2 * 15 * 127 and the eight of a block add up in int16 before one madd.
+// Q8_0 takes llama.cpp's form: |q| (at most 128) as the unsigned operand and q's sign moved onto
+// x, one madd per maddubs; this signed dot needs no `start` (the +128 offset is gone).
+struct MaddubsYmm {
+  static void unpack_q8_0(__m256i raw, __m256i& abs_q, __m256i& q) {
+    q = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));
+    abs_q = _mm256_abs_epi8(q);
+  }
   template <int QT>
-  static __m256i block_dot(const __m256i w[8], const int8_t* xr, __m256i start) {
-    static_assert(QT == 3, "the AVX2 packed kernel reads Q4_1 only");
+  static __m256i block_dot(const __m256i w[16], const int8_t* xr, __m256i start) {
+    if (QT != kQ4_1p) {
+      __m256i a = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        const __m256i p = _mm256_maddubs_epi16(w[g], _mm256_sign_epi8(bcast4(xr + 4 * g), w[8 + g]));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+      }
+      return a;
+    }
     __m256i s = _mm256_maddubs_epi16(w[0], bcast4(xr));
     for (int g = 1; g < 8; ++g) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[g], bcast4(xr + 4 * g)));
     return _mm256_add_epi32(start, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
   }
 };
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// One output row (Q8_0 GGUF row `wr`, nb blocks of 34 bytes) against the MT rows of an x tile.
-// Per block and x row: maddubs + madd sum 32 products into 8 int32 lanes, which are scaled by
-// d_w * d_x and accumulated in fp32; the lanes are summed at the end.
-template <int MT>
-inline void q8_0_row(const uint8_t* wr, int64_t nb, const int8_t* xq, const float* xd, float out[MT]) {
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t blk = 0; blk < nb; ++blk) {
-    const uint8_t* b = wr + blk * 34;
-    uint16_t h;
-    std::memcpy(&h, b, 2);
-    const __m256 dw = _mm256_set1_ps(_cvtsh_ss(h));
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-    const __m256i u = _mm256_sign_epi8(w, w);        // |w| (|w| <= 128: a pair fits int16)
-    const int8_t* xb = xq + blk * (MT * 32);
-    for (int m = 0; m < MT; ++m) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + m * 32));
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(x, w)), ones);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_set1_ps(xd[blk * kTile + m])),
-                               acc[m]);
-    }
-  }
-  for (int m = 0; m < MT; ++m) out[m] = hsum8(acc[m]);
-}
-
-template <int MT>
-void q8_0_tile(const QuantX& q, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
-               const float* bias, float* y, int64_t N) {
-  const int64_t nb = q.K / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    float out[MT];
-    q8_0_row<MT>(w + n * row_bytes, nb, q.qs + m0 * q.K, q.d + m0 * nb, out);
-    const float b = bias ? bias[n] : 0.0f;
-    for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n] = out[m] + b;
-  }
-}
 
 }  // namespace
 
@@ -73,29 +37,8 @@ namespace sparkserve::int8 {
 
 void rows_avx2_packed(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1, const float* bias,
                       float* y, int64_t N) {
-  (void)qtype;   // Q4_1 (int8_dispatch.cpp sends Q8_0 to rows_avx2)
-  packed_rows_typed<PackedIsa, 3>(q, wp, n0, n1, bias, y, N);
-}
-
-// Q8_0 only. Output rows go in groups of 16 that reuse each x tile while it is in L1.
-void rows_avx2(const QuantX& q, const uint8_t* w, int64_t row_bytes, int qtype, int64_t n0, int64_t n1,
-               const float* bias, float* y, int64_t N) {
-  (void)qtype;
-  for (int64_t g0 = n0; g0 < n1; g0 += 16) {
-    const int64_t g1 = min64(n1, g0 + 16);
-    for (int64_t m0 = 0; m0 < q.M; m0 += kTile) {
-      switch (min64(kTile, q.M - m0)) {
-        case 8: q8_0_tile<8>(q, m0, w, row_bytes, g0, g1, bias, y, N); break;
-        case 7: q8_0_tile<7>(q, m0, w, row_bytes, g0, g1, bias, y, N); break;
-        case 6: q8_0_tile<6>(q, m0, w, row_bytes, g0, g1, bias, y, N); break;
-        case 5: q8_0_tile<5>(q, m0, w, row_bytes, g0, g1, bias, y, N); break;
-        case 4: q8_0_tile<4>(q, m0, w, row_bytes, g0, g1, bias, y, N); break;
-        case 3: q8_0_tile<3>(q, m0, w, row_bytes, g0, g1, bias, y, N); break;
-        case 2: q8_0_tile<2>(q, m0, w, row_bytes, g0, g1, bias, y, N); break;
-        default: q8_0_tile<1>(q, m0, w, row_bytes, g0, g1, bias, y, N); break;
-      }
-    }
-  }
+  if (qtype == 3) packed_rows_typed<MaddubsYmm, 3>(q, wp, n0, n1, bias, y, N);
+  else packed_rows_typed<MaddubsYmm, 8>(q, wp, n0, n1, bias, y, N);
 }
 
 void quantize_rows(const float* x, int64_t m0, int64_t m1, const QuantX& q) {

@@ -7,8 +7,9 @@ namespace {
 
 // On packed weights: dpbusd in two chains of 4; Q8_0's quants are q + 128 and `start` undoes it.
 struct PackedIsa {
+  static void unpack_q8_0(__m256i raw, __m256i& w, __m256i&) { w = raw; }
   template <int QT>
-  static __m256i block_dot(const __m256i w[8], const int8_t* xr, __m256i start) {
+  static __m256i block_dot(const __m256i w[16], const int8_t* xr, __m256i start) {
     __m256i a0 = start, a1 = _mm256_setzero_si256();
     for (int g = 0; g < 4; ++g) {
       a0 = _mm256_dpbusd_avx_epi32(a0, w[g], bcast4(xr + 4 * g));

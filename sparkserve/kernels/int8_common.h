@@ -27,11 +27,6 @@ inline int64_t quantx_scales(int64_t M, int64_t K) { return (M + kTile - 1) / kT
 // Quantize rows [m0, m1) of x (m0 a multiple of kTile). AVX2; used by every variant.
 void quantize_rows(const float* x, int64_t m0, int64_t m1, const QuantX& q);
 
-// y[:, n0:n1] (+ bias) for all M rows of q, W in Q4_1 (3) or Q8_0 (8) blocks, one thread.
-using RowsFn = void (*)(const QuantX& q, const uint8_t* w, int64_t row_bytes, int qtype, int64_t n0,
-                        int64_t n1, const float* bias, float* y, int64_t N);
-void rows_avx2(const QuantX&, const uint8_t*, int64_t, int, int64_t, int64_t, const float*, float*, int64_t);
-
 // Packed weights (int8_packed.cpp): output rows in groups of kGroupRows, and within a group, per
 // block of 32 inputs, a record of kGroupRows fp16 d, (Q4_1) kGroupRows fp16 m, then the quants
 // as unsigned bytes in 64-byte chunks of kGroupRows rows x 4 consecutive inputs, so one vector
@@ -46,11 +41,29 @@ constexpr int64_t packed_record_bytes(int qtype) { return qtype == 3 ? 320 : 544
 constexpr int packed_m_at = 32;                                            // Q4_1's m, after d
 constexpr int packed_quants_at(int qtype) { return qtype == 3 ? 64 : 32; }   // the first chunk
 
+// The weight vectors of one packed record for a block dot: w[g] holds inputs 4g..4g+3 of each row
+// (g < 8), as Q4_1 nibbles (chunk i's low nibbles are inputs 4i.., its high nibbles 16 + 4i..), or
+// as Isa::unpack_q8_0(chunk g, w[g], w[8 + g]) makes them of Q8_0 bytes (q + 128), in the form the
+// variant's dot wants. load(i) reads chunk i, lo / hi take a vector's low / high nibbles.
+template <int QT, class Isa, class V, class Load, class Lo, class Hi>
+inline void unpack_block(Load load, Lo lo, Hi hi, V w[16]) {
+  if (QT == 3) {
+    for (int i = 0; i < 4; ++i) {
+      const V raw = load(i);
+      w[i] = lo(raw);
+      w[i + 4] = hi(raw);
+    }
+  } else {
+    for (int i = 0; i < 8; ++i) Isa::unpack_q8_0(load(i), w[i], w[i + 8]);
+  }
+}
+
 // y[:, n0:n1] (+ bias) from packed weights `wp`; n0 a multiple of kGroupRows, one thread.
 using PackedRowsFn = void (*)(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1,
                               const float* bias, float* y, int64_t N);
 void rows_avx512vnni_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
+void rows_avx512_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
 void rows_avxvnni_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
-void rows_avx2_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);  // Q4_1
+void rows_avx2_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
 
 }  // namespace sparkserve::int8

@@ -1,9 +1,10 @@
 // Run-time choice of the int8 kernel variant, and block_linear_int8 / quant_linear_int8 on it.
 //
-// Variants, best first: avx512vnni, avxvnni, avx2 (each built only if the compiler accepted its
-// flags: build.py defines SPARKSERVE_HAS_<VARIANT>). The first one the CPU supports and that
+// Variants, best first: avx512vnni, avx512, avxvnni, avx2 (each built only if the compiler accepted
+// its flags: build.py defines SPARKSERVE_HAS_<VARIANT>). The first one the CPU supports and that
 // SPARKSERVE_KERNEL_VARIANTS_OFF (comma-separated names) does not switch off runs; with all of
-// them off the int8 entry points compute with fp32 activations (block_linear).
+// them off the int8 entry points compute with fp32 activations (block_linear). Every variant reads
+// the packed copy of the weights (int8_common.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
@@ -22,13 +23,10 @@
 namespace {
 
 using sparkserve::int8::PackedRowsFn;
-using sparkserve::int8::RowsFn;
 
 struct Variant {
   const char* name;
-  RowsFn rows;            // on GGUF blocks
-  PackedRowsFn packed;    // on their packed copy (int8_common.h), for Q4_1, and Q8_0 if packs_q8_0
-  bool packs_q8_0;        // rows and packed both nullptr: fp32 activations
+  PackedRowsFn packed;    // nullptr: fp32 activations
 };
 
 bool switched_off(const char* name) {
@@ -49,6 +47,9 @@ bool cpu_has(const std::string& name) {
   if (name == "avx512vnni")
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  if (name == "avx512")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
   if (name == "avxvnni") return __builtin_cpu_supports("avxvnni");
   return name == "avx2" && __builtin_cpu_supports("avx2");
 }
@@ -57,12 +58,15 @@ bool cpu_has(const std::string& name) {
 const std::vector<Variant>& built() {
   static const std::vector<Variant> v = {
 #ifdef SPARKSERVE_HAS_AVX512VNNI
-      {"avx512vnni", nullptr, sparkserve::int8::rows_avx512vnni_packed, true},
+      {"avx512vnni", sparkserve::int8::rows_avx512vnni_packed},
+#endif
+#ifdef SPARKSERVE_HAS_AVX512
+      {"avx512", sparkserve::int8::rows_avx512_packed},
 #endif
 #ifdef SPARKSERVE_HAS_AVXVNNI
-      {"avxvnni", nullptr, sparkserve::int8::rows_avxvnni_packed, true},
+      {"avxvnni", sparkserve::int8::rows_avxvnni_packed},
 #endif
-      {"avx2", sparkserve::int8::rows_avx2, sparkserve::int8::rows_avx2_packed, false},
+      {"avx2", sparkserve::int8::rows_avx2_packed},
   };
   return v;
 }
@@ -70,7 +74,7 @@ const std::vector<Variant>& built() {
 Variant choose() {
   for (const Variant& v : built())
     if (cpu_has(v.name) && !switched_off(v.name)) return v;
-  return {"fp32", nullptr, nullptr, false};
+  return {"fp32", nullptr};
 }
 
 const Variant& variant() {
@@ -90,7 +94,7 @@ namespace {
 
 void linear_int8_on(const Variant& v, const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N,
                     int qtype, const float* bias, float* y) {
-  if ((qtype != kQ4_1 && qtype != kQ8_0) || (v.rows == nullptr && v.packed == nullptr)) {
+  if ((qtype != kQ4_1 && qtype != kQ8_0) || v.packed == nullptr) {
     block_linear(x, M, K, w.data_ptr<uint8_t>(), N, qtype, bias, y);
     return;
   }
@@ -108,16 +112,11 @@ void linear_int8_on(const Variant& v, const float* x, int64_t M, int64_t K, cons
   });
   const int64_t row_bytes = K / 32 * block_bytes_of(qtype);
   const int64_t grain = std::max<int64_t>(16, (32 << 10) / row_bytes);   // >= ~32 KiB of weights per task
-  if (v.packed != nullptr && (qtype == kQ4_1 || v.packs_q8_0)) {   // tasks split at group edges
-    const uint8_t* wp = int8::packed_weights(w, N, K, qtype);
-    const int64_t groups = (N + int8::kGroupRows - 1) / int8::kGroupRows, G = int8::kGroupRows;
-    sparkserve::parallel_for(0, groups, (grain + G - 1) / G, [&](int64_t g0, int64_t g1) {
-      v.packed(q, wp, qtype, g0 * G, std::min(N, g1 * G), bias, y, N);
-    });
-    return;
-  }
-  const uint8_t* wb = w.data_ptr<uint8_t>();
-  sparkserve::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { v.rows(q, wb, row_bytes, qtype, n0, n1, bias, y, N); });
+  const uint8_t* wp = int8::packed_weights(w, N, K, qtype);
+  const int64_t groups = (N + int8::kGroupRows - 1) / int8::kGroupRows, G = int8::kGroupRows;
+  sparkserve::parallel_for(0, groups, (grain + G - 1) / G, [&](int64_t g0, int64_t g1) {   // at group edges
+    v.packed(q, wp, qtype, g0 * G, std::min(N, g1 * G), bias, y, N);
+  });
 }
 
 }  // namespace
@@ -137,15 +136,14 @@ at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::opt
                              const std::string& variant_name) {
   Variant v = variant();
   if (!variant_name.empty()) {
-    v = {"fp32", nullptr, nullptr, false};
+    v = {"fp32", nullptr};
     for (const Variant& b : built())
       if (variant_name == b.name) v = b;
-    const bool found = v.rows != nullptr || v.packed != nullptr;
+    const bool found = v.packed != nullptr;
     TORCH_CHECK(found || variant_name == "fp32", "quant_linear_int8: variant ", variant_name, " is not built");
     TORCH_CHECK(!found || cpu_has(variant_name), "quant_linear_int8: this CPU cannot run ", variant_name);
   }
-  if ((qtype != kQ4_1 && qtype != kQ8_0) || (v.rows == nullptr && v.packed == nullptr))
-    return quant_linear(x, w, qtype, bias);
+  if ((qtype != kQ4_1 && qtype != kQ8_0) || v.packed == nullptr) return quant_linear(x, w, qtype, bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear_int8: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),

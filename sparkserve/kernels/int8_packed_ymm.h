@@ -1,8 +1,8 @@
 // The packed-weight kernel body of the ymm variants (int8_avx2.cpp, int8_avxvnni.cpp): the packed
 // layout of int8_common.h read 8 output rows at a time (one half of each 64-byte chunk), so one
 // ymm lane is one output row. `Isa::block_dot<QT>(w, xr, start)` sums one 32-input block per row
-// in int32, from `start`, over the 8 unpacked weight vectors w[g] (inputs 4g..4g+3 of the 8 rows:
-// Q4_1's low nibbles of chunk i are inputs 4i.., its high nibbles 16 + 4i..) and the x bytes at xr. x tiles of 8 rows go in two passes of 4, so weights (8 ymm) and accumulators fit
+// in int32, from `start`, over the unpacked weight vectors (unpack_block, int8_common.h) and the x
+// bytes at xr. x tiles of 8 rows go in two passes of 4, so weights and accumulators (nearly) fit
 // the 16 registers. Internal linkage: each variant's copy is compiled with its own flags.
 #include <immintrin.h>
 
@@ -38,19 +38,14 @@ inline void half_pass(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, in
     if (h == 0 && m1 == 0)
       for (int o = 0; o < GB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + nb * GB + o), _MM_HINT_T0);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
-    __m256 mw = _mm256_setzero_ps();
-    __m256i w[8];
-    if (QT == kQ4_1p) {
-      mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + packed_m_at + 16 * h)));
-      for (int i = 0; i < 4; ++i) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QOFF + 64 * i + 32 * h));
-        w[i] = _mm256_and_si256(raw, lo4);
-        w[i + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
-      }
-    } else {
-      for (int i = 0; i < 8; ++i)
-        w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QOFF + 64 * i + 32 * h));
-    }
+    const __m256 mw = QT == kQ4_1p
+        ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + packed_m_at + 16 * h)))
+        : _mm256_setzero_ps();
+    __m256i w[16];
+    sparkserve::int8::unpack_block<QT, Isa>(
+        [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QOFF + 64 * i + 32 * h)); },
+        [&](__m256i v) { return _mm256_and_si256(v, lo4); },
+        [&](__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4); }, w);
     const int8_t* xb = xq + blk * (mt * 32);
     for (int m = 0; m < MT; ++m) {
       const int64_t i = blk * kTile + m1 + m;

@@ -22,9 +22,10 @@ from sparkserve.kernels import BF16, Q4_1, Q8_0, int8_ref
 from sparkserve.layers import linear as linear_mod
 from sparkserve.layers.linear import Linear
 
-VARIANTS = ("avx2", "avxvnni", "avx512vnni")     # the dispatcher's order is the reverse
+VARIANTS = ("avx2", "avxvnni", "avx512", "avx512vnni")     # the dispatcher's order is the reverse
 # /proc/cpuinfo flags each variant needs
 CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avxvnni": ("avx_vnni",),
+             "avx512": ("avx512f", "avx512bw", "avx512vl"),
              "avx512vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
 
 
@@ -150,7 +151,7 @@ print(json.dumps({"variant": kernels.variant(), "fp32": same_as_fp32, "any_m": k
 def test_env_switches_variants_off_in_order():
     """SPARKSERVE_KERNEL_VARIANTS_OFF applies at load (a fresh process per setting): switching off
     the best k variants runs the next one; switching off all of them computes in fp32. Prefill
-    sizes go to the int8 kernel where it beats oneDNN: AVX-512 VNNI always, the ymm variants only
+    sizes go to the int8 kernel where it beats oneDNN: the AVX-512 ones always, the ymm variants only
     where torch and oneDNN run no wider than AVX2 (an AVX2 CPU, made here by capping both)."""
     runnable = kernels.runnable_variants()
     assert kernels.variant() == runnable[0]     # this process: nothing switched off
@@ -159,8 +160,9 @@ def test_env_switches_variants_off_in_order():
     avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
     cases = [(runnable[:k], runnable[k] if k < len(runnable) else "fp32", False)
              for k in range(1, len(runnable) + 1)]
-    cases.append((["avx512vnni", "avxvnni"], "avx2", False))    # the documented setting
-    cases.append((["avx512vnni"], runnable[1] if runnable[0] == "avx512vnni" else runnable[0], True))
+    cases.append((["avx512vnni", "avx512", "avxvnni"], "avx2", False))    # the documented setting
+    ymm = [v for v in runnable if v in ("avxvnni", "avx2")]
+    cases.append((["avx512vnni", "avx512"], ymm[0], True))
     for off, want, capped in cases:
         env["SPARKSERVE_KERNEL_VARIANTS_OFF"] = " , ".join(off)
         for name, value in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2")):
@@ -175,7 +177,7 @@ def test_env_switches_variants_off_in_order():
         assert res["variant"] == want, (off, res)
         assert res["fp32"] == (want == "fp32"), (off, res)
         ymm_wins = want in ("avxvnni", "avx2") and (capped or not avx512)
-        assert res["any_m"] == (want == "avx512vnni" or ymm_wins), (off, capped, res)
+        assert res["any_m"] == (want in ("avx512vnni", "avx512") or ymm_wins), (off, capped, res)
 
 
 def _layer(qtype: int, n: int = 48, k: int = 64) -> Linear:

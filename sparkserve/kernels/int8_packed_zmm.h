@@ -1,0 +1,94 @@
+// The packed-weight kernel body of the zmm variants (int8_avx512vnni.cpp, int8_avx512.cpp): one
+// zmm holds one 32-input block of 16 output rows (the packed layout of int8_common.h), 4 inputs
+// per int32 lane, so for each x row and block `Isa::block_dot<QT>(w, xr, start)` sums the block in
+// int32 over the unpacked weight vectors (unpack_block) and the x bytes at xr, and one convert +
+// FMA scales it into 16 output rows at once: no horizontal sums. The unpacked block is reused by
+// every x row of a tile. Internal linkage: each variant's copy is compiled with its own flags.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "int8_common.h"
+
+namespace {
+
+using sparkserve::int8::kGroupRows;
+using sparkserve::int8::kTile;
+using sparkserve::int8::packed_m_at;
+using sparkserve::int8::packed_quants_at;
+using sparkserve::int8::packed_record_bytes;
+using sparkserve::int8::QuantX;
+
+constexpr int kQ4_1 = 3;
+
+inline __m512 halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One group of 16 output rows against the MT rows of one x tile: acc[m] lane r = y[m][row r].
+template <class Isa, int QT, int MT>
+inline void group_tile(const uint8_t* wg, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+                       const int32_t* xn, __m512 acc[MT]) {
+  constexpr int64_t GB = packed_record_bytes(QT);
+  constexpr int QOFF = packed_quants_at(QT);
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* rec = wg + blk * GB;
+    for (int o = 0; o < GB; o += 64)     // the same block of the next group
+      _mm_prefetch(reinterpret_cast<const char*>(rec + nb * GB + o), _MM_HINT_T0);
+    const __m512 dw = halves(rec);
+    const __m512 mw = QT == kQ4_1 ? halves(rec + packed_m_at) : _mm512_setzero_ps();
+    __m512i w[16];
+    sparkserve::int8::unpack_block<QT, Isa>(
+        [&](int i) { return _mm512_loadu_si512(rec + QOFF + 64 * i); },
+        [&](__m512i v) { return _mm512_and_si512(v, lo4); },
+        [&](__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4); }, w);
+    const int8_t* xb = xq + blk * (MT * 32);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t i = blk * kTile + m;
+      // Q8_0 starts at -128 * sum(q_x) to undo the weights' +128
+      const __m512i start = QT == kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(xn[i]);
+      const __m512i p = Isa::template block_dot<QT>(w, xb + m * 32, start);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, _mm512_set1_ps(xd[i])), acc[m]);
+      if (QT == kQ4_1) acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[i]), acc[m]);
+    }
+  }
+}
+
+template <class Isa, int QT, int MT>
+void tile_rows(const QuantX& q, int64_t m0, const uint8_t* wp, int64_t n, const float* bias, float* y,
+               int64_t N) {
+  constexpr int64_t GB = packed_record_bytes(QT);
+  const int64_t nb = q.K / 32;
+  __m512 acc[MT];
+  // m0 is a multiple of kTile: the tile's scales start at m0 * nb
+  group_tile<Isa, QT, MT>(wp + n / kGroupRows * nb * GB, nb, q.qs + m0 * q.K, q.d + m0 * nb, q.s + m0 * nb,
+                          q.xn + m0 * nb, acc);
+  const int64_t valid = N - n < kGroupRows ? N - n : kGroupRows;
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n, mask, _mm512_add_ps(acc[m], b));
+}
+
+template <class Isa, int QT>
+void packed_rows_typed(const QuantX& q, const uint8_t* wp, int64_t n0, int64_t n1, const float* bias, float* y,
+                       int64_t N) {
+  for (int64_t n = n0; n < n1; n += kGroupRows) {
+    for (int64_t m0 = 0; m0 < q.M; m0 += kTile) {
+      switch (q.M - m0 < kTile ? q.M - m0 : kTile) {
+        case 8: tile_rows<Isa, QT, 8>(q, m0, wp, n, bias, y, N); break;
+        case 7: tile_rows<Isa, QT, 7>(q, m0, wp, n, bias, y, N); break;
+        case 6: tile_rows<Isa, QT, 6>(q, m0, wp, n, bias, y, N); break;
+        case 5: tile_rows<Isa, QT, 5>(q, m0, wp, n, bias, y, N); break;
+        case 4: tile_rows<Isa, QT, 4>(q, m0, wp, n, bias, y, N); break;
+        case 3: tile_rows<Isa, QT, 3>(q, m0, wp, n, bias, y, N); break;
+        case 2: tile_rows<Isa, QT, 2>(q, m0, wp, n, bias, y, N); break;
+        default: tile_rows<Isa, QT, 1>(q, m0, wp, n, bias, y, N); break;
+      }
+    }
+  }
+}
+
+}  // namespace
