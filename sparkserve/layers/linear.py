@@ -14,10 +14,16 @@ the fp32 weight (oneDNN).
 Q8_0 layers quantize x to int8 per block of 32 and use integer dot products (llama.cpp's scheme)
 at every M the block kernel takes (every M at all where the int8 variant is faster than oneDNN
 at prefill sizes, `kernels.int8_beats_gemm()`); "none" (the default of a bare Linear) keeps the
-fp32-exact kernel. Int8 is used for all those M, not only where it is fastest (up to 8 rows on AVX2): a row's
-int8 result is then bit-identical whatever the batch (decode, batched decode, a verify block), so
+fp32-exact kernel. Int8 is used for all those M, not only where it is fastest: a row's int8
+result is then bit-identical whatever the batch (decode, batched decode, a verify block), so
 speculative verify agrees with plain decode and a decode row does not depend on how many others
-run with it (docs/kernel-notes.md)."""
+run with it (docs/kernel-notes.md).
+
+A layer whose every row count goes to the int8 kernel never reads its fp32 weight, so it lets it
+go (a meta tensor of the same shape stands in; `dense_weight()` rebuilds the values from the
+blocks, and switching back to "none" restores it): the quantized model then holds its weights
+once, as llama.cpp does, not also in fp32. A layer whose weight another module also reads (the
+LM head tied to the embedding table) is marked `keep_dense`."""
 from __future__ import annotations
 
 import torch
@@ -65,6 +71,8 @@ class Linear(Sharded):
         self.activation_quant = "none"
         self._int8_fn = None
         self._int8_max_m = 0
+        self.keep_dense = False        # another module reads `weight` too
+        self._dense_dropped = False
 
     def set_blocks(self, blocks: BlockWeight | None) -> None:
         """Keep the checkpoint's block form of `weight` (same values) for the small-M kernel;
@@ -91,8 +99,24 @@ class Linear(Sharded):
         # (docs/kernel-notes.md); the others stop where the block kernel does.
         any_m = kernels.int8_beats_gemm()
         self._int8_max_m = (ALL_ROWS if any_m else self._max_m) if mode == "int8" and int8_ok else 0
+        self._hold_dense(self.keep_dense or self._int8_max_m < ALL_ROWS)
         if self._pack_wanted:
             self.pack()
+
+    def _hold_dense(self, keep: bool) -> None:
+        """Drop the fp32 weight (nothing reads it) or bring it back from the blocks."""
+        if keep and self._dense_dropped:
+            self.weight = nn.Parameter(self._blocks.dequantize(), requires_grad=False)
+        elif not keep and not self._dense_dropped and self.inference_blocks() is not None:
+            self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
+        else:
+            return
+        self._dense_dropped = not keep
+        self._blocks_version = _version(self.weight)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The fp32 weight, also while it is dropped (then made anew from the blocks)."""
+        return self._blocks.dequantize() if self._dense_dropped else self.weight
 
     def inference_blocks(self) -> BlockWeight | None:
         """The block form of `weight` while it still holds the same values (for kernels that
@@ -130,7 +154,7 @@ class Linear(Sharded):
                 if _version(self.weight) == self._packed_version:
                     return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
                 self._packed = None
-        return torch.nn.functional.linear(x, self.weight, bias)
+        return torch.nn.functional.linear(x, self.dense_weight(), bias)
 
 
 class RowParallelLinear(Linear):

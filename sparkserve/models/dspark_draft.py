@@ -233,9 +233,10 @@ class DSparkDraft(nn.Module):
     def set_activation_quant(self, mode: str) -> None:
         """"int8": the draft's own projections (backbone, fc, a reduced-vocab LM head) run as the
         target's do under --activation-quant int8 — int8 activations on Q8_0 blocks made from their
-        weights, which then take the Q8_0 values, so the Python path and the native block pass
-        compute one draft. Proposals change slightly; verification keeps the output exact. The
-        heads' small matrices (Markov, confidence) and modules shared with the target keep theirs."""
+        weights, which then take the Q8_0 values (or go, where int8 takes every row count), so the
+        Python path and the native block pass compute one draft. Proposals change slightly;
+        verification keeps the output exact. The heads' small matrices (Markov, confidence) and
+        modules shared with the target keep theirs."""
         if mode not in ACTIVATION_QUANTS:
             raise ValueError(f"activation_quant {mode!r}: use one of {', '.join(ACTIVATION_QUANTS)}")
         self.activation_quant = mode
@@ -246,7 +247,7 @@ class DSparkDraft(nn.Module):
             attn = layer.self_attn
             own += [attn.q_proj, attn.kv_proj, attn.o_proj, layer.gate_up_proj, layer.down_proj]
         for lin in own:
-            if lin.in_features % 32 == 0:
+            if lin.in_features % 32 == 0 and lin.activation_quant != "int8":
                 blocks = BlockWeight.q8_0(lin.weight)
                 lin.weight.data.copy_(blocks.dequantize())
                 lin.set_blocks(blocks)
@@ -431,7 +432,7 @@ def target_vocab_weights(target: CausalLM) -> dict[str, torch.Tensor]:
     holds a full copy of them only when a draft needs one."""
     if not target.vocab_sharded:
         return {"embed_tokens.weight": target.model.embed_tokens.weight,
-                "lm_head.weight": target.lm_head.weight}
+                "lm_head.weight": target.lm_head.dense_weight()}
     from sparkserve.models.registry import checkpoint_weights
     got = dict(checkpoint_weights(target.checkpoint_path, target.config,
                                   {"model.embed_tokens.weight", "lm_head.weight"}))

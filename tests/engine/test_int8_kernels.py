@@ -237,6 +237,35 @@ def test_no_packed_copy_while_int8_takes_every_row_count():
     assert lin._packed is not None and torch.equal(lin(x), exact)
 
 
+@torch.no_grad()
+def test_int8_layer_lets_its_fp32_weight_go():
+    """Where int8 takes every row count nothing reads a layer's fp32 weight: it goes (a meta tensor
+    of its shape stands in) and outputs stay the int8 kernel's; `dense_weight()` still gives the
+    values; fp32 activations bring the weight back and the exact path with it; a layer marked
+    keep_dense (the LM head tied to the embedding) keeps it; autograd runs on the rebuilt values."""
+    lin = _layer(Q4_1)
+    dense = lin.weight.clone()
+    x = torch.randn(linear_mod.QUANT_MAX_M + 40, 64, generator=torch.Generator().manual_seed(7))
+    exact = lin(x)
+    lin.set_activation_quant("int8")
+    dropped = kernels.int8_beats_gemm()
+    assert lin.weight.is_meta == dropped and lin.weight.shape == dense.shape
+    assert torch.equal(lin.dense_weight(), dense)
+    for m in (1, 8, x.shape[0]):
+        assert torch.equal(lin(x[:m]), kernels.quant_linear_int8(x[:m], lin._blocks, lin.bias))
+    with torch.enable_grad():
+        xg = x[:2].clone().requires_grad_()
+        y = lin(xg)
+        assert y.requires_grad and torch.equal(y, F.linear(xg, dense, lin.bias))
+    lin.set_activation_quant("none")
+    assert not lin.weight.is_meta and torch.equal(lin.weight, dense)
+    assert torch.equal(lin(x), exact)
+    kept = _layer(Q4_1)
+    kept.keep_dense = True
+    kept.set_activation_quant("int8")
+    assert not kept.weight.is_meta
+
+
 def test_mode_survives_set_blocks_and_skips_half_blocks():
     lin = _layer(Q4_1)
     lin.set_activation_quant("int8")
@@ -248,7 +277,8 @@ def test_mode_survives_set_blocks_and_skips_half_blocks():
 
 def test_engine_option_reaches_the_layers(smollm2_path):
     """--activation-quant is a ServerArgs field (default int8, as llama.cpp) that load_model applies to
-    every layer holding Q4_1 / Q8_0 blocks (the LM head is Q8_0)."""
+    every layer holding Q4_1 / Q8_0 blocks (the LM head is Q8_0); under int8 they let their fp32
+    weights go, but the LM head tied to the embedding table."""
     from sparkserve.args import ServerArgs
     from sparkserve.models.registry import load_model
     assert ServerArgs().activation_quant == "int8"
@@ -259,6 +289,10 @@ def test_engine_option_reaches_the_layers(smollm2_path):
         held = [m for m in model.modules() if isinstance(m, Linear) and m._blocks is not None]
         assert held and all(m.activation_quant == mode for m in held)
         assert all((m._int8_max_m > 0) == (mode == "int8") for m in held)
+        # int8 holds the weights once: no fp32 copy beside the blocks but the tied embedding table
+        dropped = mode == "int8" and kernels.int8_beats_gemm()
+        assert all(m.weight.is_meta == (dropped and m is not model.lm_head) for m in held)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def _chunked_logits(model, tokens: list[int], chunk: int = 8) -> torch.Tensor:
