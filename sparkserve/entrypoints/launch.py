@@ -28,6 +28,7 @@ from sparkserve.entrypoints.ranks import serve_worker_node, start_worker_ranks, 
 from sparkserve.entrypoints.tokenizer_manager import TokenizerManager
 from sparkserve.frontend.hf_export import served_tokenizer_path
 from sparkserve.frontend.tokenizer import load_tokenizer_for
+from sparkserve.loader.gguf_file import close_gguf
 from sparkserve.messages import SchedulerFailed, SchedulerReady, ShutdownReq
 
 log = logging.getLogger("sparkserve.server")
@@ -135,8 +136,10 @@ class SchedulerProcess:
 
 
 def _load_frontend_tokenizer(args: ServerArgs):
-    """(tokenizer or None, HF tokenizer directory for load generators or None)."""
+    """(tokenizer or None, HF tokenizer directory for load generators or None). This process reads
+    no weights, so a GGUF file's parse goes once the tokenizer is built (the scheduler's has its own)."""
     tokenizer = load_tokenizer_for(args)
+    close_gguf(args.tokenizer_path)
     return tokenizer, served_tokenizer_path(args.tokenizer_path, tokenizer)
 
 

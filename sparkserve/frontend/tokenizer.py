@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as _RustTokenizer
 
 from sparkserve.args import ServerArgs
 from sparkserve.frontend.chat_template import render_chat_template
-from sparkserve.loader.gguf_file import gguf_metadata, open_gguf
+from sparkserve.loader.gguf_file import gguf_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) rebuilt from GGUF metadata."""
-        md = gguf_metadata(open_gguf(path))
+        md = gguf_metadata(path)
         kind = md.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(

@@ -15,7 +15,7 @@ import torch
 
 from sparkserve.config import ModelConfig
 from sparkserve.kernels.blocks import BlockWeight
-from sparkserve.loader.gguf_file import gguf_metadata, open_gguf
+from sparkserve.loader.gguf_file import close_gguf, gguf_metadata, open_gguf
 from sparkserve.loader.weights import with_blocks
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -31,7 +31,7 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 
 def gguf_config(path: str) -> ModelConfig:
-    meta = gguf_metadata(open_gguf(path))
+    meta = gguf_metadata(path)
     arch = meta["general.architecture"]
     if arch not in _ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHS)})")
@@ -73,9 +73,19 @@ def _unpermute_rows(rows: int, n_head: int) -> np.ndarray:
 
 def gguf_weights(path: str, cfg: ModelConfig, names: set[str] | None = None
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor (HF names), or only those in `names` (the others are not dequantized)."""
+    """Every tensor (HF names), or only those in `names` (the others are not dequantized). Once
+    read (or abandoned), the file's reader is dropped from the cache: a process reads its weights
+    once, and the reader holds a few times the metadata's memory besides the file's mapping."""
     reader = open_gguf(path)
-    permuted = gguf_metadata(reader)["general.architecture"] == "llama"
+    permuted = gguf_metadata(path)["general.architecture"] == "llama"
+    try:
+        yield from _tensors(reader, cfg, names, permuted)
+    finally:
+        close_gguf(path)
+
+
+def _tensors(reader: gguf.GGUFReader, cfg: ModelConfig, names: set[str] | None, permuted: bool
+             ) -> Iterator[tuple[str, torch.Tensor]]:
     for t in reader.tensors:
         name = _hf_name(t.name)
         if names is not None and name not in names:

@@ -1,29 +1,55 @@
-"""One parse per GGUF file, shared by the weight loader and the tokenizer.
+"""One parse per GGUF file, shared by the config, the weight loader and the tokenizer.
 
-`gguf.GGUFReader` takes seconds on a 100 MB file (it indexes every metadata array element), so the
-reader is cached on the absolute path and its metadata is turned into plain Python values once here.
+`gguf.GGUFReader` takes seconds on a 100 MB file and holds far more memory than the file's
+metadata (it indexes every metadata array element), so the reader is cached on the absolute path
+only until the weights have been read from it (`close_gguf`, called by the weight loader): the
+metadata, turned into plain Python values once, stays cached.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Any
 
 import gguf
 
-
-@functools.lru_cache(maxsize=8)
-def _open_cached(abs_path: str) -> gguf.GGUFReader:
-    return gguf.GGUFReader(abs_path, "r")
+_readers: dict[str, gguf.GGUFReader] = {}
+_lock = threading.Lock()
 
 
-def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
-    """Parse `path` once per process (memory-mapped, read-only) and return the shared reader."""
+def _abs(path: str | os.PathLike[str]) -> str:
     abs_path = os.path.abspath(os.fspath(path))
     if not os.path.isfile(abs_path):
         raise FileNotFoundError(f"GGUF file not found: {abs_path}")
-    return _open_cached(abs_path)
+    return abs_path
+
+
+def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+    """The reader of `path` (memory-mapped, read-only), parsed once until `close_gguf`."""
+    abs_path = _abs(path)
+    with _lock:
+        if abs_path not in _readers:
+            _readers[abs_path] = gguf.GGUFReader(abs_path, "r")
+        return _readers[abs_path]
+
+
+def close_gguf(path: str | os.PathLike[str]) -> None:
+    """Forget the reader of `path` (its parse and its file mapping go once nothing else holds it)."""
+    with _lock:
+        _readers.pop(os.path.abspath(os.fspath(path)), None)
+
+
+@functools.lru_cache(maxsize=8)
+def _metadata(abs_path: str) -> dict[str, Any]:
+    return {name: _field_value(field) for name, field in open_gguf(abs_path).fields.items()}
+
+
+def gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every metadata field of `path` as Python values: scalars, str, list[str] or list of numbers
+    (one shared dict: read it, do not change it)."""
+    return _metadata(_abs(path))
 
 
 def _to_str(part: Any) -> str:
@@ -44,8 +70,3 @@ def _field_value(field: Any) -> Any:
     if main == gguf.GGUFValueType.STRING:
         return _to_str(field.parts[-1])
     return field.parts[-1].tolist()[0]
-
-
-def gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """Every metadata field as Python values: scalars, str, list[str] or list of numbers."""
-    return {name: _field_value(field) for name, field in reader.fields.items()}

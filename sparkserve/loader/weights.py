@@ -36,7 +36,9 @@ class WeightLoader:
         self.model = model
         self.stacked = stacked
         self.what = what
-        self.params = dict(model.named_parameters())
+        # names only: a layer may swap its parameter for a stand-in once loaded (Linear._hold_dense),
+        # and a reference kept here would hold every dropped fp32 weight until the load ends
+        self.param_names = {name for name, _ in model.named_parameters()}
         self.modules = dict(model.named_modules())
         self.loaded: set[str] = set()
         self.blocks: dict[str, BlockWeight] = {}     # embedding name -> its checkpoint blocks
@@ -53,18 +55,18 @@ class WeightLoader:
                     target.load(shard, tensor, kind)
                 self.loaded.add(f"{mod}.{kind}#{shard}")
                 return
-        if name not in self.params:
+        if name not in self.param_names:
             raise ValueError(f"{self.what} tensor {name} has no matching parameter")
-        owner = self.modules.get(name.rsplit(".", 1)[0])
+        owner_name, pname = name.rsplit(".", 1) if "." in name else ("", name)
+        owner = self.modules[owner_name]
         if isinstance(owner, Sharded):     # a module split over the ranks keeps its part only
             tensor, blocks = owner.local_shard(tensor, blocks)
-        p = self.params[name]
+        p = getattr(owner, pname)
         if p.shape != tensor.shape:
             raise ValueError(f"{name}: {self.what} shape {tuple(tensor.shape)} != {tuple(p.shape)}")
         p.data.copy_(tensor)
         self.loaded.add(name)
-        mod = self.modules.get(name.rsplit(".", 1)[0])
-        if blocks is not None and isinstance(mod, (nn.Embedding, VocabParallelEmbedding)):
+        if blocks is not None and isinstance(owner, (nn.Embedding, VocabParallelEmbedding)):
             self.blocks[name] = blocks              # for an LM head tied to it (mark_loaded)
         self._give_blocks(name, blocks)
 

@@ -84,6 +84,10 @@ def test_variant_matches_reference(variant, qtype, n, k):
             fp = F.linear(x, dense, bias)
             err, scale = (y - fp).abs().max().item(), fp.abs().max().item()
             assert err <= 0.02 * scale, f"M={m}: {err:.3g} off the fp32 product (scale {scale:.3g})"
+            # A row's result does not depend on the rows beside it (verify == plain decode).
+            for i in {0, m // 2, m - 1}:
+                alone = kernels.quant_linear_int8(x[i:i + 1], w, bias, variant=variant)
+                assert torch.equal(y[i:i + 1], alone), f"M={m}: row {i} differs when run alone"
 
 
 def test_quantizer_matches_reference_exactly():

@@ -97,11 +97,29 @@ def _as_parts(conv: list[dict]) -> list[dict]:
 def test_open_gguf_cached_and_metadata_matches_gguf(path: str) -> None:
     reader = open_gguf(path)
     assert open_gguf(os.path.relpath(path)) is reader
-    md = gguf_metadata(reader)
+    md = gguf_metadata(path)
+    assert gguf_metadata(os.path.relpath(path)) is md
     assert set(md) == set(reader.fields)
     for name, field in reader.fields.items():
         assert md[name] == field.contents(), name
     assert isinstance(md["tokenizer.ggml.tokens"][0], str)
+
+
+def test_reading_the_weights_drops_the_reader(path: str) -> None:
+    """The reader (its parse and file mapping) is cached until the weights are read, finished or
+    abandoned; the metadata stays cached."""
+    from sparkserve.loader.gguf import gguf_config, gguf_weights
+    cfg = gguf_config(path)
+    md, reader = gguf_metadata(path), open_gguf(path)
+    got = dict(gguf_weights(path, cfg, {"model.norm.weight"}))
+    assert list(got) == ["model.norm.weight"] and got["model.norm.weight"].shape == (cfg.hidden_size,)
+    assert open_gguf(path) is not reader and gguf_metadata(path) is md
+    reader = open_gguf(path)
+    weights = gguf_weights(path, cfg)
+    assert next(weights)[0].startswith("model.")
+    assert open_gguf(path) is reader          # still reading
+    del weights                               # abandoned: the generator closes
+    assert open_gguf(path) is not reader
 
 
 def test_default_model_path_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -293,3 +311,12 @@ def test_detokenizer_work_is_bounded(ours: Tokenizer) -> None:
     deltas, _ = _stream(Counting(), ids, 1, True)  # type: ignore[arg-type]
     assert "".join(deltas) == ours.decode(ids)
     assert Counting.decoded < 12 * len(ids)  # O(1) ids per step; a full re-decode would be O(n^2)
+
+
+def test_http_process_keeps_no_gguf_parse(path: str) -> None:
+    """The HTTP process builds its tokenizer from the GGUF file and reads no weights: the parse goes."""
+    from sparkserve.args import ServerArgs
+    from sparkserve.entrypoints.launch import _load_frontend_tokenizer
+    reader = open_gguf(path)
+    tokenizer, _ = _load_frontend_tokenizer(ServerArgs(model_path=path, tokenizer_path=path))
+    assert tokenizer is not None and open_gguf(path) is not reader
