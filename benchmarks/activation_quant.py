@@ -29,7 +29,7 @@ from sparkserve.core.forward_batch import ForwardMode  # noqa: E402
 from sparkserve.embedded import default_model_path  # noqa: E402
 from sparkserve.executor.model_runner import ModelRunner, ScheduledReq  # noqa: E402
 from sparkserve.frontend.tokenizer import load_tokenizer  # noqa: E402
-from sparkserve.layers.linear import set_activation_quant  # noqa: E402
+from sparkserve.layers.block_backed import set_activation_quant  # noqa: E402
 from sparkserve.mem.cache_manager import KVCacheManager  # noqa: E402
 from sparkserve.mem.kv_pool import KVPool  # noqa: E402
 from sparkserve.models.registry import load_config, load_model  # noqa: E402

@@ -33,7 +33,7 @@ from results_io import machine_info, machine_line, sparkserve_kernels, write_res
 
 from sparkserve import Engine
 from sparkserve.kernels.build import load_extension
-from sparkserve.layers.linear import set_activation_quant
+from sparkserve.layers.block_backed import set_activation_quant
 
 PROMPT = "Write a short story about a robot who learns to paint."
 NATIVE = "native step (Engine.generate)"

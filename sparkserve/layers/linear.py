@@ -20,10 +20,7 @@ speculative verify agrees with plain decode and a decode row does not depend on 
 run with it (docs/kernel-notes.md).
 
 A layer whose every row count goes to the int8 kernel never reads its fp32 weight, so it lets it
-go (a meta tensor of the same shape stands in; `dense_weight()` rebuilds the values from the
-blocks, and switching back to "none" restores it): the quantized model then holds its weights
-once, as llama.cpp does, not also in fp32. A layer whose weight another module also reads (the
-LM head tied to the embedding table) is marked `keep_dense`."""
+go (BlockBacked; switching back to "none" restores it)."""
 from __future__ import annotations
 
 import torch
@@ -33,6 +30,7 @@ from sparkserve import kernels
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import shard_rows
 from sparkserve.kernels import BlockWeight
+from sparkserve.layers.block_backed import BlockBacked
 from sparkserve.layers.sharded import Sharded
 
 # Most rows that go to the block kernel rather than oneDNN fp32 (the kernel does the same fp32
@@ -55,7 +53,7 @@ def _mkldnn_ok() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-class Linear(Sharded):
+class Linear(Sharded, BlockBacked):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -71,8 +69,6 @@ class Linear(Sharded):
         self.activation_quant = "none"
         self._int8_fn = None
         self._int8_max_m = 0
-        self.keep_dense = False        # another module reads `weight` too
-        self._dense_dropped = False
 
     def set_blocks(self, blocks: BlockWeight | None) -> None:
         """Keep the checkpoint's block form of `weight` (same values) for the small-M kernel;
@@ -99,24 +95,13 @@ class Linear(Sharded):
         # (docs/kernel-notes.md); the others stop where the block kernel does.
         any_m = kernels.int8_beats_gemm()
         self._int8_max_m = (ALL_ROWS if any_m else self._max_m) if mode == "int8" and int8_ok else 0
-        self._hold_dense(self.keep_dense or self._int8_max_m < ALL_ROWS)
+        if self._hold_dense(self._int8_max_m < ALL_ROWS):        # the fp32 weight only if read
+            self._blocks_version = _version(self.weight)
         if self._pack_wanted:
             self.pack()
 
-    def _hold_dense(self, keep: bool) -> None:
-        """Drop the fp32 weight (nothing reads it) or bring it back from the blocks."""
-        if keep and self._dense_dropped:
-            self.weight = nn.Parameter(self._blocks.dequantize(), requires_grad=False)
-        elif not keep and not self._dense_dropped and self.inference_blocks() is not None:
-            self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
-        else:
-            return
-        self._dense_dropped = not keep
-        self._blocks_version = _version(self.weight)
-
-    def dense_weight(self) -> torch.Tensor:
-        """The fp32 weight, also while it is dropped (then made anew from the blocks)."""
-        return self._blocks.dequantize() if self._dense_dropped else self.weight
+    def _blocks_hold_weight(self) -> bool:
+        return self.inference_blocks() is not None
 
     def inference_blocks(self) -> BlockWeight | None:
         """The block form of `weight` while it still holds the same values (for kernels that
@@ -241,13 +226,6 @@ class FusedLinear(Linear):
                 self._shard_blocks = {}
             else:
                 self._blocks = None
-
-
-def set_activation_quant(model: nn.Module, mode: str) -> None:
-    """Every Linear of `model` computes with `mode` activations ("int8" or "none"; see Linear)."""
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.set_activation_quant(mode)
 
 
 def pack_linears(model: nn.Module) -> None:

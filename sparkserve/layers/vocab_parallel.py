@@ -13,7 +13,8 @@ from torch import nn
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import vocab_shard
 from sparkserve.kernels import BlockWeight
-from sparkserve.layers.linear import Linear
+from sparkserve.layers.block_backed import BlockBacked
+from sparkserve.layers.linear import ACTIVATION_QUANTS, Linear
 from sparkserve.layers.sharded import Sharded
 
 
@@ -28,24 +29,47 @@ def vocab_slice(tensor: torch.Tensor, blocks: BlockWeight | None, start: int, ro
     return part, None if blocks is None else blocks.rows(torch.arange(start, start + rows))
 
 
-class VocabParallelEmbedding(Sharded):
+class VocabParallelEmbedding(Sharded, BlockBacked):
+    """Served quantized ("int8"), the embedding looks its rows up in the checkpoint's blocks (the
+    same values, dequantized per lookup: a few rows a step) and holds no fp32 table."""
+
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.num_embeddings, self.embedding_dim = vocab_size, hidden_size
         self.start, self.rows, self.real = vocab_shard(vocab_size)
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
+        self.activation_quant = "none"
 
     def local_shard(self, tensor, blocks=None):
         if ps.tp_size() == 1:
             return tensor, blocks
         return vocab_slice(tensor, blocks, self.start, self.rows, self.real)
 
+    def set_blocks(self, blocks: BlockWeight | None) -> None:
+        """The block form of `weight` (same values; the loader guarantees it)."""
+        if blocks is not None and tuple(blocks.shape) != tuple(self.weight.shape):
+            raise ValueError(f"blocks {tuple(blocks.shape)} do not fit the embedding "
+                             f"{tuple(self.weight.shape)}")
+        self._blocks = blocks
+        self.set_activation_quant(self.activation_quant)
+
+    def set_activation_quant(self, mode: str) -> None:
+        if mode not in ACTIVATION_QUANTS:
+            raise ValueError(f"activation_quant {mode!r}: use one of {', '.join(ACTIVATION_QUANTS)}")
+        self.activation_quant = mode
+        self._hold_dense(mode != "int8")
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._dense_dropped:
+            return self._blocks.rows(ids.reshape(-1)).dequantize().view(*ids.shape, self.embedding_dim)
+        return F.embedding(ids, self.weight)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ps.tp_size() == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         inside = (local >= 0) & (local < self.rows)
-        x = F.embedding(torch.where(inside, local, 0), self.weight)
+        x = self._lookup(torch.where(inside, local, 0))
         return ps.all_reduce(x.masked_fill_(~inside.unsqueeze(-1), 0.0))
 
 

@@ -80,7 +80,7 @@ class WeightLoader:
     def _give_blocks(self, name: str, blocks: BlockWeight | None) -> None:
         mod_name, kind = name.rsplit(".", 1) if "." in name else ("", name)
         mod = self.modules.get(mod_name)
-        if kind == "weight" and isinstance(mod, Linear):
+        if kind == "weight" and isinstance(mod, (Linear, VocabParallelEmbedding)):
             mod.set_blocks(blocks)
 
     def check_complete(self) -> None:

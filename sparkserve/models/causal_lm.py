@@ -73,7 +73,6 @@ class CausalLM(AuxCaptureMixin, nn.Module):
     def _tie(self) -> None:
         if self.config.tie_word_embeddings and self.has_lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight
-            self.lm_head.keep_dense = True         # the embedding looks its rows up
 
     def owns(self, name: str) -> bool:
         """Whether this pipeline stage holds the checkpoint tensor `name`."""

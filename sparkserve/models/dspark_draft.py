@@ -431,7 +431,7 @@ def target_vocab_weights(target: CausalLM) -> dict[str, torch.Tensor]:
     so they are read from its checkpoint, just those tensors: the driver (where the draft runs)
     holds a full copy of them only when a draft needs one."""
     if not target.vocab_sharded:
-        return {"embed_tokens.weight": target.model.embed_tokens.weight,
+        return {"embed_tokens.weight": target.model.embed_tokens.dense_weight(),
                 "lm_head.weight": target.lm_head.dense_weight()}
     from sparkserve.models.registry import checkpoint_weights
     got = dict(checkpoint_weights(target.checkpoint_path, target.config,

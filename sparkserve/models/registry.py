@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
-from sparkserve.layers.linear import pack_linears, set_activation_quant
+from sparkserve.layers.block_backed import set_activation_quant
+from sparkserve.layers.linear import pack_linears
 from sparkserve.models.kimi_linear import KimiLinearForCausalLM
 from sparkserve.models.llama import LlamaForCausalLM
 from sparkserve.models.minimax_m3 import MiniMaxM3ForCausalLM

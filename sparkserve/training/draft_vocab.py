@@ -30,7 +30,9 @@ def move_to_vocab(old, new, target_head: torch.Tensor) -> None:
         return d.to_target_ids(torch.arange(d.config.out_vocab))
     old_ids, new_ids = ids(old), ids(new)
     by_vocab = ("lm_head.weight", "markov_head.markov_w2.weight", "d2t")
-    new.load_state_dict({k: v for k, v in old.state_dict().items() if k not in by_vocab}, strict=False)
+    shared = tuple(f"{m}." for m in old.shared_with_target)    # the target's modules: nothing to copy
+    new.load_state_dict({k: v for k, v in old.state_dict().items()
+                         if k not in by_vocab and not k.startswith(shared)}, strict=False)
     t_old, t_new = target_head[old_ids].float(), target_head[new_ids].float()
     drift = torch.linalg.lstsq(t_old, old.lm_head.weight.detach().float() - t_old).solution
     head = t_new + t_new @ drift

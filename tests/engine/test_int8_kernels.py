@@ -20,6 +20,7 @@ from test_quant_kernels import REPO, random_blocks
 from sparkserve import kernels
 from sparkserve.kernels import BF16, Q4_1, Q8_0, int8_ref
 from sparkserve.layers import linear as linear_mod
+from sparkserve.layers.block_backed import set_activation_quant
 from sparkserve.layers.linear import Linear
 
 VARIANTS = ("avx2", "avxvnni", "avx512", "avx512vnni")     # the dispatcher's order is the reverse
@@ -264,10 +265,27 @@ def test_int8_layer_lets_its_fp32_weight_go():
     lin.set_activation_quant("none")
     assert not lin.weight.is_meta and torch.equal(lin.weight, dense)
     assert torch.equal(lin(x), exact)
-    kept = _layer(Q4_1)
-    kept.keep_dense = True
-    kept.set_activation_quant("int8")
-    assert not kept.weight.is_meta
+
+
+@torch.no_grad()
+def test_int8_embedding_looks_rows_up_in_its_blocks():
+    """Served quantized, the embedding holds no fp32 table and looks rows up in its blocks: the
+    same values bit for bit, for any id shape; "none" brings the table back."""
+    from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
+    w = random_blocks(Q8_0, 300, 64, seed=8)
+    emb = VocabParallelEmbedding(300, 64)
+    emb.weight.data.copy_(w.dequantize())
+    emb.set_blocks(w)
+    ids = torch.tensor([[0, 299, 7], [7, 150, 1]])
+    table = emb(ids)
+    assert not emb.weight.is_meta and torch.equal(table, F.embedding(ids, w.dequantize()))
+    emb.set_activation_quant("int8")
+    assert emb.weight.is_meta and torch.equal(emb.dense_weight(), w.dequantize())
+    assert torch.equal(emb(ids), table) and torch.equal(emb(ids[0, 1:2]), table[0, 1:2])
+    emb.set_activation_quant("none")
+    assert not emb.weight.is_meta and torch.equal(emb(ids), table)
+    with pytest.raises(ValueError, match="activation_quant"):
+        emb.set_activation_quant("int4")
 
 
 def test_mode_survives_set_blocks_and_skips_half_blocks():
@@ -279,24 +297,39 @@ def test_mode_survives_set_blocks_and_skips_half_blocks():
     assert lin.activation_quant == "int8" and lin._int8_max_m == 0
 
 
-def test_engine_option_reaches_the_layers(smollm2_path):
+def test_engine_option_reaches_the_layers(smollm2_path, monkeypatch):
     """--activation-quant is a ServerArgs field (default int8, as llama.cpp) that load_model applies to
-    every layer holding Q4_1 / Q8_0 blocks (the LM head is Q8_0); under int8 they let their fp32
-    weights go, but the LM head tied to the embedding table."""
+    every layer holding Q4_1 / Q8_0 blocks (the LM head is Q8_0); under int8 they and the embedding
+    let their fp32 weights go, each as soon as its blocks arrive while loading."""
     from sparkserve.args import ServerArgs
+    from sparkserve.layers.block_backed import BlockBacked
+    from sparkserve.loader.weights import WeightLoader
     from sparkserve.models.registry import load_model
     assert ServerArgs().activation_quant == "int8"
     with pytest.raises(ValueError, match="--activation-quant"):
         ServerArgs(activation_quant="fp8").validate()
+    load, still_dense = WeightLoader.load, []
+
+    def watched(loader, name, tensor):          # after each tensor: block-backed layers still in fp32
+        load(loader, name, tensor)
+        still_dense.append(sum(isinstance(m, BlockBacked) and m._blocks is not None and not m.weight.is_meta
+                               for m in loader.model.modules()))
+
+    monkeypatch.setattr(WeightLoader, "load", watched)
     for mode in ("int8", "none"):
+        still_dense.clear()
         model = load_model(smollm2_path, activation_quant=mode)
+        if mode == "int8" and kernels.int8_beats_gemm():
+            assert len(still_dense) > 200 and max(still_dense) == 0
         held = [m for m in model.modules() if isinstance(m, Linear) and m._blocks is not None]
         assert held and all(m.activation_quant == mode for m in held)
         assert all((m._int8_max_m > 0) == (mode == "int8") for m in held)
-        # int8 holds the weights once: no fp32 copy beside the blocks but the tied embedding table
+        # int8 holds the weights once: no fp32 copy beside the blocks, the embedding table included
         dropped = mode == "int8" and kernels.int8_beats_gemm()
-        assert all(m.weight.is_meta == (dropped and m is not model.lm_head) for m in held)
-        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert all(m.weight.is_meta == dropped for m in held)
+        assert model.model.embed_tokens.weight.is_meta == (mode == "int8")
+        if mode == "none":
+            assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def _chunked_logits(model, tokens: list[int], chunk: int = 8) -> torch.Tensor:
@@ -335,7 +368,7 @@ def test_smollm2_int8_logits_stay_close_to_fp32(smollm2_path):
     tokens = load_tokenizer(smollm2_path).encode(text, add_special_tokens=True)
     model = load_model(smollm2_path, activation_quant="none")
     fp = _chunked_logits(model, tokens)
-    linear_mod.set_activation_quant(model, "int8")
+    set_activation_quant(model, "int8")
     i8 = _chunked_logits(model, tokens)
     diff = (i8 - fp).abs()
     scale = fp.abs().max().item()

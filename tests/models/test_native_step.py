@@ -15,7 +15,7 @@ from test_model_logits import Driver, check_against_hf, make_runner, run_schedul
 
 from sparkserve import Engine
 from sparkserve.core.forward_batch import ForwardMode
-from sparkserve.layers.linear import set_activation_quant
+from sparkserve.layers.block_backed import set_activation_quant
 from sparkserve.models import llama_native
 from sparkserve.models.llama_native import NATIVE_MAX_TOKENS
 

@@ -1,0 +1,47 @@
+"""BlockBacked: a module whose fp32 `weight` came from checkpoint blocks (GGUF Q4_1 / Q8_0, half
+types) that it keeps beside it. Served quantized (--activation-quant int8), such a module reads
+the blocks only, so the fp32 copy can go: a meta tensor of the same shape stands in for it, and
+`dense_weight()` rebuilds the values for the rare reader (a draft copying the target's LM head,
+autograd). The model's weights are then held once, as llama.cpp holds them, not also in fp32."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparkserve.kernels import BlockWeight
+
+
+class BlockBacked(nn.Module):
+    weight: nn.Parameter
+    _blocks: BlockWeight | None = None
+    _dense_dropped = False
+
+    def set_activation_quant(self, mode: str) -> None:
+        raise NotImplementedError
+
+    def _blocks_hold_weight(self) -> bool:
+        """Whether the blocks still hold `weight`'s values (not once it is trained or overwritten)."""
+        return self._blocks is not None
+
+    def _hold_dense(self, keep: bool) -> bool:
+        """Drop the fp32 weight or bring it back from the blocks; whether it changed."""
+        if keep and self._dense_dropped:
+            self.weight = nn.Parameter(self._blocks.dequantize(), requires_grad=False)
+        elif not keep and not self._dense_dropped and self._blocks_hold_weight():
+            self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
+        else:
+            return False
+        self._dense_dropped = not keep
+        return True
+
+    def dense_weight(self) -> torch.Tensor:
+        """The fp32 weight, also while it is dropped (then made anew from the blocks)."""
+        return self._blocks.dequantize() if self._dense_dropped else self.weight
+
+
+def set_activation_quant(model: nn.Module, mode: str) -> None:
+    """Every block-backed module of `model` (Linear layers, the embedding) serves `mode`: "int8"
+    or "none" (see Linear)."""
+    for m in model.modules():
+        if isinstance(m, BlockBacked):
+            m.set_activation_quant(mode)
