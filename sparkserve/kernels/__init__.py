@@ -17,7 +17,8 @@ from sparkserve.kernels.blocks import BF16, BLOCK_BYTES, F16, Q4_1, Q8_0, BlockW
 from sparkserve.kernels.build import load_extension
 
 __all__ = ["BlockWeight", "Q4_1", "Q8_0", "BF16", "F16", "BLOCK_BYTES", "available", "load_extension",
-           "quant_linear", "quant_linear_int8", "variant", "runnable_variants", "int8_beats_gemm"]
+           "quant_linear", "quant_linear_int8", "dequantize_rows", "variant", "runnable_variants",
+           "int8_beats_gemm"]
 
 
 def available() -> bool:
@@ -40,6 +41,15 @@ def quant_linear_int8(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None
     if ext is None:
         raise RuntimeError("sparkserve kernels are unavailable (see the warning logged at first use)")
     return ext.quant_linear_int8(x, w.blocks, w.qtype, bias, variant)
+
+
+def dequantize_rows(w: BlockWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (1-D int64) of `w` as fp32 [len(ids), K], the values `w.dequantize()` has; on the
+    calling thread (no torch thread pool) where the kernels are built."""
+    ext = load_extension()
+    if ext is None:
+        return w.rows(ids).dequantize()
+    return ext.dequantize_rows(w.blocks, w.qtype, w.in_features, ids)
 
 
 def variant() -> str:

@@ -361,3 +361,33 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional
                            y.data_ptr<float>());
   return y;
 }
+
+// Rows `ids` of a block weight [N, K/32 * block_bytes], expanded to fp32 exactly as gguf-py's
+// `dequantize` gives them: the embedding of a model served quantized looks its rows up here, a
+// few a step, on the calling thread (a torch op would wake its own thread pool beside the
+// kernels' spinning one).
+at::Tensor dequantize_rows(at::Tensor w, int64_t qtype, int64_t K, at::Tensor ids) {
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kBF16 || qtype == kF16,
+              "dequantize_rows: unsupported type ", qtype);
+  TORCH_CHECK(K % 32 == 0, "dequantize_rows: K must be a multiple of 32, got ", K);
+  const int64_t row_bytes = K / 32 * block_bytes(static_cast<int>(qtype)), N = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes,
+              "dequantize_rows: w must be a contiguous uint8 [N, ", row_bytes, "] tensor");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "dequantize_rows: ids must be 1-D int64");
+  const at::Tensor idx = ids.contiguous();
+  const int64_t n = idx.numel(), bb = block_bytes(static_cast<int>(qtype));
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "dequantize_rows: id ", ip[i], " out of range");
+  auto y = at::empty({n, K}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  by_type(qtype, [&](auto qt) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        __m256 v[4];
+        expand<qt.value>(wp + ip[i] * row_bytes + b * bb, v);
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(yp + i * K + 32 * b + 8 * j, v[j]);
+      }
+  });
+  return y;
+}

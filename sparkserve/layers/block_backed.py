@@ -16,6 +16,10 @@ class BlockBacked(nn.Module):
     _blocks: BlockWeight | None = None
     _dense_dropped = False
 
+    def set_blocks(self, blocks: BlockWeight | None) -> None:
+        """Keep the checkpoint's block form of `weight` (the same values: the caller guarantees it)."""
+        raise NotImplementedError
+
     def set_activation_quant(self, mode: str) -> None:
         raise NotImplementedError
 

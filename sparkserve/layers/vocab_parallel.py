@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparkserve import kernels
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import vocab_shard
 from sparkserve.kernels import BlockWeight
@@ -46,7 +47,6 @@ class VocabParallelEmbedding(Sharded, BlockBacked):
         return vocab_slice(tensor, blocks, self.start, self.rows, self.real)
 
     def set_blocks(self, blocks: BlockWeight | None) -> None:
-        """The block form of `weight` (same values; the loader guarantees it)."""
         if blocks is not None and tuple(blocks.shape) != tuple(self.weight.shape):
             raise ValueError(f"blocks {tuple(blocks.shape)} do not fit the embedding "
                              f"{tuple(self.weight.shape)}")
@@ -61,7 +61,7 @@ class VocabParallelEmbedding(Sharded, BlockBacked):
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self._dense_dropped:
-            return self._blocks.rows(ids.reshape(-1)).dequantize().view(*ids.shape, self.embedding_dim)
+            return kernels.dequantize_rows(self._blocks, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
         return F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

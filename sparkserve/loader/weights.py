@@ -4,15 +4,16 @@ was filled. Shared by the target models and the DSpark draft. Under tensor or ex
 parallelism a module that keeps only part of a tensor says which (`local_shard`).
 
 A checkpoint tensor may carry the block form it was dequantized from (`with_blocks`, set by the
-GGUF loader): the loader hands those blocks to the Linear that receives the tensor, so it can run
-the block kernel (sparkserve.kernels) at small M."""
+GGUF loader): the loader hands those blocks to the module that receives the tensor (a Linear, the
+embedding), which then computes from them (sparkserve.kernels) and may let its fp32 copy go."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from sparkserve.kernels.blocks import BlockWeight
-from sparkserve.layers.linear import FusedLinear, Linear
+from sparkserve.layers.block_backed import BlockBacked
+from sparkserve.layers.linear import FusedLinear
 from sparkserve.layers.sharded import Sharded
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
 
@@ -36,7 +37,7 @@ class WeightLoader:
         self.model = model
         self.stacked = stacked
         self.what = what
-        # names only: a layer may swap its parameter for a stand-in once loaded (Linear._hold_dense),
+        # names only: a layer may swap its parameter for a stand-in once loaded (BlockBacked),
         # and a reference kept here would hold every dropped fp32 weight until the load ends
         self.param_names = {name for name, _ in model.named_parameters()}
         self.modules = dict(model.named_modules())
@@ -80,7 +81,7 @@ class WeightLoader:
     def _give_blocks(self, name: str, blocks: BlockWeight | None) -> None:
         mod_name, kind = name.rsplit(".", 1) if "." in name else ("", name)
         mod = self.modules.get(mod_name)
-        if kind == "weight" and isinstance(mod, (Linear, VocabParallelEmbedding)):
+        if kind == "weight" and isinstance(mod, BlockBacked):
             mod.set_blocks(blocks)
 
     def check_complete(self) -> None:

@@ -268,11 +268,18 @@ def test_int8_layer_lets_its_fp32_weight_go():
 
 
 @torch.no_grad()
-def test_int8_embedding_looks_rows_up_in_its_blocks():
-    """Served quantized, the embedding holds no fp32 table and looks rows up in its blocks: the
-    same values bit for bit, for any id shape; "none" brings the table back."""
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, BF16], ids=["Q4_1", "Q8_0", "BF16"])
+def test_int8_embedding_looks_rows_up_in_its_blocks(qtype):
+    """Served quantized, the embedding holds no fp32 table and looks rows up in its blocks (the C++
+    row expansion, or torch's without the kernels): the same values bit for bit, for any id shape;
+    "none" brings the table back."""
     from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
-    w = random_blocks(Q8_0, 300, 64, seed=8)
+    w = random_blocks(qtype, 300, 64, seed=8)
+    ids = torch.tensor([299, 0, 7, 7, 150])
+    assert torch.equal(kernels.dequantize_rows(w, ids), w.dequantize()[ids])
+    assert torch.equal(w.rows(ids).dequantize(), w.dequantize()[ids])        # the fallback
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.dequantize_rows(w, torch.tensor([300]))
     emb = VocabParallelEmbedding(300, 64)
     emb.weight.data.copy_(w.dequantize())
     emb.set_blocks(w)
