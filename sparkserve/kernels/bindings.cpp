@@ -21,6 +21,8 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at
                             std::vector<int64_t> q_lens);
 at::Tensor markov_pack(at::Tensor w2);
 at::Tensor dequantize_rows(at::Tensor w, int64_t qtype, int64_t K, at::Tensor ids);
+at::Tensor pack_blocks(at::Tensor w, int64_t qtype);
+at::Tensor unpack_blocks(at::Tensor w, int64_t qtype);
 std::tuple<at::Tensor, at::Tensor> markov_greedy(at::Tensor base, at::Tensor w1, at::Tensor w2p,
                                                  std::optional<at::Tensor> d2t, at::Tensor anchors);
 
@@ -46,6 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quant_linear with x quantized to int8 per block of 32 and integer dot products (Q4_1, Q8_0)",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("variant") = "");
   m.def("dequantize_rows", &dequantize_rows, "rows ids of a block weight as fp32 (gguf-py's values)");
+  m.def("pack_blocks", &pack_blocks, "Q4_1 / Q8_0 blocks in the int8 variants' packed layout (same shape)");
+  m.def("unpack_blocks", &unpack_blocks, "packed blocks back in GGUF order");
   m.def("int8_variants_runnable", &int8_variants_runnable, "int8 variants built here that this CPU runs");
   m.def("int8_variant", &int8_variant_name, "the int8 kernel variant in use (avx512vnni, avx512, avxvnni, avx2, fp32)");
   m.def("int8_packed_weights_held", &int8_packed_weights_held, "packed weight copies the int8 kernel holds");

@@ -6,17 +6,29 @@ Formats (ggml's, as gguf-py dequantizes them), 32 weights per block:
   Q8_0 (type 8), 34 bytes: fp16 d, 32 int8; w = d*q.
   BF16 (type 30), 64 bytes: 32 bf16 values; w = their fp32 widening.
   F16 (type 1),   64 bytes: 32 fp16 values; w = their fp32 widening (exact).
-Row operations (q|k|v concatenation, llama.cpp's q/k rope permutation) act on whole block rows."""
+Row operations (q|k|v concatenation, llama.cpp's q/k rope permutation) act on whole block rows.
+
+Served with int8 activations, Q4_1 / Q8_0 weights are held in the layout the int8 kernels read
+(`packed()`: Q4_1_X16 / Q8_0_X16, groups of 16 output rows, kernels/int8_common.h) instead of the
+GGUF one, as ggml's CPU backend repacks its weights: the same bytes in another order, so the
+model's weights are held once. `unpacked()` gives the GGUF form back."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from sparkserve.kernels.build import load_extension
+
 Q4_1, Q8_0, BF16, F16 = 3, 8, 30, 1
-BLOCK_BYTES = {Q4_1: 20, Q8_0: 34, BF16: 64, F16: 64}
+Q4_1_X16, Q8_0_X16 = 1003, 1008          # packed for the int8 kernels (not GGUF types)
+PACKED_TYPE = {Q4_1: Q4_1_X16, Q8_0: Q8_0_X16}
+GGUF_TYPE = {v: k for k, v in PACKED_TYPE.items()}
+PACK_ROWS = 16                           # output rows per packed group
+BLOCK_BYTES = {Q4_1: 20, Q8_0: 34, BF16: 64, F16: 64, Q4_1_X16: 20, Q8_0_X16: 34}
 _HALF_TYPES = {torch.bfloat16: BF16, torch.float16: F16}
 
 
@@ -25,6 +37,9 @@ class BlockWeight:
     qtype: int
     blocks: torch.Tensor        # uint8 [N, K // 32 * BLOCK_BYTES[qtype]], contiguous
     in_features: int            # K
+    # The other form (packed <-> GGUF) while someone holds it, so that modules sharing one weight
+    # (a tied LM head and embedding) share its other form too.
+    _other: weakref.ref | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.qtype not in BLOCK_BYTES:
@@ -35,6 +50,9 @@ class BlockWeight:
         if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] != want:
             raise ValueError(f"blocks {tuple(self.blocks.shape)} {self.blocks.dtype}: expected uint8 [N, "
                              f"{want}]")
+        if self.is_packed and self.blocks.shape[0] % PACK_ROWS:
+            raise ValueError(f"packed blocks hold whole groups of {PACK_ROWS} rows, not "
+                             f"{self.blocks.shape[0]}")
         self.blocks = self.blocks.contiguous()
 
     @property
@@ -44,6 +62,42 @@ class BlockWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.qtype in GGUF_TYPE
+
+    @property
+    def gguf_type(self) -> int:
+        """The GGUF type of the values (a packed weight's unpacked type)."""
+        return GGUF_TYPE.get(self.qtype, self.qtype)
+
+    def packed(self) -> "BlockWeight | None":
+        """This weight in the int8 kernels' layout, or None where they do not read one: a type
+        other than Q4_1 / Q8_0, rows not a multiple of 16 (those get a packed copy beside the
+        blocks, kernels/int8_packed.cpp), or no int8 variant to run (unbuilt, or all switched off)."""
+        if self.is_packed:
+            return self
+        ext = load_extension()
+        if (self.qtype not in PACKED_TYPE or self.out_features % PACK_ROWS or ext is None
+                or ext.int8_variant() == "fp32"):
+            return None
+        return self._other_form(lambda: BlockWeight(
+            PACKED_TYPE[self.qtype], ext.pack_blocks(self.blocks, self.qtype), self.in_features))
+
+    def unpacked(self) -> "BlockWeight":
+        """This weight in GGUF order (itself unless packed)."""
+        if not self.is_packed:
+            return self
+        return self._other_form(lambda: BlockWeight(
+            self.gguf_type, load_extension().unpack_blocks(self.blocks, self.gguf_type), self.in_features))
+
+    def _other_form(self, make) -> "BlockWeight":
+        other = self._other() if self._other is not None else None
+        if other is None:
+            other = make()
+            self._other, other._other = weakref.ref(other), weakref.ref(self)
+        return other
 
     @classmethod
     def supports(cls, qtype: int, shape: Sequence[int]) -> bool:
@@ -79,20 +133,26 @@ class BlockWeight:
         return _HALF_TYPES.get(t.dtype) if t.dim() == 2 else None
 
     def rows(self, index: torch.Tensor | np.ndarray) -> "BlockWeight":
-        """The block rows `index` (a permutation or selection of output rows)."""
+        """The block rows `index` (a permutation or selection of output rows), in GGUF order."""
+        if self.is_packed:
+            return self.unpacked().rows(index)
         return BlockWeight(self.qtype, self.blocks[torch.as_tensor(index, dtype=torch.long)],
                            self.in_features)
 
     def cols(self, k0: int, k1: int) -> "BlockWeight | None":
-        """Input columns k0..k1 (a row-parallel shard); None unless both fall on block edges."""
+        """Input columns k0..k1 (a row-parallel shard), in GGUF order; None unless both fall on
+        block edges."""
         if k0 % 32 or k1 % 32:
             return None
+        if self.is_packed:
+            return self.unpacked().cols(k0, k1)
         width = BLOCK_BYTES[self.qtype]
         return BlockWeight(self.qtype, self.blocks[:, k0 // 32 * width:k1 // 32 * width], k1 - k0)
 
     @staticmethod
     def cat(parts: Sequence["BlockWeight | None"]) -> "BlockWeight | None":
-        """Row concatenation (fused projections); None unless every part has the same format."""
+        """Row concatenation (fused projections); None unless every part has the same format.
+        Packed parts concatenate as they are: each one's rows are whole groups of 16."""
         if not parts or any(p is None for p in parts):
             return None
         first = parts[0]
@@ -104,6 +164,8 @@ class BlockWeight:
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K], bit-identical to gguf-py's `dequantize` (reference for the kernels)."""
+        if self.is_packed:
+            return self.unpacked().dequantize()
         n, k = self.shape
         b = self.blocks.view(n, k // 32, BLOCK_BYTES[self.qtype])
         if self.qtype in (BF16, F16):

@@ -41,6 +41,14 @@ constexpr int64_t packed_record_bytes(int qtype) { return qtype == 3 ? 320 : 544
 constexpr int packed_m_at = 32;                                            // Q4_1's m, after d
 constexpr int packed_quants_at(int qtype) { return qtype == 3 ? 64 : 32; }   // the first chunk
 
+// Packed weights held in place of their GGUF blocks (kernels/blocks.py's Q4_1_X16, Q8_0_X16), as
+// ggml's CPU backend holds its repacked types: the layout above with N a multiple of kGroupRows,
+// so the tensor keeps the GGUF shape [N, K/32 * block bytes]. Only the int8 variants read them.
+constexpr int kQ4_1X16 = 1003, kQ8_0X16 = 1008;
+constexpr bool is_packed_type(int qtype) { return qtype == kQ4_1X16 || qtype == kQ8_0X16; }
+// The GGUF type a packed type holds (3 Q4_1, 8 Q8_0); any other type is its own.
+constexpr int gguf_type_of(int qtype) { return qtype == kQ4_1X16 ? 3 : qtype == kQ8_0X16 ? 8 : qtype; }
+
 // The weight vectors of one packed record for a block dot: w[g] holds inputs 4g..4g+3 of each row
 // (g < 8), as Q4_1 nibbles (chunk i's low nibbles are inputs 4i.., its high nibbles 16 + 4i..), or
 // as Isa::unpack_q8_0(chunk g, w[g], w[8 + g]) makes them of Q8_0 bytes (q + 128), in the form the

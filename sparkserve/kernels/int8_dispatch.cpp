@@ -94,7 +94,10 @@ namespace {
 
 void linear_int8_on(const Variant& v, const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N,
                     int qtype, const float* bias, float* y) {
+  const bool in_place = int8::is_packed_type(qtype);    // packed already: no copy to look up
+  qtype = int8::gguf_type_of(qtype);
   if ((qtype != kQ4_1 && qtype != kQ8_0) || v.packed == nullptr) {
+    TORCH_CHECK(!in_place, "int8 linear: packed blocks need an int8 kernel variant, and none runs");
     block_linear(x, M, K, w.data_ptr<uint8_t>(), N, qtype, bias, y);
     return;
   }
@@ -112,7 +115,7 @@ void linear_int8_on(const Variant& v, const float* x, int64_t M, int64_t K, cons
   });
   const int64_t row_bytes = K / 32 * block_bytes_of(qtype);
   const int64_t grain = std::max<int64_t>(16, (32 << 10) / row_bytes);   // >= ~32 KiB of weights per task
-  const uint8_t* wp = int8::packed_weights(w, N, K, qtype);
+  const uint8_t* wp = in_place ? w.data_ptr<uint8_t>() : int8::packed_weights(w, N, K, qtype);
   const int64_t groups = (N + int8::kGroupRows - 1) / int8::kGroupRows, G = int8::kGroupRows;
   sparkserve::parallel_for(0, groups, (grain + G - 1) / G, [&](int64_t g0, int64_t g1) {   // at group edges
     v.packed(q, wp, qtype, g0 * G, std::min(N, g1 * G), bias, y, N);
@@ -143,7 +146,10 @@ at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::opt
     TORCH_CHECK(found || variant_name == "fp32", "quant_linear_int8: variant ", variant_name, " is not built");
     TORCH_CHECK(!found || cpu_has(variant_name), "quant_linear_int8: this CPU cannot run ", variant_name);
   }
-  if ((qtype != kQ4_1 && qtype != kQ8_0) || v.packed == nullptr) return quant_linear(x, w, qtype, bias);
+  const int gguf = sparkserve::int8::gguf_type_of(static_cast<int>(qtype));
+  TORCH_CHECK(v.packed != nullptr || !sparkserve::int8::is_packed_type(static_cast<int>(qtype)),
+              "quant_linear_int8: packed blocks need an int8 kernel variant, and ", v.name, " is none");
+  if ((gguf != kQ4_1 && gguf != kQ8_0) || v.packed == nullptr) return quant_linear(x, w, qtype, bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear_int8: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),

@@ -1,12 +1,15 @@
-// Packed copies of GGUF weight blocks for the int8 variants that read them (int8_common.h has the
-// layout). A weight's packed copy is made on its first int8 call and kept beside the blocks for
-// as long as the blocks' storage lives: the layers and the native step go on passing the GGUF
-// blocks (the fp32-activation kernel and the other variants read those), and weight blocks are
-// never written in place, so the copy cannot go stale. An entry whose storage died is dropped
-// at the next insert, and a new tensor at a recycled address is told apart by its storage.
+// Packed weights for the int8 variants (int8_common.h has the layout). Served with int8
+// activations, a model holds its Q4_1 / Q8_0 weights packed in place of the GGUF blocks
+// (pack_blocks; kernels/blocks.py); unpack_blocks and gguf_block_of_packed give the GGUF bytes
+// back to the readers that want them (a switch to fp32 activations, the embedding's lookups).
+// Blocks that cannot be held packed (rows not a multiple of 16) get a packed copy on their first
+// int8 call, kept beside them for as long as the blocks' storage lives (weight blocks are never
+// written in place, so the copy cannot go stale). An entry whose storage died is dropped at the
+// next insert, and a new tensor at a recycled address is told apart by its storage.
 #include "int8_packed.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/core/Storage.h>
 
 #include <cstring>
@@ -78,9 +81,63 @@ const uint8_t* packed_weights(const at::Tensor& w, int64_t N, int64_t K, int qty
   return packed.data_ptr<uint8_t>();
 }
 
+void gguf_block_of_packed(const uint8_t* wp, int64_t n, int64_t b, int64_t nb, int qtype, uint8_t* out) {
+  const uint8_t* rec = wp + (n / kGroupRows * nb + b) * packed_record_bytes(qtype);
+  const int64_t r = n % kGroupRows;
+  const uint8_t* quants = rec + packed_quants_at(qtype) + 4 * r;
+  std::memcpy(out, rec + 2 * r, 2);                                      // d
+  if (qtype == kQ4_1) {
+    std::memcpy(out + 2, rec + packed_m_at + 2 * r, 2);                  // m
+    for (int i = 0; i < 4; ++i) std::memcpy(out + 4 + 4 * i, quants + 64 * i, 4);
+  } else {
+    for (int i = 0; i < 8; ++i)
+      for (int j = 0; j < 4; ++j) out[2 + 4 * i + j] = quants[64 * i + j] ^ 0x80;
+  }
+}
+
 int64_t packed_weights_held() {
   std::lock_guard<std::mutex> lock(mu);
   return static_cast<int64_t>(cache.size());
 }
 
 }  // namespace sparkserve::int8
+
+namespace {
+
+constexpr int kQ4_1 = 3, kQ8_0 = 8;
+
+void check_packable(const at::Tensor& w, int64_t qtype, const char* what) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), what,
+              ": blocks must be a contiguous 2-D uint8 tensor");
+  TORCH_CHECK(w.size(0) % sparkserve::int8::kGroupRows == 0, what, ": ", w.size(0), " rows are not a multiple of ",
+              sparkserve::int8::kGroupRows);
+  TORCH_CHECK(w.size(1) % (qtype == kQ4_1 ? 20 : 34) == 0, what, ": a row is not whole blocks");
+}
+
+}  // namespace
+
+// GGUF Q4_1 / Q8_0 blocks [N, row bytes] (N a multiple of 16) in the packed layout the int8
+// variants read, to be held in their place (same shape and size).
+at::Tensor pack_blocks(at::Tensor w, int64_t qtype) {
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "pack_blocks: only Q4_1 and Q8_0 blocks pack, got type ", qtype);
+  check_packable(w, qtype, "pack_blocks");
+  const int64_t N = w.size(0), K = w.size(1) / (qtype == kQ4_1 ? 20 : 34) * 32;
+  at::Tensor out = at::empty_like(w);
+  sparkserve::int8::pack(w.data_ptr<uint8_t>(), N, K, static_cast<int>(qtype), out.data_ptr<uint8_t>());
+  return out;
+}
+
+// The inverse of pack_blocks: packed blocks of GGUF type `qtype` (3 or 8) back in GGUF order.
+at::Tensor unpack_blocks(at::Tensor w, int64_t qtype) {
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "unpack_blocks: only Q4_1 and Q8_0 blocks pack, got type ", qtype);
+  check_packable(w, qtype, "unpack_blocks");
+  const int bb = qtype == kQ4_1 ? 20 : 34;
+  const int64_t N = w.size(0), nb = w.size(1) / bb;
+  at::Tensor out = at::empty_like(w);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b)
+      sparkserve::int8::gguf_block_of_packed(wp, n, b, nb, static_cast<int>(qtype), op + (n * nb + b) * bb);
+  return out;
+}

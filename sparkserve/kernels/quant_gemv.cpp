@@ -23,6 +23,8 @@
 #include <vector>
 
 #include "block_linear.h"
+#include "int8_common.h"
+#include "int8_packed.h"
 #include "simd.h"
 #include "thread_pool.h"
 
@@ -36,8 +38,11 @@ constexpr int kQ8_0 = 8;
 constexpr int kBF16 = 30;
 constexpr int kF16 = 1;
 
-// Bytes per 32 weights.
-constexpr int block_bytes(int qt) { return qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : 64; }
+// Bytes per 32 weights (the packed types as the GGUF ones they hold).
+constexpr int block_bytes(int qt) {
+  qt = sparkserve::int8::gguf_type_of(qt);
+  return qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : 64;
+}
 
 inline float fp16_to_fp32(const uint8_t* p) {
   uint16_t h;
@@ -308,6 +313,8 @@ int block_bytes_of(int qtype) { return block_bytes(qtype); }
 
 void block_linear(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, int qtype,
                   const float* bp, float* yp) {
+  TORCH_CHECK(!int8::is_packed_type(qtype), "block linear: packed blocks (type ", qtype,
+              ") are read with int8 activations only");
   if (M == 0 || N == 0) return;
   const int64_t row_bytes = K / 32 * block_bytes(qtype);
   std::vector<float> packed;
@@ -339,6 +346,8 @@ void block_linear(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
 // x: [M, K] float32; w: [N, K/32 * block_bytes] uint8 (one row of blocks per output row);
 // bias: optional [N] float32. Returns [M, N] float32.
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(!sparkserve::int8::is_packed_type(static_cast<int>(qtype)), "quant_linear: packed blocks (type ",
+              qtype, ") are read with int8 activations only (quant_linear_int8)");
   TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kBF16 || qtype == kF16, "quant_linear: unsupported type ", qtype);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear: x must be a 2-D float32 CPU tensor");
@@ -367,6 +376,8 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional
 // few a step, on the calling thread (a torch op would wake its own thread pool beside the
 // kernels' spinning one).
 at::Tensor dequantize_rows(at::Tensor w, int64_t qtype, int64_t K, at::Tensor ids) {
+  const bool packed = sparkserve::int8::is_packed_type(static_cast<int>(qtype));
+  qtype = sparkserve::int8::gguf_type_of(static_cast<int>(qtype));
   TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kBF16 || qtype == kF16,
               "dequantize_rows: unsupported type ", qtype);
   TORCH_CHECK(K % 32 == 0, "dequantize_rows: K must be a multiple of 32, got ", K);
@@ -381,11 +392,19 @@ at::Tensor dequantize_rows(at::Tensor w, int64_t qtype, int64_t K, at::Tensor id
   auto y = at::empty({n, K}, at::TensorOptions().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  TORCH_CHECK(!packed || N % sparkserve::int8::kGroupRows == 0, "dequantize_rows: packed rows come in groups of ",
+              sparkserve::int8::kGroupRows);
   by_type(qtype, [&](auto qt) {
+    uint8_t gguf[64];
     for (int64_t i = 0; i < n; ++i)
       for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = wp + ip[i] * row_bytes + b * bb;
+        if (packed) {
+          sparkserve::int8::gguf_block_of_packed(wp, ip[i], b, K / 32, qt.value, gguf);
+          blk = gguf;
+        }
         __m256 v[4];
-        expand<qt.value>(wp + ip[i] * row_bytes + b * bb, v);
+        expand<qt.value>(blk, v);
         for (int j = 0; j < 4; ++j) _mm256_storeu_ps(yp + i * K + 32 * b + 8 * j, v[j]);
       }
   });

@@ -2,7 +2,8 @@
 types) that it keeps beside it. Served quantized (--activation-quant int8), such a module reads
 the blocks only, so the fp32 copy can go: a meta tensor of the same shape stands in for it, and
 `dense_weight()` rebuilds the values for the rare reader (a draft copying the target's LM head,
-autograd). The model's weights are then held once, as llama.cpp holds them, not also in fp32."""
+autograd). The blocks themselves are then held in the layout the int8 kernels read, in place of the
+GGUF order. The model's weights are held once, as llama.cpp holds them, not also in fp32."""
 from __future__ import annotations
 
 import torch
@@ -23,9 +24,20 @@ class BlockBacked(nn.Module):
     def set_activation_quant(self, mode: str) -> None:
         raise NotImplementedError
 
+    @property
+    def held_blocks(self) -> BlockWeight | None:
+        """The blocks in the form held now (packed under int8 where the kernels read that)."""
+        return self._blocks
+
     def _blocks_hold_weight(self) -> bool:
         """Whether the blocks still hold `weight`'s values (not once it is trained or overwritten)."""
         return self._blocks is not None
+
+    def _hold_blocks_packed(self, packed: bool) -> None:
+        """Hold the blocks in the int8 kernels' layout (where they read one, BlockWeight.packed) or
+        in GGUF order: one form at a time, so the weights are not held twice."""
+        if self._blocks is not None:
+            self._blocks = (self._blocks.packed() or self._blocks) if packed else self._blocks.unpacked()
 
     def _hold_dense(self, keep: bool) -> bool:
         """Drop the fp32 weight or bring it back from the blocks; whether it changed."""

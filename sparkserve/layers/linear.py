@@ -20,7 +20,8 @@ speculative verify agrees with plain decode and a decode row does not depend on 
 run with it (docs/kernel-notes.md).
 
 A layer whose every row count goes to the int8 kernel never reads its fp32 weight, so it lets it
-go (BlockBacked; switching back to "none" restores it)."""
+go; under int8 its blocks are held in the int8 kernels' layout, not in GGUF order (BlockBacked;
+switching back to "none" restores both)."""
 from __future__ import annotations
 
 import torch
@@ -90,11 +91,12 @@ class Linear(Sharded, BlockBacked):
         if mode not in ACTIVATION_QUANTS:
             raise ValueError(f"activation_quant {mode!r}: use one of {', '.join(ACTIVATION_QUANTS)}")
         self.activation_quant = mode
-        int8_ok = self._blocks is not None and self._blocks.qtype in (kernels.Q4_1, kernels.Q8_0)
+        int8_ok = self._blocks is not None and self._blocks.gguf_type in (kernels.Q4_1, kernels.Q8_0)
         # An int8 variant that beats oneDNN's fp32 GEMM at prefill sizes too takes every row count
         # (docs/kernel-notes.md); the others stop where the block kernel does.
         any_m = kernels.int8_beats_gemm()
         self._int8_max_m = (ALL_ROWS if any_m else self._max_m) if mode == "int8" and int8_ok else 0
+        self._hold_blocks_packed(self._int8_max_m > 0)     # the fp32 block kernel reads GGUF order
         if self._hold_dense(self._int8_max_m < ALL_ROWS):        # the fp32 weight only if read
             self._blocks_version = _version(self.weight)
         if self._pack_wanted:

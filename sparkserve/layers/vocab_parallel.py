@@ -57,6 +57,7 @@ class VocabParallelEmbedding(Sharded, BlockBacked):
         if mode not in ACTIVATION_QUANTS:
             raise ValueError(f"activation_quant {mode!r}: use one of {', '.join(ACTIVATION_QUANTS)}")
         self.activation_quant = mode
+        self._hold_blocks_packed(mode == "int8")
         self._hold_dense(mode != "int8")
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:

@@ -67,9 +67,10 @@ class WeightLoader:
             raise ValueError(f"{name}: {self.what} shape {tuple(tensor.shape)} != {tuple(p.shape)}")
         p.data.copy_(tensor)
         self.loaded.add(name)
-        if blocks is not None and isinstance(owner, (nn.Embedding, VocabParallelEmbedding)):
-            self.blocks[name] = blocks              # for an LM head tied to it (mark_loaded)
         self._give_blocks(name, blocks)
+        if blocks is not None and isinstance(owner, (nn.Embedding, VocabParallelEmbedding)):
+            # for an LM head tied to it (mark_loaded): the form the embedding holds, not a second one
+            self.blocks[name] = owner.held_blocks if isinstance(owner, BlockBacked) else blocks
 
     def mark_loaded(self, name: str, tied_to: str | None = None) -> None:
         """For parameters filled another way (tied or shared with another model). `tied_to`:

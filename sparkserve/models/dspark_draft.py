@@ -20,6 +20,7 @@ from sparkserve.layers.linear import ACTIVATION_QUANTS, FusedLinear, Linear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.loader.weights import WeightLoader
+from sparkserve.mem.heap import release_freed_memory
 from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.causal_lm import CausalLM
 from sparkserve.models.dspark_native import NativeDraftStep
@@ -350,6 +351,7 @@ def load_dspark_draft(path: str, target: CausalLM | None = None,
     draft.eval().requires_grad_(False)
     draft.set_activation_quant(activation_quant)
     pack_linears(draft)
+    release_freed_memory()
     return draft
 
 

@@ -32,6 +32,7 @@ class NativeDraftStep:
         self._pool = None
         self._unsupported: str | None = None
         self._w2: tuple[torch.Tensor, torch.Tensor] | None = None     # (W2, packed for the kernel)
+        self._int8 = False          # the activation mode the step was built under
 
     def applies(self, draft: DSparkDraft, kv_indices: torch.Tensor, ctx_lens: list[int],
                 block_slots: torch.Tensor | None) -> bool:
@@ -41,10 +42,12 @@ class NativeDraftStep:
         live = torch.arange(kv_indices.shape[1])[None, :] < torch.tensor(ctx_lens)[:, None]
         if bool((kv_indices[live] == 0).any()):          # gaps in the context: the Python path masks them
             return False
-        if self._unsupported is None and (self._step is None or self._cos is not draft.rotary.cos):
+        int8 = _int8(draft)         # a switch changes the blocks' form: rebuild
+        if self._unsupported is None and (self._step is None or self._cos is not draft.rotary.cos
+                                          or self._int8 != int8):
             self._unsupported = unsupported(draft)
             if self._unsupported is None:
-                self._step, self._cos, self._pool = build(draft), draft.rotary.cos, None
+                self._step, self._cos, self._pool, self._int8 = build(draft), draft.rotary.cos, None, int8
             else:
                 log.info("native draft step off: %s (the draft runs from Python)", self._unsupported)
         return self._unsupported is None
@@ -62,8 +65,7 @@ class NativeDraftStep:
         table = torch.cat([kv_indices, torch.zeros(B, G, dtype=torch.long)], 1)
         table.scatter_(1, torch.tensor(ctx_lens)[:, None] + torch.arange(G)[None, :], own)
         return self._step.forward(x, positions, own.reshape(-1), table, 0, None, None, 0,
-                                  [n + G for n in ctx_lens], [G] * B, [], draft.activation_quant == "int8",
-                                  False)[0]
+                                  [n + G for n in ctx_lens], [G] * B, [], self._int8, False)[0]
 
     def markov_greedy(self, draft: DSparkDraft, base: torch.Tensor,
                       anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -77,6 +79,11 @@ class NativeDraftStep:
         if self._w2 is None or self._w2[0] is not w2:
             self._w2 = (w2, ext.markov_pack(w2.detach()))
         return ext.markov_greedy(base, head.markov_w1.weight.detach(), self._w2[1], draft.d2t, anchors)
+
+
+def _int8(draft: DSparkDraft) -> bool:
+    """Whether the backbone's projections serve int8 activations (their blocks then packed)."""
+    return draft.layers[0].self_attn.q_proj.activation_quant == "int8"
 
 
 def unsupported(draft: DSparkDraft) -> str | None:

@@ -6,7 +6,7 @@ one rank, with every projection held as GGUF / half-precision blocks (the block 
 Anything else — prefill chunks, tensor / pipeline / context parallel, DP attention, autograd, fp32
 weights without blocks — runs the Python layer path, which stays the reference the tests compare
 against. The step reads the block weights once, when first used: `reset()` drops it after the
-weights change."""
+weights change, and a switch of the activation mode (which changes the blocks' form) rebuilds it."""
 from __future__ import annotations
 
 import logging
@@ -37,6 +37,7 @@ class NativeStep:
         self._step = None           # the C++ NativeLlama, built on first use
         self._unsupported: str | None = None
         self._pool = None           # the pool whose buffers the step holds
+        self._int8 = False          # the activation mode it was built under
 
     def reset(self) -> None:
         self._step, self._unsupported, self._pool = None, None, None
@@ -49,10 +50,13 @@ class NativeStep:
                 or max(batch.extend_lens) > KERNEL_MAX_Q or batch.input_ids.device.type != "cpu"
                 or not isinstance(batch.kv_pool, KVPool)):
             return False
+        int8 = _int8(model)
+        if self._step is not None and int8 != self._int8:   # the blocks changed form with the mode
+            self.reset()
         if self._step is None and self._unsupported is None:
             self._unsupported = unsupported(model)
             if self._unsupported is None:
-                self._step = build(model)
+                self._step, self._int8 = build(model), int8
             else:
                 log.info("native forward step off: %s (the layers run from Python)", self._unsupported)
         return self._step is not None
@@ -69,7 +73,7 @@ class NativeStep:
         out = self._step.forward(x, batch.positions, batch.out_cache_loc, batch.kv_indices, batch.kv_start,
                                  batch.swa_out_cache_loc, batch.swa_kv_indices, batch.swa_kv_start,
                                  batch.seq_lens, batch.extend_lens, sorted(i for i in aux if i >= 0),
-                                 model.model.layers[0].self_attn.qkv_proj.activation_quant == "int8", True)
+                                 self._int8, True)
         batch.aux_hidden.extend(out[1:])
         return out[0]
 
@@ -89,6 +93,11 @@ def unsupported(model: LlamaForCausalLM) -> str | None:
         if any(lin.bias is not None for lin in projs[1:]):
             return "a projection other than q|k|v has a bias"
     return None
+
+
+def _int8(model: LlamaForCausalLM) -> bool:
+    """Whether the layers serve int8 activations (their blocks then held packed)."""
+    return model.model.layers[0].self_attn.qkv_proj.activation_quant == "int8"
 
 
 def _projections(layer: torch.nn.Module) -> list[Linear]:

@@ -10,6 +10,7 @@ from torch import nn
 from sparkserve.config import ModelConfig
 from sparkserve.layers.block_backed import set_activation_quant
 from sparkserve.layers.linear import pack_linears
+from sparkserve.mem.heap import release_freed_memory
 from sparkserve.models.kimi_linear import KimiLinearForCausalLM
 from sparkserve.models.llama import LlamaForCausalLM
 from sparkserve.models.minimax_m3 import MiniMaxM3ForCausalLM
@@ -71,4 +72,5 @@ def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = Tru
     model = model.eval().requires_grad_(False)
     if pack:
         pack_linears(model)
+    release_freed_memory()
     return model

@@ -370,7 +370,8 @@ def test_int8_draft_runs_q8_0_blocks(target_dir, target_cfg, tmp_path, monkeypat
     draft = load_dspark_draft(str(tmp_path), target, activation_quant="int8")
     attn = draft.layers[0].self_attn
     for lin in (draft.fc, attn.q_proj, attn.kv_proj, draft.layers[1].down_proj):
-        assert lin.inference_blocks().qtype == Q8_0 and lin.activation_quant == "int8"
+        blocks = lin.inference_blocks()                  # held packed for the int8 kernels
+        assert blocks.gguf_type == Q8_0 and blocks.is_packed and lin.activation_quant == "int8"
         assert lin.weight.is_meta == kernels.int8_beats_gemm()
         assert torch.equal(lin.dense_weight(), lin.inference_blocks().dequantize())
     assert draft.lm_head is target.lm_head and target.lm_head.activation_quant == "none"

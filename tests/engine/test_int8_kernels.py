@@ -127,6 +127,74 @@ def test_packed_copies_go_with_their_weights():
     assert not torch.equal(y1, y2)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["Q4_1", "Q8_0"])
+def test_blocks_held_packed_compute_as_the_gguf_ones(qtype):
+    """A weight packed in place (BlockWeight.packed: the int8 kernels' layout, same shape and size)
+    gives every variant the same outputs bit for bit as its GGUF blocks, with no packed copy made;
+    unpacking gives the GGUF bytes back; its values, row lookups and row / column slices are the GGUF
+    ones; the fp32 kernel refuses it by name; rows that are not whole groups of 16 stay GGUF."""
+    ext = kernels.load_extension()
+    w, w2 = random_blocks(qtype, 48, 96, seed=11), random_blocks(qtype, 32, 96, seed=12)
+    p = w.packed()
+    assert p.is_packed and p.gguf_type == qtype and p.blocks.shape == w.blocks.shape
+    assert not torch.equal(p.blocks, w.blocks) and p.packed() is p and w.packed() is p
+    assert p.unpacked() is w
+    fresh = kernels.BlockWeight(p.qtype, p.blocks.clone(), 96)
+    assert torch.equal(fresh.unpacked().blocks, w.blocks)
+    assert torch.equal(p.dequantize(), w.dequantize())
+    ids = torch.tensor([47, 0, 16, 15, 16])
+    assert torch.equal(kernels.dequantize_rows(p, ids), w.dequantize()[ids])
+    assert torch.equal(p.rows(ids).blocks, w.rows(ids).blocks)
+    assert torch.equal(p.cols(32, 96).blocks, w.cols(32, 96).blocks)
+    assert torch.equal(kernels.BlockWeight.cat([p, w2.packed()]).blocks,
+                       kernels.BlockWeight.cat([w, w2]).packed().blocks)
+    x = torch.randn(17, 96, generator=torch.Generator().manual_seed(13))
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(14))
+    held = ext.int8_packed_weights_held()
+    for variant in kernels.runnable_variants():
+        for m in (1, 8, 17):
+            assert torch.equal(kernels.quant_linear_int8(x[:m], p, bias, variant=variant),
+                               kernels.quant_linear_int8(x[:m], fresh.unpacked(), bias, variant=variant))
+    with pytest.raises(RuntimeError, match="int8 activations only"):
+        kernels.quant_linear(x, p)
+    with pytest.raises(RuntimeError, match="packed blocks need an int8 kernel variant"):
+        kernels.quant_linear_int8(x, p, variant="fp32")
+    assert ext.int8_packed_weights_held() <= held + len(kernels.runnable_variants())   # fresh's GGUF ones
+    assert random_blocks(qtype, 40, 96).packed() is None and random_blocks(BF16, 48, 96).packed() is None
+    with pytest.raises(ValueError, match="groups of 16"):
+        kernels.BlockWeight(p.qtype, p.blocks[:40], 96)
+
+
+@torch.no_grad()
+def test_int8_layers_hold_their_blocks_packed_once():
+    """Under int8 a layer and the embedding hold their blocks packed, not beside a packed copy;
+    an LM head tied to the embedding shares the embedding's packed blocks, and after a switch to
+    "none" its GGUF ones; the outputs are those of the GGUF blocks."""
+    from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
+    held = kernels.load_extension().int8_packed_weights_held
+    lin = _layer(Q4_1)
+    gguf = lin._blocks
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(15))
+    want = kernels.quant_linear_int8(x, gguf, lin.bias)
+    lin.set_activation_quant("int8")
+    assert lin._blocks.is_packed and lin.inference_blocks() is lin._blocks
+    n = held()
+    assert torch.equal(lin(x), want) and held() == n
+    lin.set_activation_quant("none")
+    assert not lin._blocks.is_packed and torch.equal(lin._blocks.blocks, gguf.blocks)
+    w = random_blocks(Q8_0, 64, 64, seed=16)
+    emb, head = VocabParallelEmbedding(64, 64), Linear(64, 64)
+    for m in (emb, head):
+        m.weight.data.copy_(w.dequantize())
+        m.set_blocks(w)
+    del w
+    for mode in ("int8", "none", "int8"):
+        set_activation_quant(torch.nn.ModuleList([emb, head]), mode)
+        assert emb.held_blocks is head.held_blocks and emb.held_blocks.is_packed == (mode == "int8")
+    assert torch.equal(emb(torch.tensor([3])), head.dense_weight()[3:4])
+
+
 def test_half_weights_keep_fp32_activations():
     w = random_blocks(BF16, 16, 64)
     x = torch.randn(5, 64)
@@ -323,9 +391,12 @@ def test_engine_option_reaches_the_layers(smollm2_path, monkeypatch):
                                for m in loader.model.modules()))
 
     monkeypatch.setattr(WeightLoader, "load", watched)
+    trims = []
+    monkeypatch.setattr("sparkserve.models.registry.release_freed_memory", lambda: trims.append(1))
     for mode in ("int8", "none"):
         still_dense.clear()
         model = load_model(smollm2_path, activation_quant=mode)
+        assert trims.pop() and not trims, "load_model hands what loading freed back to the OS once"
         if mode == "int8" and kernels.int8_beats_gemm():
             assert len(still_dense) > 200 and max(still_dense) == 0
         held = [m for m in model.modules() if isinstance(m, Linear) and m._blocks is not None]
@@ -335,6 +406,10 @@ def test_engine_option_reaches_the_layers(smollm2_path, monkeypatch):
         dropped = mode == "int8" and kernels.int8_beats_gemm()
         assert all(m.weight.is_meta == dropped for m in held)
         assert model.model.embed_tokens.weight.is_meta == (mode == "int8")
+        # and the blocks once: held packed in place of the GGUF ones (SmolLM2's rows are whole
+        # groups of 16), the tied LM head sharing the embedding's
+        assert all(m._blocks.is_packed == (mode == "int8") for m in held)
+        assert model.lm_head.held_blocks is model.model.embed_tokens.held_blocks
         if mode == "none":
             assert model.lm_head.weight is model.model.embed_tokens.weight
 

@@ -158,6 +158,13 @@ def test_smollm2_native_equals_python_path(smollm2_engine, monkeypatch):
                 run_schedule(d, engine.model_config.vocab_size, [9, 21], decode_steps=4, seed=3)
                 outs[mode, native] = torch.cat(logits_of(d))
                 d.release()
+        set_activation_quant(model, "none")     # the blocks go back to GGUF order: the step rebuilds
+        model.enable_native_step(True)
+        engine.flush_cache()
+        d = Driver(sched.runner, sched.cache)
+        run_schedule(d, engine.model_config.vocab_size, [9, 21], decode_steps=4, seed=3)
+        assert torch.equal(torch.cat(logits_of(d)), outs["none", True])
+        d.release()
     finally:
         model.enable_native_step(True)
         set_activation_quant(model, "none")
