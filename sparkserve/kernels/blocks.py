@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ class BlockWeight:
     # The other form (packed <-> GGUF) while someone holds it, so that modules sharing one weight
     # (a tied LM head and embedding) share its other form too.
     _other: weakref.ref | None = field(default=None, init=False, repr=False, compare=False)
+    _dense: weakref.ref | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.qtype not in BLOCK_BYTES:
@@ -91,6 +92,15 @@ class BlockWeight:
             return self
         return self._other_form(lambda: BlockWeight(
             self.gguf_type, load_extension().unpack_blocks(self.blocks, self.gguf_type), self.in_features))
+
+    def dense_shared(self, wrap: Callable[[torch.Tensor], Any]) -> Any:
+        """wrap(self.dequantize()), made once for every holder of these blocks while one of them keeps
+        it: modules that share their blocks (a tied LM head and embedding) get one fp32 weight back."""
+        dense = self._dense() if self._dense is not None else None
+        if dense is None:
+            dense = wrap(self.dequantize())
+            self._dense = weakref.ref(dense)
+        return dense
 
     def _other_form(self, make) -> "BlockWeight":
         other = self._other() if self._other is not None else None

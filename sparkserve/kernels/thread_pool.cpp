@@ -1,8 +1,13 @@
-// thread_pool.h. One job at a time: the caller publishes it by bumping `epoch_`; everyone (caller
-// included) claims chunks from `claim_`, whose high bits repeat the job's epoch so a worker that
-// arrives after its job ended claims nothing from the next one; the caller returns when `done_`
-// counts every chunk. Workers spin while a SpinScope lives, else for SPARKSERVE_SPIN_US (default
-// 20) microseconds after their last job, then sleep on a condition variable.
+// thread_pool.h. One job at a time: the caller publishes it by bumping `epoch_`. Its chunks are
+// split into one contiguous home range per thread (the caller is thread 0); each thread claims its
+// own range's chunks from the front, so it streams one contiguous stretch of the weights, then
+// takes what is left of the others' from their back ends, so a thread another process holds up
+// delays the job by at most the chunk it is in. A range is one atomic word, epoch << 32 |
+// front << 16 | back: a worker that arrives after its job ended claims nothing from the next one,
+// and the owner and a thief race for the last chunk on one CAS. Each thread adds the chunks it ran
+// to `done_` once; the caller returns when it counts every chunk. Workers spin while a SpinScope
+// lives, else for SPARKSERVE_SPIN_US (default 20) microseconds after their last job, then sleep on
+// a condition variable.
 #include "thread_pool.h"
 
 #include <ATen/Parallel.h>
@@ -23,8 +28,18 @@ namespace sparkserve {
 namespace {
 
 constexpr int kChunksPerThread = 4;   // claimable pieces per thread: slack for a descheduled one
-constexpr int kEpochShift = 32;       // claim_ = epoch << 32 | next chunk
-constexpr uint64_t kChunkMask = 0xffffffffu;   // as a next chunk: the job is closed
+constexpr int kEpochShift = 32;       // a range's word: epoch << 32 | front << 16 | back
+constexpr uint64_t kIndexMask = 0xffff;
+
+// One thread's home range of chunks, on its own cache line (its owner claims from it alone
+// unless others run out of work).
+struct alignas(64) Range {
+  std::atomic<uint64_t> word{0};
+};
+
+inline uint64_t range_word(uint64_t epoch, int64_t front, int64_t back) {
+  return epoch << kEpochShift | static_cast<uint64_t>(front) << 16 | static_cast<uint64_t>(back);
+}
 
 thread_local bool t_in_job = false;
 std::atomic<int> g_spin_scopes{0};
@@ -47,18 +62,19 @@ class Pool {
     if (static_cast<int>(workers_.size()) != threads - 1) resize(threads - 1);
     const uint64_t e = epoch_.load(std::memory_order_relaxed) + 1;
     // Closed first: a worker still in the previous job can claim nothing while the fields change.
-    claim_.store(e << kEpochShift | kChunkMask);
+    for (int t = 0; t < threads; ++t) ranges_[t].word.store(range_word(e, 0, 0));
     fn_.store(&f);
-    begin_.store(begin), end_.store(end), chunk_.store(chunk), nchunks_.store(nchunks);
+    begin_.store(begin), end_.store(end), chunk_.store(chunk), threads_.store(threads);
     error_ = nullptr;
     done_.store(0);
-    claim_.store(e << kEpochShift);
+    for (int t = 0; t < threads; ++t)
+      ranges_[t].word.store(range_word(e, nchunks * t / threads, nchunks * (t + 1) / threads));
     epoch_.store(e, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       { std::lock_guard<std::mutex> lk(sleep_mutex_); }
       wake_.notify_all();
     }
-    work(e);
+    work(e, 0);
     while (done_.load(std::memory_order_acquire) < nchunks) _mm_pause();
     if (error_) std::rethrow_exception(error_);
   }
@@ -75,38 +91,54 @@ class Pool {
       workers_.clear();
       stop_.store(false);
     }
+    ranges_ = std::vector<Range>(n + 1);
     for (size_t i = 0; i < n; ++i)
-      workers_.emplace_back([this] {
+      workers_.emplace_back([this, i] {
         pthread_setname_np(pthread_self(), "sparkserve-pool");   // named: tools and tests can find them
-        loop();
+        loop(static_cast<int>(i) + 1);
       });
   }
 
-  // Claims and runs chunks of job `e` until none are left (or job e is over). The fields are read
-  // after the claim counter and before the claim (all sequentially consistent): a claim that
-  // succeeds proves the counter did not change in between, so they were job e's.
-  void work(uint64_t e) {
-    t_in_job = true;
+  // A chunk of job `e` from range r: its front (the owner) or its back (a thief); -1 when the
+  // range is empty or job e is over. The fields are read after the word and before the claim
+  // (all sequentially consistent): a claim that succeeds proves the word did not change in
+  // between, so they were job e's, and they stay so until this chunk is counted done.
+  int64_t claim(Range& r, uint64_t e, bool front) {
+    uint64_t w = r.word.load();
     for (;;) {
-      uint64_t c = claim_.load();
-      if ((c >> kEpochShift) != e) break;
-      const auto* fn = fn_.load();
-      const int64_t begin = begin_.load(), end = end_.load(), chunk = chunk_.load(), nchunks = nchunks_.load();
-      const int64_t i = static_cast<int64_t>(c & kChunkMask);
-      if (i >= nchunks) break;
-      if (!claim_.compare_exchange_strong(c, c + 1)) continue;
-      try {
-        (*fn)(begin + i * chunk, std::min(end, begin + (i + 1) * chunk));
-      } catch (...) {
-        std::lock_guard<std::mutex> lk(error_mutex_);
-        if (!error_) error_ = std::current_exception();
-      }
-      done_.fetch_add(1, std::memory_order_release);
+      if ((w >> kEpochShift) != e) return -1;
+      const int64_t lo = static_cast<int64_t>(w >> 16 & kIndexMask), hi = static_cast<int64_t>(w & kIndexMask);
+      if (lo >= hi) return -1;
+      const uint64_t next = front ? range_word(e, lo + 1, hi) : range_word(e, lo, hi - 1);
+      if (r.word.compare_exchange_weak(w, next)) return front ? lo : hi - 1;
     }
+  }
+
+  // Runs chunks of job `e` as thread `self`: its own range in order, then the others' leftovers.
+  void work(uint64_t e, int self) {
+    t_in_job = true;
+    const int threads = threads_.load();
+    int64_t ran = 0;
+    for (int k = 0; k < threads; ++k) {
+      const int t = (self + k) % threads;
+      int64_t i;
+      while ((i = claim(ranges_[t], e, k == 0)) >= 0) {
+        const auto* fn = fn_.load();
+        const int64_t begin = begin_.load(), end = end_.load(), chunk = chunk_.load();
+        try {
+          (*fn)(begin + i * chunk, std::min(end, begin + (i + 1) * chunk));
+        } catch (...) {
+          std::lock_guard<std::mutex> lk(error_mutex_);
+          if (!error_) error_ = std::current_exception();
+        }
+        ++ran;
+      }
+    }
+    if (ran) done_.fetch_add(ran, std::memory_order_release);
     t_in_job = false;
   }
 
-  void loop() {
+  void loop(int self) {
     uint64_t seen = epoch_.load(std::memory_order_acquire);
     for (;;) {
       auto t0 = std::chrono::steady_clock::now();
@@ -124,12 +156,13 @@ class Pool {
       }
       if (stop_.load()) return;
       seen = e;
-      work(e);
+      work(e, self);
     }
   }
 
   std::vector<std::thread> workers_;
-  std::atomic<uint64_t> epoch_{0}, claim_{0};
+  std::vector<Range> ranges_;      // one per thread, the caller's first
+  std::atomic<uint64_t> epoch_{0};
   std::atomic<int64_t> done_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
@@ -138,7 +171,8 @@ class Pool {
   // The job, written by the caller before the epoch is published (atomics: a worker late for
   // the previous job may read them while they change; its claim then fails).
   std::atomic<const std::function<void(int64_t, int64_t)>*> fn_{nullptr};
-  std::atomic<int64_t> begin_{0}, end_{0}, chunk_{1}, nchunks_{0};
+  std::atomic<int64_t> begin_{0}, end_{0}, chunk_{1};
+  std::atomic<int> threads_{1};
   std::exception_ptr error_;
 };
 

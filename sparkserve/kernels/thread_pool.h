@@ -2,9 +2,11 @@
 // Inside a native step (a SpinScope) its workers spin between jobs, so the next of the ~150 jobs
 // back to back starts without a wake-up; outside one they spin only briefly and then sleep, so
 // they neither take the cores from the torch (OpenMP) ops that run between kernel calls on the
-// Python layer path nor burn CPU in an idle engine. A job is cut into more chunks than threads,
-// claimed one at a time, so when another process holds a core the other threads take its share
-// instead of the whole step waiting for it. No OMP_WAIT_POLICY tuning.
+// Python layer path nor burn CPU in an idle engine. A job is cut into more chunks than threads:
+// each thread runs its own contiguous range of them first (one stretch of weights to stream, which
+// the hardware prefetcher follows), then takes the others' leftovers, so when another process
+// holds a core the other threads take its share instead of the whole step waiting for it. No
+// OMP_WAIT_POLICY tuning.
 #pragma once
 #include <cstdint>
 #include <functional>

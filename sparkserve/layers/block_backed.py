@@ -41,8 +41,8 @@ class BlockBacked(nn.Module):
 
     def _hold_dense(self, keep: bool) -> bool:
         """Drop the fp32 weight or bring it back from the blocks; whether it changed."""
-        if keep and self._dense_dropped:
-            self.weight = nn.Parameter(self._blocks.dequantize(), requires_grad=False)
+        if keep and self._dense_dropped:        # one Parameter again for modules tied by their blocks
+            self.weight = self._blocks.dense_shared(lambda w: nn.Parameter(w, requires_grad=False))
         elif not keep and not self._dense_dropped and self._blocks_hold_weight():
             self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
         else:

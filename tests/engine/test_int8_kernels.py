@@ -170,7 +170,7 @@ def test_blocks_held_packed_compute_as_the_gguf_ones(qtype):
 def test_int8_layers_hold_their_blocks_packed_once():
     """Under int8 a layer and the embedding hold their blocks packed, not beside a packed copy;
     an LM head tied to the embedding shares the embedding's packed blocks, and after a switch to
-    "none" its GGUF ones; the outputs are those of the GGUF blocks."""
+    "none" its GGUF ones and one fp32 weight again; the outputs are those of the GGUF blocks."""
     from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
     held = kernels.load_extension().int8_packed_weights_held
     lin = _layer(Q4_1)
@@ -192,6 +192,7 @@ def test_int8_layers_hold_their_blocks_packed_once():
     for mode in ("int8", "none", "int8"):
         set_activation_quant(torch.nn.ModuleList([emb, head]), mode)
         assert emb.held_blocks is head.held_blocks and emb.held_blocks.is_packed == (mode == "int8")
+        assert (emb.weight is head.weight) == (mode == "none")
     assert torch.equal(emb(torch.tensor([3])), head.dense_weight()[3:4])
 
 

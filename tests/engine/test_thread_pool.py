@@ -135,3 +135,26 @@ def test_back_to_back_jobs_of_changing_sizes(ext, two_threads):
     for i in range(400):
         k = i % len(shapes)
         assert torch.equal(quant_linear(xs[k], weights[k]), want[k]), (i, shapes[k])
+
+
+def test_threads_held_up_do_not_hold_the_job(ext):
+    """Each thread works through its own contiguous range of a job first (one stretch of the
+    weights to stream), then takes what the others have left: with 8 threads on this machine's
+    cores, most of them waiting for a core at any moment, the jobs still finish about as soon as
+    the running threads can do all the work, and give the one-thread results. Waiting for every
+    thread's own range instead takes a scheduler time slice per job."""
+    w = random_q4_1(4099, 576)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(9))
+    n = torch.get_num_threads()
+    try:
+        times = {}
+        for t in (1, 8):
+            torch.set_num_threads(t)
+            want = quant_linear(x, w)
+            start = time.perf_counter()
+            for _ in range(200):
+                assert torch.equal(quant_linear(x, w), want)
+            times[t] = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(n)
+    assert times[8] < 4 * times[1] + 0.5, times
