@@ -15,7 +15,7 @@ import torch
 
 from sparkserve.config import ModelConfig
 from sparkserve.kernels.blocks import BlockWeight
-from sparkserve.loader.gguf_file import close_gguf, gguf_metadata, open_gguf
+from sparkserve.loader.gguf_file import GGUFFile, close_gguf, gguf_metadata, open_gguf
 from sparkserve.loader.weights import with_blocks
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -84,7 +84,7 @@ def gguf_weights(path: str, cfg: ModelConfig, names: set[str] | None = None
         close_gguf(path)
 
 
-def _tensors(reader: gguf.GGUFReader, cfg: ModelConfig, names: set[str] | None, permuted: bool
+def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permuted: bool
              ) -> Iterator[tuple[str, torch.Tensor]]:
     for t in reader.tensors:
         name = _hf_name(t.name)

@@ -94,15 +94,61 @@ def _as_parts(conv: list[dict]) -> list[dict]:
 # ---- gguf_file -----------------------------------------------------------------------------------
 
 
+def _assert_parse_matches_gguf_py(path: str) -> None:
+    """Our header parse (loader/gguf_file.py) against gguf-py's GGUFReader: every metadata value,
+    and every tensor's name, type, shape, dtype and bytes."""
+    import numpy as np
+    ours, ref = open_gguf(path), gguf.GGUFReader(path)
+    assert set(ours.metadata) == set(ref.fields)
+    for name, field in ref.fields.items():
+        value = ours.metadata[name]
+        if isinstance(value, list) and value and isinstance(value[0], list):   # gguf-py flattens these
+            value = [x for part in value for x in part]
+        assert value == field.contents(), name
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.tensor_type == b.tensor_type and a.data.dtype == b.data.dtype, a.name
+        assert a.data.shape == b.data.shape and np.array_equal(a.data, b.data), a.name
+
+
 def test_open_gguf_cached_and_metadata_matches_gguf(path: str) -> None:
     reader = open_gguf(path)
     assert open_gguf(os.path.relpath(path)) is reader
     md = gguf_metadata(path)
     assert gguf_metadata(os.path.relpath(path)) is md
-    assert set(md) == set(reader.fields)
-    for name, field in reader.fields.items():
-        assert md[name] == field.contents(), name
+    _assert_parse_matches_gguf_py(path)
     assert isinstance(md["tokenizer.ggml.tokens"][0], str)
+
+
+def test_gguf_parse_reads_every_value_type(tmp_path) -> None:
+    """A file written by gguf-py with every metadata type (nested arrays, bool, 64-bit numbers,
+    non-ASCII strings), typed and quantized tensors, and a non-default alignment parses as
+    gguf-py reads it."""
+    import numpy as np
+    from gguf.quants import quantize
+    path = str(tmp_path / "all.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_custom_alignment(64)
+    w.add_uint8("t.u8", 200), w.add_int8("t.i8", -5), w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -300), w.add_int32("t.i32", -70000), w.add_uint64("t.u64", 2**40)
+    w.add_int64("t.i64", -(2**40)), w.add_float32("t.f32", 0.1), w.add_float64("t.f64", 0.1)
+    w.add_bool("t.bool", True), w.add_string("t.str", "héllo ✓")
+    w.add_array("t.strs", ["a", "", "ü"]), w.add_array("t.nums", [1.5, -2.0])
+    w.add_array("t.ints", [3, 4, 5]), w.add_array("t.nested", [[1, 2], [3]])
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((7,)).astype(np.float16))
+    q = quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("q8", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    try:
+        _assert_parse_matches_gguf_py(path)
+        md = gguf_metadata(path)
+        assert md["t.nested"] == [[1, 2], [3]] and md["t.str"] == "héllo ✓" and md["t.bool"] is True
+    finally:
+        from sparkserve.loader.gguf_file import close_gguf
+        close_gguf(path)
 
 
 def test_reading_the_weights_drops_the_reader(path: str) -> None:
