@@ -24,6 +24,11 @@ class BlockBacked(nn.Module):
     def set_activation_quant(self, mode: str) -> None:
         raise NotImplementedError
 
+    def keeps_dense_with(self, blocks: BlockWeight | None) -> bool:
+        """Whether, given these blocks, the module would hold its fp32 weight under its mode: if
+        not, the loader need not compute the values (a GGUF tensor is then never dequantized)."""
+        raise NotImplementedError
+
     @property
     def held_blocks(self) -> BlockWeight | None:
         """The blocks in the form held now (packed under int8 where the kernels read that)."""

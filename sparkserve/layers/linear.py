@@ -91,16 +91,24 @@ class Linear(Sharded, BlockBacked):
         if mode not in ACTIVATION_QUANTS:
             raise ValueError(f"activation_quant {mode!r}: use one of {', '.join(ACTIVATION_QUANTS)}")
         self.activation_quant = mode
-        int8_ok = self._blocks is not None and self._blocks.gguf_type in (kernels.Q4_1, kernels.Q8_0)
-        # An int8 variant that beats oneDNN's fp32 GEMM at prefill sizes too takes every row count
-        # (docs/kernel-notes.md); the others stop where the block kernel does.
-        any_m = kernels.int8_beats_gemm()
-        self._int8_max_m = (ALL_ROWS if any_m else self._max_m) if mode == "int8" and int8_ok else 0
+        self._int8_max_m = self._int8_rows(mode, self._blocks)
         self._hold_blocks_packed(self._int8_max_m > 0)     # the fp32 block kernel reads GGUF order
         if self._hold_dense(self._int8_max_m < ALL_ROWS):        # the fp32 weight only if read
             self._blocks_version = _version(self.weight)
         if self._pack_wanted:
             self.pack()
+
+    def _int8_rows(self, mode: str, blocks: BlockWeight | None) -> int:
+        """The most rows int8 activations take with these blocks under `mode`. An int8 variant that
+        beats oneDNN's fp32 GEMM at prefill sizes too takes every row count (docs/kernel-notes.md);
+        the others stop where the block kernel does."""
+        if mode != "int8" or blocks is None or blocks.gguf_type not in (kernels.Q4_1, kernels.Q8_0):
+            return 0
+        return ALL_ROWS if kernels.int8_beats_gemm() else self._max_m
+
+    def keeps_dense_with(self, blocks: BlockWeight | None) -> bool:
+        return blocks is None or kernels.load_extension() is None or \
+            self._int8_rows(self.activation_quant, blocks) < ALL_ROWS
 
     def _blocks_hold_weight(self) -> bool:
         return self.inference_blocks() is not None
@@ -209,6 +217,8 @@ class FusedLinear(Linear):
 
     def load(self, shard: str, tensor: torch.Tensor, kind: str = "weight",
              blocks: BlockWeight | None = None) -> None:
+        """A meta `tensor` (a GGUF tensor not read yet, loader/weights.py) takes its values from
+        `blocks`, and only once every shard is in and the fused weight turns out to keep them."""
         start, size = self.shard_offsets[shard]
         target = self.weight if kind == "weight" else self.bias
         index, parts = self.tp_parts.get(shard, (0, 1))
@@ -218,13 +228,22 @@ class FusedLinear(Linear):
             blocks = None if blocks is None else blocks.rows(torch.arange(index * rows, (index + 1) * rows))
         if tensor.shape[0] != size:
             raise ValueError(f"shard {shard} {kind}: expected {size} rows, got {tuple(tensor.shape)}")
-        target.data[start:start + size].copy_(tensor)
+        if not tensor.is_meta:
+            target.data[start:start + size].copy_(tensor)
+        elif kind != "weight" or blocks is None:
+            raise ValueError(f"shard {shard} {kind}: a tensor without values or blocks")
         if kind == "weight":
             # The fused block weight is the row concatenation of the shards' blocks: kept only
             # when every shard came with blocks of one format.
-            self._shard_blocks[shard] = blocks
+            self._shard_blocks[shard] = (blocks, tensor.is_meta)
             if self._shard_blocks.keys() == self.shard_offsets.keys():
-                self.set_blocks(BlockWeight.cat([self._shard_blocks[s] for s in self.shard_offsets]))
+                fused = BlockWeight.cat([self._shard_blocks[s][0] for s in self.shard_offsets])
+                if self.keeps_dense_with(fused):
+                    for s, (b, unread) in self._shard_blocks.items():
+                        if unread:
+                            off, n = self.shard_offsets[s]
+                            self.weight.data[off:off + n].copy_(b.dequantize())
+                self.set_blocks(fused)
                 self._shard_blocks = {}
             else:
                 self._blocks = None

@@ -60,6 +60,9 @@ class VocabParallelEmbedding(Sharded, BlockBacked):
         self._hold_blocks_packed(mode == "int8")
         self._hold_dense(mode != "int8")
 
+    def keeps_dense_with(self, blocks: BlockWeight | None) -> bool:
+        return blocks is None or self.activation_quant != "int8"
+
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self._dense_dropped:
             return kernels.dequantize_rows(self._blocks, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)

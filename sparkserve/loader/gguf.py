@@ -1,9 +1,11 @@
-"""GGUF checkpoints: config from metadata, tensors dequantized to fp32 under HF names.
+"""GGUF checkpoints: config from metadata, tensors under HF names.
 llama.cpp stores llama q/k rows permuted for its rope; we undo that so one model code path
 serves GGUF and HF checkpoints alike.
 
-2-D weights in a format the block kernels read (Q4_1, Q8_0, BF16, F16) also carry their raw blocks
-(`loader.weights.with_blocks`), permuted the same way, so the Linear layers can decode from them."""
+2-D weights in a format the block kernels read (Q4_1, Q8_0, BF16, F16) come as their raw blocks,
+permuted the same way, on an unread (meta) tensor (`loader.weights.with_blocks`): the Linear layers
+compute from the blocks, and the loader dequantizes them only where a module keeps fp32 values.
+Other tensors (norms, other quant types) come dequantized to fp32 by gguf-py."""
 from __future__ import annotations
 
 import re
@@ -90,17 +92,21 @@ def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permute
         name = _hf_name(t.name)
         if names is not None and name not in names:
             continue
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        blocks = (BlockWeight.from_numpy(int(t.tensor_type), t.data, w.shape)
-                  if BlockWeight.supports(int(t.tensor_type), w.shape) else None)
+        shape = t.shape
         n_head = (cfg.num_attention_heads if name.endswith("q_proj.weight") else
                   cfg.num_key_value_heads if name.endswith("k_proj.weight") else None)
-        if permuted and n_head is not None:
-            perm = _unpermute_rows(w.shape[0], n_head)
+        perm = _unpermute_rows(shape[0], n_head) if permuted and n_head is not None else None
+        if BlockWeight.supports(int(t.tensor_type), shape):
+            # unread: the loader dequantizes the blocks only for a module that keeps fp32 values
+            blocks = BlockWeight.from_numpy(int(t.tensor_type), t.data, shape)
+            yield name, with_blocks(torch.empty(shape, device="meta"),
+                                    blocks if perm is None else blocks.rows(perm))
+            continue
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if perm is not None:
             w = w[perm]
-            blocks = blocks.rows(perm) if blocks is not None else None
-        w = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
-        yield name, with_blocks(w, blocks)
+        yield name, torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
+
 
 
 def _hf_name(name: str) -> str:

@@ -40,6 +40,7 @@ _ELEMENT_TYPES = {gguf.GGMLQuantizationType.F16: np.float16, gguf.GGMLQuantizati
 class GGUFTensor:
     name: str
     tensor_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]    # elements, numpy order (rows first)
     data: np.ndarray          # a view of the file: typed elements, or a quantized type's bytes per row
 
 
@@ -102,13 +103,13 @@ class GGUFFile:
         shape = tuple(reversed(dims))
         n = int(np.prod(dims))
         if ttype in _ELEMENT_TYPES:
-            dtype, count = _ELEMENT_TYPES[ttype], n
+            dtype, count, view = _ELEMENT_TYPES[ttype], n, shape
         else:
-            dtype, shape = np.uint8, gguf.quant_shape_to_byte_shape(shape, ttype)
+            dtype, view = np.uint8, gguf.quant_shape_to_byte_shape(shape, ttype)
             block, size = gguf.GGML_QUANT_SIZES[ttype]
             count = n * size // block
-        data = np.frombuffer(self._map, dtype, count, start + offset).reshape(shape)
-        return GGUFTensor(name, ttype, data)
+        data = np.frombuffer(self._map, dtype, count, start + offset).reshape(view)
+        return GGUFTensor(name, ttype, shape, data)
 
 
 _files: dict[str, GGUFFile] = {}

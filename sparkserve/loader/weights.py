@@ -3,9 +3,12 @@
 was filled. Shared by the target models and the DSpark draft. Under tensor or expert
 parallelism a module that keeps only part of a tensor says which (`local_shard`).
 
-A checkpoint tensor may carry the block form it was dequantized from (`with_blocks`, set by the
-GGUF loader): the loader hands those blocks to the module that receives the tensor (a Linear, the
-embedding), which then computes from them (sparkserve.kernels) and may let its fp32 copy go."""
+A checkpoint tensor may carry its block form (`with_blocks`, set by the GGUF loader): the loader
+hands those blocks to the module that receives the tensor (a Linear, the embedding), which then
+computes from them (sparkserve.kernels) and may let its fp32 copy go. Such a tensor may also come
+unread, a meta tensor of its shape (`values_of` dequantizes it): its values are computed only for
+a module that keeps an fp32 weight, so a model served with int8 activations is never dequantized
+whole while it loads."""
 from __future__ import annotations
 
 import torch
@@ -31,6 +34,16 @@ def blocks_of(tensor: torch.Tensor) -> BlockWeight | None:
     return getattr(tensor, _BLOCKS_ATTR, None)
 
 
+def values_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values: an unread one (meta, with blocks) dequantized from its blocks."""
+    if not tensor.is_meta:
+        return tensor
+    blocks = blocks_of(tensor)
+    if blocks is None:
+        raise ValueError("a checkpoint tensor came without values or blocks")
+    return blocks.dequantize()
+
+
 class WeightLoader:
     def __init__(self, model: nn.Module, stacked: dict[str, tuple[str, str]], what: str = "checkpoint"):
         """stacked: checkpoint name fragment -> (fused module fragment, shard name)."""
@@ -43,6 +56,7 @@ class WeightLoader:
         self.modules = dict(model.named_modules())
         self.loaded: set[str] = set()
         self.blocks: dict[str, BlockWeight] = {}     # embedding name -> its checkpoint blocks
+        self.unread: set[str] = set()     # parameters whose module needed no values from the blocks
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         blocks = blocks_of(tensor)
@@ -53,19 +67,29 @@ class WeightLoader:
                 if isinstance(target, FusedLinear):
                     target.load(shard, tensor, kind, blocks=blocks)
                 else:                        # other stacked modules (e.g. MoE experts)
-                    target.load(shard, tensor, kind)
+                    target.load(shard, values_of(tensor), kind)
                 self.loaded.add(f"{mod}.{kind}#{shard}")
                 return
         if name not in self.param_names:
             raise ValueError(f"{self.what} tensor {name} has no matching parameter")
         owner_name, pname = name.rsplit(".", 1) if "." in name else ("", name)
         owner = self.modules[owner_name]
+        whole = tensor
+        if tensor.is_meta and not (isinstance(owner, BlockBacked) and pname == "weight"):
+            tensor = values_of(tensor)
         if isinstance(owner, Sharded):     # a module split over the ranks keeps its part only
             tensor, blocks = owner.local_shard(tensor, blocks)
+            if tensor.is_meta and blocks is None:     # the part has no block form (vocab padding)
+                tensor, blocks = owner.local_shard(values_of(whole), blocks_of(whole))
         p = getattr(owner, pname)
         if p.shape != tensor.shape:
             raise ValueError(f"{name}: {self.what} shape {tuple(tensor.shape)} != {tuple(p.shape)}")
-        p.data.copy_(tensor)
+        if not tensor.is_meta:
+            p.data.copy_(tensor)
+        elif owner.keeps_dense_with(blocks):
+            p.data.copy_(blocks.dequantize())
+        else:
+            self.unread.add(name)
         self.loaded.add(name)
         self._give_blocks(name, blocks)
         if blocks is not None and isinstance(owner, (nn.Embedding, VocabParallelEmbedding)):
@@ -76,8 +100,15 @@ class WeightLoader:
         """For parameters filled another way (tied or shared with another model). `tied_to`:
         the loaded parameter it is tied to, whose checkpoint blocks it then shares."""
         self.loaded.add(name)
-        if tied_to is not None:
-            self._give_blocks(name, self.blocks.get(tied_to))
+        if tied_to is None:
+            return
+        blocks = self.blocks.get(tied_to)
+        mod_name, kind = name.rsplit(".", 1) if "." in name else ("", name)
+        mod = self.modules.get(mod_name)
+        # the shared parameter got no values if its first module needed none: this one may
+        if tied_to in self.unread and isinstance(mod, BlockBacked) and mod.keeps_dense_with(blocks):
+            getattr(mod, kind).data.copy_(blocks.dequantize())
+        self._give_blocks(name, blocks)
 
     def _give_blocks(self, name: str, blocks: BlockWeight | None) -> None:
         mod_name, kind = name.rsplit(".", 1) if "." in name else ("", name)

@@ -19,7 +19,7 @@ from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.linear import ACTIVATION_QUANTS, FusedLinear, Linear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
-from sparkserve.loader.weights import WeightLoader
+from sparkserve.loader.weights import WeightLoader, values_of
 from sparkserve.mem.heap import release_freed_memory
 from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.causal_lm import CausalLM
@@ -436,8 +436,8 @@ def target_vocab_weights(target: CausalLM) -> dict[str, torch.Tensor]:
         return {"embed_tokens.weight": target.model.embed_tokens.dense_weight(),
                 "lm_head.weight": target.lm_head.dense_weight()}
     from sparkserve.models.registry import checkpoint_weights
-    got = dict(checkpoint_weights(target.checkpoint_path, target.config,
-                                  {"model.embed_tokens.weight", "lm_head.weight"}))
+    got = {name: values_of(t) for name, t in checkpoint_weights(
+        target.checkpoint_path, target.config, {"model.embed_tokens.weight", "lm_head.weight"})}
     embed = got["model.embed_tokens.weight"]
     head = embed if target.config.tie_word_embeddings else got["lm_head.weight"]
     return {"embed_tokens.weight": embed, "lm_head.weight": head}

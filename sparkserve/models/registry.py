@@ -65,8 +65,8 @@ def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = Tru
     weights = checkpoint_weights(model_path, cfg)
     model.post_materialize()
     model.checkpoint_path = model_path
-    # The mode first: a layer that int8 takes at every row count then drops its fp32 weight as soon
-    # as its blocks arrive, so loading holds one layer in fp32 at a time, not the whole model.
+    # The mode first: a layer that int8 takes at every row count then needs no fp32 values, and the
+    # loader leaves its GGUF tensors unread (loader/weights.py): no fp32 weight is computed for it.
     set_activation_quant(model, activation_quant)
     model.load_weights((name, t) for name, t in weights if model.owns(name))   # a pipeline stage's share
     model = model.eval().requires_grad_(False)

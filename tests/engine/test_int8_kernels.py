@@ -392,12 +392,15 @@ def test_engine_option_reaches_the_layers(smollm2_path, monkeypatch):
                                for m in loader.model.modules()))
 
     monkeypatch.setattr(WeightLoader, "load", watched)
-    trims = []
+    trims, reads, dequantize = [], [], kernels.BlockWeight.dequantize
     monkeypatch.setattr("sparkserve.models.registry.release_freed_memory", lambda: trims.append(1))
+    monkeypatch.setattr(kernels.BlockWeight, "dequantize", lambda self: reads.append(1) or dequantize(self))
     for mode in ("int8", "none"):
-        still_dense.clear()
+        still_dense.clear(), reads.clear()
         model = load_model(smollm2_path, activation_quant=mode)
         assert trims.pop() and not trims, "load_model hands what loading freed back to the OS once"
+        # a GGUF tensor is dequantized only for a module that keeps fp32 values
+        assert (len(reads) == 0) == (mode == "int8" and kernels.int8_beats_gemm()), len(reads)
         if mode == "int8" and kernels.int8_beats_gemm():
             assert len(still_dense) > 200 and max(still_dense) == 0
         held = [m for m in model.modules() if isinstance(m, Linear) and m._blocks is not None]
@@ -413,6 +416,22 @@ def test_engine_option_reaches_the_layers(smollm2_path, monkeypatch):
         assert model.lm_head.held_blocks is model.model.embed_tokens.held_blocks
         if mode == "none":
             assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@torch.no_grad()
+def test_int8_layers_that_keep_fp32_get_their_values(smollm2_path, monkeypatch):
+    """Where int8 does not take every row count (the ymm variants beside AVX-512 oneDNN), a layer
+    keeps its fp32 weight for prefill-sized inputs while the embedding drops its own: the loader,
+    which otherwise leaves GGUF tensors unread, must fill those layers, the LM head tied to the
+    embedding included, with their blocks' values."""
+    from sparkserve.models.registry import load_model
+    monkeypatch.setattr(kernels, "int8_beats_gemm", lambda: False)
+    model = load_model(smollm2_path, activation_quant="int8")
+    assert model.model.embed_tokens.weight.is_meta
+    for m in (model.lm_head, model.model.layers[0].self_attn.qkv_proj, model.model.layers[29].mlp.down_proj):
+        assert not m.weight.is_meta and m._int8_max_m < linear_mod.ALL_ROWS
+        rows = torch.arange(0, m.out_features, 97)
+        assert torch.equal(m.weight[rows], m.held_blocks.rows(rows).dequantize())
 
 
 def _chunked_logits(model, tokens: list[int], chunk: int = 8) -> torch.Tensor:

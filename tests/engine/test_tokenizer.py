@@ -108,6 +108,7 @@ def _assert_parse_matches_gguf_py(path: str) -> None:
     assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
     for a, b in zip(ours.tensors, ref.tensors):
         assert a.tensor_type == b.tensor_type and a.data.dtype == b.data.dtype, a.name
+        assert a.shape == tuple(reversed(b.shape.tolist())), a.name
         assert a.data.shape == b.data.shape and np.array_equal(a.data, b.data), a.name
 
 
