@@ -29,9 +29,9 @@ FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"
 # kernels, torch's own (ATen) and oneDNN are held to that, as is llama.cpp's build
 # (peers/llamacpp.py ISA_ARGS).
 ISA_ENV = {"native": {},
-           "avx2": {"SPARKSERVE_KERNEL_VARIANTS_OFF": "avx512vnni,avx512,avxvnni",
+           "avx2": {"SPARKSERVE_KERNEL_VARIANTS_OFF": "amx,avx512vnni,avx512,avxvnni",
                     "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-           "avx512": {"SPARKSERVE_KERNEL_VARIANTS_OFF": "avx512vnni,avxvnni",
+           "avx512": {"SPARKSERVE_KERNEL_VARIANTS_OFF": "amx,avx512vnni,avxvnni",
                       "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}}
 
 

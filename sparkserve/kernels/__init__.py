@@ -4,7 +4,7 @@
 BF16, F16), reading the blocks once for all rows of x (quant_gemv.cpp; used by layers/linear.py).
 `quant_linear_int8` does the same with x quantized to int8 per block of 32 and integer dot products
 for Q4_1 / Q8_0 (int8_*.cpp), on the CPU variant `variant()` names (chosen at load by the CPU's
-flags; SPARKSERVE_KERNEL_VARIANTS_OFF=avx512vnni,avx512,avxvnni switches variants off).
+flags; SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches variants off).
 The extension also has `rms_norm` and `add_rms_norm` (rms_norm.cpp; used by layers/norm.py) and
 `decode_attention` (decode_attention.cpp: paged attention without the K/V gather; layers/attention.py).
 Built on first use (build.py); when that is impossible `load_extension()` is None and callers
@@ -53,7 +53,7 @@ def dequantize_rows(w: BlockWeight, ids: torch.Tensor) -> torch.Tensor:
 
 
 def variant() -> str:
-    """The int8 kernel variant that runs: "avx512vnni", "avx512", "avxvnni", "avx2", or "fp32" when
+    """The int8 kernel variant that runs: "amx", "avx512vnni", "avx512", "avxvnni", "avx2", or "fp32" when
     the kernels are unavailable or every variant is switched off (then int8 requests compute in fp32)."""
     ext = load_extension()
     return "fp32" if ext is None else ext.int8_variant()
@@ -62,15 +62,17 @@ def variant() -> str:
 def int8_beats_gemm() -> bool:
     """Whether the int8 variant in use is faster than oneDNN's fp32 GEMM at prefill sizes too, so
     int8 layers send it every row count. It is wherever oneDNN computes with vectors no wider
-    than the kernel's (docs/kernel-notes.md): the AVX-512 kernels always (about 0.25-0.6x
+    than the kernel's (docs/kernel-notes.md): the AVX-512 kernels, AMX's among them, always (about 0.25-0.6x
     oneDNN's time at 128-512 rows, with or without VNNI), the ymm variants on CPUs without
     AVX-512 (about 0.5-0.65x AVX2 oneDNN's), but not against AVX-512 oneDNN (1-1.3x its time)."""
     v = variant()
     ymm_onednn = torch.backends.cpu.get_cpu_capability() != "AVX512"
-    return v in ("avx512vnni", "avx512") or (v in ("avxvnni", "avx2") and ymm_onednn)
+    return v in ("amx", "avx512vnni", "avx512") or (v in ("avxvnni", "avx2") and ymm_onednn)
 
 
-def runnable_variants() -> list[str]:
-    """The int8 variants built here that this CPU runs, best first (ignoring the env switch)."""
+def runnable_variants(test_only: bool = False) -> list[str]:
+    """The int8 variants built here that this CPU runs, best first (ignoring the env switch).
+    test_only: instead the ones the dispatcher never picks ("amx_emulated", the AMX kernel on
+    software tiles, for CPUs without AMX), which quant_linear_int8 runs by name."""
     ext = load_extension()
-    return [] if ext is None else list(ext.int8_variants_runnable())
+    return [] if ext is None else list(ext.int8_variants_runnable(test_only))

@@ -12,7 +12,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional
 at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias,
                              const std::string& variant);
 std::string int8_variant_name();
-std::vector<std::string> int8_variants_runnable();
+std::vector<std::string> int8_variants_runnable(bool test_only);
 int64_t int8_packed_weights_held();
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor r, at::Tensor w, double eps);
@@ -50,8 +50,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, "rows ids of a block weight as fp32 (gguf-py's values)");
   m.def("pack_blocks", &pack_blocks, "Q4_1 / Q8_0 blocks in the int8 variants' packed layout (same shape)");
   m.def("unpack_blocks", &unpack_blocks, "packed blocks back in GGUF order");
-  m.def("int8_variants_runnable", &int8_variants_runnable, "int8 variants built here that this CPU runs");
-  m.def("int8_variant", &int8_variant_name, "the int8 kernel variant in use (avx512vnni, avx512, avxvnni, avx2, fp32)");
+  m.def("int8_variants_runnable", &int8_variants_runnable,
+        "int8 variants built here that this CPU runs; test_only: those the dispatcher never picks");
+  m.def("int8_variant", &int8_variant_name, "the int8 kernel variant in use (amx, avx512vnni, avx512, avxvnni, avx2, fp32)");
   m.def("int8_packed_weights_held", &int8_packed_weights_held, "packed weight copies the int8 kernel holds");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32, contiguous)");
   m.def("add_rms_norm", &add_rms_norm, "s = x + r; returns (s, rms_norm(s))");

@@ -10,8 +10,10 @@ SPARKSERVE_DISABLE_KERNELS=1 forces that fallback.
 
 The int8-activation kernels come in CPU variants (VARIANTS), each its own translation unit compiled
 here to an object file with its own ISA flags and linked into the extension; a variant the compiler
-rejects is left out (the AVX2 one is required). int8_dispatch.cpp picks one at run time by the CPU's
-flags; SPARKSERVE_KERNEL_VARIANTS_OFF=avx512vnni,avx512,avxvnni switches variants off (see `variant()`)."""
+rejects is left out (the AVX2 one is required; the AMX ones call the AVX-512 VNNI one for single rows
+and need it). int8_dispatch.cpp picks one at run time by the CPU's flags;
+SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches variants off (see `variant()`).
+"amx_emulated" is the AMX kernel on software tiles, which tests run on CPUs without AMX."""
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +37,9 @@ SOURCES = [os.path.join(_DIR, f)
                      "decode_attention.cpp", "native_llama.cpp", "markov_greedy.cpp", "thread_pool.cpp",
                      "bindings.cpp")]
 HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h", "int8_common.h", "int8_packed.h",
-                                           "int8_packed_ymm.h", "int8_packed_zmm.h", "paged_attention.h",
-                                           "rms_norm.h", "native_llama.h", "thread_pool.h")]
+                                           "int8_packed_ymm.h", "int8_packed_zmm.h", "int8_amx_body.h",
+                                           "amx_tiles.h", "paged_attention.h", "rms_norm.h", "native_llama.h",
+                                           "thread_pool.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 # int8 kernel variants, best last: name -> extra ISA flags (on top of the AVX2 baseline).
 VARIANTS = {
@@ -44,7 +47,11 @@ VARIANTS = {
     "avxvnni": ["-mavxvnni"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl"],
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
+    "amx_emulated": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],    # tests only
 }
+# variants that call another one (the AMX kernels send single rows to AVX-512 VNNI)
+VARIANT_NEEDS = {"amx": "avx512vnni", "amx_emulated": "avx512vnni"}
 VARIANT_SOURCES = [os.path.join(_DIR, f"int8_{name}.cpp") for name in VARIANTS]
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -86,6 +93,9 @@ def _compile_variants(path: str) -> list[str]:
     built = []
     cxx = os.environ.get("CXX", "c++")
     for name, flags in VARIANTS.items():
+        if VARIANT_NEEDS.get(name, name) not in built + [name]:
+            log.info("int8 kernel variant %s left out: it needs %s", name, VARIANT_NEEDS[name])
+            continue
         obj = os.path.join(path, f"int8_{name}.o")
         if not os.path.exists(obj):
             src = os.path.join(_DIR, f"int8_{name}.cpp")

@@ -69,6 +69,10 @@ inline void unpack_block(Load load, Lo lo, Hi hi, V w[16]) {
 // y[:, n0:n1] (+ bias) from packed weights `wp`; n0 a multiple of kGroupRows, one thread.
 using PackedRowsFn = void (*)(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1,
                               const float* bias, float* y, int64_t N);
+void rows_amx_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
+// The AMX kernel on software tiles, for tests on CPUs without AMX (never dispatched).
+void rows_amx_emulated_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*,
+                              int64_t);
 void rows_avx512vnni_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
 void rows_avx512_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
 void rows_avxvnni_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);

@@ -1,7 +1,7 @@
 // Run-time choice of the int8 kernel variant, and block_linear_int8 / quant_linear_int8 on it.
 //
-// Variants, best first: avx512vnni, avx512, avxvnni, avx2 (each built only if the compiler accepted
-// its flags: build.py defines SPARKSERVE_HAS_<VARIANT>). The first one the CPU supports and that
+// Variants, best first: amx, avx512vnni, avx512, avxvnni, avx2 (each built only if the compiler
+// accepted its flags: build.py defines SPARKSERVE_HAS_<VARIANT>). The first one the CPU supports and that
 // SPARKSERVE_KERNEL_VARIANTS_OFF (comma-separated names) does not switch off runs; with all of
 // them off the int8 entry points compute with fp32 activations (block_linear). Every variant reads
 // the packed copy of the weights (int8_common.h).
@@ -14,6 +14,11 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "block_linear.h"
 #include "int8_common.h"
@@ -42,8 +47,24 @@ bool switched_off(const char* name) {
   return false;
 }
 
+// Linux hands a process the AMX tile state (XTILEDATA, 8 KiB per thread) only on request; the
+// grant is process-wide and passes to forked children.
+bool amx_granted() {
+#ifdef __linux__
+  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
+
 bool cpu_has(const std::string& name) {
   __builtin_cpu_init();
+  if (name == "amx")
+    return cpu_has("avx512vnni") && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+           amx_granted();
+  if (name == "amx_emulated") return cpu_has("avx512vnni");   // its scales and one-row path are VNNI
   if (name == "avx512vnni")
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -57,6 +78,9 @@ bool cpu_has(const std::string& name) {
 // The variants built into this extension, best first.
 const std::vector<Variant>& built() {
   static const std::vector<Variant> v = {
+#ifdef SPARKSERVE_HAS_AMX
+      {"amx", sparkserve::int8::rows_amx_packed},
+#endif
 #ifdef SPARKSERVE_HAS_AVX512VNNI
       {"avx512vnni", sparkserve::int8::rows_avx512vnni_packed},
 #endif
@@ -67,6 +91,16 @@ const std::vector<Variant>& built() {
       {"avxvnni", sparkserve::int8::rows_avxvnni_packed},
 #endif
       {"avx2", sparkserve::int8::rows_avx2_packed},
+  };
+  return v;
+}
+
+// Variants that tests name and the dispatcher never picks.
+const std::vector<Variant>& test_only_variants() {
+  static const std::vector<Variant> v = {
+#ifdef SPARKSERVE_HAS_AMX_EMULATED
+      {"amx_emulated", sparkserve::int8::rows_amx_emulated_packed},
+#endif
   };
   return v;
 }
@@ -134,14 +168,16 @@ void block_linear_int8(const float* x, int64_t M, int64_t K, const at::Tensor& w
 // As quant_linear (quant_gemv.cpp), with x quantized to int8 per block of 32 for Q4_1 / Q8_0.
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias);
 
-// `variant`: "" for the dispatcher's choice, or a variant by name (tests; it must run on this CPU).
+// `variant`: "" for the dispatcher's choice, or a variant by name, "amx_emulated" included (tests;
+// it must run on this CPU).
 at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias,
                              const std::string& variant_name) {
   Variant v = variant();
   if (!variant_name.empty()) {
     v = {"fp32", nullptr};
-    for (const Variant& b : built())
-      if (variant_name == b.name) v = b;
+    for (const auto* list : {&built(), &test_only_variants()})
+      for (const Variant& b : *list)
+        if (variant_name == b.name) v = b;
     const bool found = v.packed != nullptr;
     TORCH_CHECK(found || variant_name == "fp32", "quant_linear_int8: variant ", variant_name, " is not built");
     TORCH_CHECK(!found || cpu_has(variant_name), "quant_linear_int8: this CPU cannot run ", variant_name);
@@ -173,10 +209,11 @@ at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::opt
 
 std::string int8_variant_name() { return sparkserve::int8_variant(); }
 
-// Variants built here that this CPU runs, best first (whatever SPARKSERVE_KERNEL_VARIANTS_OFF says).
-std::vector<std::string> int8_variants_runnable() {
+// Variants built here that this CPU runs, best first (whatever SPARKSERVE_KERNEL_VARIANTS_OFF says);
+// test_only: the ones only tests name.
+std::vector<std::string> int8_variants_runnable(bool test_only) {
   std::vector<std::string> out;
-  for (const Variant& v : built())
+  for (const Variant& v : test_only ? test_only_variants() : built())
     if (cpu_has(v.name)) out.push_back(v.name);
   return out;
 }

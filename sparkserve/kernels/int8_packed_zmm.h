@@ -26,6 +26,24 @@ inline __m512 halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// acc + one block's int32 dot products p (16 output rows) times their scales: d_w d_x, and for
+// Q4_1 the m_w s_x term. Every zmm kernel (and the AMX one) applies this one rule in this order,
+// so a row's result is the same bit for bit whichever of them computes it.
+template <int QT>
+inline __m512 add_block(__m512 acc, __m512i p, __m512 dw, __m512 mw, float xd, float xs) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, _mm512_set1_ps(xd)), acc);
+  return QT == kQ4_1 ? _mm512_fmadd_ps(mw, _mm512_set1_ps(xs), acc) : acc;
+}
+
+// y[m0 + m][n, n + 16) = acc[m] + bias, for the output rows below N.
+template <int MT>
+inline void store_tile(const __m512 acc[MT], int64_t m0, int64_t n, const float* bias, float* y, int64_t N) {
+  const int64_t valid = N - n < kGroupRows ? N - n : kGroupRows;
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n, mask, _mm512_add_ps(acc[m], b));
+}
+
 // One group of 16 output rows against the MT rows of one x tile: acc[m] lane r = y[m][row r].
 template <class Isa, int QT, int MT>
 inline void group_tile(const uint8_t* wg, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
@@ -50,9 +68,7 @@ inline void group_tile(const uint8_t* wg, int64_t nb, const int8_t* xq, const fl
       const int64_t i = blk * kTile + m;
       // Q8_0 starts at -128 * sum(q_x) to undo the weights' +128
       const __m512i start = QT == kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(xn[i]);
-      const __m512i p = Isa::template block_dot<QT>(w, xb + m * 32, start);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, _mm512_set1_ps(xd[i])), acc[m]);
-      if (QT == kQ4_1) acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[i]), acc[m]);
+      acc[m] = add_block<QT>(acc[m], Isa::template block_dot<QT>(w, xb + m * 32, start), dw, mw, xd[i], xs[i]);
     }
   }
 }
@@ -66,10 +82,7 @@ void tile_rows(const QuantX& q, int64_t m0, const uint8_t* wp, int64_t n, const 
   // m0 is a multiple of kTile: the tile's scales start at m0 * nb
   group_tile<Isa, QT, MT>(wp + n / kGroupRows * nb * GB, nb, q.qs + m0 * q.K, q.d + m0 * nb, q.s + m0 * nb,
                           q.xn + m0 * nb, acc);
-  const int64_t valid = N - n < kGroupRows ? N - n : kGroupRows;
-  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n, mask, _mm512_add_ps(acc[m], b));
+  store_tile<MT>(acc, m0, n, bias, y, N);
 }
 
 template <class Isa, int QT>

@@ -23,11 +23,13 @@ from sparkserve.layers import linear as linear_mod
 from sparkserve.layers.block_backed import set_activation_quant
 from sparkserve.layers.linear import Linear
 
-VARIANTS = ("avx2", "avxvnni", "avx512", "avx512vnni")     # the dispatcher's order is the reverse
+VARIANTS = ("avx2", "avxvnni", "avx512", "avx512vnni", "amx")     # the dispatcher's order is the reverse
+EMULATED = "amx_emulated"       # the AMX kernel on software tiles: tests only, on CPUs with AVX-512 VNNI
 # /proc/cpuinfo flags each variant needs
+_VNNI512 = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avxvnni": ("avx_vnni",),
-             "avx512": ("avx512f", "avx512bw", "avx512vl"),
-             "avx512vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
+             "avx512": ("avx512f", "avx512bw", "avx512vl"), "avx512vnni": _VNNI512,
+             "amx": (*_VNNI512, "amx_tile", "amx_int8"), EMULATED: _VNNI512}
 
 
 def cpu_flags() -> set[str]:
@@ -40,6 +42,11 @@ def cpu_flags() -> set[str]:
 
 def cpu_runs(variant: str) -> bool:
     return all(f in cpu_flags() for f in CPU_FLAGS[variant])
+
+
+def variants_to_check() -> list[str]:
+    """Every variant this CPU runs: the dispatcher's, then the emulated AMX kernel."""
+    return kernels.runnable_variants() + kernels.runnable_variants(test_only=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,20 +62,20 @@ def test_runnable_variants_follow_the_cpu():
     assert kernels.runnable_variants() == want
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, EMULATED])
 @pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (33, 576), (61, 1536)])
 def test_variant_matches_reference(variant, qtype, n, k):
-    """Every M scheme (1, a partial tile, a full tile, a tile + 1, several tiles), odd N (the zmm
-    variant pairs output rows), with and without bias."""
+    """Every M scheme (1, a partial tile, a full tile, one and a half tile pairs, a pair + 1,
+    several pairs), odd N (a partial group of 16 output rows), with and without bias."""
     if not cpu_runs(variant):
         pytest.skip(f"this CPU lacks {variant} ({', '.join(CPU_FLAGS[variant])})")
-    if variant not in kernels.runnable_variants():
+    if variant not in variants_to_check():
         pytest.skip(f"{variant} not built: the compiler rejected its flags")
     w = random_blocks(qtype, n, k, seed=n * k)
     dense = w.dequantize()
     g = torch.Generator().manual_seed(n + k)
-    for m in (1, 3, 8, 17, 64):
+    for m in (1, 3, 8, 12, 17, 64):
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
         x[0, :32] = 0.0                         # an all-zero block (scale 0)
         for bias in (None, torch.randn(n, generator=g)):
@@ -107,7 +114,7 @@ def test_quantizer_matches_reference_exactly():
     x[2, 40] = 0.5 * x[2, 32:64].abs().max()    # ties at .5 after scaling are rare; include edge values
     q, d, _ = int8_ref.quantize_rows(x)
     want = (q * d[..., None]).reshape(9, k)
-    for variant in kernels.runnable_variants():
+    for variant in variants_to_check():
         assert torch.equal(kernels.quant_linear_int8(x, w, variant=variant), want), variant
 
 
@@ -152,7 +159,7 @@ def test_blocks_held_packed_compute_as_the_gguf_ones(qtype):
     x = torch.randn(17, 96, generator=torch.Generator().manual_seed(13))
     bias = torch.randn(48, generator=torch.Generator().manual_seed(14))
     held = ext.int8_packed_weights_held()
-    for variant in kernels.runnable_variants():
+    for variant in variants_to_check():
         for m in (1, 8, 17):
             assert torch.equal(kernels.quant_linear_int8(x[:m], p, bias, variant=variant),
                                kernels.quant_linear_int8(x[:m], fresh.unpacked(), bias, variant=variant))
@@ -160,7 +167,7 @@ def test_blocks_held_packed_compute_as_the_gguf_ones(qtype):
         kernels.quant_linear(x, p)
     with pytest.raises(RuntimeError, match="packed blocks need an int8 kernel variant"):
         kernels.quant_linear_int8(x, p, variant="fp32")
-    assert ext.int8_packed_weights_held() <= held + len(kernels.runnable_variants())   # fresh's GGUF ones
+    assert ext.int8_packed_weights_held() <= held + len(variants_to_check())   # fresh's GGUF ones
     assert random_blocks(qtype, 40, 96).packed() is None and random_blocks(BF16, 48, 96).packed() is None
     with pytest.raises(ValueError, match="groups of 16"):
         kernels.BlockWeight(p.qtype, p.blocks[:40], 96)
@@ -234,9 +241,9 @@ def test_env_switches_variants_off_in_order():
     avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
     cases = [(runnable[:k], runnable[k] if k < len(runnable) else "fp32", False)
              for k in range(1, len(runnable) + 1)]
-    cases.append((["avx512vnni", "avx512", "avxvnni"], "avx2", False))    # the documented setting
+    cases.append((["amx", "avx512vnni", "avx512", "avxvnni"], "avx2", False))    # the documented setting
     ymm = [v for v in runnable if v in ("avxvnni", "avx2")]
-    cases.append((["avx512vnni", "avx512"], ymm[0], True))
+    cases.append((["amx", "avx512vnni", "avx512"], ymm[0], True))
     for off, want, capped in cases:
         env["SPARKSERVE_KERNEL_VARIANTS_OFF"] = " , ".join(off)
         for name, value in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2")):
@@ -251,7 +258,28 @@ def test_env_switches_variants_off_in_order():
         assert res["variant"] == want, (off, res)
         assert res["fp32"] == (want == "fp32"), (off, res)
         ymm_wins = want in ("avxvnni", "avx2") and (capped or not avx512)
-        assert res["any_m"] == (want in ("avx512vnni", "avx512") or ymm_wins), (off, capped, res)
+        assert res["any_m"] == (want in ("amx", "avx512vnni", "avx512") or ymm_wins), (off, capped, res)
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["Q4_1", "Q8_0"])
+def test_amx_kernel_equals_vnni_bit_for_bit(qtype):
+    """The AMX kernel (on the CPU's tiles where it has AMX, and on software tiles wherever AVX-512
+    VNNI runs) gives the AVX-512 VNNI kernel's results bit for bit at every row count: each tile
+    pair's tails (1-16 rows, the second tile 0-8), several pairs, a partial group of output rows,
+    one and many blocks. So a verify row equals its decode row whichever kernel ran it."""
+    amx = [v for v in variants_to_check() if v.startswith("amx")]
+    if "avx512vnni" not in kernels.runnable_variants() or not amx:
+        pytest.skip("this CPU lacks AVX-512 VNNI, which the AMX kernels (emulated too) need")
+    g = torch.Generator().manual_seed(21)
+    for n, k in ((40, 576), (16, 32)):
+        w = random_blocks(qtype, n, k, seed=n + k)
+        x = torch.randn(41, k, generator=g) * torch.rand(41, 1, generator=g) * 4
+        bias = torch.randn(n, generator=g)
+        for m in range(1, 42):
+            want = kernels.quant_linear_int8(x[:m], w, bias, variant="avx512vnni")
+            for variant in amx:
+                got = kernels.quant_linear_int8(x[:m], w, bias, variant=variant)
+                assert torch.equal(got, want), (variant, m)
 
 
 def _layer(qtype: int, n: int = 48, k: int = 64) -> Linear:

@@ -1,0 +1,123 @@
+// The AMX int8 kernel body (int8_amx.cpp on the CPU's tiles, int8_amx_emulated.cpp on the software
+// tiles of amx_tiles.h). Per block of 32 inputs and group of 16 output rows, one TDPBSUD takes up
+// to 8 x rows (a kTile tile of QuantX: rows x 32 signed bytes) against the block's weights, whose
+// packed chunks already are TDPBSUD's B layout (16 output rows x 4 inputs per 64-byte row; Q4_1's
+// nibbles are split to bytes first). The int32 products go through memory to the scale rule of
+// the zmm kernels (add_block), so every row's result equals the AVX-512 VNNI kernel's bit for bit:
+// DSpark's verify rows agree with the decode rows whichever kernel ran them. One x row goes to
+// the VNNI kernel, as in llama.cpp, since a tile of one row has nothing to share.
+#pragma once
+#include "amx_tiles.h"
+#include "int8_packed_zmm.h"
+
+namespace {
+
+constexpr int64_t kAmxMinRows = 2;
+
+// Tiles 0 and 1: one block of two x tiles (A, rows x 32 bytes); 2: the block's weights (B, 8 rows
+// of 64 bytes); 4 and 5: the products (C, rows x 16 int32). A second x tile of 0 rows is unused.
+inline tiles::Config tile_config(int mt0, int mt1) {
+  tiles::Config c;
+  c.rows[0] = c.rows[4] = static_cast<uint8_t>(mt0);
+  c.colsb[0] = 32;
+  c.colsb[4] = 64;
+  if (mt1 > 0) {
+    c.rows[1] = c.rows[5] = static_cast<uint8_t>(mt1);
+    c.colsb[1] = 32;
+    c.colsb[5] = 64;
+  }
+  c.rows[2] = 8;
+  c.colsb[2] = 64;
+  return c;
+}
+
+// acc[m] += the scaled products of C tile rows c[m] for x rows whose scales start at index i0.
+template <int QT, int MT>
+inline void add_products(const int32_t (*c)[16], const QuantX& q, int64_t i0, __m512 dw, __m512 mw,
+                         __m512 acc[MT]) {
+  for (int m = 0; m < MT; ++m) {
+    const int64_t i = i0 + m;
+    __m512i p = _mm512_load_si512(c[m]);
+    if (QT != kQ4_1) p = _mm512_add_epi32(p, _mm512_set1_epi32(q.xn[i]));   // undo the weights' +128
+    acc[m] = add_block<QT>(acc[m], p, dw, mw, q.d[i], q.s[i]);
+  }
+}
+
+// Output rows [n, n + 16) for x rows [m0, m0 + MT0 + MT1), the tiles configured for them.
+template <int QT, int MT0, int MT1>
+void amx_group(const QuantX& q, int64_t m0, const uint8_t* wp, int64_t n, const float* bias, float* y,
+               int64_t N) {
+  constexpr int64_t GB = packed_record_bytes(QT);
+  constexpr int QOFF = packed_quants_at(QT);
+  const int64_t nb = q.K / 32;
+  const uint8_t* wg = wp + n / kGroupRows * nb * GB;
+  const int8_t* x0 = q.qs + m0 * q.K;           // x tiles: [K/32][rows][32] each
+  const int8_t* x1 = x0 + kTile * q.K;
+  alignas(64) uint8_t wbytes[8 * 64];
+  alignas(64) int32_t c[2][kTile][16];
+  __m512 acc[MT0 + MT1];
+  for (int m = 0; m < MT0 + MT1; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* rec = wg + blk * GB;
+    for (int o = 0; o < GB; o += 64)     // the same block of the next group
+      _mm_prefetch(reinterpret_cast<const char*>(rec + nb * GB + o), _MM_HINT_T0);
+    if (QT == kQ4_1) {                   // chunk i: inputs 4i.. (low nibbles), 16 + 4i.. (high)
+      for (int i = 0; i < 4; ++i) {
+        const __m512i raw = _mm512_loadu_si512(rec + QOFF + 64 * i);
+        _mm512_store_si512(wbytes + 64 * i, _mm512_and_si512(raw, lo4));
+        _mm512_store_si512(wbytes + 64 * (i + 4), _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4));
+      }
+      tiles::load<2>(wbytes, 64);
+    } else {
+      tiles::load<2>(rec + QOFF, 64);
+    }
+    tiles::zero<4>();
+    tiles::load<0>(x0 + blk * MT0 * 32, 32);
+    tiles::dot_su<4, 0, 2>();
+    tiles::store<4>(c[0], 64);
+    if constexpr (MT1 > 0) {
+      tiles::zero<5>();
+      tiles::load<1>(x1 + blk * MT1 * 32, 32);
+      tiles::dot_su<5, 1, 2>();
+      tiles::store<5>(c[1], 64);
+    }
+    const __m512 dw = halves(rec);
+    const __m512 mw = QT == kQ4_1 ? halves(rec + packed_m_at) : _mm512_setzero_ps();
+    add_products<QT, MT0>(c[0], q, m0 * nb + blk * kTile, dw, mw, acc);   // a tile's scales: [K/32][kTile]
+    if constexpr (MT1 > 0) add_products<QT, MT1>(c[1], q, (m0 + kTile) * nb + blk * kTile, dw, mw, acc + MT0);
+  }
+  store_tile<MT0>(acc, m0, n, bias, y, N);
+  if constexpr (MT1 > 0) store_tile<MT1>(acc + MT0, m0 + kTile, n, bias, y, N);
+}
+
+using GroupFn = void (*)(const QuantX&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
+
+// The group kernel for x tiles of mt0 and mt1 rows (mt1 > 0 only after a whole tile).
+template <int QT>
+GroupFn group_fn(int64_t mt0, int64_t mt1) {
+  static constexpr GroupFn one[kTile] = {amx_group<QT, 1, 0>, amx_group<QT, 2, 0>, amx_group<QT, 3, 0>,
+                                         amx_group<QT, 4, 0>, amx_group<QT, 5, 0>, amx_group<QT, 6, 0>,
+                                         amx_group<QT, 7, 0>, amx_group<QT, 8, 0>};
+  static constexpr GroupFn two[kTile] = {amx_group<QT, 8, 1>, amx_group<QT, 8, 2>, amx_group<QT, 8, 3>,
+                                         amx_group<QT, 8, 4>, amx_group<QT, 8, 5>, amx_group<QT, 8, 6>,
+                                         amx_group<QT, 8, 7>, amx_group<QT, 8, 8>};
+  return mt1 > 0 ? two[mt1 - 1] : one[mt0 - 1];
+}
+
+// y[:, n0:n1] (+ bias) for every x row, 16 x rows (two x tiles) at a time.
+template <int QT>
+void amx_rows_typed(const QuantX& q, const uint8_t* wp, int64_t n0, int64_t n1, const float* bias, float* y,
+                    int64_t N) {
+  static_assert(kTile == 8, "two x tiles fill the 16 rows of a tile");
+  for (int64_t m0 = 0; m0 < q.M; m0 += 2 * kTile) {
+    const int64_t mt0 = q.M - m0 < kTile ? q.M - m0 : kTile;
+    const int64_t rest = q.M - m0 - kTile, mt1 = rest <= 0 ? 0 : rest < kTile ? rest : kTile;
+    tiles::configure(tile_config(static_cast<int>(mt0), static_cast<int>(mt1)));
+    const GroupFn group = group_fn<QT>(mt0, mt1);
+    for (int64_t n = n0; n < n1; n += kGroupRows) group(q, m0, wp, n, bias, y, N);
+  }
+  tiles::release();
+}
+
+}  // namespace
