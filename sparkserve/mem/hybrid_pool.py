@@ -9,6 +9,7 @@ import math
 import torch
 
 from sparkserve.core.pool import POOL_KINDS, Pool, PoolComponent, Split
+from sparkserve.mem.heap import lazy_zeros
 
 
 class HybridPool(Pool):
@@ -29,7 +30,7 @@ class HybridPool(Pool):
         n = self.num_rows if kind == "request_row" else self.num_slots + 1
         self._kinds[name] = kind
         self._splits[name] = split
-        self._buffers[name] = {i: torch.zeros((n, *item_shape), dtype=dtype) for i in layer_ids}
+        self._buffers[name] = {i: lazy_zeros((n, *item_shape), dtype) for i in layer_ids}
 
     def get(self, name: str, layer_id: int) -> torch.Tensor:
         return self._buffers[name][layer_id]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sparkserve.core.pool import Pool, PoolComponent, Split
+from sparkserve.mem.heap import lazy_zeros
 
 
 def uniform_window(layer_windows: list[int | None]) -> int | None:
@@ -51,8 +52,8 @@ class KVPool(Pool):
         self.owned = list(owned)
         rows = [(swa_slots if i in self.swa_layers else num_slots) + 1 if i in owned else 1
                 for i in range(num_layers)]
-        self.k = [torch.zeros((n, num_kv_heads, head_dim), dtype=dtype) for n in rows]
-        self.v = [torch.zeros((n, num_kv_heads, head_dim), dtype=dtype) for n in rows]
+        self.k = [lazy_zeros((n, num_kv_heads, head_dim), dtype) for n in rows]
+        self.v = [lazy_zeros((n, num_kv_heads, head_dim), dtype) for n in rows]
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer_id], self.v[layer_id]

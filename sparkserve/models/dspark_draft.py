@@ -139,12 +139,21 @@ class DSparkLayer(nn.Module):
         return x + self.down_proj(silu_and_mul(self.gate_up_proj(self.post_attention_layernorm(x))))
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding with its usual N(0, 1) weight, left uninitialized when built on the meta device
+    for loading: torch's meta normal_ imports torch._dynamo on first use, most of a second."""
+    weight = torch.empty(num, dim)
+    if weight.device.type != "meta":
+        nn.init.normal_(weight)
+    return nn.Embedding(num, dim, _weight=weight)
+
+
 class MarkovHead(nn.Module):
     """First-order low-rank bias W2 W1[x_prev] on the slot logits (gated: sigma(gate([h; W1 x])))."""
 
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
-        self.markov_w1 = nn.Embedding(cfg.vocab_size, cfg.markov_rank)   # input: target-vocab id
+        self.markov_w1 = _embedding(cfg.vocab_size, cfg.markov_rank)   # input: target-vocab id
         self.markov_w2 = Linear(cfg.markov_rank, cfg.out_vocab)
         self.gate_proj = (Linear(cfg.hidden_size + cfg.markov_rank, cfg.markov_rank, bias=True)
                           if cfg.markov_head_type == "gated" else None)
@@ -175,7 +184,7 @@ class DSparkDraft(nn.Module):
         super().__init__()
         self.config = cfg
         n_taps = len(cfg.target_layer_ids)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.fc = Linear(n_taps * cfg.hidden_size, cfg.hidden_size)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DSparkLayer(cfg) for _ in range(cfg.num_hidden_layers))

@@ -1,6 +1,7 @@
-"""release_freed_memory (sparkserve/mem/heap.py): load_model and load_dspark_draft call it so that
-what loading freed inside the heap (GGUF blocks once packed, dropped fp32 weights) leaves the
-process's resident memory instead of staying with glibc."""
+"""sparkserve/mem/heap.py: release_freed_memory, which load_model and load_dspark_draft call so
+that what loading freed inside the heap (GGUF blocks once packed, dropped fp32 weights) leaves the
+process's resident memory instead of staying with glibc; and lazy_zeros, which lets the KV and
+state pools take RAM only as requests fill them."""
 from __future__ import annotations
 
 import json
@@ -42,3 +43,33 @@ def test_freed_heap_pages_leave_the_process():
     assert ok, "glibc's malloc_trim was not found"
     assert freed > before - 16, (before, freed)          # free() alone keeps the pages resident
     assert after < freed - 64, (freed, after)            # the helper returns them
+
+
+# In a fresh interpreter: a KV pool of 2 x 2 x 65537 slots x 1 KiB (256 MiB), resident MiB before,
+# after it is made, after every element is read (a read maps the shared zero page), after 16384
+# slots of one K tensor are written, and whether it read as zeros.
+POOL_SCRIPT = r"""
+import json, torch
+from sparkserve.mem.kv_pool import KVPool
+def rss():
+    with open("/proc/self/status") as f:
+        return int(next(l for l in f if l.startswith("VmRSS")).split()[1]) // 1024
+before = rss()
+pool = KVPool(num_slots=65536, num_layers=2, num_kv_heads=4, head_dim=64)
+made = rss()
+zero = all(int(t.count_nonzero()) == 0 for t in pool.k + pool.v)
+read = rss()
+pool.k[0][1:16385] = 1.0
+print(json.dumps([before, made, read, rss(), zero, pool.k[0].dtype == torch.float32]))
+"""
+
+
+def test_pools_take_memory_as_they_fill():
+    out = subprocess.run([sys.executable, "-c", POOL_SCRIPT], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, made, read, written, zero, fp32 = json.loads(out.stdout.strip().splitlines()[-1])
+    assert zero and fp32
+    assert made - before < 16, (before, made)          # torch.zeros would make all 256 MiB resident
+    assert read - before < 16, (before, read)
+    assert 14 <= written - read < 40, (read, written)   # the 16 MiB written (2 MiB pages at most)
