@@ -96,8 +96,8 @@ class Runner:
     """One sequence at a time through ModelRunner in chunks of CHUNK tokens (as chunked decode /
     verify steps would), logits for every position."""
 
-    def __init__(self, model, cfg, max_len: int):
-        self.pool = KVPool(max_len, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    def __init__(self, model, cfg, max_len: int, kv_dtype: torch.dtype = torch.float32):
+        self.pool = KVPool(max_len, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
         self.cache = KVCacheManager(max_len, 1, 2, max_len + 1, disable_radix_cache=True)
         self.runner = ModelRunner(model, self.pool, self.cache.req_to_token.table)
 

@@ -17,7 +17,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "nixl", "mooncake")
 ACTIVATION_QUANTS = ("int8", "none")
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,11 @@ class ServerArgs:
         "keeps fp32 activations (exact). Other weights always run fp32 activations",
         choices=ACTIVATION_QUANTS))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
-        "what the KV pool stores: auto keeps the model's compute dtype (float32 on CPU); float16 or "
-        "bfloat16 halve the pool's bytes per token (twice the tokens in the same memory, half the "
-        "bytes a decode step reads), rounding each K/V value once (as llama.cpp's default f16 cache). "
+        "what the KV pool stores: float16 or bfloat16 halve the pool's bytes per token (twice the "
+        "tokens in the same memory, half the bytes a decode step's attention reads), rounding each "
+        "K/V value once; float32 keeps the compute dtype. auto: float16 for a GGUF checkpoint of a "
+        "Llama-family model (llama.cpp's default cache for the same file), else float32 (the "
+        "model's compute dtype on CPU, as vLLM and SGLang keep the model's). Half types: "
         "Llama-family models", choices=KV_CACHE_DTYPES))
     num_threads: int | None = field(default=None, metadata=_opt("torch CPU threads (default: torch's)"))
     random_seed: int | None = field(default=None, metadata=_opt("seed of the global RNG"))

@@ -29,6 +29,11 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 ARCHS = list(TINY_CONFIGS)
 TINY_SEED = 1234
+# Exact serving of a GGUF model, for tests that compare with fp32 references or across layouts and
+# paths: fp32 activations, and a float32 KV pool (a GGUF's default is float16, which rounds each
+# path's own fp32 K/V, so paths whose fp32 rounding differs part by a float16 step at near-ties).
+EXACT = {"activation_quant": "none", "kv_cache_dtype": "float32"}
+EXACT_FLAGS = ["--activation-quant", "none", "--kv-cache-dtype", "float32"]
 
 
 def make_tiny_checkpoint(arch: str, path: str, **save_kw: Any) -> str:
@@ -125,9 +130,9 @@ def smollm2_hf(smollm2_path):
 @pytest.fixture(scope="session")
 def smollm2_engine(smollm2_path):
     """One SmolLM2 Engine for the whole session (loading takes seconds). Tests must leave it idle
-    and leak-free; they may rely on nothing cached in it. fp32 activations (the engine's default,
-    stated): its tests compare tokens with fp32 references (transformers, the torch fallback),
+    and leak-free; they may rely on nothing cached in it. Exact (EXACT): its tests compare tokens
+    and logits with fp32 references (transformers, the torch fallback, the Python layer path),
     which int8 activations may flip (top-1 agrees on ~97% of positions: docs/kernel-notes.md);
-    tests/engine/test_int8_kernels.py runs an int8 engine."""
+    tests/engine/test_int8_kernels.py runs an int8 engine, test_kv_cache_dtype.py the default pool."""
     from sparkserve import Engine
-    return Engine(smollm2_path, max_total_tokens=4096, max_running_requests=8, activation_quant="none")
+    return Engine(smollm2_path, max_total_tokens=4096, max_running_requests=8, **EXACT)

@@ -61,6 +61,7 @@ class CausalLM(AuxCaptureMixin, nn.Module):
         self.has_lm_head = self.first_stage
         self.vocab_sharded = ps.tp_size() > 1      # embedding and LM head hold a vocab slice
         self.checkpoint_path: str | None = None    # set by load_model (a draft may read the full head)
+        self.kv_dtype = torch.float32               # what the KV pool stores (--kv-cache-dtype)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, bias=lm_head_bias) \
             if self.has_lm_head else PPMissingLayer()
         if not self.first_stage:
@@ -157,13 +158,17 @@ class CausalLM(AuxCaptureMixin, nn.Module):
         """Whether small forwards may run as one native call (models/llama_native.py); a model
         without a native step always runs its layers from Python."""
 
+    # What make_pool's K/V buffers may hold: a model whose pools keep other state (latents,
+    # recurrent state, index keys) stays float32.
+    KV_CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.float32,)
+
     def set_kv_cache_dtype(self, dtype: torch.dtype) -> None:
-        """What make_pool's K/V buffers hold (--kv-cache-dtype), set before the pool is sized. A
-        model whose pools keep other state (latents, recurrent state, index keys) stays float32."""
-        if dtype != torch.float32:
+        """What make_pool's K/V buffers hold (--kv-cache-dtype), set before the pool is sized."""
+        if dtype not in self.KV_CACHE_DTYPES:
             name = str(dtype).removeprefix("torch.")
             raise ValueError(f"--kv-cache-dtype {name}: {type(self).__name__} keeps its pools in float32; "
-                             "use --kv-cache-dtype auto")
+                             "use --kv-cache-dtype float32 or auto")
+        self.kv_dtype = dtype
 
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:
         """After a VERIFY forward: request i keeps the state after its first kept[i] tokens.

@@ -101,19 +101,14 @@ class LlamaForCausalLM(CausalLM):
     stacked_params = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"),
                       ".v_proj.": (".qkv_proj.", "v"), ".gate_proj.": (".gate_up_proj.", "gate"),
                       ".up_proj.": (".gate_up_proj.", "up")}
+    KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # the kernel converts on load
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, LlamaModel(cfg))
         self.native = NativeStep()
-        self.kv_dtype = torch.float32      # what the KV pool stores (--kv-cache-dtype)
 
     def enable_native_step(self, on: bool) -> None:
         self.native.enabled = on
-
-    def set_kv_cache_dtype(self, dtype: torch.dtype) -> None:
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"--kv-cache-dtype {dtype}: use float16 or bfloat16")
-        self.kv_dtype = dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 proxy: PPProxy | None = None) -> torch.Tensor | PPProxy:

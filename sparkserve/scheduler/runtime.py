@@ -104,9 +104,18 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
         ps.init_distributed(args.parallel_config(), rank, args.dist_init_addr, args.dist_timeout)
     model = load_model(args.model_path, cfg, activation_quant=args.activation_quant)
     model.enable_native_step(not args.disable_native_step)
-    if args.kv_cache_dtype != "auto":
-        model.set_kv_cache_dtype(getattr(torch, args.kv_cache_dtype))
+    model.set_kv_cache_dtype(kv_cache_dtype(args, model))
     return model, cfg
+
+
+def kv_cache_dtype(args: ServerArgs, model: CausalLM) -> torch.dtype:
+    """--kv-cache-dtype as a dtype. auto: float16 for a GGUF checkpoint whose model can hold it,
+    as llama.cpp caches the same file (a decode step's attention reads half the bytes); else
+    float32, the compute dtype on CPU, as vLLM and SGLang keep the model's."""
+    if args.kv_cache_dtype != "auto":
+        return getattr(torch, args.kv_cache_dtype)
+    gguf = args.model_path.endswith(".gguf") and torch.float16 in model.KV_CACHE_DTYPES
+    return torch.float16 if gguf else torch.float32
 
 
 def rank_pool_sizes(args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> tuple[int, int]:

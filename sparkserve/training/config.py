@@ -104,6 +104,8 @@ class PipelineConfig:
     pp_size: int = _h(1, "the target's pipeline-parallel size (stages capture their own taps)")
     activation_quant: str = _h("int8", "the target's activations while distilling, capturing and evaluating "
                                        "(`serve --activation-quant`): train on what the served target runs")
+    kv_cache_dtype: str = _h("auto", "the target's KV pool while distilling, capturing and evaluating "
+                                     "(`serve --kv-cache-dtype`)")
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"cli": False})
 
 

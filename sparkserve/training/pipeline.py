@@ -300,7 +300,8 @@ def stage_eval(cfg: PipelineConfig) -> dict:
     best = _path(cfg, "draft", "best")
     draft_dir = best if os.path.exists(os.path.join(best, "config.json")) else _path(cfg, "draft")
     with Engine(cfg.model_path, speculative_algorithm="DSPARK", speculative_draft_model_path=draft_dir,
-                tp_size=cfg.tp_size, pp_size=cfg.pp_size, activation_quant=cfg.activation_quant) as eng:
+                tp_size=cfg.tp_size, pp_size=cfg.pp_size, activation_quant=cfg.activation_quant,
+                kv_cache_dtype=cfg.kv_cache_dtype) as eng:
         res = _eval_sets(cfg, eng, sets, draft_dir)
     with open(_path(cfg, "eval.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -392,7 +393,7 @@ def _run_stages(cfg: PipelineConfig, ranks: Ranks) -> None:
         engine = Engine(cfg.model_path, max_total_tokens=cfg.distill_batch * (cfg.max_new_tokens + 2048),
                         max_running_requests=max(64, cfg.distill_batch), tp_size=cfg.tp_size,
                         pp_size=cfg.pp_size, enable_return_hidden_states=True, disable_radix_cache=True,
-                        activation_quant=cfg.activation_quant)
+                        activation_quant=cfg.activation_quant, kv_cache_dtype=cfg.kv_cache_dtype)
     target: TargetSource | None = None
     if data_stages and cfg.target_url:
         mc, tok = ((engine.model_config, engine.tokenizer) if engine is not None

@@ -2,7 +2,8 @@
 native-step checks are in test_decode_attention.py and test_native_step.py). The flag reaches the
 pool, halves what a token costs (so the same memory holds twice the tokens), and the greedy
 tokens of the tiny model stay those of a float32 pool (float16; bfloat16 keeps its first ones);
-a model whose pools hold other state refuses it at start-up, naming the flag."""
+auto is float16 for a GGUF checkpoint (as llama.cpp caches it) and float32 otherwise; a model
+whose pools hold other state refuses a half type at start-up, naming the flag."""
 from __future__ import annotations
 
 import os
@@ -24,16 +25,26 @@ PROMPTS = [[5, 9, 2, 41, 7], list(range(3, 40)), [11] * 3]
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
 def test_half_pool_serves_the_float32_tokens(llama_dir, name):
     outs = []
-    for dtype in ("auto", name):
+    for dtype in ("float32", name):
         with Engine(llama_dir, kv_cache_dtype=dtype, max_total_tokens=512) as eng:
             pool = eng.scheduler.runner.kv_pool
-            assert pool.k[0].dtype == (torch.float32 if dtype == "auto" else getattr(torch, name))
+            assert pool.k[0].dtype == getattr(torch, dtype)
             outs.append([r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)])
             assert_no_kv_leak(eng.scheduler.cache)
     if name == "float16":
         assert outs[0] == outs[1]
     else:       # 3 fewer mantissa bits: a random model's near-ties may part later in the answer
         assert [o[:2] for o in outs[0]] == [o[:2] for o in outs[1]]
+
+
+def test_auto_is_float16_for_gguf_only(llama_dir, smollm2_path, tmp_path):
+    """auto: float16 for the embedded GGUF (Llama family), float32 for an HF checkpoint, and for a
+    model whose pools hold other state (which it then starts, rather than refusing)."""
+    kimi = make_kimi(str(tmp_path / "kimi"), "kda_mla")
+    for path, want in ((smollm2_path, torch.float16), (llama_dir, torch.float32), (kimi, torch.float32)):
+        with Engine(path, max_total_tokens=256) as eng:
+            comps = eng.scheduler.runner.kv_pool.components()
+            assert {t.dtype for c in comps for t in c.tensors if t.is_floating_point()} == {want}, path
 
 
 def test_half_pool_holds_twice_the_tokens(llama_dir):
@@ -53,7 +64,7 @@ def test_half_pool_holds_twice_the_tokens(llama_dir):
 def test_models_with_other_pool_state_refuse_it(tmp_path):
     path = make_kimi(str(tmp_path / "kimi"), "kda_mla")
     with pytest.raises(ValueError, match="--kv-cache-dtype float16: KimiLinearForCausalLM keeps its pools in "
-                                         "float32; use --kv-cache-dtype auto"):
+                                         "float32; use --kv-cache-dtype float32 or auto"):
         Engine(path, kv_cache_dtype="float16", max_total_tokens=256)
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: use one of auto, float16, bfloat16"):
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: use one of auto, float32, float16, bfloat16"):
         Engine(path, kv_cache_dtype="fp8", max_total_tokens=256)

@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import EXACT, EXACT_FLAGS
 from server_harness import SERVER_THREADS, ServerProcess
 
 MAX_TOKENS = 10
@@ -32,9 +33,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 # (tp_size, pp_size, DP attention groups) per layout; every rank runs SERVER_THREADS torch threads.
-# Every layout runs exact fp32 activations, as the reference does: int8 rounding would turn the
-# layouts' fp32 summation-order differences into logit changes that flip greedy near-ties.
-EXACT = ["--activation-quant", "none"]
+# Every layout runs exact (fp32 activations and KV pool), as the reference does: int8 or float16
+# rounding would turn the layouts' fp32 summation-order differences into logit changes that flip
+# greedy near-ties.
 LAYOUTS = {"single": (1, 1, 1), "pp2": (1, 2, 1), "tp3": (3, 1, 1), "dp2": (2, 1, 2)}
 
 
@@ -48,7 +49,7 @@ def server(request):
     """One server per layout, started once for all the module's tests (pytest groups the tests
     by this module-scoped param, so only one server runs at a time)."""
     tp, pp, dp = LAYOUTS[request.param]
-    s = ServerProcess("--max-total-tokens", str(POOL), *EXACT, *_layout_flags(tp, pp, dp))
+    s = ServerProcess("--max-total-tokens", str(POOL), *EXACT_FLAGS, *_layout_flags(tp, pp, dp))
     s.tp_size, s.pp_size, s.dp_size = tp, pp, dp
     yield s
     s.stop()
@@ -70,7 +71,7 @@ def engine():
     """The single-process reference, built once for every layout (it does not depend on `server`)."""
     from sparkserve import Engine
     with _threads(SERVER_THREADS):
-        eng = Engine(max_total_tokens=POOL, num_threads=SERVER_THREADS, activation_quant="none")
+        eng = Engine(max_total_tokens=POOL, num_threads=SERVER_THREADS, **EXACT)
 
     def run(**kw):
         with _threads(SERVER_THREADS):

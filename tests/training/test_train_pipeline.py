@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from conftest import EXACT, EXACT_FLAGS
 from safetensors.torch import load_file
 
 from sparkserve import Engine
@@ -23,13 +24,13 @@ def test_train_draft_cli_end_to_end(tmp_path):
     common = ["train-draft", "--out", out, "--prompts-file", str(pfile), "--max-new-tokens", "12",
               "--seqs-per-step", "2", "--anchors-per-seq", "4", "--draft-vocab-size", "512",
               "--markov-rank", "16", "--val-prompts", "1", "--val-every", "1",
-              "--activation-quant", "none"]
+              *EXACT_FLAGS]
     assert main(common + ["--stages", "prompts,distill,features,train", "--steps", "2"]) == 0
     # the last prompt of the file is validation data: distilled and captured, never trained on
     rows = [json.loads(line) for line in open(os.path.join(out, "distill.jsonl"))]
     val_rows = [json.loads(line) for line in open(os.path.join(out, "val", "distill.jsonl"))]
     assert len(rows) == len(PROMPTS) - 1 and len(val_rows) == 1
-    eng = Engine(None, activation_quant="none")    # the target the pipeline ran (--activation-quant)
+    eng = Engine(None, **EXACT)    # the target the pipeline ran (its flags)
     want = eng.generate(messages=[[{"role": "user", "content": p}] for p in PROMPTS],
                         sampling_params={"temperature": 0, "max_new_tokens": 12})
     assert [r["output_ids"] for r in rows + val_rows] == [w["output_ids"] for w in want]
@@ -111,7 +112,7 @@ def test_distill_resumes_with_requests_in_flight(tmp_path, capsys):
     cfg = PipelineConfig(model_path=None, out=str(tmp_path), max_new_tokens=8, distill_batch=2,
                          max_prompt_tokens=40, target_layer_ids=[2, 20])
     eng = Engine(None, max_total_tokens=2048, enable_return_hidden_states=True, disable_radix_cache=True,
-                 activation_quant="none")
+                 **EXACT)
 
     def write(ps):
         (tmp_path / "prompts.jsonl").write_text(
