@@ -7,9 +7,7 @@ namespace sparkserve::int8 {
 
 void rows_amx_packed(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1, const float* bias,
                      float* y, int64_t N) {
-  if (q.M < kAmxMinRows) rows_avx512vnni_packed(q, wp, qtype, n0, n1, bias, y, N);
-  else if (qtype == kQ4_1) amx_rows_typed<3>(q, wp, n0, n1, bias, y, N);
-  else amx_rows_typed<8>(q, wp, n0, n1, bias, y, N);
+  amx_rows(q, wp, qtype, n0, n1, bias, y, N);
 }
 
 }  // namespace sparkserve::int8
