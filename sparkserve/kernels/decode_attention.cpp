@@ -43,6 +43,19 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+// How far ahead of the key in use its K and V rows are fetched. An item's keys are one KV head's
+// D values per slot: every Hkv * D values at best (consecutive slots), anywhere in the pool once
+// pages are recycled. The hardware prefetchers keep too little of that in flight, so at contexts
+// past the L3 the loops would wait on memory (docs/kernel-notes.md has the figures).
+constexpr int64_t kPrefetchKeys = 32;
+
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* rows, int64_t j0, int64_t j1, int64_t D) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(base + rows[j]) + b, _MM_HINT_T0);
+}
+
 // Scores of NR query rows against four keys: 2 x 4 accumulators fit the 16 ymm registers with the
 // key vectors. Each (row, key) pair is reduced by the same lane order and hadd tree wherever it
 // sits, so a score's bits depend only on its query and key, never on the tile or the block size.
@@ -79,6 +92,7 @@ inline void qk_tile(const float* const* q, const T* const* k, int64_t D, float* 
 template <typename T>
 void scores(const float* const* q, int64_t R, const int64_t* rows, int64_t n, const T* kp, int64_t D, float* s) {
   for (int64_t j = 0; j < n; j += 4) {
+    prefetch_rows(kp, rows, j + kPrefetchKeys, std::min(n, j + kPrefetchKeys + 4), D);
     const int64_t nk = std::min<int64_t>(4, n - j);
     const T* k[4];
     for (int64_t x = 0; x < 4; ++x) k[x] = kp + rows[j + std::min(x, nk - 1)];
@@ -124,6 +138,9 @@ void pv_tile(const float* p, int64_t n, const T* vp, const int64_t* rows, int64_
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < NV; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
+    if (j + kPrefetchKeys < n)       // this tile's columns of a row ahead
+      for (int64_t b = 0; b < 8 * NV * static_cast<int64_t>(sizeof(T)); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(vp + rows[j + kPrefetchKeys] + c0) + b, _MM_HINT_T0);
     const T* vr = vp + rows[j] + c0;
     __m256 v[NV];
     for (int i = 0; i < NV; ++i) v[i] = load8(vr + 8 * i);
