@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "paged_attention.h"
@@ -97,6 +98,10 @@ void scores(const float* const* q, int64_t R, const int64_t* rows, int64_t n, co
     const T* k[4];
     for (int64_t x = 0; x < 4; ++x) k[x] = kp + rows[j + std::min(x, nk - 1)];
     int64_t r = 0;
+    // a half pool's keys cost a conversion per load: 3-row tiles load them once for 3 rows (GQA's
+    // 3 heads per KV head), which pays despite the 17th register; float32 keys stay in 2-row tiles
+    if (!std::is_same<T, float>::value)
+      for (; r + 3 <= R; r += 3) qk_tile<3>(q + r, k, D, s + r * n + j, n, nk);
     for (; r + 2 <= R; r += 2) qk_tile<2>(q + r, k, D, s + r * n + j, n, nk);
     if (r < R) qk_tile<1>(q + r, k, D, s + r * n + j, n, nk);
   }
@@ -156,6 +161,8 @@ void pv_tile(const float* p, int64_t n, const T* vp, const int64_t* rows, int64_
 template <int NR, typename T>
 void pv(const float* p, int64_t n, const T* vp, const int64_t* rows, float* const* o, int64_t D) {
   int64_t c = 0;
+  if (NR == 3)
+    for (; c + 16 <= D; c += 16) pv_tile<NR, 2>(p, n, vp, rows, c, o);
   for (; c + 32 <= D; c += 32) pv_tile<NR, 4>(p, n, vp, rows, c, o);
   for (; c < D; c += 8) pv_tile<NR, 1>(p, n, vp, rows, c, o);
 }
@@ -281,6 +288,8 @@ void attend(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, con
         }
       }
       int64_t k = 0;
+      if (!std::is_same<T, float>::value)        // as in scores()
+        for (; k + 3 <= R; k += 3) pv<3>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
       for (; k + 2 <= R; k += 2) pv<2>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
       if (k < R) pv<1>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
       for (int64_t i = it.i0; i < it.i1; ++i) {
