@@ -27,6 +27,9 @@ import statistics
 import sys
 import time
 
+import sparkserve  # noqa: F401  (before torch: its OpenMP threads must be told to wait passively)
+
+# isort: split
 import torch
 import torch.nn.functional as F
 from results_io import machine_info, machine_line, sparkserve_kernels, write_results

@@ -30,6 +30,9 @@ import subprocess
 import sys
 import time
 
+import sparkserve  # noqa: F401  (before torch: its OpenMP threads must be told to wait passively)
+
+# isort: split
 import torch
 from results_io import (
     ISA_ENV,

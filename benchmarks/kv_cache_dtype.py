@@ -23,6 +23,9 @@ import statistics
 import sys
 import time
 
+import sparkserve  # noqa: F401  (before torch: its OpenMP threads must be told to wait passively)
+
+# isort: split
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -12,6 +12,9 @@ import statistics
 import sys
 import time
 
+import sparkserve  # noqa: F401  (before torch: its OpenMP threads must be told to wait passively)
+
+# isort: split
 import torch
 from results_io import machine_info, machine_line, sparkserve_kernels, write_results
 

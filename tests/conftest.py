@@ -8,8 +8,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import pytest
-import torch
+# As `import sparkserve` would: before torch loads its OpenMP runtime (sparkserve/__init__.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Tiny configs per architecture. eos/bos are None so neither side stops early or masks a token
 # (tests that want a stop token pass stop_token_ids); head_dim is explicit because Mistral's

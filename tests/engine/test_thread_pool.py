@@ -158,3 +158,25 @@ def test_threads_held_up_do_not_hold_the_job(ext):
     finally:
         torch.set_num_threads(n)
     assert times[8] < 4 * times[1] + 0.5, times
+
+
+@pytest.mark.parametrize("first,policy,warns", [("torch", None, True), ("sparkserve", None, False),
+                                                ("torch", "ACTIVE", False)])
+def test_late_import_after_torch_is_reported(first, policy, warns):
+    """OMP_WAIT_POLICY works only if set before torch loads OpenMP: sparkserve imported after torch,
+    with no policy chosen, says so (torch's threads would spin beside the kernels'); imported first
+    it sets PASSIVE, and a policy the user chose is theirs."""
+    import subprocess
+    import sys
+
+    from test_quant_kernels import REPO
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    second = "sparkserve" if first == "torch" else "torch"
+    code = f"import {first}, {second}, os; print(os.environ['OMP_WAIT_POLICY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ("torch was imported before sparkserve" in out.stderr) == warns, out.stderr
+    assert out.stdout.strip() == (policy or "PASSIVE")
