@@ -93,8 +93,9 @@ def _compile_variants(path: str) -> list[str]:
     built = []
     cxx = os.environ.get("CXX", "c++")
     for name, flags in VARIANTS.items():
-        if VARIANT_NEEDS.get(name, name) not in built + [name]:
-            log.info("int8 kernel variant %s left out: it needs %s", name, VARIANT_NEEDS[name])
+        need = VARIANT_NEEDS.get(name)
+        if need is not None and need not in built:
+            log.info("int8 kernel variant %s left out: it needs %s", name, need)
             continue
         obj = os.path.join(path, f"int8_{name}.o")
         if not os.path.exists(obj):
