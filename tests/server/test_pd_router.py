@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -29,13 +30,20 @@ from starlette.responses import JSONResponse, Response
 from tiny_chat_fixtures import make_tiny_chat_checkpoint
 
 T = 60                                  # seconds any single HTTP call may take here
+LONG_CONTEXT = 2048
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """Two null-mode servers of the tiny chat model: (prefill side, decode side)."""
+    """Two null-mode servers of the tiny chat model: (prefill side, decode side). Its context is
+    raised to the pool's size, so that a long request runs for seconds: time enough for a client's
+    cancel to cross the router while both servers still run it."""
     path = make_tiny_chat_checkpoint(str(tmp_path_factory.mktemp("tiny_chat") / "llama"))
-    pair = [ServerProcess("--model-path", path, "--max-total-tokens", "2048") for _ in range(2)]
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**config, "max_position_embeddings": LONG_CONTEXT}, f)
+    pair = [ServerProcess("--model-path", path, "--max-total-tokens", str(LONG_CONTEXT)) for _ in range(2)]
     for s in pair:
         s.wait_ready()
     yield pair
@@ -230,7 +238,8 @@ def test_a_prefill_error_reaches_the_client_and_cancels_the_decode_request(serve
 def test_a_client_that_leaves_cancels_both_requests(servers, router):
     """The client goes away mid-request (streamed or not): both servers abort the request."""
     r = router("--prefill", servers[0].url, "--decode", servers[1].url)
-    long = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
+    long = {"input_ids": [1, 2, 3],
+            "sampling_params": {"max_new_tokens": LONG_CONTEXT - 8, "ignore_eos": True}}
 
     async def leave(stream: bool) -> None:
         async with httpx.AsyncClient(timeout=T) as client:
