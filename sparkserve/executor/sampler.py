@@ -4,9 +4,8 @@ The distribution a token is drawn from is defined once, in `processed_probs` (af
 `apply_penalties`), and drawn once, in `sample_from_probs`; speculative verification calls the same two
 functions, so accept/reject sees exactly what plain decoding would have sampled from.
 
-Draws use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with probability
-p_i. Each row draws its noise from its own request's generator, then one batched argmax samples all
-rows, so a seeded request gives the same tokens whatever else is in the batch.
+Draws invert each row's cumulative distribution at one uniform draw from the row's own request's
+generator, so a seeded request gives the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import torch
 from torch import Tensor
 
 from sparkserve.core.sampling_state import RequestSamplingState
+from sparkserve.kernels import argmax_rows
 from sparkserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -50,55 +50,82 @@ def processed_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     if 0 < params.top_k < vocab:  # ties with the k-th value are kept, as in HF
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
+    probs = x.softmax(-1)
     if params.top_p < 1.0:
-        x = x.masked_fill(outside_top_p(x, params.top_p), float("-inf"))
+        probs = nucleus(probs, params.top_p)
     if params.min_p > 0.0:
-        probs = x.softmax(-1)
         remove = probs < params.min_p * probs.amax(-1, keepdim=True)  # never removes the max
-        x = x.masked_fill(remove, float("-inf"))
-    return x.softmax(-1)
+        probs = probs.masked_fill(remove, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 # Candidate set sizes tried before a full sort: a nucleus usually lies within the best few dozen
 # tokens, and top-k of a 50k vocabulary costs a small fraction of sorting it.
 TOP_P_CANDIDATES = (64, 1024)
+CDF_BLOCK = 256                 # ids per block of a row's two-level cumulative sum
 
 
-def outside_top_p(x: Tensor, top_p: float) -> Tensor:
-    """Bool mask of the tokens top-p sampling removes (HF's rule: a token stays while the mass of
-    the tokens ranked above it is below top_p; the best one always stays). The ranking is sorted
-    only within the k best tokens when, in every row, they hold at least top_p of the mass: every
-    token outside them is then removed whatever their order."""
-    probs = x.softmax(-1)
-    vocab = x.shape[-1]
-    for k in TOP_P_CANDIDATES:
-        if k >= vocab:
+def nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """probs [N, V] cut to their top-p nucleus and renormalized (HF's rule: a token stays while the
+    mass of the tokens ranked above it is below top_p; the best one always stays). A row is ranked
+    only within its k best tokens when they hold at least top_p of its mass: every token outside
+    them is then cut whatever their order. Rows that need more go on to the next k, then a sort."""
+    vocab = probs.shape[-1]
+    out = torch.zeros_like(probs)
+    rows = None                                             # None: all of them
+    for k in (*(c for c in TOP_P_CANDIDATES if c < vocab), vocab):
+        sub = probs if rows is None else probs[rows]
+        vals, idx = sub.topk(k, dim=-1) if k < vocab else torch.sort(sub, dim=-1, descending=True)
+        fits = vals.sum(-1) >= top_p if k < vocab else torch.ones_like(vals[:, 0], dtype=torch.bool)
+        kept = vals.masked_fill(vals.cumsum(-1) - vals >= top_p, 0.0)
+        kept[:, 0] = vals[:, 0]
+        kept = kept / kept.sum(-1, keepdim=True)
+        if rows is None and bool(fits.all()):
+            return out.scatter_(-1, idx, kept)
+        rows = torch.arange(len(probs), device=probs.device) if rows is None else rows
+        out[rows[fits]] = out[rows[fits]].scatter_(-1, idx[fits], kept[fits])
+        rows = rows[~fits]
+        if not len(rows):
             break
-        vals, idx = probs.topk(k, dim=-1)                   # descending
-        if bool((vals.sum(-1) >= top_p).all()):
-            keep = vals.cumsum(-1) - vals < top_p
-            keep[..., 0] = True
-            return torch.ones_like(probs, dtype=torch.bool).scatter(-1, idx, ~keep)
-    sorted_x, order = torch.sort(x, dim=-1)  # ascending, as HF
-    remove = sorted_x.softmax(-1).cumsum(-1) <= 1 - top_p
-    remove[..., -1] = False  # always keep the most likely token
-    return remove.scatter(-1, order, remove)
+    return out
 
 
 def sample_from_probs(
     probs: Tensor, generator: torch.Generator | Sequence[torch.Generator | None] | None
 ) -> Tensor:
-    """Draw one id per row of `probs` [N, V]; `generator` is one for all rows or one per row."""
-    noise = torch.empty_like(probs, dtype=torch.float32)
+    """Draw one id per row of `probs` [N, V]; `generator` is one for all rows or one per row.
+
+    Inverse transform: the first id whose cumulative mass exceeds u * total, u ~ U[0, 1) one draw
+    per row (a draw per vocabulary entry costs more than the rest of sampling together). The row is
+    summed in blocks first, so that only the block holding the draw is summed entry by entry; the
+    sums are float64 and the draw stays below each total, so a zero-mass block or id is never the
+    first to exceed it."""
+    n, vocab = probs.shape
+    dev = probs.device
     if generator is None or isinstance(generator, torch.Generator):
-        noise.exponential_(generator=generator)
+        u = torch.rand(n, generator=generator, dtype=torch.float64, device=dev)
     else:
-        assert len(generator) == probs.shape[0], "need one generator per row"
-        for row, gen in zip(noise, generator):
-            row.exponential_(generator=gen)
-    # Exp(1) can round to 0; 0/0 would be NaN and argmax would pick a banned token.
-    noise.clamp_min_(torch.finfo(torch.float32).tiny)
-    return (probs.float() / noise).argmax(-1)
+        assert len(generator) == n, "need one generator per row"
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=dev) for g in generator])
+    p = probs.float()
+    if vocab % CDF_BLOCK:
+        p = torch.nn.functional.pad(p, (0, CDF_BLOCK - vocab % CDF_BLOCK))
+    blocks = p.view(n, -1, CDF_BLOCK)
+    mass = blocks.sum(-1).double()                                  # [n, blocks]
+    block, rest = _invert(mass, u)
+    within = blocks[torch.arange(n, device=dev), block].double()    # [n, CDF_BLOCK]
+    return block * CDF_BLOCK + _invert(within, rest / mass.gather(1, block[:, None])[:, 0])[0]
+
+
+def _invert(weights: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row of weights [n, m] (float64, >= 0, some > 0): the first index whose cumulative sum
+    exceeds u * total, and how far past the sum before that index u * total lies."""
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    index = torch.searchsorted(cdf, target, right=True)
+    return index[:, 0], (target - (cdf.gather(1, index) - weights.gather(1, index)))[:, 0]
 
 
 def apply_penalties(logits: Tensor, states: Sequence[RequestSamplingState]) -> Tensor:
@@ -140,28 +167,30 @@ class Sampler:
         batch = logits.shape[0]
         assert batch == len(states), f"{batch} logit rows for {len(states)} requests"
         if all(s.fast_greedy for s in states):  # the common case: one argmax, nothing else
-            return SampleOutput(logits.argmax(-1).tolist(), [None] * batch, [None] * batch)
+            return SampleOutput(argmax_rows(logits).tolist(), [None] * batch, [None] * batch)
 
         x = apply_penalties(logits, states)
         dev = x.device
         greedy = [i for i, s in enumerate(states) if s.params.is_greedy]
         if len(greedy) == batch:
-            next_ids = x.argmax(-1)
+            next_ids = argmax_rows(x)
         else:
             next_ids = torch.empty(batch, dtype=torch.long, device=dev)
             if greedy:
                 idx = torch.tensor(greedy, device=dev)
-                next_ids[idx] = x[idx].argmax(-1)
+                next_ids[idx] = argmax_rows(x[idx])
             groups: dict[tuple[float, int, float, float], list[int]] = {}
             for i, s in enumerate(states):
                 if not s.params.is_greedy:
                     p = s.params
                     groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
             for rows in groups.values():
-                idx = torch.tensor(rows, device=dev)
-                probs = processed_probs(x[idx], states[rows[0]].params)
                 gens = [states[i].generator(dev) for i in rows]
-                next_ids[idx] = sample_from_probs(probs, gens)
+                if len(rows) == batch:                      # one group: no row copies
+                    next_ids = sample_from_probs(processed_probs(x, states[0].params), gens)
+                    break
+                idx = torch.tensor(rows, device=dev)
+                next_ids[idx] = sample_from_probs(processed_probs(x[idx], states[rows[0]].params), gens)
         return self._with_logprobs(logits, next_ids, states)
 
     @staticmethod

@@ -6,7 +6,8 @@ BF16, F16), reading the blocks once for all rows of x (quant_gemv.cpp; used by l
 for Q4_1 / Q8_0 (int8_*.cpp), on the CPU variant `variant()` names (chosen at load by the CPU's
 flags; SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches variants off).
 The extension also has `rms_norm` and `add_rms_norm` (rms_norm.cpp; used by layers/norm.py) and
-`decode_attention` (decode_attention.cpp: paged attention without the K/V gather; layers/attention.py).
+`decode_attention` (decode_attention.cpp: paged attention without the K/V gather; layers/attention.py)
+and `argmax_rows` (argmax.cpp: greedy sampling's argmax).
 Built on first use (build.py); when that is impossible `load_extension()` is None and callers
 use their torch path (F.linear / oneDNN on the fp32 weight, F.rms_norm)."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ from sparkserve.kernels.build import load_extension
 
 __all__ = ["BlockWeight", "Q4_1", "Q8_0", "BF16", "F16", "BLOCK_BYTES", "available", "load_extension",
            "quant_linear", "quant_linear_int8", "dequantize_rows", "variant", "runnable_variants",
-           "int8_beats_gemm"]
+           "int8_beats_gemm", "argmax_rows"]
 
 
 def available() -> bool:
@@ -50,6 +51,16 @@ def dequantize_rows(w: BlockWeight, ids: torch.Tensor) -> torch.Tensor:
     if ext is None:
         return w.rows(ids).dequantize()
     return ext.dequantize_rows(w.blocks, w.qtype, w.in_features, ids)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) for x [N, V] (the first maximum; a NaN's first where a row has one). CPU
+    float32 rows run on the kernels' threads: torch's argmax is several times slower, and its
+    OpenMP region leaves threads awake beside the next native step."""
+    ext = load_extension() if x.device.type == "cpu" else None
+    if ext is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or not x.shape[-1]:
+        return x.argmax(-1)
+    return ext.argmax_rows(x)
 
 
 def variant() -> str:

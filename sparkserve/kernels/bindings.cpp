@@ -20,6 +20,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at
                             std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
                             std::vector<int64_t> q_lens);
 at::Tensor markov_pack(at::Tensor w2);
+at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor dequantize_rows(at::Tensor w, int64_t qtype, int64_t K, at::Tensor ids);
 at::Tensor pack_blocks(at::Tensor w, int64_t qtype);
 at::Tensor unpack_blocks(at::Tensor w, int64_t qtype);
@@ -64,6 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("markov_greedy", &markov_greedy,
         "a DSpark Markov head's greedy loop over a block: (target ids [B, G], previous-token codes [B, G, r])",
         py::arg("base"), py::arg("w1"), py::arg("w2p"), py::arg("d2t"), py::arg("anchors"));
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (a NaN's first), as torch.argmax(-1)");
   m.def("markov_pack", &markov_pack, "a Markov head's W2 [V, r] in the layout markov_greedy reads");
   py::class_<sparkserve::NativeLlama>(m, "NativeLlama", "one call per forward of a Llama-family decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor>())

@@ -19,6 +19,7 @@ from collections.abc import Callable, Generator
 import torch
 
 from sparkserve.executor.sampler import processed_probs, sample_from_probs
+from sparkserve.kernels import argmax_rows
 from sparkserve.sampling_params import SamplingParams
 
 # A row is scored in the first head call when the draft's confidence gives at least these odds that
@@ -135,7 +136,7 @@ def accept_greedy(drafts: list[int], target_logits: torch.Tensor) -> tuple[int, 
 def greedy_steps(drafts: list[int]) -> Steps:
     n, rows = 0, (yield 1)
     while True:
-        best = rows.argmax(dim=-1).tolist()
+        best = argmax_rows(rows).tolist()
         while n < min(len(best), len(drafts)) and drafts[n] == best[n]:
             n += 1
         if n < len(best):           # a mismatch, or every draft matched and the bonus row is here

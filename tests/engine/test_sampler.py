@@ -311,3 +311,39 @@ def test_top_p_large_vocab_matches_transformers_without_a_full_sort(scale, full_
     ref = TopPLogitsWarper(0.9)(torch.zeros(4, 1, dtype=torch.long), logits.clone()).softmax(-1)
     assert torch.equal(ours > 0, ref > 0)
     torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_top_p_rows_go_as_far_as_each_needs(monkeypatch) -> None:
+    """One batch of rows whose nuclei lie within 64, within 1024 and beyond 1024 tokens: only the
+    last row is sorted, and every row is transformers' TopPLogitsWarper's."""
+    from sparkserve.executor import sampler as sampler_mod
+    gen = torch.Generator().manual_seed(10)
+    logits = torch.randn(5, 49152, generator=gen) * torch.tensor([[8.0], [3.0], [0.05], [8.0], [3.3]])
+    sorted_rows, sort = [], torch.sort
+
+    def counting_sort(x, *a, **k):
+        sorted_rows.append(x.shape[0])
+        return sort(x, *a, **k)
+    monkeypatch.setattr(sampler_mod.torch, "sort", counting_sort)
+    ours = processed_probs(logits, SamplingParams(top_p=0.9, temperature=0.8).validate(49152))
+    monkeypatch.undo()
+    ref = TopPLogitsWarper(0.9)(torch.zeros(5, 1, dtype=torch.long), logits / 0.8).softmax(-1)
+    kept = (ref > 0).sum(-1).tolist()
+    assert kept[0] <= 64 < kept[1] <= 1024 < kept[2] and kept[3] <= 64 < kept[4] <= 1024, kept
+    assert sorted_rows == [1]
+    assert torch.equal(ours > 0, ref > 0)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_draws_follow_probs_across_a_large_vocabulary() -> None:
+    """The two-level inverse transform over 49,152 ids: mass at both edges of blocks, in the last
+    id, in a block of its own and beside zero-mass blocks; no draw lands on a zero-mass id."""
+    probs = torch.zeros(49152)
+    ids = torch.tensor([0, 5, 255, 256, 511, 30000, 49151])
+    probs[ids] = torch.tensor([0.05, 0.1, 0.2, 0.15, 0.1, 0.25, 0.15])
+    n = 20000
+    draws = sample_from_probs(probs.expand(n, -1), torch.Generator().manual_seed(4))
+    _chi_square_ok(draws.tolist(), probs)
+    # one generator per row: the Sampler's case
+    gens = [torch.Generator().manual_seed(s) for s in range(4000)]
+    _chi_square_ok(sample_from_probs(probs.expand(4000, -1), gens).tolist(), probs)
