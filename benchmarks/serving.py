@@ -5,15 +5,18 @@ prompts, one run, same machine: only same-run ratios mean something on the proje
 
     python benchmarks/serving.py [--requests 32] [--max-tokens 64] [--reps 1]
                                  [--engines sparkserve,llamacpp] [--threads 2] [--isa native|avx2|avx512]
+                                 [--sampling greedy|top-p]
 
-Load: streaming chat completions, greedy, `ignore_eos` (both servers honour it, so every request
-gets --max-tokens tokens), a fresh connection per request (llama-server closes idle keep-alive
-connections). Both servers are started up front and the levels alternate between them (order
-flipped every round); an idle server does not compute, so each is measured alone. Per level the
-median over --reps rounds is reported. `--engines llama-cpp-python` is the old Python peer
-(`pip install 'llama-cpp-python[server]'`, one request at a time). The first run builds llama.cpp
-(~5 min on 2 cores). Writes benchmarks/results/serving.{md,json} and serving.png (matplotlib);
---isa avx2 / avx512 holds both servers to that (as decode.py) and writes serving_avx2.* / serving_avx512.*."""
+Load: streaming chat completions, greedy (or `--sampling top-p`: temperature 0.7, top_p 0.9),
+`ignore_eos` (both servers honour it, so every request gets --max-tokens tokens), a fresh
+connection per request (llama-server closes idle keep-alive connections). Both servers are started
+up front and the levels alternate between them (order flipped every round); an idle server does
+not compute, so each is measured alone. Per level the median over --reps rounds is reported.
+`--engines llama-cpp-python` is the old Python peer (`pip install 'llama-cpp-python[server]'`, one
+request at a time). The first run builds llama.cpp (~5 min on 2 cores). Writes
+benchmarks/results/serving.{md,json} and serving.png (matplotlib); --isa avx2 / avx512 holds both
+servers to that (as decode.py) and writes serving_avx2.* / serving_avx512.*; --sampling top-p
+writes serving_top_p.*."""
 from __future__ import annotations
 
 import argparse
@@ -43,6 +46,11 @@ from results_io import (
 TOPICS = ["the ocean", "a city at night", "learning to code", "the moon", "autumn leaves", "trains",
           "friendship", "coffee", "mountains", "a thunderstorm", "libraries", "gardening", "robots",
           "the desert", "music", "winter mornings"]
+# What each request asks for. top_k 0 and min_p 0 switch off llama.cpp's default chain (top_k 40,
+# min_p 0.05), so both engines sample from the same distribution.
+SAMPLING = {"greedy": {"temperature": 0},
+            "top-p": {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0}}
+SAMPLING_TEXT = {"greedy": "temperature 0", "top-p": "temperature 0.7, top_p 0.9 (top_k and min_p off)"}
 
 
 def _free_port() -> int:
@@ -99,9 +107,10 @@ def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None
     raise TimeoutError(f"server did not come up; log {proc.log_path}:\n{_log_tail(proc)}")
 
 
-async def _one(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
+async def _one(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int, ignore_eos: bool,
+               sampling: dict) -> dict:
     body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            **sampling, "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
     t0 = time.perf_counter()
@@ -126,14 +135,15 @@ async def _one(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: in
             "itl": [b - a for a, b in zip(stamps, stamps[1:])]}
 
 
-async def _level(base: str, conc: int, n_req: int, max_tokens: int, ignore_eos: bool = True) -> dict:
+async def _level(base: str, conc: int, n_req: int, max_tokens: int, ignore_eos: bool = True,
+                 sampling: dict = SAMPLING["greedy"]) -> dict:
     prompts = [f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}." for i in range(n_req)]
     sem = asyncio.Semaphore(conc)
     limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def run(p):
             async with sem:
-                return await _one(client, base, p, max_tokens, ignore_eos)
+                return await _one(client, base, p, max_tokens, ignore_eos, sampling)
         t = time.perf_counter()
         res = await asyncio.gather(*(run(p) for p in prompts))
         wall = time.perf_counter() - t
@@ -187,11 +197,15 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=1, help="rounds over all levels; medians reported")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--sampling", default="greedy", choices=sorted(SAMPLING),
+                    help="top-p: temperature 0.7, top_p 0.9 (results in serving_top_p.*)")
     ap.add_argument("--replot", action="store_true", help="only redraw serving.png from serving.json")
     ap.add_argument("--isa", default="native", choices=sorted(ISA_ENV),
                     help="what both servers may use of the CPU (avx2: an AVX2-only machine; avx512: no VNNI)")
     a = ap.parse_args()
-    name = results_name("serving", a.isa)
+    name = results_name("serving" if a.sampling == "greedy" else f"serving_{a.sampling.replace('-', '_')}",
+                        a.isa)
+    sampling = SAMPLING[a.sampling]
     if a.replot:
         with open(os.path.join(RESULTS, f"{name}.json")) as f:
             data = json.load(f)
@@ -215,7 +229,7 @@ def main() -> int:
                 for engine in (engines if (rep + levels.index(c)) % 2 == 0 else engines[::-1]):
                     base, proc = servers[engine]
                     r = asyncio.run(_level(base, c, max(a.requests, c) if c > 1 else 8, a.max_tokens,
-                                           IGNORE_EOS[engine]))
+                                           IGNORE_EOS[engine], sampling))
                     raw[engine][c].append(r)
                     print(f"round {rep + 1}/{a.reps} {engine} c={c}: TTFT {r['ttft_median_s']:.3f} s, "
                           f"ITL {r['itl_median_ms']:.1f} ms, {r['output_tok_s']:.1f} tok/s",
@@ -232,7 +246,8 @@ def main() -> int:
     lines = [f"# Online serving, SmolLM2-135M-Instruct GGUF, {a.threads} threads "
              f"({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"{machine_line(machine)}; sparkserve kernels: {kernels}", "",
-             f"chat completions, streaming, temperature 0, max_tokens {a.max_tokens}, ignore_eos, a fresh "
+             f"chat completions, streaming, {SAMPLING_TEXT[a.sampling]}, max_tokens {a.max_tokens}, "
+             "ignore_eos, a fresh "
              f"connection per request; llamacpp = llama-server built from source with {isa_build(a.isa)} "
              f"(-np 32 -c 16384 -kvu -t {a.threads}); servers alternate, medians of {a.reps} round(s)", "",
              "| engine | concurrency | TTFT median (s) | ITL median (ms) | output tok/s |",
@@ -254,6 +269,7 @@ def main() -> int:
                          f"{q['ttft_median_s']:.2f}x | {q['itl_median_ms']:.2f}x |")
     data = {"engines": results, "ratio_sparkserve_vs_llamacpp": ratios, "machine": machine,
             "sparkserve_kernels": kernels, "threads": a.threads, "max_tokens": a.max_tokens,
+            "sampling": sampling,
             "reps": a.reps, "date": time.strftime("%Y-%m-%d %H:%M")}
     write_results(name, data, lines)
     plot(results, name)

@@ -2,7 +2,9 @@
 
 The distribution a token is drawn from is defined once, in `processed_probs` (after penalties from
 `apply_penalties`), and drawn once, in `sample_from_probs`; speculative verification calls the same two
-functions, so accept/reject sees exactly what plain decoding would have sampled from.
+functions, so accept/reject sees exactly what plain decoding would have sampled from. On CPU the
+kernels' `sample_rows` makes the same draw from the same distribution without building it over the
+whole vocabulary (tests/engine/test_sample_kernel.py holds the two together).
 
 Draws invert each row's cumulative distribution at one uniform draw from the row's own request's
 generator, so a seeded request gives the same tokens whatever else is in the batch.
@@ -17,7 +19,7 @@ import torch
 from torch import Tensor
 
 from sparkserve.core.sampling_state import RequestSamplingState
-from sparkserve.kernels import argmax_rows
+from sparkserve.kernels import argmax_rows, sample_rows
 from sparkserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -94,28 +96,35 @@ def nucleus(probs: Tensor, top_p: float) -> Tensor:
 def sample_from_probs(
     probs: Tensor, generator: torch.Generator | Sequence[torch.Generator | None] | None
 ) -> Tensor:
-    """Draw one id per row of `probs` [N, V]; `generator` is one for all rows or one per row.
+    """Draw one id per row of `probs` [N, V]; `generator` is one for all rows or one per row."""
+    return invert_probs(probs, uniform_draws(probs.shape[0], generator, probs.device))
 
-    Inverse transform: the first id whose cumulative mass exceeds u * total, u ~ U[0, 1) one draw
-    per row (a draw per vocabulary entry costs more than the rest of sampling together). The row is
-    summed in blocks first, so that only the block holding the draw is summed entry by entry; the
-    sums are float64 and the draw stays below each total, so a zero-mass block or id is never the
-    first to exceed it."""
+
+def invert_probs(probs: Tensor, u: Tensor) -> Tensor:
+    """Per row of `probs` [N, V], the first id whose cumulative mass exceeds u * total (u [N] in
+    [0, 1), one draw per row: a draw per vocabulary entry would cost more than the rest of sampling
+    together). The row is summed in blocks first, so that only the block holding the draw is summed
+    entry by entry; the sums are float64 and the draw stays below each total, so a zero-mass block
+    or id is never the first to exceed it."""
     n, vocab = probs.shape
-    dev = probs.device
-    if generator is None or isinstance(generator, torch.Generator):
-        u = torch.rand(n, generator=generator, dtype=torch.float64, device=dev)
-    else:
-        assert len(generator) == n, "need one generator per row"
-        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=dev) for g in generator])
     p = probs.float()
     if vocab % CDF_BLOCK:
         p = torch.nn.functional.pad(p, (0, CDF_BLOCK - vocab % CDF_BLOCK))
     blocks = p.view(n, -1, CDF_BLOCK)
     mass = blocks.sum(-1).double()                                  # [n, blocks]
     block, rest = _invert(mass, u)
-    within = blocks[torch.arange(n, device=dev), block].double()    # [n, CDF_BLOCK]
+    within = blocks[torch.arange(n, device=probs.device), block].double()    # [n, CDF_BLOCK]
     return block * CDF_BLOCK + _invert(within, rest / mass.gather(1, block[:, None])[:, 0])[0]
+
+
+def uniform_draws(n: int, generator: torch.Generator | Sequence[torch.Generator | None] | None,
+                  device: torch.device) -> Tensor:
+    """n float64 draws in [0, 1): the one a row's token is drawn at, from one generator or one per
+    row (each row then the same draw whatever else is in the batch)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(n, generator=generator, dtype=torch.float64, device=device)
+    assert len(generator) == n, "need one generator per row"
+    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=device) for g in generator])
 
 
 def _invert(weights: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
@@ -179,19 +188,34 @@ class Sampler:
             if greedy:
                 idx = torch.tensor(greedy, device=dev)
                 next_ids[idx] = argmax_rows(x[idx])
-            groups: dict[tuple[float, int, float, float], list[int]] = {}
-            for i, s in enumerate(states):
-                if not s.params.is_greedy:
-                    p = s.params
-                    groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
-            for rows in groups.values():
-                gens = [states[i].generator(dev) for i in rows]
-                if len(rows) == batch:                      # one group: no row copies
-                    next_ids = sample_from_probs(processed_probs(x, states[0].params), gens)
-                    break
-                idx = torch.tensor(rows, device=dev)
-                next_ids[idx] = sample_from_probs(processed_probs(x[idx], states[rows[0]].params), gens)
+            drawn = [i for i, s in enumerate(states) if not s.params.is_greedy]
+            u = uniform_draws(len(drawn), [states[i].generator(dev) for i in drawn], dev)
+            params = [states[i].params for i in drawn]
+            ids = sample_rows(x, drawn, [p.temperature for p in params], [p.top_k for p in params],
+                              [p.top_p for p in params], [p.min_p for p in params], u)
+            if ids is None:
+                ids = self._draw_with_torch(x, drawn, params, u)
+            if len(drawn) == batch:
+                next_ids = ids
+            else:
+                next_ids[torch.tensor(drawn, device=dev)] = ids
         return self._with_logprobs(logits, next_ids, states)
+
+    @staticmethod
+    def _draw_with_torch(x: Tensor, rows: list[int], params: list[SamplingParams], u: Tensor) -> Tensor:
+        """sample_rows's ids where the kernels cannot take x: processed_probs per group of rows
+        that share their params, each row drawn at its u."""
+        groups: dict[tuple[float, int, float, float], list[int]] = {}
+        for j, p in enumerate(params):
+            groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(j)
+        ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
+        for members in groups.values():
+            if len(members) == len(rows) == x.shape[0]:     # one group of every row: no copies
+                return invert_probs(processed_probs(x, params[0]), u)
+            at = torch.tensor(members, device=x.device)
+            picked = x[torch.tensor([rows[j] for j in members], device=x.device)]
+            ids[at] = invert_probs(processed_probs(picked, params[members[0]]), u[at])
+        return ids
 
     @staticmethod
     def _with_logprobs(logits: Tensor, next_ids: Tensor,

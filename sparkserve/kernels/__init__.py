@@ -7,7 +7,7 @@ for Q4_1 / Q8_0 (int8_*.cpp), on the CPU variant `variant()` names (chosen at lo
 flags; SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches variants off).
 The extension also has `rms_norm` and `add_rms_norm` (rms_norm.cpp; used by layers/norm.py) and
 `decode_attention` (decode_attention.cpp: paged attention without the K/V gather; layers/attention.py)
-and `argmax_rows` (argmax.cpp: greedy sampling's argmax).
+and `argmax_rows` / `sample_rows` (argmax.cpp, sample.cpp: the sampler's draws on CPU).
 Built on first use (build.py); when that is impossible `load_extension()` is None and callers
 use their torch path (F.linear / oneDNN on the fp32 weight, F.rms_norm)."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from sparkserve.kernels.build import load_extension
 
 __all__ = ["BlockWeight", "Q4_1", "Q8_0", "BF16", "F16", "BLOCK_BYTES", "available", "load_extension",
            "quant_linear", "quant_linear_int8", "dequantize_rows", "variant", "runnable_variants",
-           "int8_beats_gemm", "argmax_rows"]
+           "int8_beats_gemm", "argmax_rows", "sample_rows"]
 
 
 def available() -> bool:
@@ -61,6 +61,21 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if ext is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or not x.shape[-1]:
         return x.argmax(-1)
     return ext.argmax_rows(x)
+
+
+def sample_rows(logits: torch.Tensor, rows: list[int], temperature: list[float], top_k: list[int],
+                top_p: list[float], min_p: list[float], u: torch.Tensor) -> torch.Tensor | None:
+    """One id per listed row of logits [N, V], drawn at u [len(rows)] (float64 in [0, 1)) from the
+    distribution executor/sampler.py's processed_probs gives each row's temperature (> 0), top_k,
+    top_p and min_p: the first id in id order whose cumulative mass exceeds u times the total.
+    None where the kernels cannot take the logits (another device, dtype or layout)."""
+    ext = load_extension() if logits.device.type == "cpu" else None
+    if ext is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+        return None
+    f64, i64 = dict(dtype=torch.float64), dict(dtype=torch.long)
+    return ext.sample_rows(logits, torch.tensor(rows, **i64), torch.tensor(temperature, **f64),
+                           torch.tensor(top_k, **i64), torch.tensor(top_p, **f64), torch.tensor(min_p, **f64),
+                           u.to(torch.float64).contiguous())
 
 
 def variant() -> str:

@@ -21,6 +21,8 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at
                             std::vector<int64_t> q_lens);
 at::Tensor markov_pack(at::Tensor w2);
 at::Tensor argmax_rows(at::Tensor logits);
+at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperature, at::Tensor top_k,
+                       at::Tensor top_p, at::Tensor min_p, at::Tensor u);
 at::Tensor dequantize_rows(at::Tensor w, int64_t qtype, int64_t K, at::Tensor ids);
 at::Tensor pack_blocks(at::Tensor w, int64_t qtype);
 at::Tensor unpack_blocks(at::Tensor w, int64_t qtype);
@@ -66,6 +68,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a DSpark Markov head's greedy loop over a block: (target ids [B, G], previous-token codes [B, G, r])",
         py::arg("base"), py::arg("w1"), py::arg("w2p"), py::arg("d2t"), py::arg("anchors"));
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (a NaN's first), as torch.argmax(-1)");
+  m.def("sample_rows", &sample_rows,
+        "one id per listed row, drawn at u from its temperature / top_k / top_p / min_p distribution");
   m.def("markov_pack", &markov_pack, "a Markov head's W2 [V, r] in the layout markov_greedy reads");
   py::class_<sparkserve::NativeLlama>(m, "NativeLlama", "one call per forward of a Llama-family decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor>())

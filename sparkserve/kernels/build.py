@@ -35,7 +35,7 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_DIR, f)
            for f in ("quant_gemv.cpp", "int8_dispatch.cpp", "int8_packed.cpp", "rms_norm.cpp",
                      "decode_attention.cpp", "native_llama.cpp", "markov_greedy.cpp", "argmax.cpp",
-                     "thread_pool.cpp", "bindings.cpp")]
+                     "sample.cpp", "thread_pool.cpp", "bindings.cpp")]
 HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h", "int8_common.h", "int8_packed.h",
                                            "int8_packed_ymm.h", "int8_packed_zmm.h", "int8_amx_body.h",
                                            "amx_tiles.h", "paged_attention.h", "rms_norm.h", "native_llama.h",

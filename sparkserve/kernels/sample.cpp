@@ -1,0 +1,193 @@
+// Sampling at temperature > 0 from CPU logits, one row per request: temperature, top_k, top_p and
+// min_p as executor/sampler.py's processed_probs defines them, and the draw as sample_from_probs
+// makes it (the first id, in id order, whose cumulative mass exceeds u times the total).
+//
+// torch builds each step's distributions from a dozen passes over the whole vocabulary (divide,
+// softmax, top-k, masks, renormalize, cumulative sums). Here a row is three vector passes (its
+// maximum, its exponentials and their sum, the candidates above a cutoff); top_k, top_p and min_p
+// then sort only the candidates. The cutoff starts where min_p (or a small share of the best
+// token's mass) cuts and is lowered until the candidates hold what the rule needs, so a flat row
+// ends as a sort of the whole vocabulary, as torch's would.
+#include <torch/extension.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "simd.h"
+#include "thread_pool.h"
+
+namespace {
+
+constexpr float kFirstCutoff = 1.0f / 4096;   // of the best token's mass, when min_p sets none
+constexpr float kCutoffStep = 1.0f / 64;
+
+struct Candidate {
+  float x;      // logit / temperature
+  float e;      // exp(x - max)
+  int64_t id;
+};
+
+// x = logits / temperature; returns their maximum.
+float scaled(const float* logits, int64_t n, float temperature, float* x) {
+  const __m256 t = _mm256_set1_ps(temperature);
+  __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_div_ps(_mm256_loadu_ps(logits + i), t);
+    _mm256_storeu_ps(x + i, v);
+    top8 = _mm256_max_ps(top8, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top8);
+  float top = *std::max_element(lanes, lanes + 8);
+  for (; i < n; ++i) top = std::max(top, x[i] = logits[i] / temperature);
+  return top;
+}
+
+// e[i] = exp(x[i] - top), 0 for x = -inf (a banned id); returns their sum.
+double exponentials(const float* x, int64_t n, float top, float* e) {
+  const __m256 t = _mm256_set1_ps(top), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  double total = 0;
+  int64_t i = 0;
+  while (i + 8 <= n) {
+    __m256 part = _mm256_setzero_ps();              // summed in float over a short run, then in double
+    for (const int64_t end = std::min(n, i + 512); i + 8 <= end; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 y = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ),
+                                        sparkserve::exp256(_mm256_sub_ps(v, t)));
+      _mm256_storeu_ps(e + i, y);
+      part = _mm256_add_ps(part, y);
+    }
+    total += sparkserve::hsum(part);
+  }
+  for (; i < n; ++i) {
+    e[i] = x[i] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(x[i] - top);
+    total += e[i];
+  }
+  return total;
+}
+
+// The ids whose e reaches `cutoff` (all of them at cutoff 0).
+void collect(const float* x, const float* e, int64_t n, float cutoff, std::vector<Candidate>& out) {
+  out.clear();
+  const __m256 c = _mm256_set1_ps(cutoff);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(e + i), c, _CMP_GE_OQ));
+    while (hit) {
+      const int j = __builtin_ctz(hit);
+      hit &= hit - 1;
+      out.push_back({x[i + j], e[i + j], i + j});
+    }
+  }
+  for (; i < n; ++i)
+    if (e[i] >= cutoff) out.push_back({x[i], e[i], i});
+}
+
+// The first of `kept` (in id order) whose cumulative mass exceeds u times their total.
+int64_t draw(std::vector<Candidate>& kept, double u) {
+  std::sort(kept.begin(), kept.end(), [](const Candidate& a, const Candidate& b) { return a.id < b.id; });
+  double total = 0;
+  for (const Candidate& c : kept) total += c.e;
+  const double target = std::min(u * total, std::nextafter(total, 0.0));
+  double sum = 0;
+  for (const Candidate& c : kept) {
+    sum += c.e;
+    if (sum > target) return c.id;
+  }
+  return kept.back().id;
+}
+
+int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t top_k, double top_p,
+                   double min_p, double u, std::vector<float>& x, std::vector<float>& e,
+                   std::vector<Candidate>& cand) {
+  x.resize(V);
+  e.resize(V);
+  const float top = scaled(logits, V, temperature, x.data());
+  const double total = exponentials(x.data(), V, top, e.data());
+  const bool by_k = top_k > 0 && top_k < V;
+  if (!by_k && top_p >= 1.0 && min_p <= 0.0) {              // the whole vocabulary, in id order
+    const double target = std::min(u * total, std::nextafter(total, 0.0));
+    double sum = 0;
+    int64_t last = 0;
+    for (int64_t i = 0; i < V; ++i) {
+      if (e[i] > 0) last = i;
+      sum += e[i];
+      if (sum > target) return i;
+    }
+    return last;
+  }
+  // Candidates: every id the rules could keep, found by lowering the cutoff until they hold it.
+  float cutoff = min_p > 0.0 ? std::min<float>(min_p, kFirstCutoff) : kFirstCutoff;
+  for (;;) {
+    collect(x.data(), e.data(), V, cutoff, cand);
+    double mass = 0;
+    for (const Candidate& c : cand) mass += c.e;
+    // top_k needs its k-th value among them (then the nucleus lies in them too); top_p a
+    // nucleus's mass; min_p alone is cut by the first cutoff already.
+    const bool enough = by_k ? (int64_t)cand.size() >= top_k : top_p >= 1.0 || mass >= top_p * total;
+    if (enough || cutoff == 0.0f) break;
+    cutoff = cutoff < 1e-30f ? 0.0f : cutoff * kCutoffStep;
+  }
+  double kept_total = total;
+  if (by_k) {                                               // ties with the k-th value stay
+    std::nth_element(cand.begin(), cand.begin() + (top_k - 1), cand.end(),
+                     [](const Candidate& a, const Candidate& b) { return a.x > b.x; });
+    const float kth = cand[top_k - 1].x;
+    cand.erase(std::remove_if(cand.begin(), cand.end(), [kth](const Candidate& c) { return c.x < kth; }),
+               cand.end());
+    kept_total = 0;
+    for (const Candidate& c : cand) kept_total += c.e;
+  }
+  if (top_p < 1.0) {                                        // keep while the mass above is below top_p
+    std::sort(cand.begin(), cand.end(), [](const Candidate& a, const Candidate& b) { return a.e > b.e; });
+    double above = 0;
+    size_t n = 0;
+    while (n < cand.size() && (n == 0 || above < top_p * kept_total)) above += cand[n++].e;
+    cand.resize(n);
+  }
+  if (min_p > 0.0)                                          // the best token's e is 1: it stays
+    cand.erase(std::remove_if(cand.begin(), cand.end(), [min_p](const Candidate& c) { return c.e < min_p; }),
+               cand.end());
+  return draw(cand, u);
+}
+
+}  // namespace
+
+// logits [N, V] float32 with contiguous rows; rows [R] int64: the rows to sample, each with its
+// temperature (> 0), top_k (<= 0: off), top_p, min_p and uniform draw u in [0, 1). Returns [R] ids.
+at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperature, at::Tensor top_k,
+                       at::Tensor top_p, at::Tensor min_p, at::Tensor u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "sample_rows takes float32 logits [N, V] with contiguous rows");
+  const int64_t R = rows.numel(), V = logits.size(1);
+  auto check = [R](const at::Tensor& t, at::ScalarType type, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.numel() == R && t.scalar_type() == type && t.is_contiguous(), name,
+                " must be a contiguous 1-D tensor with one entry per sampled row");
+  };
+  check(rows, at::kLong, "rows");
+  check(temperature, at::kDouble, "temperature");
+  check(top_k, at::kLong, "top_k");
+  check(top_p, at::kDouble, "top_p");
+  check(min_p, at::kDouble, "min_p");
+  check(u, at::kDouble, "u");
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(row[r] >= 0 && row[r] < logits.size(0), "row index out of range");
+  at::Tensor out = at::empty({R}, at::kLong);
+  const float* x = logits.data_ptr<float>();
+  const double *t = temperature.data_ptr<double>(), *p = top_p.data_ptr<double>(), *mp = min_p.data_ptr<double>(),
+               *uu = u.data_ptr<double>();
+  const int64_t* k = top_k.data_ptr<int64_t>();
+  int64_t* ids = out.data_ptr<int64_t>();
+  sparkserve::parallel_for(0, R, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> xs, es;
+    std::vector<Candidate> cand;
+    for (int64_t r = lo; r < hi; ++r)
+      ids[r] = sample_row(x + row[r] * logits.stride(0), V, (float)t[r], k[r], p[r], mp[r], uu[r], xs, es, cand);
+  });
+  return out;
+}
