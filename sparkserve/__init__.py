@@ -4,14 +4,14 @@ import sys
 
 # OpenMP threads that spin while waiting stall badly when another process holds a core (a
 # laptop, a shared server): decode drops ~20x. They also spin for milliseconds after every torch
-# op that opens a parallel region (the sampler's, at temperature > 0), on the cores the kernels'
-# own threads run on. Passive waiting must be chosen before torch
-# loads its OpenMP runtime; set OMP_WAIT_POLICY yourself to override.
+# op that opens a parallel region (penalties, logprobs, the Python layer path), on the cores the
+# kernels' own threads run on. Passive waiting must be chosen before torch loads its OpenMP
+# runtime; set OMP_WAIT_POLICY yourself to override.
 if "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
     import warnings
     warnings.warn("torch was imported before sparkserve, so its OpenMP threads spin after each torch op "
-                  "and hold the cores the kernels run on (an in-process Engine samples up to ~1.4x "
-                  "slower): import sparkserve first, or set OMP_WAIT_POLICY=PASSIVE before torch loads",
+                  "and hold the cores the kernels run on (an in-process Engine then decodes slower): "
+                  "import sparkserve first, or set OMP_WAIT_POLICY=PASSIVE before torch loads",
                   RuntimeWarning, stacklevel=2)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -72,10 +72,7 @@ def sample_rows(logits: torch.Tensor, rows: list[int], temperature: list[float],
     ext = load_extension() if logits.device.type == "cpu" else None
     if ext is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
         return None
-    f64, i64 = dict(dtype=torch.float64), dict(dtype=torch.long)
-    return ext.sample_rows(logits, torch.tensor(rows, **i64), torch.tensor(temperature, **f64),
-                           torch.tensor(top_k, **i64), torch.tensor(top_p, **f64), torch.tensor(min_p, **f64),
-                           u.to(torch.float64).contiguous())
+    return ext.sample_rows(logits, rows, temperature, top_k, top_p, min_p, u.tolist())
 
 
 def variant() -> str:

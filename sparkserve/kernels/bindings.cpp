@@ -21,8 +21,9 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at
                             std::vector<int64_t> q_lens);
 at::Tensor markov_pack(at::Tensor w2);
 at::Tensor argmax_rows(at::Tensor logits);
-at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperature, at::Tensor top_k,
-                       at::Tensor top_p, at::Tensor min_p, at::Tensor u);
+at::Tensor sample_rows(at::Tensor logits, const std::vector<int64_t>& rows, const std::vector<double>& temperature,
+                       const std::vector<int64_t>& top_k, const std::vector<double>& top_p,
+                       const std::vector<double>& min_p, const std::vector<double>& u);
 at::Tensor dequantize_rows(at::Tensor w, int64_t qtype, int64_t K, at::Tensor ids);
 at::Tensor pack_blocks(at::Tensor w, int64_t qtype);
 at::Tensor unpack_blocks(at::Tensor w, int64_t qtype);

@@ -48,27 +48,51 @@ float scaled(const float* logits, int64_t n, float temperature, float* x) {
   return top;
 }
 
-// e[i] = exp(x[i] - top), 0 for x = -inf (a banned id); returns their sum.
-double exponentials(const float* x, int64_t n, float top, float* e) {
+constexpr int64_t kRun = 512;     // ids per run: summed in float, then added up in double
+
+// e[i] = exp(x[i] - top), 0 for x = -inf (a banned id); runs[j] = the sum over ids
+// [j kRun, (j + 1) kRun). Returns the sum of all.
+double exponentials(const float* x, int64_t n, float top, float* e, std::vector<double>& runs) {
   const __m256 t = _mm256_set1_ps(top), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  runs.assign((n + kRun - 1) / kRun, 0.0);
   double total = 0;
-  int64_t i = 0;
-  while (i + 8 <= n) {
-    __m256 part = _mm256_setzero_ps();              // summed in float over a short run, then in double
-    for (const int64_t end = std::min(n, i + 512); i + 8 <= end; i += 8) {
+  for (int64_t r = 0; r < (int64_t)runs.size(); ++r) {
+    const int64_t end = std::min(n, (r + 1) * kRun);
+    int64_t i = r * kRun;
+    __m256 part = _mm256_setzero_ps();
+    for (; i + 8 <= end; i += 8) {
       const __m256 v = _mm256_loadu_ps(x + i);
       const __m256 y = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ),
                                         sparkserve::exp256(_mm256_sub_ps(v, t)));
       _mm256_storeu_ps(e + i, y);
       part = _mm256_add_ps(part, y);
     }
-    total += sparkserve::hsum(part);
-  }
-  for (; i < n; ++i) {
-    e[i] = x[i] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(x[i] - top);
-    total += e[i];
+    double sum = sparkserve::hsum(part);
+    for (; i < end; ++i) {
+      e[i] = x[i] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(x[i] - top);
+      sum += e[i];
+    }
+    runs[r] = sum;
+    total += sum;
   }
   return total;
+}
+
+// The first id whose cumulative e exceeds u times the total, over the whole row: the run that
+// holds it by the runs' sums, then id by id within that run.
+int64_t draw_all(const float* e, int64_t n, const std::vector<double>& runs, double total, double u) {
+  double target = std::min(u * total, std::nextafter(total, 0.0));
+  int64_t r = 0;
+  while (r + 1 < (int64_t)runs.size() && target >= runs[r]) target -= runs[r++];
+  const int64_t end = std::min(n, (r + 1) * kRun);
+  double sum = 0;
+  int64_t last = r * kRun;
+  for (int64_t i = r * kRun; i < end; ++i) {
+    if (e[i] > 0) last = i;
+    sum += e[i];
+    if (sum > target) return i;
+  }
+  return last;          // the draw sat within a rounding step of the run's end
 }
 
 // The ids whose e reaches `cutoff` (all of them at cutoff 0).
@@ -104,23 +128,13 @@ int64_t draw(std::vector<Candidate>& kept, double u) {
 
 int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t top_k, double top_p,
                    double min_p, double u, std::vector<float>& x, std::vector<float>& e,
-                   std::vector<Candidate>& cand) {
+                   std::vector<double>& runs, std::vector<Candidate>& cand) {
   x.resize(V);
   e.resize(V);
   const float top = scaled(logits, V, temperature, x.data());
-  const double total = exponentials(x.data(), V, top, e.data());
+  const double total = exponentials(x.data(), V, top, e.data(), runs);
   const bool by_k = top_k > 0 && top_k < V;
-  if (!by_k && top_p >= 1.0 && min_p <= 0.0) {              // the whole vocabulary, in id order
-    const double target = std::min(u * total, std::nextafter(total, 0.0));
-    double sum = 0;
-    int64_t last = 0;
-    for (int64_t i = 0; i < V; ++i) {
-      if (e[i] > 0) last = i;
-      sum += e[i];
-      if (sum > target) return i;
-    }
-    return last;
-  }
+  if (!by_k && top_p >= 1.0 && min_p <= 0.0) return draw_all(e.data(), V, runs, total, u);
   // Candidates: every id the rules could keep, found by lowering the cutoff until they hold it.
   float cutoff = min_p > 0.0 ? std::min<float>(min_p, kFirstCutoff) : kFirstCutoff;
   for (;;) {
@@ -158,36 +172,30 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
 
 }  // namespace
 
-// logits [N, V] float32 with contiguous rows; rows [R] int64: the rows to sample, each with its
-// temperature (> 0), top_k (<= 0: off), top_p, min_p and uniform draw u in [0, 1). Returns [R] ids.
-at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temperature, at::Tensor top_k,
-                       at::Tensor top_p, at::Tensor min_p, at::Tensor u) {
+// logits [N, V] float32 with contiguous rows; rows: the rows to sample, each with its temperature
+// (> 0), top_k (<= 0: off), top_p, min_p and uniform draw u in [0, 1). Returns their ids.
+at::Tensor sample_rows(at::Tensor logits, const std::vector<int64_t>& rows, const std::vector<double>& temperature,
+                       const std::vector<int64_t>& top_k, const std::vector<double>& top_p,
+                       const std::vector<double>& min_p, const std::vector<double>& u) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
               "sample_rows takes float32 logits [N, V] with contiguous rows");
-  const int64_t R = rows.numel(), V = logits.size(1);
-  auto check = [R](const at::Tensor& t, at::ScalarType type, const char* name) {
-    TORCH_CHECK(t.dim() == 1 && t.numel() == R && t.scalar_type() == type && t.is_contiguous(), name,
-                " must be a contiguous 1-D tensor with one entry per sampled row");
-  };
-  check(rows, at::kLong, "rows");
-  check(temperature, at::kDouble, "temperature");
-  check(top_k, at::kLong, "top_k");
-  check(top_p, at::kDouble, "top_p");
-  check(min_p, at::kDouble, "min_p");
-  check(u, at::kDouble, "u");
-  const int64_t* row = rows.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(row[r] >= 0 && row[r] < logits.size(0), "row index out of range");
+  const int64_t R = rows.size(), V = logits.size(1);
+  for (const auto* v : {&temperature, &top_p, &min_p, &u})
+    TORCH_CHECK((int64_t)v->size() == R, "sample_rows needs one temperature, top_p, min_p and u per row");
+  TORCH_CHECK((int64_t)top_k.size() == R, "sample_rows needs one top_k per row");
+  for (int64_t r : rows) TORCH_CHECK(r >= 0 && r < logits.size(0), "row index out of range");
   at::Tensor out = at::empty({R}, at::kLong);
   const float* x = logits.data_ptr<float>();
-  const double *t = temperature.data_ptr<double>(), *p = top_p.data_ptr<double>(), *mp = min_p.data_ptr<double>(),
-               *uu = u.data_ptr<double>();
-  const int64_t* k = top_k.data_ptr<int64_t>();
   int64_t* ids = out.data_ptr<int64_t>();
   sparkserve::parallel_for(0, R, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> xs, es;
-    std::vector<Candidate> cand;
+    // kept per thread: a row's buffers are larger than malloc hands out from its heap, and
+    // fresh pages every step would cost more than the row's arithmetic
+    thread_local std::vector<float> xs, es;
+    thread_local std::vector<double> runs;
+    thread_local std::vector<Candidate> cand;
     for (int64_t r = lo; r < hi; ++r)
-      ids[r] = sample_row(x + row[r] * logits.stride(0), V, (float)t[r], k[r], p[r], mp[r], uu[r], xs, es, cand);
+      ids[r] = sample_row(x + rows[r] * logits.stride(0), V, (float)temperature[r], top_k[r], top_p[r], min_p[r],
+                          u[r], xs, es, runs, cand);
   });
   return out;
 }
