@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from sparkserve.core.sampling_state import RequestSamplingState
-from sparkserve.kernels import argmax_rows, sample_rows
+from sparkserve.kernels import argmax_rows, logprob_rows, sample_rows
 from sparkserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -226,12 +226,15 @@ class Sampler:
         rows = [i for i, s in enumerate(states) if s.params.return_logprob]
         if not rows:
             return SampleOutput(next_ids.tolist(), logprobs, tops)
-        idx = torch.tensor(rows, device=logits.device)
-        raw = torch.log_softmax(logits[idx].float(), dim=-1)
-        chosen = raw.gather(1, next_ids[idx, None])[:, 0]
         k = max(states[i].params.top_logprobs_num for i in rows)
-        top_v, top_i = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
-        ids_l, chosen_l, tv_l, ti_l = next_ids.tolist(), chosen.tolist(), top_v.tolist(), top_i.tolist()
+        ids_l = next_ids.tolist()
+        found = logprob_rows(logits, rows, [ids_l[i] for i in rows], k)
+        if found is None:
+            idx = torch.tensor(rows, device=logits.device)
+            raw = torch.log_softmax(logits[idx].float(), dim=-1)
+            chosen = raw.gather(1, next_ids[idx, None])[:, 0]
+            found = (chosen, *(raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())))
+        chosen_l, tv_l, ti_l = (t.tolist() for t in found)
         for j, i in enumerate(rows):
             logprobs[i] = chosen_l[j]
             n = states[i].params.top_logprobs_num

@@ -7,7 +7,8 @@ for Q4_1 / Q8_0 (int8_*.cpp), on the CPU variant `variant()` names (chosen at lo
 flags; SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches variants off).
 The extension also has `rms_norm` and `add_rms_norm` (rms_norm.cpp; used by layers/norm.py) and
 `decode_attention` (decode_attention.cpp: paged attention without the K/V gather; layers/attention.py)
-and `argmax_rows` / `sample_rows` (argmax.cpp, sample.cpp: the sampler's draws on CPU).
+and `argmax_rows` / `sample_rows` / `logprob_rows` (argmax.cpp, sample.cpp: the sampler's draws
+and logprobs on CPU).
 Built on first use (build.py); when that is impossible `load_extension()` is None and callers
 use their torch path (F.linear / oneDNN on the fp32 weight, F.rms_norm)."""
 from __future__ import annotations
@@ -19,7 +20,7 @@ from sparkserve.kernels.build import load_extension
 
 __all__ = ["BlockWeight", "Q4_1", "Q8_0", "BF16", "F16", "BLOCK_BYTES", "available", "load_extension",
            "quant_linear", "quant_linear_int8", "dequantize_rows", "variant", "runnable_variants",
-           "int8_beats_gemm", "argmax_rows", "sample_rows"]
+           "int8_beats_gemm", "argmax_rows", "sample_rows", "logprob_rows"]
 
 
 def available() -> bool:
@@ -73,6 +74,16 @@ def sample_rows(logits: torch.Tensor, rows: list[int], temperature: list[float],
     if ext is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
         return None
     return ext.sample_rows(logits, rows, temperature, top_k, top_p, min_p, u.tolist())
+
+
+def logprob_rows(logits: torch.Tensor, rows: list[int], ids: list[int],
+                 k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Per listed row of logits [N, V]: log_softmax at ids[j], and the k best values and their ids
+    (best first; ties by id). None where the kernels cannot take the logits."""
+    ext = load_extension() if logits.device.type == "cpu" else None
+    if ext is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+        return None
+    return ext.logprob_rows(logits, rows, ids, k)
 
 
 def variant() -> str:

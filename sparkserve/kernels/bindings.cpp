@@ -24,6 +24,8 @@ at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor sample_rows(at::Tensor logits, const std::vector<int64_t>& rows, const std::vector<double>& temperature,
                        const std::vector<int64_t>& top_k, const std::vector<double>& top_p,
                        const std::vector<double>& min_p, const std::vector<double>& u);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_rows(at::Tensor logits, const std::vector<int64_t>& rows,
+                                                            const std::vector<int64_t>& ids, int64_t k);
 at::Tensor dequantize_rows(at::Tensor w, int64_t qtype, int64_t K, at::Tensor ids);
 at::Tensor pack_blocks(at::Tensor w, int64_t qtype);
 at::Tensor unpack_blocks(at::Tensor w, int64_t qtype);
@@ -71,6 +73,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (a NaN's first), as torch.argmax(-1)");
   m.def("sample_rows", &sample_rows,
         "one id per listed row, drawn at u from its temperature / top_k / top_p / min_p distribution");
+  m.def("logprob_rows", &logprob_rows,
+        "per listed row: log_softmax at its id and its k best (values, ids), best first");
   m.def("markov_pack", &markov_pack, "a Markov head's W2 [V, r] in the layout markov_greedy reads");
   py::class_<sparkserve::NativeLlama>(m, "NativeLlama", "one call per forward of a Llama-family decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor>())

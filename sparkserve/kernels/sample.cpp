@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "simd.h"
@@ -170,6 +171,27 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
   return draw(cand, u);
 }
 
+// log_softmax(logits) at `id` and at the row's k best ids (best first, ties by id).
+void logprob_row(const float* logits, int64_t V, int64_t id, int64_t k, float* chosen, float* top_v,
+                 int64_t* top_i, std::vector<float>& x, std::vector<float>& e, std::vector<double>& runs,
+                 std::vector<Candidate>& cand) {
+  x.resize(V);
+  e.resize(V);
+  const float top = scaled(logits, V, 1.0f, x.data());
+  const float lse = top + (float)std::log(exponentials(x.data(), V, top, e.data(), runs));
+  *chosen = x[id] - lse;
+  if (k <= 0) return;
+  for (float cutoff = kFirstCutoff;; cutoff = cutoff < 1e-30f ? 0.0f : cutoff * kCutoffStep) {
+    collect(x.data(), e.data(), V, cutoff, cand);
+    if ((int64_t)cand.size() >= k || cutoff == 0.0f) break;
+  }
+  const int64_t n = std::min<int64_t>(k, cand.size());
+  std::partial_sort(cand.begin(), cand.begin() + n, cand.end(), [](const Candidate& a, const Candidate& b) {
+    return a.x > b.x || (a.x == b.x && a.id < b.id);
+  });
+  for (int64_t j = 0; j < n; ++j) top_v[j] = cand[j].x - lse, top_i[j] = cand[j].id;
+}
+
 }  // namespace
 
 // logits [N, V] float32 with contiguous rows; rows: the rows to sample, each with its temperature
@@ -198,4 +220,28 @@ at::Tensor sample_rows(at::Tensor logits, const std::vector<int64_t>& rows, cons
                           u[r], xs, es, runs, cand);
   });
   return out;
+}
+
+// The logprobs a request asks for: per listed row, log_softmax(logits) at ids[r] and its k best
+// entries (best first). Returns (chosen [R], top values [R, k], top ids [R, k]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_rows(at::Tensor logits, const std::vector<int64_t>& rows,
+                                                            const std::vector<int64_t>& ids, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "logprob_rows takes float32 logits [N, V] with contiguous rows");
+  const int64_t R = rows.size(), V = logits.size(1);
+  TORCH_CHECK((int64_t)ids.size() == R && k >= 0 && k <= V, "logprob_rows needs one id per row and 0 <= k <= V");
+  for (int64_t j = 0; j < R; ++j)
+    TORCH_CHECK(rows[j] >= 0 && rows[j] < logits.size(0) && ids[j] >= 0 && ids[j] < V, "row or id out of range");
+  at::Tensor chosen = at::empty({R}, at::kFloat), top_v = at::empty({R, k}, at::kFloat),
+             top_i = at::empty({R, k}, at::kLong);
+  const float* x = logits.data_ptr<float>();
+  sparkserve::parallel_for(0, R, 1, [&](int64_t lo, int64_t hi) {
+    thread_local std::vector<float> xs, es;
+    thread_local std::vector<double> runs;
+    thread_local std::vector<Candidate> cand;
+    for (int64_t r = lo; r < hi; ++r)
+      logprob_row(x + rows[r] * logits.stride(0), V, ids[r], k, chosen.data_ptr<float>() + r,
+                  top_v.data_ptr<float>() + r * k, top_i.data_ptr<int64_t>() + r * k, xs, es, runs, cand);
+  });
+  return {chosen, top_v, top_i};
 }

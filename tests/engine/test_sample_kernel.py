@@ -4,7 +4,8 @@ for temperature, top_k (ties kept), top_p (rows whose nucleus spans most of the 
 included), min_p and their combinations, on vocabularies whose size is not a multiple of the
 vector width, with banned (-inf) ids, and for any subset of a batch's rows. The two compute the
 probabilities with different rounding, so a draw that lands within a rounding step of a boundary
-may part; everything else must agree, and no draw may land outside the distribution's support."""
+may part; everything else must agree, and no draw may land outside the distribution's support.
+The logprobs kernel (`logprob_rows`) gives log_softmax's values at the chosen and the best ids."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from sparkserve.core.sampling_state import RequestSamplingState
 from sparkserve.executor.sampler import Sampler, invert_probs, processed_probs
-from sparkserve.kernels import load_extension, sample_rows
+from sparkserve.kernels import load_extension, logprob_rows, sample_rows
 from sparkserve.sampling_params import SamplingParams
 
 CASES = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.5, top_p=0.97),
@@ -101,3 +102,44 @@ def test_other_inputs_are_left_to_torch() -> None:
     u = torch.rand(2, dtype=torch.float64)
     assert _kernel(x.to(torch.bfloat16), [0, 1], p, u) is None
     assert _kernel(x.t().contiguous().t(), [0, 1], p, u) is None
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 13])
+def test_logprobs_equal_log_softmax(vocab: int) -> None:
+    """logprob_rows: log_softmax at the chosen ids and the k best (ids in order), banned (-inf)
+    entries included; k = 0 gives the chosen ones only."""
+    x = _logits(12, vocab, seed=vocab + 1)
+    x[::4, : vocab // 4] = float("-inf")
+    rows = [11, 0, 5, 7, 4]
+    ids = [int(x[11].argmax()), vocab - 1, 3, int(x[7].argmin()), 0]     # the last one banned
+    raw = torch.log_softmax(x, -1)
+    for k in (0, 1, min(vocab, 20)):
+        chosen, top_v, top_i = logprob_rows(x, rows, ids, k)
+        torch.testing.assert_close(chosen, raw[rows, ids], atol=1e-5, rtol=1e-6)
+        want_v, want_i = raw[rows].topk(k, dim=-1)
+        finite = want_v > float("-inf")                     # the banned ids tie: any order
+        assert torch.equal(top_i[finite], want_i[finite])
+        torch.testing.assert_close(top_v, want_v, atol=1e-5, rtol=1e-6)
+
+
+def test_sampler_logprobs_are_the_torch_paths(monkeypatch) -> None:
+    from sparkserve.executor import sampler as sampler_mod
+    x = _logits(5, 2000, seed=6)
+    params = [SamplingParams(return_logprob=True, top_logprobs_num=5, temperature=0.7, seed=1),
+              SamplingParams(temperature=0), SamplingParams(return_logprob=True, seed=2),
+              SamplingParams(return_logprob=True, top_logprobs_num=20, temperature=0),
+              SamplingParams(return_logprob=True, top_logprobs_num=1, top_k=3, seed=3)]
+
+    def run():
+        out = Sampler().sample(x, [RequestSamplingState(p.validate(2000)) for p in params])
+        return out.next_token_ids, out.logprobs, out.top_logprobs
+    ids, lps, tops = run()
+    monkeypatch.setattr(sampler_mod, "logprob_rows", lambda *a: None)
+    ref_ids, ref_lps, ref_tops = run()
+    assert ids == ref_ids and [t is None for t in tops] == [t is None for t in ref_tops]
+    for a, b in zip(lps, ref_lps):
+        assert (a is None) == (b is None) and (a is None or abs(a - b) < 1e-5)
+    for a, b in zip(tops, ref_tops):
+        if a is not None:
+            assert [i for i, _ in a] == [i for i, _ in b]
+            assert all(abs(u - v) < 1e-5 for (_, u), (_, v) in zip(a, b))
