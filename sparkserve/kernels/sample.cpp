@@ -32,6 +32,21 @@ struct Candidate {
   int64_t id;
 };
 
+// A row's working buffers, kept per thread: they are larger than malloc hands out from its heap,
+// and fresh pages every step would cost more than the row's arithmetic.
+struct Scratch {
+  std::vector<float> x, e;
+  std::vector<double> runs;
+  std::vector<Candidate> cand;
+};
+
+Scratch& scratch(int64_t V) {
+  thread_local Scratch s;
+  s.x.resize(V);
+  s.e.resize(V);
+  return s;
+}
+
 // x = logits / temperature; returns their maximum.
 float scaled(const float* logits, int64_t n, float temperature, float* x) {
   const __m256 t = _mm256_set1_ps(temperature);
@@ -128,14 +143,15 @@ int64_t draw(std::vector<Candidate>& kept, double u) {
 }
 
 int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t top_k, double top_p,
-                   double min_p, double u, std::vector<float>& x, std::vector<float>& e,
-                   std::vector<double>& runs, std::vector<Candidate>& cand) {
-  x.resize(V);
-  e.resize(V);
+                   double min_p, double u) {
+  Scratch& sc = scratch(V);
+  std::vector<float>& x = sc.x;
+  std::vector<float>& e = sc.e;
+  std::vector<Candidate>& cand = sc.cand;
   const float top = scaled(logits, V, temperature, x.data());
-  const double total = exponentials(x.data(), V, top, e.data(), runs);
+  const double total = exponentials(x.data(), V, top, e.data(), sc.runs);
   const bool by_k = top_k > 0 && top_k < V;
-  if (!by_k && top_p >= 1.0 && min_p <= 0.0) return draw_all(e.data(), V, runs, total, u);
+  if (!by_k && top_p >= 1.0 && min_p <= 0.0) return draw_all(e.data(), V, sc.runs, total, u);
   // Candidates: every id the rules could keep, found by lowering the cutoff until they hold it.
   float cutoff = min_p > 0.0 ? std::min<float>(min_p, kFirstCutoff) : kFirstCutoff;
   for (;;) {
@@ -173,12 +189,13 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
 
 // log_softmax(logits) at `id` and at the row's k best ids (best first, ties by id).
 void logprob_row(const float* logits, int64_t V, int64_t id, int64_t k, float* chosen, float* top_v,
-                 int64_t* top_i, std::vector<float>& x, std::vector<float>& e, std::vector<double>& runs,
-                 std::vector<Candidate>& cand) {
-  x.resize(V);
-  e.resize(V);
+                 int64_t* top_i) {
+  Scratch& sc = scratch(V);
+  std::vector<float>& x = sc.x;
+  std::vector<float>& e = sc.e;
+  std::vector<Candidate>& cand = sc.cand;
   const float top = scaled(logits, V, 1.0f, x.data());
-  const float lse = top + (float)std::log(exponentials(x.data(), V, top, e.data(), runs));
+  const float lse = top + (float)std::log(exponentials(x.data(), V, top, e.data(), sc.runs));
   *chosen = x[id] - lse;
   if (k <= 0) return;
   for (float cutoff = kFirstCutoff;; cutoff = cutoff < 1e-30f ? 0.0f : cutoff * kCutoffStep) {
@@ -210,14 +227,9 @@ at::Tensor sample_rows(at::Tensor logits, const std::vector<int64_t>& rows, cons
   const float* x = logits.data_ptr<float>();
   int64_t* ids = out.data_ptr<int64_t>();
   sparkserve::parallel_for(0, R, 1, [&](int64_t lo, int64_t hi) {
-    // kept per thread: a row's buffers are larger than malloc hands out from its heap, and
-    // fresh pages every step would cost more than the row's arithmetic
-    thread_local std::vector<float> xs, es;
-    thread_local std::vector<double> runs;
-    thread_local std::vector<Candidate> cand;
     for (int64_t r = lo; r < hi; ++r)
       ids[r] = sample_row(x + rows[r] * logits.stride(0), V, (float)temperature[r], top_k[r], top_p[r], min_p[r],
-                          u[r], xs, es, runs, cand);
+                          u[r]);
   });
   return out;
 }
@@ -236,12 +248,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_rows(at::Tensor logits, c
              top_i = at::empty({R, k}, at::kLong);
   const float* x = logits.data_ptr<float>();
   sparkserve::parallel_for(0, R, 1, [&](int64_t lo, int64_t hi) {
-    thread_local std::vector<float> xs, es;
-    thread_local std::vector<double> runs;
-    thread_local std::vector<Candidate> cand;
     for (int64_t r = lo; r < hi; ++r)
       logprob_row(x + rows[r] * logits.stride(0), V, ids[r], k, chosen.data_ptr<float>() + r,
-                  top_v.data_ptr<float>() + r * k, top_i.data_ptr<int64_t>() + r * k, xs, es, runs, cand);
+                  top_v.data_ptr<float>() + r * k, top_i.data_ptr<int64_t>() + r * k);
   });
   return {chosen, top_v, top_i};
 }
