@@ -4,10 +4,41 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from sparkserve.sampling_params import SamplingParams
+
+
+class IdCounts:
+    """How often each id was seen, in order of first sight: O(1) per id, read as two arrays. A
+    request's penalties touch the few hundred ids it has seen, not the whole vocabulary."""
+
+    def __init__(self, ids: Sequence[int] = ()) -> None:
+        self._pos: dict[int, int] = {}
+        self._ids = np.empty(max(16, len(ids)), dtype=np.int64)
+        self._counts = np.empty(len(self._ids), dtype=np.int64)
+        self._len = 0
+        for t in ids:
+            self.add(t)
+
+    def add(self, token_id: int) -> None:
+        p = self._pos.get(token_id)
+        if p is None:
+            if self._len == len(self._ids):
+                self._ids = np.resize(self._ids, 2 * self._len)
+                self._counts = np.resize(self._counts, 2 * self._len)
+            p = self._pos[token_id] = self._len
+            self._ids[p], self._counts[p] = token_id, 0
+            self._len += 1
+        self._counts[p] += 1
+
+    def ids(self) -> np.ndarray:
+        return self._ids[:self._len]
+
+    def counts(self) -> np.ndarray:
+        return self._counts[:self._len]
 
 
 class RequestSamplingState:
@@ -31,11 +62,8 @@ class RequestSamplingState:
         # min_new_tokens bans every id that would end the request: eos and the request's stop ids.
         self.min_tokens_ban = sorted(set(eos_token_ids) | set(params.stop_token_ids or []))
         self._static_fast = params.is_greedy and not self.has_penalty and not params.return_logprob
-        # Python lists only until the first sample tells us vocab size and device.
-        self._prompt: list[int] = list(prompt_token_ids) if self.uses_repetition else []
-        self._pending: list[int] = []
-        self._seen: Tensor | None = None  # bool[V]: prompt + generated ids (repetition penalty)
-        self._counts: Tensor | None = None  # int32[V]: generated ids only (frequency/presence)
+        self.seen = IdCounts(prompt_token_ids if self.uses_repetition else ())   # repetition: prompt + output
+        self.generated = IdCounts()                                              # frequency / presence
         self._ban_ids: Tensor | None = None
 
     @property
@@ -70,31 +98,12 @@ class RequestSamplingState:
         self._resume_state = state
 
     def observe(self, token_id: int) -> None:
-        """Record an accepted token (O(1): one element update, no vocab-sized rebuild)."""
+        """Record an accepted token (O(1))."""
         self.num_generated += 1
-        if not self.has_penalty:
-            return
-        if self._seen is None and self._counts is None:
-            self._pending.append(token_id)
-            return
-        if self._seen is not None and token_id < self._seen.numel():
-            self._seen[token_id] = True
-        if self._counts is not None and token_id < self._counts.numel():
-            self._counts[token_id] += 1
-
-    def penalty_tensors(self, vocab_size: int, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
-        """(seen, counts) on `device`, allocated on first use from the prompt and pending tokens."""
-        if self.has_penalty and self._seen is None and self._counts is None:
-            gen = torch.tensor([t for t in self._pending if 0 <= t < vocab_size], dtype=torch.long)
-            if self.uses_repetition:
-                ids = torch.tensor([t for t in self._prompt if 0 <= t < vocab_size], dtype=torch.long)
-                seen = torch.zeros(vocab_size, dtype=torch.bool)
-                seen[torch.cat([ids, gen])] = True
-                self._seen = seen.to(device)
-            if self.uses_counts:
-                self._counts = torch.bincount(gen, minlength=vocab_size).to(torch.int32).to(device)
-            self._prompt, self._pending = [], []
-        return self._seen, self._counts
+        if self.uses_repetition:
+            self.seen.add(token_id)
+        if self.uses_counts:
+            self.generated.add(token_id)
 
     def ban_ids(self, device: torch.device) -> Tensor:
         if self._ban_ids is None or self._ban_ids.device != device:

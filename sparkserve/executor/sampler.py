@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from sparkserve.core.sampling_state import RequestSamplingState
+from sparkserve.core.sampling_state import IdCounts, RequestSamplingState
 from sparkserve.kernels import argmax_rows, logprob_rows, sample_rows
 from sparkserve.sampling_params import SamplingParams
 
@@ -150,23 +151,38 @@ def apply_penalties(logits: Tensor, states: Sequence[RequestSamplingState]) -> T
         return logits
     x = logits.float().clone()
     vocab, dev = x.shape[-1], x.device
-    if rep_rows:
-        idx = torch.tensor(rep_rows, device=dev)
-        seen = torch.stack([states[i].penalty_tensors(vocab, dev)[0] for i in rep_rows])  # type: ignore[misc]
-        pen = torch.tensor([states[i].params.repetition_penalty for i in rep_rows], device=dev)[:, None]
-        sub = x[idx]
-        x[idx] = torch.where(seen, torch.where(sub < 0, sub * pen, sub / pen), sub)
-    if cnt_rows:
-        idx = torch.tensor(cnt_rows, device=dev)
-        # type: ignore[misc]
-        counts = torch.stack([states[i].penalty_tensors(vocab, dev)[1] for i in cnt_rows]).float()
-        freq = torch.tensor([states[i].params.frequency_penalty for i in cnt_rows], device=dev)[:, None]
-        pres = torch.tensor([states[i].params.presence_penalty for i in cnt_rows], device=dev)[:, None]
-        x[idx] -= freq * counts + pres * (counts > 0).float()
+    if rep_rows:                    # HF's rule: a seen id's logit is divided (or, if < 0, multiplied)
+        r, c, _, pen = _penalty_pairs([(i, states[i].seen, (states[i].params.repetition_penalty,))
+                                       for i in rep_rows], vocab, dev)
+        v = x[r, c]
+        x[r, c] = torch.where(v < 0, v * pen[0], v / pen[0])
+    if cnt_rows:                    # OpenAI's: minus frequency * count and presence (each id was seen)
+        r, c, n, (freq, pres) = _penalty_pairs(
+            [(i, states[i].generated, (states[i].params.frequency_penalty, states[i].params.presence_penalty))
+             for i in cnt_rows], vocab, dev)
+        x[r, c] -= freq * n + pres
     for i in ban_rows:
         ids = states[i].ban_ids(dev)
         x[i, ids[ids < vocab]] = float("-inf")
     return x
+
+
+def _penalty_pairs(rows: list[tuple[int, IdCounts, tuple[float, ...]]], vocab: int,
+                   device: torch.device) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """The (row, id) pairs the penalties touch, each id's count, and each row's factors spread
+    over its pairs (ids past the model's vocabulary dropped)."""
+    rs, cs, ns, fs = [], [], [], []
+    for i, seen, factors in rows:
+        ids, counts = seen.ids(), seen.counts()
+        keep = (ids >= 0) & (ids < vocab)
+        ids, counts = ids[keep], counts[keep]
+        rs.append(np.full(len(ids), i, dtype=np.int64))
+        cs.append(ids)
+        ns.append(counts)
+        fs.append(np.tile(np.asarray(factors, dtype=np.float32), (len(ids), 1)))
+    row_t, id_t = (torch.from_numpy(np.concatenate(a)).to(device) for a in (rs, cs))
+    n = torch.from_numpy(np.concatenate(ns).astype(np.float32)).to(device)
+    return row_t, id_t, n, list(torch.from_numpy(np.concatenate(fs)).to(device).unbind(1))
 
 
 class Sampler:

@@ -194,22 +194,22 @@ def test_frequency_presence_and_repetition_over_generated() -> None:
         SamplingParams(frequency_penalty=-0.4, presence_penalty=1.0, repetition_penalty=1.2),
     ]
     states = _states(params, prompt_token_ids=prompt)
-    generated = [5, 7, 5, 5, 3]
-    apply_penalties(logits, states)  # allocate the count tensors early: later observes must update them
+    generated = [5, 7, 5, 5, 3, V + 3]     # an id past the model's vocabulary is left out
+    apply_penalties(logits, states)  # applied before the observes too: later ones must still count
     for t in generated:
         for s in states:
             s.observe(t)
-    late = _states(params, prompt_token_ids=prompt)  # observes before any allocation
+    late = _states(params, prompt_token_ids=prompt)  # observes before any penalty was applied
     for t in generated:
         for s in late:
             s.observe(t)
     want = logits.clone()
     for r, p in enumerate(params):
         if p.repetition_penalty != 1:
-            for t in set(prompt + generated):
+            for t in set(prompt + generated) - {V + 3}:
                 v = want[r, t]
                 want[r, t] = v * p.repetition_penalty if v < 0 else v / p.repetition_penalty
-        for t in set(generated):  # OpenAI: generated tokens only
+        for t in set(generated) - {V + 3}:  # OpenAI: generated tokens only
             want[r, t] -= p.frequency_penalty * generated.count(t) + p.presence_penalty
     torch.testing.assert_close(apply_penalties(logits, states), want)
     torch.testing.assert_close(apply_penalties(logits, late), want)
