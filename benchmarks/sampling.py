@@ -20,6 +20,7 @@ from results_io import machine_line, sparkserve_kernels, write_results
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -32,7 +33,9 @@ from sparkserve.sampling_params import SamplingParams
 SETTINGS = {"greedy": dict(temperature=0), "temperature 1.0": dict(temperature=1.0),
             "temperature 0.7, top_p 0.9": dict(temperature=0.7, top_p=0.9),
             "temperature 0.8, top_k 40": dict(temperature=0.8, top_k=40),
-            "temperature 1.0, min_p 0.05": dict(temperature=1.0, min_p=0.05)}
+            "temperature 1.0, min_p 0.05": dict(temperature=1.0, min_p=0.05),
+            "temperature 0.7, repetition_penalty 1.1": dict(temperature=0.7, repetition_penalty=1.1)}
+PROMPT = list(range(1000, 1100))     # the ids a repetition penalty sees (a 100-token prompt)
 BATCHES = (1, 8, 32)
 QUESTIONS = ["Explain how a refrigerator works.", "Write a haiku about autumn.", "Describe the water cycle.",
              "How do vaccines work?", "Give three tips for learning a new language.",
@@ -62,13 +65,15 @@ def hf_sample(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.is_greedy:
         return logits.argmax(-1)
     warpers = LogitsProcessorList([TemperatureLogitsWarper(p.temperature)])
+    if p.repetition_penalty != 1.0:
+        warpers.insert(0, RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
     if p.top_k > 0:
         warpers.append(TopKLogitsWarper(p.top_k))
     if p.top_p < 1:
         warpers.append(TopPLogitsWarper(p.top_p))
     if p.min_p > 0:
         warpers.append(MinPLogitsWarper(p.min_p))
-    probs = warpers(None, logits).softmax(-1)
+    probs = warpers(torch.tensor([PROMPT] * len(logits)), logits).softmax(-1)
     return torch.multinomial(probs, 1)[:, 0]
 
 
@@ -97,7 +102,7 @@ def main() -> None:
         params = SamplingParams(**kw).validate(pool.shape[1])
         res[name] = {}
         for b in BATCHES:
-            states = [RequestSamplingState(params) for _ in range(b)]
+            states = [RequestSamplingState(params, PROMPT) for _ in range(b)]
             row = {"kernels": timed(lambda x: sampler_mod.Sampler().sample(x, states), pool, b, a.calls)}
             sampler_mod.sample_rows = lambda *args: None
             argmax = sampler_mod.argmax_rows
