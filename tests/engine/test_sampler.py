@@ -215,6 +215,26 @@ def test_frequency_presence_and_repetition_over_generated() -> None:
     torch.testing.assert_close(apply_penalties(logits, late), want)
 
 
+def test_penalties_reach_only_their_own_rows() -> None:
+    """A batch mixing rows without penalties, with a repetition penalty and with frequency /
+    presence ones: each row gets its own, over its own prompt and output."""
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(9))
+    params = [SamplingParams(), SamplingParams(repetition_penalty=1.5),
+              SamplingParams(frequency_penalty=0.7, presence_penalty=0.2), SamplingParams()]
+    prompts = [[1, 2], [3, 4, 4], [5, 6], [7]]
+    outputs = [[8], [9, 3], [10, 10, 5], [11]]
+    states = [RequestSamplingState(p, prompt_token_ids=pr) for p, pr in zip(params, prompts)]
+    for s, out in zip(states, outputs):
+        for t in out:
+            s.observe(t)
+    want = logits.clone()
+    for t in {3, 4, 9}:
+        want[1, t] = want[1, t] * 1.5 if want[1, t] < 0 else want[1, t] / 1.5
+    for t, n in ((10, 2), (5, 1)):
+        want[2, t] -= 0.7 * n + 0.2
+    torch.testing.assert_close(apply_penalties(logits, states), want)
+
+
 def test_min_new_tokens_masks_eos_and_stop_ids() -> None:
     logits = torch.zeros(1, V)
     logits[0, 2] = 100.0  # eos would always win
