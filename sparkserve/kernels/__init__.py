@@ -54,14 +54,19 @@ def dequantize_rows(w: BlockWeight, ids: torch.Tensor) -> torch.Tensor:
     return ext.dequantize_rows(w.blocks, w.qtype, w.in_features, ids)
 
 
+def _rows_extension(x: torch.Tensor):
+    """The extension where x is what its row kernels read (CPU float32 [N, V > 0], rows
+    contiguous), else None."""
+    readable = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
+    return load_extension() if readable and x.shape[-1] else None
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) for x [N, V] (the first maximum; a NaN's first where a row has one). CPU
     float32 rows run on the kernels' threads: torch's argmax is several times slower, and its
     OpenMP region leaves threads awake beside the next native step."""
-    ext = load_extension() if x.device.type == "cpu" else None
-    if ext is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or not x.shape[-1]:
-        return x.argmax(-1)
-    return ext.argmax_rows(x)
+    ext = _rows_extension(x)
+    return x.argmax(-1) if ext is None else ext.argmax_rows(x)
 
 
 def sample_rows(logits: torch.Tensor, rows: list[int], temperature: list[float], top_k: list[int],
@@ -70,8 +75,8 @@ def sample_rows(logits: torch.Tensor, rows: list[int], temperature: list[float],
     distribution executor/sampler.py's processed_probs gives each row's temperature (> 0), top_k,
     top_p and min_p: the first id in id order whose cumulative mass exceeds u times the total.
     None where the kernels cannot take the logits (another device, dtype or layout)."""
-    ext = load_extension() if logits.device.type == "cpu" else None
-    if ext is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+    ext = _rows_extension(logits)
+    if ext is None:
         return None
     return ext.sample_rows(logits, rows, temperature, top_k, top_p, min_p, u.tolist())
 
@@ -80,10 +85,8 @@ def logprob_rows(logits: torch.Tensor, rows: list[int], ids: list[int],
                  k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Per listed row of logits [N, V]: log_softmax at ids[j], and the k best values and their ids
     (best first; ties by id). None where the kernels cannot take the logits."""
-    ext = load_extension() if logits.device.type == "cpu" else None
-    if ext is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
-        return None
-    return ext.logprob_rows(logits, rows, ids, k)
+    ext = _rows_extension(logits)
+    return None if ext is None else ext.logprob_rows(logits, rows, ids, k)
 
 
 def variant() -> str:
