@@ -28,4 +28,8 @@ void block_linear_int8(const float* x, int64_t M, int64_t K, const at::Tensor& w
 // The int8 variant block_linear_int8 runs: "avx512vnni", "avxvnni", "avx2", or "fp32" (none).
 const char* int8_variant();
 
+// Whether the CPU runs the instructions of int8 variant `name` ("avx512": AVX-512 F/BW/VL) and
+// SPARKSERVE_KERNEL_VARIANTS_OFF leaves that name on: other kernels built for the same ISA follow it.
+bool isa_usable(const char* name);
+
 }  // namespace sparkserve

@@ -35,11 +35,11 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_DIR, f)
            for f in ("quant_gemv.cpp", "int8_dispatch.cpp", "int8_packed.cpp", "rms_norm.cpp",
                      "decode_attention.cpp", "native_llama.cpp", "markov_greedy.cpp", "argmax.cpp",
-                     "sample.cpp", "thread_pool.cpp", "bindings.cpp")]
+                     "sample.cpp", "prefill_attention.cpp", "thread_pool.cpp", "bindings.cpp")]
 HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h", "int8_common.h", "int8_packed.h",
                                            "int8_packed_ymm.h", "int8_packed_zmm.h", "int8_amx_body.h",
-                                           "amx_tiles.h", "paged_attention.h", "rms_norm.h", "native_llama.h",
-                                           "thread_pool.h")]
+                                           "amx_tiles.h", "paged_attention.h", "prefill_attention.h",
+                                           "rms_norm.h", "native_llama.h", "thread_pool.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 # int8 kernel variants, best last: name -> extra ISA flags (on top of the AVX2 baseline).
 VARIANTS = {
@@ -53,6 +53,10 @@ VARIANTS = {
 # variants that call another one (the AMX kernels send single rows to AVX-512 VNNI)
 VARIANT_NEEDS = {"amx": "avx512vnni", "amx_emulated": "avx512vnni"}
 VARIANT_SOURCES = [os.path.join(_DIR, f"int8_{name}.cpp") for name in VARIANTS]
+# Other kernels for one ISA beyond the baseline, compiled and left out as the variants are:
+# name -> (source, flags); the extension sees SPARKSERVE_HAS_<NAME> for each one built.
+ISA_UNITS = {"prefill_avx512": ("prefill_attention_avx512.cpp", VARIANTS["avx512"])}
+UNIT_SOURCES = [os.path.join(_DIR, src) for src, _ in ISA_UNITS.values()]
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 _lock = threading.Lock()
@@ -84,38 +88,43 @@ def _build_command() -> list[str]:
     """What the compiler command depends on besides the sources."""
     from torch.utils.cpp_extension import include_paths
     return [torch.__version__, sysconfig.get_paths()["include"], os.environ.get("CXX", "c++"),
-            *CFLAGS, *include_paths(), repr(VARIANTS)]
+            *CFLAGS, *include_paths(), repr(VARIANTS), repr(ISA_UNITS)]
+
+
+def _compile_unit(path: str, src: str, obj: str, flags: list[str]) -> bool:
+    """Compile src to path/obj (once) with the baseline and `flags`; False if the compiler rejects it."""
+    obj = os.path.join(path, obj)
+    if not os.path.exists(obj):
+        cmd = [os.environ.get("CXX", "c++"), "-O3", "-fPIC", "-std=c++17", "-mavx2", "-mfma", "-mf16c",
+               *flags, "-c", os.path.join(_DIR, src), "-o", obj + ".tmp"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            log.info("%s left out: the compiler rejects %s (%s)", src, " ".join(flags),
+                     r.stderr.strip()[-300:])
+            return False
+        os.replace(obj + ".tmp", obj)
+    return True
 
 
 def _compile_variants(path: str) -> list[str]:
     """Compile each int8 variant to path/int8_<name>.o with its flags; the names that compiled.
     The AVX2 variant (with the quantizer) is required: its failure raises."""
     built = []
-    cxx = os.environ.get("CXX", "c++")
     for name, flags in VARIANTS.items():
         need = VARIANT_NEEDS.get(name)
         if need is not None and need not in built:
             log.info("int8 kernel variant %s left out: it needs %s", name, need)
             continue
-        obj = os.path.join(path, f"int8_{name}.o")
-        if not os.path.exists(obj):
-            src = os.path.join(_DIR, f"int8_{name}.cpp")
-            cmd = [cxx, "-O3", "-fPIC", "-std=c++17", "-mavx2", "-mfma", "-mf16c", *flags,
-                   "-c", src, "-o", obj + ".tmp"]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                if name == "avx2":
-                    raise RuntimeError(f"int8 kernel (avx2) failed to compile: {r.stderr.strip()[-500:]}")
-                log.info("int8 kernel variant %s left out: the compiler rejects %s", name, " ".join(flags))
-                continue
-            os.replace(obj + ".tmp", obj)
-        built.append(name)
+        if _compile_unit(path, f"int8_{name}.cpp", f"int8_{name}.o", flags):
+            built.append(name)
+        elif name == "avx2":
+            raise RuntimeError("int8 kernel (avx2) failed to compile (see the log)")
     return built
 
 
 def build_dir() -> str:
     h = hashlib.sha256("\0".join(_build_command()).encode())
-    for path in SOURCES + HEADERS + VARIANT_SOURCES:
+    for path in SOURCES + HEADERS + VARIANT_SOURCES + UNIT_SOURCES:
         with open(path, "rb") as f:
             h.update(f.read())
     key = h.hexdigest()[:16]
@@ -137,8 +146,9 @@ def _build() -> ModuleType:
         if not os.path.exists(os.path.join(path, name + ".so")):
             log.info("building the CPU kernels (first run, about a minute) in %s", path)
         variants = _compile_variants(path)
-        defines = [f"-DSPARKSERVE_HAS_{v.upper()}" for v in variants]
-        objs = [os.path.join(path, f"int8_{v}.o") for v in variants]
+        units = [n for n, (src, flags) in ISA_UNITS.items() if _compile_unit(path, src, f"{n}.o", flags)]
+        defines = [f"-DSPARKSERVE_HAS_{v.upper()}" for v in variants + units]
+        objs = [os.path.join(path, f"{o}.o") for o in [f"int8_{v}" for v in variants] + units]
         return load(name=name, sources=SOURCES, extra_cflags=CFLAGS + defines,
                     extra_ldflags=["-fopenmp", *objs], build_directory=path, verbose=False)
 

@@ -124,6 +124,8 @@ namespace sparkserve {
 
 const char* int8_variant() { return variant().name; }
 
+bool isa_usable(const char* name) { return cpu_has(name) && !switched_off(name); }
+
 namespace {
 
 void linear_int8_on(const Variant& v, const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N,

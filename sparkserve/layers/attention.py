@@ -5,9 +5,11 @@ sliding-window), and the mask works on absolute positions. With full and windowe
 (a split pool) the windowed layers write and read their own slots (`batch.kv_view`).
 Decode, VERIFY blocks and small extends (at most KERNEL_MAX_Q query tokens per request, fp32, no
 grad) skip the gather: the C++ kernel (kernels/decode_attention.cpp) reads K/V in place through
-the slot ids, causally per query token. A batch with both (decodes riding a prefill chunk, a
-prefill of long and short prompts) runs each part its own way, so no short request is padded to
-the longest."""
+the slot ids, causally per query token. Longer prefill chunks do too where the CPU runs the
+prefill kernel (kernels/prefill_attention.cpp: AVX-512), which also skips the masked half of a
+causal prompt and pads nothing; elsewhere they take SDPA. A batch with both (decodes riding a
+prefill chunk, a prefill of long and short prompts) runs each part its own way, so a VERIFY row
+stays bit for bit the decode step at its position."""
 from __future__ import annotations
 
 import torch
@@ -19,8 +21,10 @@ from sparkserve.kernels.build import load_extension
 # Most query tokens per request for the kernel: it keeps every score of a request's block, so
 # long prefill chunks go to SDPA's blocked, online-softmax GEMMs.
 KERNEL_MAX_Q = 16
-# What the kernel reads from the pool (converting to fp32 as it loads).
+# What the kernels read from the pool (converting to fp32 as they load).
 KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Most query heads per kv head for the prefill kernel (its tiles hold 48 query rows).
+PREFILL_MAX_GROUP = 48
 
 
 class PagedAttention(nn.Module):
@@ -44,21 +48,35 @@ class PagedAttention(nn.Module):
         if ext is None:
             return self._sdpa(q, k_buf, v_buf, batch)
         if max(batch.extend_lens) <= KERNEL_MAX_Q:        # decode, VERIFY: no split to build
-            return self._kernel(ext, q, k_buf, v_buf, batch)
+            return self._kernel(ext.decode_attention, q, k_buf, v_buf, batch)
+        prefill = self._prefill_kernel(ext)
         if min(batch.extend_lens) > KERNEL_MAX_Q:
-            return self._sdpa(q, k_buf, v_buf, batch)
+            return self._long(prefill, q, k_buf, v_buf, batch)
         # e.g. decodes riding a prefill chunk
         (short_rows, short), (long_rows, long) = batch.split_by_query_len(KERNEL_MAX_Q)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        out[short_rows] = self._kernel(ext, q[short_rows], k_buf, v_buf, short)
-        out[long_rows] = self._sdpa(q[long_rows], k_buf, v_buf, long)
+        out[short_rows] = self._kernel(ext.decode_attention, q[short_rows], k_buf, v_buf, short)
+        out[long_rows] = self._long(prefill, q[long_rows], k_buf, v_buf, long)
         return out
 
-    def _kernel(self, ext, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+    def _long(self, prefill, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+              batch: ForwardBatch) -> torch.Tensor:
+        if prefill is None:
+            return self._sdpa(q, k_buf, v_buf, batch)
+        return self._kernel(prefill, q, k_buf, v_buf, batch)
+
+    def _kernel(self, kernel, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         _, kv_indices, kv_start = batch.kv_view(self.window)
-        return ext.decode_attention(q, k_buf, v_buf, kv_indices, batch.seq_lens, kv_start, self.window or 0,
-                                    self.scale, batch.extend_lens)
+        return kernel(q, k_buf, v_buf, kv_indices, batch.seq_lens, kv_start, self.window or 0,
+                      self.scale, batch.extend_lens)
+
+    def _prefill_kernel(self, ext):
+        """The prefill kernel where this CPU runs it and it takes this layer's heads, else None."""
+        if (ext.prefill_attention_variant() and self.head_dim % 16 == 0
+                and self.num_heads // self.num_kv_heads <= PREFILL_MAX_GROUP):
+            return ext.prefill_attention
+        return None
 
     def _sdpa(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
               batch: ForwardBatch) -> torch.Tensor:
@@ -79,7 +97,7 @@ class PagedAttention(nn.Module):
 
     def _kernel_extension(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                           batch: ForwardBatch):
-        """The extension when its kernel can run this batch's short requests (queries at
+        """The extension when its kernels can run this batch's requests (queries at
         positions seq_len - n .. seq_len - 1, so not a context-parallel share; fp32 CPU tensors,
         contiguous pool buffers, no autograd), else None."""
         if (batch.cp is not None or q.dtype != torch.float32 or k_buf.dtype not in KERNEL_KV_DTYPES

@@ -112,10 +112,13 @@ def test_engine_verify_uses_kernel_and_lazy_head(tmp_path, monkeypatch):
     ext = attention_mod.load_extension()
     q_lens_seen = []
 
-    class Spy:
+    class Spy:           # the extension, noting the decode kernel's longest query block
         def decode_attention(self, *args):
             q_lens_seen.append(max(args[8]) if len(args) > 8 else 1)
             return ext.decode_attention(*args)
+
+        def __getattr__(self, name):
+            return getattr(ext, name)
     monkeypatch.setattr(attention_mod, "load_extension", lambda: Spy())
 
     stats = {"verified": 0, "scored": 0}

@@ -193,8 +193,9 @@ def test_paged_attention_takes_kernel_in_verify(ext, monkeypatch):
             ref = attn(q, k, v, batch)
         assert (out - ref).abs().max() <= 1e-5
     assert len(calls) == 2
-    # above KERNEL_MAX_Q a request goes to SDPA, padded only to the longest such request, while
-    # the short ones in the same batch still take the kernel
+    # above KERNEL_MAX_Q a request goes to SDPA (on a CPU without the prefill kernel, as this
+    # extension says), padded only to the longest such request, while the short ones in the same
+    # batch still take the kernel
     monkeypatch.setattr(attention_mod, "KERNEL_MAX_Q", 4)
     kernel_rows = []
 
@@ -202,6 +203,9 @@ def test_paged_attention_takes_kernel_in_verify(ext, monkeypatch):
         def decode_attention(self, q, *args):
             kernel_rows.append(q.shape[0])
             return ext.decode_attention(q, *args)
+
+        def prefill_attention_variant(self):
+            return ""
     counting = lambda: Counting()
     for window in (None, 4):
         with torch.inference_mode():

@@ -1,0 +1,106 @@
+// Paged attention of prefill chunks (more queries per request than decode_attention.cpp keeps
+// scores for), K/V read in place from the pool through the request's slot ids. The torch path
+// gathers a padded copy of every request's K/V each layer and hands SDPA a mask, under which it
+// computes the whole rectangle, masked half included, and pads short requests to the longest.
+// Here each request's queries are cut into tiles of 48 rows (queries x the G heads of one kv head;
+// prefill_attention.h), and a tile reads only the keys its rows see. Work items are tiles, the
+// costliest (last) first, over the kernels' thread pool. The AVX-512 unit computes a tile; on a
+// CPU without it, or with "avx512" in SPARKSERVE_KERNEL_VARIANTS_OFF, `prefill_attention_variant()`
+// is empty and the caller keeps SDPA. fp32 throughout: results differ from SDPA by summation order
+// and exp rounding.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "block_linear.h"
+#include "paged_attention.h"
+#include "prefill_attention.h"
+#include "thread_pool.h"
+
+namespace {
+
+bool avx512_tiles() {
+#ifdef SPARKSERVE_HAS_PREFILL_AVX512
+  static const bool usable = sparkserve::isa_usable("avx512");   // the environment is read once
+  return usable;
+#else
+  return false;
+#endif
+}
+
+struct Item {
+  int64_t b, h, i0, nq, keys;
+};
+
+}  // namespace
+
+// The variant prefill_attention runs ("avx512"), or "" where it cannot run.
+std::string prefill_attention_variant() { return avx512_tiles() ? "avx512" : ""; }
+
+// decode_attention's arguments and result (q [T, H, D], pool buffers [slots, Hkv, D], kv_indices
+// [B, >= L], request b's q_lens[b] queries at positions seq_len - q_lens[b] .. seq_len - 1, causal,
+// window <= 0: none); head_dim a multiple of 16, at most 48 query heads per kv head.
+at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
+                             std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
+                             std::vector<int64_t> q_lens) {
+  using sparkserve::prefill::kTileRows;
+  TORCH_CHECK(avx512_tiles(), "prefill_attention: needs the AVX-512 unit (prefill_attention_variant())");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
+              "prefill_attention: q must be float32 [T, H, D], last dim contiguous");
+  TORCH_CHECK(v_buf.scalar_type() == k_buf.scalar_type() && k_buf.dim() == 3 && k_buf.is_contiguous() &&
+              v_buf.sizes() == k_buf.sizes() && v_buf.is_contiguous(),
+              "prefill_attention: K/V buffers must be contiguous [slots, Hkv, D] of one dtype");
+  TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indices.dim() == 2 && kv_indices.stride(1) == 1,
+              "prefill_attention: kv_indices must be int64 [B, L], rows contiguous");
+  const int64_t B = kv_indices.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
+  TORCH_CHECK(k_buf.size(2) == D && D % 16 == 0 && Hkv > 0 && H % Hkv == 0 && H / Hkv <= kTileRows,
+              "prefill_attention: head_dim must match and be a multiple of 16, H a multiple of Hkv, "
+              "at most 48 query heads per kv head");
+  TORCH_CHECK(static_cast<int64_t>(seq_lens.size()) == B, "prefill_attention: one seq_len per kv_indices row");
+  const auto q_off = sparkserve::query_offsets(seq_lens, q_lens, kv_start, kv_indices.size(1));
+  TORCH_CHECK(q.size(0) == q_off[B], "prefill_attention: q must have sum(q_lens) rows");
+  const int kv_type = static_cast<int>(sparkserve::kv_type_of(k_buf));
+  const int64_t G = H / Hkv, per_tile = kTileRows / G, slots = k_buf.size(0);
+  const int64_t* idx = kv_indices.data_ptr<int64_t>();
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t end = seq_lens[b] - kv_start;      // gathered keys of the request's last query
+    for (int64_t j = std::max<int64_t>(0, window > 0 ? end - q_lens[b] + 1 - window : 0); j < end; ++j) {
+      const int64_t slot = idx[b * kv_indices.stride(0) + j];
+      TORCH_CHECK(slot >= 0 && slot < slots, "prefill_attention: slot id out of range");
+    }
+    for (int64_t i0 = 0; i0 < q_lens[b]; i0 += per_tile) {
+      const int64_t nq = std::min(per_tile, q_lens[b] - i0), last = end - q_lens[b] + i0 + nq;
+      const int64_t keys = last - (window > 0 ? std::max<int64_t>(0, last - nq + 1 - window) : 0);
+      for (int64_t h = 0; h < Hkv; ++h) items.push_back({b, h, i0, nq, keys});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
+  auto out = at::empty({q_off[B], H * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  sparkserve::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t w0, int64_t w1) {
+    thread_local std::vector<float> scratch;
+    const int64_t need = sparkserve::prefill::scratch_floats(D) + 16;
+    if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
+    float* aligned = scratch.data() + (16 - reinterpret_cast<uintptr_t>(scratch.data()) / sizeof(float) % 16) % 16;
+    for (int64_t w = w0; w < w1; ++w) {
+      const Item& it = items[w];
+      const int64_t t0 = q_off[it.b] + it.i0;
+      sparkserve::prefill::Tile t{qp + t0 * q.stride(0) + it.h * G * q.stride(1), q.stride(0), q.stride(1),
+                                  op + t0 * H * D + it.h * G * D, H * D, D,
+                                  it.nq, G, D, k_buf.data_ptr(), v_buf.data_ptr(), kv_type,
+                                  idx + it.b * kv_indices.stride(0), Hkv, it.h,
+                                  seq_lens[it.b] - kv_start - q_lens[it.b] + it.i0 + 1, window, sc, aligned};
+#ifdef SPARKSERVE_HAS_PREFILL_AVX512
+      sparkserve::prefill::tile_avx512(t);
+#endif
+    }
+  });
+  return out;
+}
