@@ -13,7 +13,9 @@ here to an object file with its own ISA flags and linked into the extension; a v
 rejects is left out (the AVX2 one is required; the AMX ones call the AVX-512 VNNI one for single rows
 and need it). int8_dispatch.cpp picks one at run time by the CPU's flags;
 SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches variants off (see `variant()`).
-"amx_emulated" is the AMX kernel on software tiles, which tests run on CPUs without AMX."""
+"amx_emulated" is the AMX kernel on software tiles, which tests run on CPUs without AMX. Other
+kernels for one ISA beyond the baseline (ISA_UNITS: the AVX-512 prefill attention tile) are
+compiled and left out the same way; their callers check the CPU at run time."""
 from __future__ import annotations
 
 import contextlib
