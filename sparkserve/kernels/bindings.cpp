@@ -21,7 +21,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at
                             std::vector<int64_t> q_lens);
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                              std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
-                             std::vector<int64_t> q_lens);
+                             std::vector<int64_t> q_lens, const std::string& variant);
 std::string prefill_attention_variant();
 at::Tensor markov_pack(at::Tensor w2);
 at::Tensor argmax_rows(at::Tensor logits);
@@ -72,11 +72,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kv_start"), py::arg("window"), py::arg("scale"),
         py::arg("q_lens") = std::vector<int64_t>());
   m.def("prefill_attention", &prefill_attention,
-        "decode_attention for prefill chunks, in tiles of 48 query rows (GQA, fp32; AVX-512)",
+        "decode_attention for prefill chunks, in tiles of query rows (GQA, fp32); variant: avx512 / avx2",
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indices"), py::arg("seq_lens"),
-        py::arg("kv_start"), py::arg("window"), py::arg("scale"), py::arg("q_lens"));
+        py::arg("kv_start"), py::arg("window"), py::arg("scale"), py::arg("q_lens"), py::arg("variant") = "");
   m.def("prefill_attention_variant", &prefill_attention_variant,
-        "the ISA prefill_attention runs on (avx512), or empty where it cannot run");
+        "the variant prefill_attention runs (avx512, avx2), or empty where none can");
   m.def("markov_greedy", &markov_greedy,
         "a DSpark Markov head's greedy loop over a block: (target ids [B, G], previous-token codes [B, G, r])",
         py::arg("base"), py::arg("w1"), py::arg("w2p"), py::arg("d2t"), py::arg("anchors"));

@@ -2,12 +2,11 @@
 // scores for), K/V read in place from the pool through the request's slot ids. The torch path
 // gathers a padded copy of every request's K/V each layer and hands SDPA a mask, under which it
 // computes the whole rectangle, masked half included, and pads short requests to the longest.
-// Here each request's queries are cut into tiles of 48 rows (queries x the G heads of one kv head;
-// prefill_attention.h), and a tile reads only the keys its rows see. Work items are tiles, the
-// costliest (last) first, over the kernels' thread pool. The AVX-512 unit computes a tile; on a
-// CPU without it, or with "avx512" in SPARKSERVE_KERNEL_VARIANTS_OFF, `prefill_attention_variant()`
-// is empty and the caller keeps SDPA. fp32 throughout: results differ from SDPA by summation order
-// and exp rounding.
+// Here each request's queries are cut into tiles of 48 rows on AVX-512, 24 on AVX2 (queries x the
+// G heads of one kv head; prefill_tile.h), and a tile reads only the keys its rows see. Work items
+// are tiles, the costliest (last) first, over the kernels' thread pool. "avx512" in
+// SPARKSERVE_KERNEL_VARIANTS_OFF leaves the ymm tiles; "avx2" too leaves none, and the caller keeps
+// SDPA. fp32 throughout: results differ from SDPA by summation order and exp rounding.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
@@ -23,13 +22,26 @@
 
 namespace {
 
-bool avx512_tiles() {
+// A tile computation and its rows.
+struct Variant {
+  const char* name;
+  void (*tile)(const sparkserve::prefill::Tile&);
+  int64_t rows;
+};
+
+// The variants this CPU runs, best first ("avx2" is always built).
+std::vector<Variant> runnable() {
+  std::vector<Variant> v;
 #ifdef SPARKSERVE_HAS_PREFILL_AVX512
-  static const bool usable = sparkserve::isa_usable("avx512");   // the environment is read once
-  return usable;
-#else
-  return false;
+  if (sparkserve::isa_usable("avx512")) v.push_back({"avx512", sparkserve::prefill::tile_avx512, 48});
 #endif
+  if (sparkserve::isa_usable("avx2")) v.push_back({"avx2", sparkserve::prefill::tile_avx2, 24});
+  return v;
+}
+
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> v = runnable();   // the environment is read once
+  return v;
 }
 
 struct Item {
@@ -38,17 +50,21 @@ struct Item {
 
 }  // namespace
 
-// The variant prefill_attention runs ("avx512"), or "" where it cannot run.
-std::string prefill_attention_variant() { return avx512_tiles() ? "avx512" : ""; }
+// The variant prefill_attention runs ("avx512", "avx2"), or "" where none can.
+std::string prefill_attention_variant() { return variants().empty() ? "" : variants()[0].name; }
 
 // decode_attention's arguments and result (q [T, H, D], pool buffers [slots, Hkv, D], kv_indices
 // [B, >= L], request b's q_lens[b] queries at positions seq_len - q_lens[b] .. seq_len - 1, causal,
-// window <= 0: none); head_dim a multiple of 16, at most 48 query heads per kv head.
+// window <= 0: none); head_dim a multiple of 16, at most 24 query heads per kv head (48 on
+// AVX-512). `variant` names one to use instead of the best (it must run on this CPU).
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                              std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
-                             std::vector<int64_t> q_lens) {
-  using sparkserve::prefill::kTileRows;
-  TORCH_CHECK(avx512_tiles(), "prefill_attention: needs the AVX-512 unit (prefill_attention_variant())");
+                             std::vector<int64_t> q_lens, const std::string& variant) {
+  const Variant* use = nullptr;
+  for (const Variant& v : variants())
+    if (use == nullptr && (variant.empty() || variant == v.name)) use = &v;
+  TORCH_CHECK(use != nullptr, "prefill_attention: no variant ", variant.empty() ? "" : variant + " ",
+              "runs here (prefill_attention_variant())");
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
               "prefill_attention: q must be float32 [T, H, D], last dim contiguous");
   TORCH_CHECK(v_buf.scalar_type() == k_buf.scalar_type() && k_buf.dim() == 3 && k_buf.is_contiguous() &&
@@ -57,14 +73,14 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, a
   TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indices.dim() == 2 && kv_indices.stride(1) == 1,
               "prefill_attention: kv_indices must be int64 [B, L], rows contiguous");
   const int64_t B = kv_indices.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
-  TORCH_CHECK(k_buf.size(2) == D && D % 16 == 0 && Hkv > 0 && H % Hkv == 0 && H / Hkv <= kTileRows,
-              "prefill_attention: head_dim must match and be a multiple of 16, H a multiple of Hkv, "
-              "at most 48 query heads per kv head");
+  TORCH_CHECK(k_buf.size(2) == D && D % 16 == 0 && Hkv > 0 && H % Hkv == 0 && H / Hkv <= use->rows,
+              "prefill_attention: head_dim must match and be a multiple of 16, H a multiple of Hkv, at most ",
+              use->rows, " query heads per kv head");
   TORCH_CHECK(static_cast<int64_t>(seq_lens.size()) == B, "prefill_attention: one seq_len per kv_indices row");
   const auto q_off = sparkserve::query_offsets(seq_lens, q_lens, kv_start, kv_indices.size(1));
   TORCH_CHECK(q.size(0) == q_off[B], "prefill_attention: q must have sum(q_lens) rows");
   const int kv_type = static_cast<int>(sparkserve::kv_type_of(k_buf));
-  const int64_t G = H / Hkv, per_tile = kTileRows / G, slots = k_buf.size(0);
+  const int64_t G = H / Hkv, per_tile = use->rows / G, slots = k_buf.size(0);
   const int64_t* idx = kv_indices.data_ptr<int64_t>();
   std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b) {
@@ -97,9 +113,7 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, a
                                   it.nq, G, D, k_buf.data_ptr(), v_buf.data_ptr(), kv_type,
                                   idx + it.b * kv_indices.stride(0), Hkv, it.h,
                                   seq_lens[it.b] - kv_start - q_lens[it.b] + it.i0 + 1, window, sc, aligned};
-#ifdef SPARKSERVE_HAS_PREFILL_AVX512
-      sparkserve::prefill::tile_avx512(t);
-#endif
+      use->tile(t);
     }
   });
   return out;

@@ -1,18 +1,18 @@
 // One work item of the prefill attention (prefill_attention.cpp), in plain types: the AVX-512 unit
 // that computes it (prefill_attention_avx512.cpp) is compiled with its own ISA flags and must not
-// share inline library code with the rest of the extension.
+// share inline library code with the rest of the extension. prefill_tile.h has the computation.
 #pragma once
 #include <cstdint>
 
 namespace sparkserve::prefill {
 
-// Query rows per tile: three zmm registers of one score column.
-constexpr int64_t kTileRows = 48;
+// Query rows per tile: three vector registers of one score column (48 in zmm, 24 in ymm).
+constexpr int64_t kMaxTileRows = 48;
 // Keys per block: one block's K, V and scores stay in L1 beside the tile's queries and outputs.
 constexpr int64_t kBlockKeys = 32;
 
 // nq consecutive queries of one request and one kv head, with all G query heads of each (nq * G
-// <= kTileRows rows, query-major). Query i (0 .. nq - 1) sees the gathered keys j with
+// <= the variant's tile rows, query-major). Query i (0 .. nq - 1) sees the gathered keys j with
 // j < end0 + i and, when window > 0, j >= end0 + i - window. Key j of the request is pool row
 // (slots[j] * Hkv + h) * D of k and v.
 struct Tile {
@@ -33,10 +33,11 @@ struct Tile {
 // Floats of scratch a tile needs: queries transposed [D][rows], outputs [rows][D], one block's
 // scores [keys][rows], K and V [keys][D], and a row vector.
 static inline int64_t scratch_floats(int64_t D) {
-  return 2 * D * kTileRows + kBlockKeys * kTileRows + 2 * kBlockKeys * D + kTileRows;
+  return 2 * D * kMaxTileRows + kBlockKeys * kMaxTileRows + 2 * kBlockKeys * D + kMaxTileRows;
 }
 
-// The tile's attention; D a multiple of 16.
+// The tile's attention, D a multiple of 16: 48 rows in zmm registers, or 24 in ymm registers.
 void tile_avx512(const Tile& t);
+void tile_avx2(const Tile& t);
 
 }  // namespace sparkserve::prefill

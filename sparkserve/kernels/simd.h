@@ -2,6 +2,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include <initializer_list>
+
 namespace sparkserve {
 
 inline float hsum(__m256 v) {

@@ -5,9 +5,10 @@ sliding-window), and the mask works on absolute positions. With full and windowe
 (a split pool) the windowed layers write and read their own slots (`batch.kv_view`).
 Decode, VERIFY blocks and small extends (at most KERNEL_MAX_Q query tokens per request, fp32, no
 grad) skip the gather: the C++ kernel (kernels/decode_attention.cpp) reads K/V in place through
-the slot ids, causally per query token. Longer prefill chunks do too where the CPU runs the
-prefill kernel (kernels/prefill_attention.cpp: AVX-512), which also skips the masked half of a
-causal prompt and pads nothing; elsewhere they take SDPA. A batch with both (decodes riding a
+the slot ids, causally per query token. Longer prefill chunks do too, through the prefill kernel
+(kernels/prefill_attention.cpp), which also skips the masked half of a causal prompt and pads
+nothing; SDPA takes them where it cannot run (kernels unavailable, head_dim not a multiple of 16,
+more than PREFILL_MAX_GROUP query heads per kv head). A batch with both (decodes riding a
 prefill chunk, a prefill of long and short prompts) runs each part its own way, so a VERIFY row
 stays bit for bit the decode step at its position."""
 from __future__ import annotations
@@ -18,13 +19,13 @@ from torch import nn
 from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.kernels.build import load_extension
 
-# Most query tokens per request for the kernel: it keeps every score of a request's block, so
-# long prefill chunks go to SDPA's blocked, online-softmax GEMMs.
+# Most query tokens per request for the decode kernel: it keeps every score of a request's block,
+# so longer prefill chunks go to the prefill kernel's blocked, online-softmax tiles.
 KERNEL_MAX_Q = 16
 # What the kernels read from the pool (converting to fp32 as they load).
 KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Most query heads per kv head for the prefill kernel (its tiles hold 48 query rows).
-PREFILL_MAX_GROUP = 48
+# Most query heads per kv head for the prefill kernel (its ymm tiles hold 24 query rows).
+PREFILL_MAX_GROUP = 24
 
 
 class PagedAttention(nn.Module):
@@ -72,7 +73,7 @@ class PagedAttention(nn.Module):
                       self.scale, batch.extend_lens)
 
     def _prefill_kernel(self, ext):
-        """The prefill kernel where this CPU runs it and it takes this layer's heads, else None."""
+        """The prefill kernel where it runs here and takes this layer's heads, else None."""
         if (ext.prefill_attention_variant() and self.head_dim % 16 == 0
                 and self.num_heads // self.num_kv_heads <= PREFILL_MAX_GROUP):
             return ext.prefill_attention

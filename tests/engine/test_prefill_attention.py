@@ -1,11 +1,11 @@
 """The prefill attention kernel (kernels/prefill_attention.cpp): a request's queries in tiles of
-48 rows (queries x the query heads of one kv head), K/V read in place from the pool through slot
-ids, each tile reading only the keys its rows see. It must equal attention computed in float64
-under the engine's causal rule (query i of a request at position seq_len - q_len + i sees the keys
-from kv_start, or from its window's start, up to its own position) for every tile shape the
-heads make, pool dtype, window and cached prefix; PagedAttention must send prefill chunks to it
-(decodes beside them to the decode kernel) and give what its SDPA path gives; and "avx512" in
-SPARKSERVE_KERNEL_VARIANTS_OFF must hand prefill back to SDPA."""
+48 rows on AVX-512, 24 on AVX2 (queries x the query heads of one kv head), K/V read in place from
+the pool through slot ids, each tile reading only the keys its rows see. Each variant the CPU runs
+must equal attention computed in float64 under the engine's causal rule (query i of a request at
+position seq_len - q_len + i sees the keys from kv_start, or from its window's start, up to its own
+position) for every tile shape the heads make, pool dtype, window and cached prefix; PagedAttention
+must send prefill chunks to it (decodes beside them to the decode kernel) and give what its SDPA
+path gives; and SPARKSERVE_KERNEL_VARIANTS_OFF must step down to the ymm tiles, then to SDPA."""
 from __future__ import annotations
 
 import json
@@ -23,6 +23,7 @@ from sparkserve.layers.attention import PagedAttention
 from sparkserve.mem.kv_pool import KVPool
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROWS = {"avx512": 48, "avx2": 24}          # query rows per tile
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +31,14 @@ def ext():
     if os.environ.get("SPARKSERVE_DISABLE_KERNELS", "") not in ("", "0"):
         pytest.fail("SPARKSERVE_DISABLE_KERNELS is set: these tests check the kernels themselves")
     assert kernels.available(), "kernel build failed (see the logged warning)"
-    e = kernels.load_extension()
-    if not e.prefill_attention_variant():
-        pytest.skip("this CPU lacks AVX-512 F/BW/VL (or it is switched off): prefill chunks take SDPA here")
-    return e
+    return kernels.load_extension()
+
+
+@pytest.fixture(params=list(ROWS))
+def variant(request, ext):
+    if request.param == "avx512" and ext.prefill_attention_variant() != "avx512":
+        pytest.skip("this CPU lacks AVX-512 F/BW/VL (or it is switched off); the avx2 tiles run here")
+    return request.param
 
 
 def float64_reference(q, k_buf, v_buf, kv_indices, seq_lens, q_lens, kv_start, window):
@@ -73,42 +78,44 @@ def random_case(g, q_lens, prefixes, H, Hkv, D, kv_start, dtype):
     return q, k_buf, v_buf, kv_indices, seq_lens
 
 
-# (query heads per kv head, head dim): the tile's queries are 48 // G, so these cut a request's
-# queries at 48, 16, 24, 12, 9 (45 rows and 3 spare), 6 and 1; head dims end on every 16-wide tail
-HEADS = [(1, 64), (3, 64), (2, 16), (4, 32), (5, 48), (8, 128), (48, 16)]
+# (query heads per kv head, head dim): a tile's queries are rows // G, so these cut a request's
+# queries at 48 / 24, 16 / 8, 24 / 12, 12 / 6, 9 / 4 (spare rows), 6 / 3 and 2 / 1; head dims end
+# on every 16-wide tail
+HEADS = [(1, 64), (3, 64), (2, 16), (4, 32), (5, 48), (8, 128), (24, 16)]
 
 
 @pytest.mark.parametrize("G,D", HEADS)
 @pytest.mark.parametrize("kv_start,window", [(0, None), (0, 7), (5, 40), (2, 1)])
-def test_kernel_matches_float64_attention(ext, G, D, kv_start, window):
+def test_kernel_matches_float64_attention(ext, variant, G, D, kv_start, window):
     g = torch.Generator().manual_seed(G * 1000 + D + kv_start * 7 + (window or 0))
     Hkv = 2 if G < 8 else 1
-    per_tile = 48 // G
+    per_tile = ROWS[variant] // G
     q_lens = [max(1, per_tile - 1), per_tile, per_tile + 1, 17, 3 * per_tile + 5, 70]
     prefixes = [0, 33, 0, 70, 5, 1]          # fresh prompts and chunks after a cached prefix
     q, k_buf, v_buf, kv_indices, seq_lens = random_case(g, q_lens, prefixes, G * Hkv, Hkv, D, kv_start,
                                                         torch.float32)
     out = ext.prefill_attention(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window or 0, D ** -0.5,
-                                q_lens)
+                                q_lens, variant)
     ref = float64_reference(q, k_buf, v_buf, kv_indices, seq_lens, q_lens, kv_start, window)
     err = (out - ref).abs().max().item()
     assert err <= 1e-5, f"q_lens={q_lens} seq_lens={seq_lens}: max |diff| {err:.3g}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_pool(ext, dtype):
+def test_half_precision_pool(ext, variant, dtype):
     """A float16 / bfloat16 pool is read as the float32 values it holds."""
     g = torch.Generator().manual_seed(3)
     q_lens, prefixes = [300, 20], [200, 0]
     q, k_buf, v_buf, kv_indices, seq_lens = random_case(g, q_lens, prefixes, 9, 3, 64, 0, dtype)
-    out = ext.prefill_attention(q, k_buf, v_buf, kv_indices, seq_lens, 0, 0, 0.125, q_lens)
-    wide = ext.prefill_attention(q, k_buf.float(), v_buf.float(), kv_indices, seq_lens, 0, 0, 0.125, q_lens)
+    out = ext.prefill_attention(q, k_buf, v_buf, kv_indices, seq_lens, 0, 0, 0.125, q_lens, variant)
+    wide = ext.prefill_attention(q, k_buf.float(), v_buf.float(), kv_indices, seq_lens, 0, 0, 0.125, q_lens,
+                                 variant)
     assert torch.equal(out, wide)
     ref = float64_reference(q, k_buf, v_buf, kv_indices, seq_lens, q_lens, 0, None)
     assert (out - ref).abs().max() <= 1e-5
 
 
-def test_large_scores_and_a_one_key_window(ext):
+def test_large_scores_and_a_one_key_window(ext, variant):
     """Scores far apart (the online softmax rescales the running sums as the maximum grows, and
     exps of masked or distant scores are 0, not NaN) and a window of one key (each row sees only its
     own: the output is its V row)."""
@@ -116,37 +123,39 @@ def test_large_scores_and_a_one_key_window(ext):
     q_lens, prefixes = [130], [40]
     q, k_buf, v_buf, kv_indices, seq_lens = random_case(g, q_lens, prefixes, 6, 2, 64, 0, torch.float32)
     k_buf *= torch.linspace(0.1, 30, k_buf.shape[0])[:, None, None]
-    out = ext.prefill_attention(q, k_buf, v_buf, kv_indices, seq_lens, 0, 0, 0.125, q_lens)
+    out = ext.prefill_attention(q, k_buf, v_buf, kv_indices, seq_lens, 0, 0, 0.125, q_lens, variant)
     ref = float64_reference(q, k_buf, v_buf, kv_indices, seq_lens, q_lens, 0, None)
     assert torch.isfinite(out).all()
     assert (out - ref).abs().max() <= 1e-4
-    own = ext.prefill_attention(q, k_buf, v_buf, kv_indices, seq_lens, 0, 1, 0.125, q_lens)
+    own = ext.prefill_attention(q, k_buf, v_buf, kv_indices, seq_lens, 0, 1, 0.125, q_lens, variant)
     rows = kv_indices[0, 40:170]
     assert torch.equal(own.view(130, 6, 64), v_buf[rows].repeat_interleave(3, 1))
 
 
-def test_a_row_does_not_depend_on_the_chunking(ext):
+def test_a_row_does_not_depend_on_the_chunking(ext, variant):
     """Without a window the key blocks start at key 0 for every tile, so a query's row is the
     same bits whether its prompt came in one chunk or several, and whatever tile it fell in."""
     g = torch.Generator().manual_seed(8)
     q, k_buf, v_buf, kv_indices, seq_lens = random_case(g, [150], [0], 9, 3, 64, 0, torch.float32)
-    whole = ext.prefill_attention(q, k_buf, v_buf, kv_indices, [150], 0, 0, 0.125, [150])
+    whole = ext.prefill_attention(q, k_buf, v_buf, kv_indices, [150], 0, 0, 0.125, [150], variant)
     for start in (80, 37, 149):
-        part = ext.prefill_attention(q[start:], k_buf, v_buf, kv_indices, [150], 0, 0, 0.125, [150 - start])
+        part = ext.prefill_attention(q[start:], k_buf, v_buf, kv_indices, [150], 0, 0, 0.125, [150 - start],
+                                     variant)
         assert torch.equal(part, whole[start:]), start
 
 
-def test_bad_arguments_are_refused(ext):
+def test_bad_arguments_are_refused(ext, variant):
     q = torch.randn(20, 4, 8)
     buf = torch.randn(30, 2, 8)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        ext.prefill_attention(q, buf, buf, torch.arange(20)[None], [20], 0, 0, 1.0, [20])
-    q, buf = torch.randn(20, 49, 16), torch.randn(30, 1, 16)
-    with pytest.raises(RuntimeError, match="at most 48"):
-        ext.prefill_attention(q, buf, buf, torch.arange(20)[None], [20], 0, 0, 1.0, [20])
+        ext.prefill_attention(q, buf, buf, torch.arange(20)[None], [20], 0, 0, 1.0, [20], variant)
+    G = ROWS[variant]
+    q, buf = torch.randn(20, G + 1, 16), torch.randn(30, 1, 16)
+    with pytest.raises(RuntimeError, match=f"at most {G} query heads"):
+        ext.prefill_attention(q, buf, buf, torch.arange(20)[None], [20], 0, 0, 1.0, [20], variant)
     q, buf = torch.randn(20, 2, 16), torch.randn(30, 1, 16)
     with pytest.raises(RuntimeError, match="slot id out of range"):
-        ext.prefill_attention(q, buf, buf, torch.arange(20)[None] + 15, [20], 0, 0, 1.0, [20])
+        ext.prefill_attention(q, buf, buf, torch.arange(20)[None] + 15, [20], 0, 0, 1.0, [20], variant)
 
 
 def test_paged_attention_sends_prefill_chunks_to_it(ext, monkeypatch):
@@ -210,10 +219,12 @@ print(json.dumps({"variant": ext.prefill_attention_variant(), "refused": refused
 """
 
 
-def test_switched_off_with_the_avx512_variants(ext):
-    env = {**os.environ, "SPARKSERVE_KERNEL_VARIANTS_OFF": "amx,avx512vnni,avx512", "OMP_NUM_THREADS": "1"}
+@pytest.mark.parametrize("off,expected", [("amx,avx512vnni,avx512", "avx2"), ("avx512,avx2", "")])
+def test_variants_switched_off(ext, off, expected):
+    env = {**os.environ, "SPARKSERVE_KERNEL_VARIANTS_OFF": off, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", _SWITCHED_OFF], capture_output=True, text=True, env=env,
                        cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["variant"] == "" and "needs the AVX-512 unit" in got["refused"]
+    assert got["variant"] == expected
+    assert ("no variant runs here" in got["refused"]) == (expected == "")
