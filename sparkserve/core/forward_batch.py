@@ -154,6 +154,23 @@ class ForwardBatch:
             self._meta["q"] = (q_index, flat)
         return self._meta["q"]
 
+    def query_runs(self) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The queries as runs of consecutive positions: (request of each run, its last position
+        + 1, its length), runs in row order. One per request, except in a context-parallel share,
+        whose cut requests have two zigzag blocks: causal attention over a run is a request's
+        that ends at its last query."""
+        if "runs" not in self._meta:
+            pos = self.positions
+            starts = torch.tensor([0] + self.extend_lens[:-1]).cumsum(0)
+            first = torch.ones(pos.shape[0], dtype=torch.bool)
+            first[1:] = pos[1:] != pos[:-1] + 1
+            first[starts] = True
+            run_start = first.nonzero().flatten()
+            lens = torch.diff(run_start, append=torch.tensor([pos.shape[0]]))
+            req = torch.searchsorted(starts, run_start, right=True) - 1
+            self._meta["runs"] = (req, (pos[run_start + lens - 1] + 1).tolist(), lens.tolist())
+        return self._meta["runs"]
+
     def store(self, buf: torch.Tensor, rows: torch.Tensor, window: int | None = None) -> None:
         """Write this forward's rows of a token_page pool item (K, V, latent, index K/V) at the
         new tokens' slots; under context parallel every rank's rows are gathered first, so each

@@ -5,7 +5,8 @@ sliding-window), and the mask works on absolute positions. With full and windowe
 (a split pool) the windowed layers write and read their own slots (`batch.kv_view`).
 Decode, VERIFY blocks and small extends (at most KERNEL_MAX_Q query tokens per request, fp32, no
 grad) skip the gather: the C++ kernel (kernels/decode_attention.cpp) reads K/V in place through
-the slot ids, causally per query token. Longer prefill chunks do too, through the prefill kernel
+the slot ids, causally per query token. Longer prefill chunks, and a context-parallel share's
+queries (not at the end of their requests), do too through the prefill kernel
 (kernels/prefill_attention.cpp), which also skips the masked half of a causal prompt and pads
 nothing; SDPA takes them where it cannot run (kernels unavailable, head_dim not a multiple of 16,
 more than PREFILL_MAX_GROUP query heads per kv head). A batch with both (decodes riding a
@@ -48,10 +49,12 @@ class PagedAttention(nn.Module):
         ext = self._kernel_extension(q, k_buf, v_buf, batch)
         if ext is None:
             return self._sdpa(q, k_buf, v_buf, batch)
-        if max(batch.extend_lens) <= KERNEL_MAX_Q:        # decode, VERIFY: no split to build
+        # a context-parallel share's queries are not all at the end of their requests: only the
+        # prefill kernel (by runs of positions) or SDPA takes them
+        if batch.cp is None and max(batch.extend_lens) <= KERNEL_MAX_Q:   # decode, VERIFY
             return self._kernel(ext.decode_attention, q, k_buf, v_buf, batch)
         prefill = self._prefill_kernel(ext)
-        if min(batch.extend_lens) > KERNEL_MAX_Q:
+        if batch.cp is not None or min(batch.extend_lens) > KERNEL_MAX_Q:
             return self._long(prefill, q, k_buf, v_buf, batch)
         # e.g. decodes riding a prefill chunk
         (short_rows, short), (long_rows, long) = batch.split_by_query_len(KERNEL_MAX_Q)
@@ -62,9 +65,13 @@ class PagedAttention(nn.Module):
 
     def _long(self, prefill, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
               batch: ForwardBatch) -> torch.Tensor:
+        """Prefill chunks: the prefill kernel over each run of consecutive query positions as a
+        request ending at its last query (`ForwardBatch.query_runs`), or SDPA where it cannot run."""
         if prefill is None:
             return self._sdpa(q, k_buf, v_buf, batch)
-        return self._kernel(prefill, q, k_buf, v_buf, batch)
+        req, ends, lens = batch.query_runs()
+        _, kv_indices, kv_start = batch.kv_view(self.window)
+        return prefill(q, k_buf, v_buf, kv_indices[req], ends, kv_start, self.window or 0, self.scale, lens)
 
     def _kernel(self, kernel, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -98,10 +105,9 @@ class PagedAttention(nn.Module):
 
     def _kernel_extension(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                           batch: ForwardBatch):
-        """The extension when its kernels can run this batch's requests (queries at
-        positions seq_len - n .. seq_len - 1, so not a context-parallel share; fp32 CPU tensors,
+        """The extension when its kernels can run this batch's requests (fp32 CPU tensors,
         contiguous pool buffers, no autograd), else None."""
-        if (batch.cp is not None or q.dtype != torch.float32 or k_buf.dtype not in KERNEL_KV_DTYPES
+        if (q.dtype != torch.float32 or k_buf.dtype not in KERNEL_KV_DTYPES
                 or q.device.type != "cpu" or self.head_dim % 8 or torch.is_grad_enabled()
                 or q.shape[0] != batch.num_tokens or not batch.extend_lens
                 or not (k_buf.is_contiguous() and v_buf.is_contiguous())):

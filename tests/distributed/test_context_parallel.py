@@ -19,6 +19,7 @@ from parallel_fixtures import COMMON, PROMPTS, assert_same, bigram_of, run_mixed
 from sparkserve import Engine
 from sparkserve.args import ServerArgs
 from sparkserve.distributed import context_parallel
+from sparkserve.layers import attention as attention_mod
 
 CP2 = dict(tp_size=2, attn_cp_size=2)
 DP2_CP2 = dict(tp_size=4, dp_size=2, enable_dp_attention=True, attn_cp_size=2)
@@ -51,6 +52,24 @@ def shards(monkeypatch) -> list[list[int]]:
     return seen
 
 
+@pytest.fixture
+def prefill_runs(monkeypatch) -> list[list[int]]:
+    """The query runs of each prefill-kernel call in the driver: a share's zigzag blocks attend
+    as runs of their own."""
+    seen: list[list[int]] = []
+    ext = attention_mod.load_extension()
+
+    class Spy:
+        def prefill_attention(self, *args):
+            seen.append(list(args[8]))
+            return ext.prefill_attention(*args)
+
+        def __getattr__(self, name):
+            return getattr(ext, name)
+    monkeypatch.setattr(attention_mod, "load_extension", Spy)
+    return seen
+
+
 def test_zigzag_layout():
     assert context_parallel.zigzag_blocks(10, 2) == [[range(0, 3), range(8, 10)], [range(3, 6), range(6, 8)]]
     rows = context_parallel.owned_rows([10, 3, 2], 2)     # one long request, two short ones
@@ -65,14 +84,17 @@ def _extra(arch: str) -> dict:
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "kimi", "minimax"])
-def test_cp_equals_one_process(arch, model_dirs, shards):
+def test_cp_equals_one_process(arch, model_dirs, shards, prefill_runs):
     path = model_dirs[arch]
     one = Engine(path, **COMMON)
     want = ([one.generate(input_ids=p, sampling_params=SP) for p in (LONG, SHORT)] + run_mixed(one) +
             one.generate(input_ids=[OTHER, *OTHER_SHORT], sampling_params=SP))
     with Engine(path, **CP2, **_extra(arch), **COMMON) as eng:
+        prefill_runs.clear()
         got = [eng.generate(input_ids=LONG, sampling_params=SP)]
         assert shards == [[8], [8], [4]]                    # chunks of 16, 16, 8 tokens: half each
+        if arch in ("llama", "mistral"):                   # their attention layers: blocks 0 and 3 of 4
+            assert {tuple(r) for r in prefill_runs} == {(4, 4), (2, 2)}
         got.append(eng.generate(input_ids=SHORT, sampling_params=SP))
         assert len(shards) == 3                             # 3 tokens < 2C: ran whole
         got += run_mixed(eng)
