@@ -5,7 +5,7 @@ prompts, one run, same machine: only same-run ratios mean something on the proje
 
     python benchmarks/serving.py [--requests 32] [--max-tokens 64] [--reps 1]
                                  [--engines sparkserve,llamacpp] [--threads 2] [--isa native|avx2|avx512]
-                                 [--sampling greedy|top-p]
+                                 [--sampling greedy|top-p] [--prompt-words N]
 
 Load: streaming chat completions, greedy (or `--sampling top-p`: temperature 0.7, top_p 0.9),
 `ignore_eos` (both servers honour it, so every request gets --max-tokens tokens), a fresh
@@ -16,13 +16,16 @@ not compute, so each is measured alone. Per level the median over --reps rounds 
 request at a time). The first run builds llama.cpp (~5 min on 2 cores). Writes
 benchmarks/results/serving.{md,json} and serving.png (matplotlib); --isa avx2 / avx512 holds both
 servers to that (as decode.py) and writes serving_avx2.* / serving_avx512.*; --sampling top-p
-writes serving_top_p.*."""
+writes serving_top_p.*. --prompt-words N makes every prompt a request to summarize N words of
+notes (words drawn per request, so neither server's prefix cache shares them), the load of
+long-document chat, and writes serving_long.*."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -51,6 +54,28 @@ TOPICS = ["the ocean", "a city at night", "learning to code", "the moon", "autum
 SAMPLING = {"greedy": {"temperature": 0},
             "top-p": {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0}}
 SAMPLING_TEXT = {"greedy": "temperature 0", "top-p": "temperature 0.7, top_p 0.9 (top_k and min_p off)"}
+# the words of --prompt-words' notes
+WORDS = ("the a of and to in is was for on with as by at from that this it be are were have has "
+         "time year people way day man woman child world life hand part place case week company "
+         "system program question work government number night point home water room mother area "
+         "money story fact month lot right study book eye job word business issue side kind head "
+         "house service friend father power hour game line end member law car city community name "
+         "president team minute idea kid body information back parent face others level office door "
+         "health person art war history party result change morning reason research girl guy moment "
+         "air teacher force education small large new old good great high long little own other").split()
+
+
+def prompts_for(n_req: int, words: int) -> list[str]:
+    """The chat prompts of a level: a short request per topic, or with `words`, notes to summarize."""
+    if not words:
+        return [f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}." for i in range(n_req)]
+    out = []
+    for i in range(n_req):
+        rng = random.Random(i)
+        notes = " ".join(rng.choice(WORDS) for _ in range(words))
+        topic = TOPICS[i % len(TOPICS)]
+        out.append(f"Request {i}: summarize these notes on {topic} in one paragraph. {notes}")
+    return out
 
 
 def _free_port() -> int:
@@ -136,8 +161,8 @@ async def _one(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: in
 
 
 async def _level(base: str, conc: int, n_req: int, max_tokens: int, ignore_eos: bool = True,
-                 sampling: dict = SAMPLING["greedy"]) -> dict:
-    prompts = [f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}." for i in range(n_req)]
+                 sampling: dict = SAMPLING["greedy"], words: int = 0) -> dict:
+    prompts = prompts_for(n_req, words)
     sem = asyncio.Semaphore(conc)
     limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -180,6 +205,16 @@ METRICS = ("ttft_median_s", "itl_median_ms", "output_tok_s", "wall_s", "tokens_p
 IGNORE_EOS = {"sparkserve": True, "llamacpp": True, "llama-cpp-python": False}
 
 
+def _prompt_tokens(words: int) -> int:
+    """Median prompt tokens of a --prompt-words level (the chat template included)."""
+    from sparkserve.embedded import default_model_path
+    from sparkserve.frontend.tokenizer import load_tokenizer
+    tok = load_tokenizer(default_model_path())
+    return int(statistics.median(
+        len(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=True))
+        for p in prompts_for(8, words)))
+
+
 def _median_rows(rounds: list[dict]) -> dict:
     """One level's rows from --reps rounds -> one row of per-metric medians (plus the raw rounds)."""
     row = {"concurrency": rounds[0]["concurrency"], "requests": rounds[0]["requests"]}
@@ -202,9 +237,11 @@ def main() -> int:
     ap.add_argument("--replot", action="store_true", help="only redraw serving.png from serving.json")
     ap.add_argument("--isa", default="native", choices=sorted(ISA_ENV),
                     help="what both servers may use of the CPU (avx2: an AVX2-only machine; avx512: no VNNI)")
+    ap.add_argument("--prompt-words", type=int, default=0,
+                    help="prompts of this many words of notes to summarize (results in serving_long.*)")
     a = ap.parse_args()
-    name = results_name("serving" if a.sampling == "greedy" else f"serving_{a.sampling.replace('-', '_')}",
-                        a.isa)
+    base_name = "serving" if a.sampling == "greedy" else f"serving_{a.sampling.replace('-', '_')}"
+    name = results_name(base_name + ("_long" if a.prompt_words else ""), a.isa)
     sampling = SAMPLING[a.sampling]
     if a.replot:
         with open(os.path.join(RESULTS, f"{name}.json")) as f:
@@ -229,7 +266,7 @@ def main() -> int:
                 for engine in (engines if (rep + levels.index(c)) % 2 == 0 else engines[::-1]):
                     base, proc = servers[engine]
                     r = asyncio.run(_level(base, c, max(a.requests, c) if c > 1 else 8, a.max_tokens,
-                                           IGNORE_EOS[engine], sampling))
+                                           IGNORE_EOS[engine], sampling, a.prompt_words))
                     raw[engine][c].append(r)
                     print(f"round {rep + 1}/{a.reps} {engine} c={c}: TTFT {r['ttft_median_s']:.3f} s, "
                           f"ITL {r['itl_median_ms']:.1f} ms, {r['output_tok_s']:.1f} tok/s",
@@ -247,6 +284,8 @@ def main() -> int:
              f"({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"{machine_line(machine)}; sparkserve kernels: {kernels}", "",
              f"chat completions, streaming, {SAMPLING_TEXT[a.sampling]}, max_tokens {a.max_tokens}, "
+             + (f"prompts of {a.prompt_words} words of notes to summarize (~{_prompt_tokens(a.prompt_words)} "
+                "tokens), " if a.prompt_words else "") +
              "ignore_eos, a fresh "
              f"connection per request; llamacpp = llama-server built from source with {isa_build(a.isa)} "
              f"(-np 32 -c 16384 -kvu -t {a.threads}); servers alternate, medians of {a.reps} round(s)", "",
@@ -269,7 +308,7 @@ def main() -> int:
                          f"{q['ttft_median_s']:.2f}x | {q['itl_median_ms']:.2f}x |")
     data = {"engines": results, "ratio_sparkserve_vs_llamacpp": ratios, "machine": machine,
             "sparkserve_kernels": kernels, "threads": a.threads, "max_tokens": a.max_tokens,
-            "sampling": sampling,
+            "sampling": sampling, "prompt_words": a.prompt_words,
             "reps": a.reps, "date": time.strftime("%Y-%m-%d %H:%M")}
     write_results(name, data, lines)
     plot(results, name)
