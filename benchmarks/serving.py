@@ -17,8 +17,8 @@ request at a time). The first run builds llama.cpp (~5 min on 2 cores). Writes
 benchmarks/results/serving.{md,json} and serving.png (matplotlib); --isa avx2 / avx512 holds both
 servers to that (as decode.py) and writes serving_avx2.* / serving_avx512.*; --sampling top-p
 writes serving_top_p.*. --prompt-words N makes every prompt a request to summarize N words of
-notes (words drawn per request, so neither server's prefix cache shares them), the load of
-long-document chat, and writes serving_long.*."""
+notes (drawn anew for every request, level and round, so no prefix cache holds them), the load
+of long-document chat, and writes serving_long.*."""
 from __future__ import annotations
 
 import argparse
@@ -65,12 +65,13 @@ WORDS = ("the a of and to in is was for on with as by at from that this it be ar
          "air teacher force education small large new old good great high long little own other").split()
 
 
-def prompts_for(n_req: int, words: int) -> list[str]:
-    """The chat prompts of a level: a short request per topic, or with `words`, notes to summarize."""
+def prompts_for(n_req: int, words: int, first: int = 0) -> list[str]:
+    """The chat prompts of a level: a short request per topic, or with `words`, notes to summarize,
+    drawn from seeds first, first + 1, ..."""
     if not words:
         return [f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}." for i in range(n_req)]
     out = []
-    for i in range(n_req):
+    for i in range(first, first + n_req):
         rng = random.Random(i)
         notes = " ".join(rng.choice(WORDS) for _ in range(words))
         topic = TOPICS[i % len(TOPICS)]
@@ -161,8 +162,8 @@ async def _one(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: in
 
 
 async def _level(base: str, conc: int, n_req: int, max_tokens: int, ignore_eos: bool = True,
-                 sampling: dict = SAMPLING["greedy"], words: int = 0) -> dict:
-    prompts = prompts_for(n_req, words)
+                 sampling: dict = SAMPLING["greedy"], words: int = 0, first: int = 0) -> dict:
+    prompts = prompts_for(n_req, words, first)
     sem = asyncio.Semaphore(conc)
     limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -265,8 +266,10 @@ def main() -> int:
             for c in levels:
                 for engine in (engines if (rep + levels.index(c)) % 2 == 0 else engines[::-1]):
                     base, proc = servers[engine]
+                    # long prompts are new at every level and round (the same ones for each server)
+                    first = 1000 * (1 + rep * len(levels) + levels.index(c))
                     r = asyncio.run(_level(base, c, max(a.requests, c) if c > 1 else 8, a.max_tokens,
-                                           IGNORE_EOS[engine], sampling, a.prompt_words))
+                                           IGNORE_EOS[engine], sampling, a.prompt_words, first))
                     raw[engine][c].append(r)
                     print(f"round {rep + 1}/{a.reps} {engine} c={c}: TTFT {r['ttft_median_s']:.3f} s, "
                           f"ITL {r['itl_median_ms']:.1f} ms, {r['output_tok_s']:.1f} tok/s",

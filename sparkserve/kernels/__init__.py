@@ -7,7 +7,7 @@ for Q4_1 / Q8_0 (int8_*.cpp), on the CPU variant `variant()` names (chosen at lo
 flags; SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches variants off).
 The extension also has `rms_norm` and `add_rms_norm` (rms_norm.cpp; used by layers/norm.py) and
 `decode_attention` (decode_attention.cpp: paged attention without the K/V gather; layers/attention.py),
-`prefill_attention` (prefill_attention.cpp: the same for prefill chunks, AVX-512 only)
+`prefill_attention` (prefill_attention.cpp: the same for prefill chunks, in zmm or ymm tiles)
 and `argmax_rows` / `sample_rows` / `logprob_rows` (argmax.cpp, sample.cpp: the sampler's draws
 and logprobs on CPU).
 Built on first use (build.py); when that is impossible `load_extension()` is None and callers

@@ -52,14 +52,14 @@ class PagedAttention(nn.Module):
         # a context-parallel share's queries are not all at the end of their requests: only the
         # prefill kernel (by runs of positions) or SDPA takes them
         if batch.cp is None and max(batch.extend_lens) <= KERNEL_MAX_Q:   # decode, VERIFY
-            return self._kernel(ext.decode_attention, q, k_buf, v_buf, batch)
+            return self._decode(ext, q, k_buf, v_buf, batch)
         prefill = self._prefill_kernel(ext)
         if batch.cp is not None or min(batch.extend_lens) > KERNEL_MAX_Q:
             return self._long(prefill, q, k_buf, v_buf, batch)
         # e.g. decodes riding a prefill chunk
         (short_rows, short), (long_rows, long) = batch.split_by_query_len(KERNEL_MAX_Q)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        out[short_rows] = self._kernel(ext.decode_attention, q[short_rows], k_buf, v_buf, short)
+        out[short_rows] = self._decode(ext, q[short_rows], k_buf, v_buf, short)
         out[long_rows] = self._long(prefill, q[long_rows], k_buf, v_buf, long)
         return out
 
@@ -73,11 +73,11 @@ class PagedAttention(nn.Module):
         _, kv_indices, kv_start = batch.kv_view(self.window)
         return prefill(q, k_buf, v_buf, kv_indices[req], ends, kv_start, self.window or 0, self.scale, lens)
 
-    def _kernel(self, kernel, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+    def _decode(self, ext, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         _, kv_indices, kv_start = batch.kv_view(self.window)
-        return kernel(q, k_buf, v_buf, kv_indices, batch.seq_lens, kv_start, self.window or 0,
-                      self.scale, batch.extend_lens)
+        return ext.decode_attention(q, k_buf, v_buf, kv_indices, batch.seq_lens, kv_start, self.window or 0,
+                                    self.scale, batch.extend_lens)
 
     def _prefill_kernel(self, ext):
         """The prefill kernel where it runs here and takes this layer's heads, else None."""
