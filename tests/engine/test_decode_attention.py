@@ -15,12 +15,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_fixtures import last_tokens_batch, random_paged_kv
 
 from sparkserve import kernels
 from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
 from sparkserve.layers import attention as attention_mod
 from sparkserve.layers.attention import PagedAttention
-from sparkserve.mem.kv_pool import KVPool
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -78,19 +78,6 @@ def test_kernel_matches_sdpa(ext, ratio, D, kv_start, window):
         ref = sdpa_reference(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window)
         err = (out - ref).abs().max().item()
         assert err <= 1e-5, f"B={B} lens={seq_lens}: max |diff| {err:.3g}"
-
-
-def random_paged_kv(seq_lens: list[int], Hkv: int, D: int, g: torch.Generator):
-    """A one-layer KV pool of random rows and a token table giving each request scattered slots."""
-    B, lmax = len(seq_lens), max(seq_lens)
-    pool = KVPool(200, 1, Hkv, D)
-    pool.k[0].normal_(generator=g)
-    pool.v[0].normal_(generator=g)
-    table = torch.zeros(B, lmax, dtype=torch.long)
-    free = 1 + torch.randperm(199, generator=g)
-    for b, n in enumerate(seq_lens):
-        table[b, :n] = free[b * lmax:b * lmax + n]
-    return pool, table
 
 
 def test_paged_attention_takes_kernel_in_decode(ext, monkeypatch):
@@ -176,15 +163,12 @@ def test_paged_attention_takes_kernel_in_verify(ext, monkeypatch):
     H, Hkv, D = 9, 3, 64
     seq_lens, q_lens = [8, 30, 13], [8, 5, 1]
     pool, table = random_paged_kv(seq_lens, Hkv, D, g)
-    pos = torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, q_lens)])
-    loc = torch.cat([table[b, s - n:s] for b, (s, n) in enumerate(zip(seq_lens, q_lens))])
     T = sum(q_lens)
     q = torch.randn(T, H, D, generator=g)
     k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
     calls = []
     for window in (None, 4):
-        batch = ForwardBatch(ForwardMode.VERIFY, torch.zeros(T, dtype=torch.long), pos, loc, q_lens,
-                             seq_lens, table, pool)
+        batch = last_tokens_batch(ForwardMode.VERIFY, seq_lens, q_lens, table, pool)
         attn = PagedAttention(0, H, Hkv, D, window)
         with torch.inference_mode():
             monkeypatch.setattr(attention_mod, "load_extension", lambda: calls.append(1) or ext)
@@ -209,8 +193,7 @@ def test_paged_attention_takes_kernel_in_verify(ext, monkeypatch):
     counting = lambda: Counting()
     for window in (None, 4):
         with torch.inference_mode():
-            batch = ForwardBatch(ForwardMode.VERIFY, torch.zeros(T, dtype=torch.long), pos, loc, q_lens,
-                                 seq_lens, table, pool)
+            batch = last_tokens_batch(ForwardMode.VERIFY, seq_lens, q_lens, table, pool)
             monkeypatch.setattr(attention_mod, "load_extension", counting)
             out = PagedAttention(0, H, Hkv, D, window)(q, k, v, batch)
             monkeypatch.setattr(attention_mod, "load_extension", lambda: None)

@@ -15,12 +15,12 @@ import sys
 
 import pytest
 import torch
+from attention_fixtures import last_tokens_batch, random_paged_kv
 
 from sparkserve import kernels
-from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.core.forward_batch import ForwardMode
 from sparkserve.layers import attention as attention_mod
 from sparkserve.layers.attention import PagedAttention
-from sparkserve.mem.kv_pool import KVPool
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = {"avx512": 48, "avx2": 24}          # query rows per tile
@@ -165,16 +165,7 @@ def test_paged_attention_sends_prefill_chunks_to_it(ext, monkeypatch):
     g = torch.Generator().manual_seed(9)
     H, Hkv, D = 9, 3, 64
     seq_lens, q_lens = [60, 25, 90], [60, 1, 40]
-    B, lmax = len(seq_lens), max(seq_lens)
-    pool = KVPool(400, 1, Hkv, D)
-    pool.k[0].normal_(generator=g)
-    pool.v[0].normal_(generator=g)
-    table = torch.zeros(B, lmax, dtype=torch.long)
-    free = 1 + torch.randperm(399, generator=g)
-    for b, n in enumerate(seq_lens):
-        table[b, :n] = free[b * lmax:b * lmax + n]
-    pos = torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, q_lens)])
-    loc = torch.cat([table[b, s - n:s] for b, (s, n) in enumerate(zip(seq_lens, q_lens))])
+    pool, table = random_paged_kv(seq_lens, Hkv, D, g, slots=400)
     T = sum(q_lens)
     q = torch.randn(T, H, D, generator=g)
     k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
@@ -193,8 +184,7 @@ def test_paged_attention_sends_prefill_chunks_to_it(ext, monkeypatch):
             return ext.prefill_attention_variant()
 
     for window in (None, 20):
-        batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(T, dtype=torch.long), pos, loc, q_lens, seq_lens,
-                             table, pool)
+        batch = last_tokens_batch(ForwardMode.EXTEND, seq_lens, q_lens, table, pool)
         with torch.inference_mode():
             monkeypatch.setattr(attention_mod, "load_extension", Counting)
             out = PagedAttention(0, H, Hkv, D, window)(q, k, v, batch)
