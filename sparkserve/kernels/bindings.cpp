@@ -23,6 +23,7 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, a
                              std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
                              std::vector<int64_t> q_lens, const std::string& variant);
 std::string prefill_attention_variant();
+bool prefill_attention_takes(int64_t H, int64_t Hkv, int64_t D);
 at::Tensor markov_pack(at::Tensor w2);
 at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor sample_rows(at::Tensor logits, const std::vector<int64_t>& rows, const std::vector<double>& temperature,
@@ -77,6 +78,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kv_start"), py::arg("window"), py::arg("scale"), py::arg("q_lens"), py::arg("variant") = "");
   m.def("prefill_attention_variant", &prefill_attention_variant,
         "the variant prefill_attention runs (avx512, avx2), or empty where none can");
+  m.def("prefill_attention_takes", &prefill_attention_takes,
+        "whether prefill_attention runs here for H query heads over Hkv kv heads of head dim D",
+        py::arg("H"), py::arg("Hkv"), py::arg("D"));
   m.def("markov_greedy", &markov_greedy,
         "a DSpark Markov head's greedy loop over a block: (target ids [B, G], previous-token codes [B, G, r])",
         py::arg("base"), py::arg("w1"), py::arg("w2p"), py::arg("d2t"), py::arg("anchors"));

@@ -44,6 +44,12 @@ const std::vector<Variant>& variants() {
   return v;
 }
 
+// Whether v's tiles take heads of this shape: whole vectors of head dim, the query heads of one kv
+// head within a tile.
+bool takes(const Variant& v, int64_t H, int64_t Hkv, int64_t D) {
+  return D > 0 && D % 16 == 0 && Hkv > 0 && H % Hkv == 0 && H / Hkv <= v.rows;
+}
+
 struct Item {
   int64_t b, h, i0, nq, keys;
 };
@@ -53,10 +59,15 @@ struct Item {
 // The variant prefill_attention runs ("avx512", "avx2"), or "" where none can.
 std::string prefill_attention_variant() { return variants().empty() ? "" : variants()[0].name; }
 
+// Whether prefill_attention runs here for H query heads over Hkv kv heads of head dim D.
+bool prefill_attention_takes(int64_t H, int64_t Hkv, int64_t D) {
+  return !variants().empty() && takes(variants()[0], H, Hkv, D);
+}
+
 // decode_attention's arguments and result (q [T, H, D], pool buffers [slots, Hkv, D], kv_indices
 // [B, >= L], request b's q_lens[b] queries at positions seq_len - q_lens[b] .. seq_len - 1, causal,
-// window <= 0: none); head_dim a multiple of 16, at most 24 query heads per kv head (48 on
-// AVX-512). `variant` names one to use instead of the best (it must run on this CPU).
+// window <= 0: none), for heads the variant takes (prefill_attention_takes). `variant` names one to
+// use instead of the best (it must run on this CPU).
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                              std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
                              std::vector<int64_t> q_lens, const std::string& variant) {
@@ -73,7 +84,7 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, a
   TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indices.dim() == 2 && kv_indices.stride(1) == 1,
               "prefill_attention: kv_indices must be int64 [B, L], rows contiguous");
   const int64_t B = kv_indices.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
-  TORCH_CHECK(k_buf.size(2) == D && D % 16 == 0 && Hkv > 0 && H % Hkv == 0 && H / Hkv <= use->rows,
+  TORCH_CHECK(k_buf.size(2) == D && takes(*use, H, Hkv, D),
               "prefill_attention: head_dim must match and be a multiple of 16, H a multiple of Hkv, at most ",
               use->rows, " query heads per kv head");
   TORCH_CHECK(static_cast<int64_t>(seq_lens.size()) == B, "prefill_attention: one seq_len per kv_indices row");

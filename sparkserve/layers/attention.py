@@ -8,10 +8,10 @@ grad) skip the gather: the C++ kernel (kernels/decode_attention.cpp) reads K/V i
 the slot ids, causally per query token. Longer prefill chunks, and a context-parallel share's
 queries (not at the end of their requests), do too through the prefill kernel
 (kernels/prefill_attention.cpp), which also skips the masked half of a causal prompt and pads
-nothing; SDPA takes them where it cannot run (kernels unavailable, head_dim not a multiple of 16,
-more than PREFILL_MAX_GROUP query heads per kv head). A batch with both (decodes riding a
-prefill chunk, a prefill of long and short prompts) runs each part its own way, so a VERIFY row
-stays bit for bit the decode step at its position."""
+nothing; SDPA takes them where it cannot run (kernels unavailable, or heads its tiles do not take:
+a head_dim not a multiple of 16, more query heads per kv head than a tile's rows). A batch with
+both (decodes riding a prefill chunk, a prefill of long and short prompts) runs each part its own
+way, so a VERIFY row stays bit for bit the decode step at its position."""
 from __future__ import annotations
 
 import torch
@@ -25,8 +25,6 @@ from sparkserve.kernels.build import load_extension
 KERNEL_MAX_Q = 16
 # What the kernels read from the pool (converting to fp32 as they load).
 KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Most query heads per kv head for the prefill kernel (its ymm tiles hold 24 query rows).
-PREFILL_MAX_GROUP = 24
 
 
 class PagedAttention(nn.Module):
@@ -81,8 +79,7 @@ class PagedAttention(nn.Module):
 
     def _prefill_kernel(self, ext):
         """The prefill kernel where it runs here and takes this layer's heads, else None."""
-        if (ext.prefill_attention_variant() and self.head_dim % 16 == 0
-                and self.num_heads // self.num_kv_heads <= PREFILL_MAX_GROUP):
+        if ext.prefill_attention_takes(self.num_heads, self.num_kv_heads, self.head_dim):
             return ext.prefill_attention
         return None
 

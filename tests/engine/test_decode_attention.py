@@ -188,8 +188,8 @@ def test_paged_attention_takes_kernel_in_verify(ext, monkeypatch):
             kernel_rows.append(q.shape[0])
             return ext.decode_attention(q, *args)
 
-        def prefill_attention_variant(self):
-            return ""
+        def prefill_attention_takes(self, *heads):
+            return False
     counting = lambda: Counting()
     for window in (None, 4):
         with torch.inference_mode():

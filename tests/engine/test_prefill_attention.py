@@ -158,6 +158,14 @@ def test_bad_arguments_are_refused(ext, variant):
         ext.prefill_attention(q, buf, buf, torch.arange(20)[None] + 15, [20], 0, 0, 1.0, [20], variant)
 
 
+def test_heads_it_takes(ext):
+    """PagedAttention asks the kernel which heads its tiles take: the rows of the variant that runs."""
+    rows = ROWS[ext.prefill_attention_variant()]
+    assert ext.prefill_attention_takes(9, 3, 64) and ext.prefill_attention_takes(rows, 1, 16)
+    assert not ext.prefill_attention_takes(rows + 1, 1, 16)
+    assert not ext.prefill_attention_takes(4, 2, 8) and not ext.prefill_attention_takes(9, 2, 64)
+
+
 def test_paged_attention_sends_prefill_chunks_to_it(ext, monkeypatch):
     """A batch of two prefill chunks (one after a cached prefix) and a decode through
     PagedAttention: the chunks go to the prefill kernel, the decode to the decode kernel, and the
@@ -180,8 +188,8 @@ def test_paged_attention_sends_prefill_chunks_to_it(ext, monkeypatch):
             calls.append(("prefill", q.shape[0]))
             return ext.prefill_attention(q, *args)
 
-        def prefill_attention_variant(self):
-            return ext.prefill_attention_variant()
+        def prefill_attention_takes(self, *heads):
+            return ext.prefill_attention_takes(*heads)
 
     for window in (None, 20):
         batch = last_tokens_batch(ForwardMode.EXTEND, seq_lens, q_lens, table, pool)
@@ -205,7 +213,8 @@ try:
     refused = ""
 except RuntimeError as e:
     refused = str(e)
-print(json.dumps({"variant": ext.prefill_attention_variant(), "refused": refused}))
+print(json.dumps({"variant": ext.prefill_attention_variant(), "refused": refused,
+                  "takes": ext.prefill_attention_takes(9, 3, 64)}))
 """
 
 
@@ -218,3 +227,4 @@ def test_variants_switched_off(ext, off, expected):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["variant"] == expected
     assert ("no variant runs here" in got["refused"]) == (expected == "")
+    assert got["takes"] == (expected != "")
