@@ -172,6 +172,7 @@ def load_extension() -> ModuleType | None:
             if why is not None:
                 log.warning("sparkserve quantized kernels unavailable (%s); using the fp32 path", why)
             else:
-                log.info("sparkserve int8 kernel variant: %s", ext.int8_variant())  # type: ignore[union-attr]
+                log.info("sparkserve int8 kernel variant: %s, prefill attention: %s",
+                         ext.int8_variant(), ext.prefill_attention_variant() or "SDPA")  # type: ignore[union-attr]
             _state["ext"] = ext
         return _state["ext"]  # type: ignore[return-value]
