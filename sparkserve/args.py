@@ -18,6 +18,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "nixl", "mooncake")
 ACTIVATION_QUANTS = ("int8", "none")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class ServerArgs:
     # memory
     max_total_tokens: int | None = field(default=None, metadata=_opt(
         "KV pool size in tokens (overrides --mem-fraction-static)"))
-    mem_fraction_static: float = field(default=0.05, metadata=_opt("fraction of RAM for the KV pool on CPU"))
+    mem_fraction_static: float = field(default=0.05, metadata=_opt(
+        "fraction of the machine's RAM (of the GPU's memory on --device cuda) for the KV pool"))
     page_size: int = field(default=1, metadata=_opt("tokens per KV page"))
     disable_radix_cache: bool = field(default=False, metadata=_opt("turn off prefix caching"))
     enable_return_hidden_states: bool = field(default=False, metadata=_opt(
@@ -120,6 +122,10 @@ class ServerArgs:
         "Llama-family model (llama.cpp's default cache for the same file), else float32 (the "
         "model's compute dtype on CPU, as vLLM and SGLang keep the model's). Half types: "
         "Llama-family models", choices=KV_CACHE_DTYPES))
+    device: str = field(default="auto", metadata=_opt(
+        "where the model, its pools and the forward run: cpu (this project's own kernels) or cuda (torch's "
+        "kernels, fp32 weights dequantized from GGUF); auto: cuda when torch sees a GPU, else cpu",
+        choices=DEVICES))
     num_threads: int | None = field(default=None, metadata=_opt("torch CPU threads (default: torch's)"))
     random_seed: int | None = field(default=None, metadata=_opt("seed of the global RNG"))
     disable_native_step: bool = field(default=False, metadata=_opt(
@@ -228,6 +234,7 @@ class ServerArgs:
              f"--activation-quant {self.activation_quant}: use one of {', '.join(ACTIVATION_QUANTS)}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"--kv-cache-dtype {self.kv_cache_dtype}: use one of {', '.join(KV_CACHE_DTYPES)}")
+        need(self.device in DEVICES, f"--device {self.device}: use one of {', '.join(DEVICES)}")
         need(self.log_level.lower() in LOG_LEVELS,
              f"--log-level {self.log_level}: use one of {', '.join(LOG_LEVELS)}")
         need(os.path.exists(self.model_path), f"--model-path {self.model_path} does not exist")
@@ -249,7 +256,25 @@ class ServerArgs:
         need(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
         self._validate_parallel(need)
         self._validate_disaggregation(need)
+        self._validate_cuda(need)
         return self
+
+    def _validate_cuda(self, need) -> None:
+        reason = self.cuda_refusal()
+        need(self.device != "cuda" or reason is None, f"--device cuda {reason}")
+
+    def cuda_refusal(self) -> str | None:
+        """Why these flags cannot run on CUDA (None: they can). What runs there so far is one rank,
+        plain or DSpark decoding; the collectives (gloo) and the PD transfer backends move CPU
+        tensors. --device auto falls back to cpu for the same reasons."""
+        if self.parallel_config().world_size > 1 or self.enable_dp_attention:
+            return (f"with --tp-size {self.tp_size} --pp-size {self.pp_size}"
+                    f"{' --enable-dp-attention' if self.enable_dp_attention else ''}: parallel ranks run on "
+                    "CPU (gloo) so far; use one rank on the GPU, or --device cpu")
+        if self.disaggregation_mode != "null":
+            return (f"with --disaggregation-mode {self.disaggregation_mode}: the transfer backends move CPU "
+                    "pools so far; use --device cpu for disaggregated serving")
+        return None
 
     def _validate_disaggregation(self, need) -> None:
         mode = self.disaggregation_mode

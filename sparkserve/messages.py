@@ -83,6 +83,7 @@ class SchedulerReady:
     # or unbounded when pages leave a sliding window as the request runs. None: the pool.
     max_sequence_tokens: int | None = None
     speculative: dict[str, Any] | None = None   # DSpark: the resolved draft path, verify mode, gamma
+    device: str = "cpu"                          # where the model runs (--device, auto resolved)
 
     @property
     def sequence_limit(self) -> int:

@@ -217,7 +217,7 @@ def check_draft_context(eng, hf_model, atol: float = 2e-4) -> int:
     keeps back while it does not draft (DSparkWorker.defer), the K/V of the kept taps at the same
     positions and slots. Returns the number of rows checked."""
     sched = eng.scheduler
-    draft, pool = sched.spec.draft, sched.spec.pool
+    draft, pool, dev = sched.spec.draft, sched.spec.pool, sched.spec.device
     table = sched.cache.req_to_token.table
     reqs = list(sched.running) + ([sched.chunked] if sched.chunked is not None else [])
     checked = 0
@@ -227,10 +227,10 @@ def check_draft_context(eng, hf_model, atol: float = 2e-4) -> int:
             continue
         ids = torch.tensor([req.fill_ids[:n]])
         hs = hf_model(ids, output_hidden_states=True).hidden_states
-        taps = [hs[l + 1][0].float() for l in draft.config.target_layer_ids]
+        taps = [hs[l + 1][0].float().to(dev) for l in draft.config.target_layer_ids]
         ctx = draft.context_hidden(taps)
-        cos_sin = draft.rotary.cos_sin(torch.arange(n))
-        slots = table[req.row, :n]
+        cos_sin = draft.rotary.cos_sin(torch.arange(n, device=dev))
+        slots = table[req.row, :n].to(dev)
         kept = {}                                  # position -> (K, V) of the kept-back taps
         for kept_taps, positions, kept_slots in req.draft_backlog:
             assert torch.equal(kept_slots, slots[positions]), "kept-back rows name other slots"

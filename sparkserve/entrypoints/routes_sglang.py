@@ -56,7 +56,8 @@ async def server_info(request: Request) -> Response:
     # the args carry disaggregation_mode and disaggregation_bootstrap_port, which PD routers read
     info.update(tokenizer_path=ctx.tokenizer_path, version=sparkserve.__version__,
                 max_total_num_tokens=ready.max_total_num_tokens, context_length=ready.context_length,
-                vocab_size=ready.vocab_size, scheduler_pid=ready.pid, dp_size=tm.dp_groups)
+                vocab_size=ready.vocab_size, scheduler_pid=ready.pid, dp_size=tm.dp_groups,
+                device=ready.device)
     if ready.speculative:
         info.update(speculative_draft_model_path=ready.speculative["draft_model_path"],
                     speculative_dspark_verify_mode=ready.speculative["verify_mode"],

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparkserve.core.device import on_device
 from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
 from sparkserve.core.pool import Pool
 from sparkserve.distributed import parallel_state as ps
@@ -33,6 +34,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: Pool, req_to_token: torch.Tensor,
                  full_to_swa: torch.Tensor | None = None, mirror: ForwardMirror | None = None):
         self.model = model
+        self.device = model.device         # the batch's tensors go there; host bookkeeping stays on CPU
         self.mirror = mirror                # tensor parallel: the other ranks run each forward too
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
@@ -52,22 +54,23 @@ class ModelRunner:
         kv_start = self.first_visible_position(reqs, self.kv_pool.window)
         kv_indices = self.req_to_token[rows, kv_start:max(seq_lens)]
         out_cache_loc = torch.cat([r.slots for r in reqs])
+        dev = self.device
         swa = {}
         if self.full_to_swa is not None:
             start = self.first_visible_position(reqs, self.kv_pool.swa_window)
-            swa = dict(swa_out_cache_loc=self.full_to_swa[out_cache_loc], swa_kv_start=start,
-                       swa_kv_indices=self.full_to_swa[self.req_to_token[rows, start:max(seq_lens)]])
+            swa = dict(swa_out_cache_loc=self.full_to_swa[out_cache_loc].to(dev), swa_kv_start=start,
+                       swa_kv_indices=self.full_to_swa[self.req_to_token[rows, start:max(seq_lens)]].to(dev))
         return ForwardBatch(
             mode=mode,
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.tensor(pos, dtype=torch.long),
-            out_cache_loc=out_cache_loc,
+            input_ids=torch.tensor(ids, dtype=torch.long).to(dev),
+            positions=torch.tensor(pos, dtype=torch.long).to(dev),
+            out_cache_loc=out_cache_loc.to(dev),
             extend_lens=[len(r.tokens) for r in reqs],
             seq_lens=seq_lens,
-            kv_indices=kv_indices,
+            kv_indices=kv_indices.to(dev),
             kv_pool=self.kv_pool,
-            logits_rows=torch.tensor(rows_wanted, dtype=torch.long),
-            req_rows=rows,
+            logits_rows=torch.tensor(rows_wanted, dtype=torch.long).to(dev),
+            req_rows=rows.to(dev),
             kv_start=kv_start,
             **swa,
         )
@@ -83,7 +86,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [len(logits_rows), vocab] in fp32."""
+        """Logits [len(logits_rows), vocab] in fp32, on the model's device."""
         hidden = self.hidden_states(batch)
         if batch.logits_rows is None or batch.logits_rows.numel() == 0:
             return hidden.new_empty(0, 0)
@@ -96,11 +99,18 @@ class ModelRunner:
         """The final normed hidden state of every row, no LM head: VERIFY asks compute_logits
         only for the rows acceptance reads."""
         if self.mirror is None:
-            out = self.model(batch.input_ids, batch.positions, batch)
+            with on_device(self.device):
+                out = self.model(batch.input_ids, batch.positions, batch)
         else:
             out = self.mirror.run(self.model, batch, self.model.aux_layer_ids)
         batch.final_hidden = out
         return out
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (a GPU runs a forward after the call returns), so
+        that a timer around a forward times the forward."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def idle_forward(self) -> None:
@@ -124,7 +134,8 @@ class ModelRunner:
         """[rows, vocab] fp32 logits of final hidden rows; under tensor parallelism the first
         stage's tp ranks compute them together (each its vocab slice: ForwardMirror.logits)."""
         if self.mirror is None or not self.model.vocab_sharded:
-            return self.model.compute_logits(hidden)
+            with on_device(self.device):
+                return self.model.compute_logits(hidden)
         if hidden.shape[0] == 0:
             return hidden.new_zeros(0, self.model.config.vocab_size)
         return self.mirror.logits(self.model.compute_logits, hidden)

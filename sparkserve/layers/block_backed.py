@@ -66,3 +66,12 @@ def set_activation_quant(model: nn.Module, mode: str) -> None:
     for m in model.modules():
         if isinstance(m, BlockBacked):
             m.set_activation_quant(mode)
+
+
+def drop_blocks(model: nn.Module) -> None:
+    """Every block-backed module keeps its fp32 weight only (for devices whose kernels read
+    nothing else); the fp32 values come back from the blocks first where they were dropped."""
+    for m in model.modules():
+        if isinstance(m, BlockBacked):
+            m.set_activation_quant("none")
+            m.set_blocks(None)

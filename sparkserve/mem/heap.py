@@ -20,7 +20,10 @@ import torch
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose pages become resident when first written."""
+    """A zero pool buffer on the default device (core/device.py: on_device): on CPU one whose
+    pages become resident when first written."""
+    if torch.get_default_device().type != "cpu":
+        return torch.zeros(shape, dtype=dtype)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 

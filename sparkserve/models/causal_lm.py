@@ -47,6 +47,9 @@ class CausalLM(AuxCaptureMixin, nn.Module):
     # Per-request recurrent state (linear attention): a state summarises a whole prefix, so
     # such a model runs without the prefix cache.
     has_request_state = False
+    # Device types whose torch kernels run every layer of the model (--device); the CPU kernels of
+    # sparkserve.kernels run only on CPU.
+    DEVICES: tuple[str, ...] = ("cpu",)
 
     def __init__(self, cfg: ModelConfig, model: nn.Module, lm_head_bias: bool = False):
         """Under pipeline parallelism a stage keeps its layers only, the first one also the
@@ -62,6 +65,7 @@ class CausalLM(AuxCaptureMixin, nn.Module):
         self.vocab_sharded = ps.tp_size() > 1      # embedding and LM head hold a vocab slice
         self.checkpoint_path: str | None = None    # set by load_model (a draft may read the full head)
         self.kv_dtype = torch.float32               # what the KV pool stores (--kv-cache-dtype)
+        self.device = torch.device("cpu")           # where it runs (--device; registry.to_device)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, bias=lm_head_bias) \
             if self.has_lm_head else PPMissingLayer()
         if not self.first_stage:

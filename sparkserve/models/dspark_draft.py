@@ -347,6 +347,7 @@ class DSparkDraft(nn.Module):
 
 def load_dspark_draft(path: str, target: CausalLM | None = None,
                       activation_quant: str = "none") -> DSparkDraft:
+    """On the target's device; off the CPU with fp32 weights and torch's kernels, as the target."""
     from sparkserve.layers.linear import pack_linears
     from sparkserve.loader.hf import hf_weights
     with open(os.path.join(path, "config.json")) as f:
@@ -358,6 +359,9 @@ def load_dspark_draft(path: str, target: CausalLM | None = None,
     draft.rotary.build()
     draft.load_weights(hf_weights(path), target)
     draft.eval().requires_grad_(False)
+    device = torch.device("cpu") if target is None else target.device
+    if device.type != "cpu":
+        return draft.to(device)
     draft.set_activation_quant(activation_quant)
     pack_linears(draft)
     release_freed_memory()

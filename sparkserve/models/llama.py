@@ -102,6 +102,7 @@ class LlamaForCausalLM(CausalLM):
                       ".v_proj.": (".qkv_proj.", "v"), ".gate_proj.": (".gate_up_proj.", "gate"),
                       ".up_proj.": (".gate_up_proj.", "up")}
     KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # the kernel converts on load
+    DEVICES = ("cpu", "cuda")
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, LlamaModel(cfg))

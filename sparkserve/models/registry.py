@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
-from sparkserve.layers.block_backed import set_activation_quant
+from sparkserve.layers.block_backed import drop_blocks, set_activation_quant
 from sparkserve.layers.linear import pack_linears
 from sparkserve.mem.heap import release_freed_memory
 from sparkserve.models.kimi_linear import KimiLinearForCausalLM
@@ -51,9 +51,10 @@ def checkpoint_weights(model_path: str, cfg: ModelConfig, names: set[str] | None
 
 
 def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = True,
-               activation_quant: str = "none") -> nn.Module:
+               activation_quant: str = "none", device: torch.device = torch.device("cpu")) -> nn.Module:
     """`activation_quant`: "int8" lets layers with Q4_1 / Q8_0 blocks run int8 activations at small
-    M (the engine's default, --activation-quant); "none" keeps fp32 activations (exact)."""
+    M (the engine's default, --activation-quant); "none" keeps fp32 activations (exact). Off the
+    CPU the model runs torch's kernels on fp32 weights (`to_device`): no blocks, no int8."""
     if not os.path.exists(model_path):
         raise FileNotFoundError(f"model path {model_path} does not exist")
     cfg = cfg or load_config(model_path)
@@ -67,10 +68,21 @@ def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = Tru
     model.checkpoint_path = model_path
     # The mode first: a layer that int8 takes at every row count then needs no fp32 values, and the
     # loader leaves its GGUF tensors unread (loader/weights.py): no fp32 weight is computed for it.
-    set_activation_quant(model, activation_quant)
+    set_activation_quant(model, activation_quant if device.type == "cpu" else "none")
     model.load_weights((name, t) for name, t in weights if model.owns(name))   # a pipeline stage's share
     model = model.eval().requires_grad_(False)
-    if pack:
+    if device.type != "cpu":
+        model = to_device(model, device)
+    elif pack:
         pack_linears(model)
     release_freed_memory()
+    return model
+
+
+def to_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """The model on another device (one of its DEVICES: scheduler/runtime.py model_device checks),
+    where torch's kernels read fp32 weights: the checkpoint blocks the CPU kernels read go first."""
+    drop_blocks(model)
+    model = model.to(device)
+    model.device = device
     return model

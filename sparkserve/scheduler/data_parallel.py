@@ -51,6 +51,7 @@ class DataParallelScheduler:
         self.loads: list[SchedulerLoad] = [SchedulerLoad() for _ in range(dp_size)]
         self.next_group = 0
         self.eos_ids = local.eos_ids
+        self.device = local.device
         self.max_sequence_tokens = local.max_sequence_tokens
         self.spec = local.spec
         self.cache = local.cache

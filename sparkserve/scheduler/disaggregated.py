@@ -51,6 +51,7 @@ class _Paired:
         self.inner = inner
         self.timeout = timeout
         self.eos_ids = inner.eos_ids
+        self.device = inner.device
         self.spec = inner.spec
         self.cache = inner.cache
         self.max_sequence_tokens = inner.max_sequence_tokens

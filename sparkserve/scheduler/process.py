@@ -100,7 +100,7 @@ class SchedulerLoop:
             max_total_num_tokens=scheduler.cache.num_slots, max_running_requests=args.max_running_requests,
             eos_token_ids=sorted(scheduler.eos_ids), architecture=cfg.architecture,
             bos_token_id=cfg.bos_token_id, max_sequence_tokens=scheduler.max_sequence_tokens,
-            speculative=spec))
+            speculative=spec, device=str(scheduler.device)))
         return loop
 
     # ---- loop -------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ import torch
 
 from sparkserve.args import ServerArgs
 from sparkserve.config import ModelConfig
+from sparkserve.core.device import on_device
+from sparkserve.core.device import resolve as resolve_device
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.mirror import ForwardMirror
 from sparkserve.distributed.sharding import check_pp, check_tp
@@ -33,10 +35,13 @@ def request_rows(args: ServerArgs) -> int:
     return args.max_running_requests + 1
 
 
-def pool_memory_budget(args: ServerArgs) -> int:
-    """Bytes the pools may take: --mem-fraction-static of the machine's RAM."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(ram * args.mem_fraction_static)
+def pool_memory_budget(args: ServerArgs, device: torch.device) -> int:
+    """Bytes the pools may take: --mem-fraction-static of the machine's RAM, or of the GPU's memory."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total * args.mem_fraction_static)
 
 
 def swa_tokens_cap(args: ServerArgs, cfg: ModelConfig) -> int | None:
@@ -49,7 +54,7 @@ def swa_tokens_cap(args: ServerArgs, cfg: ModelConfig) -> int | None:
 
 
 def pool_sizes(args: ServerArgs, cfg: ModelConfig, per_token: int, per_request: int = 0,
-               per_swa_token: int = 0) -> tuple[int, int]:
+               per_swa_token: int = 0, device: torch.device = torch.device("cpu")) -> tuple[int, int]:
     """(KV slots, windowed-layer slots of a split pool or 0). KV slots: --max-total-tokens, else
     what the memory budget holds once every request row's fixed state (`per_request` bytes,
     e.g. linear-attention recurrent state) and the windowed layers' slots (`per_swa_token` bytes
@@ -59,7 +64,7 @@ def pool_sizes(args: ServerArgs, cfg: ModelConfig, per_token: int, per_request: 
     if args.max_total_tokens:
         tokens = args.max_total_tokens
     else:
-        budget = pool_memory_budget(args)
+        budget = pool_memory_budget(args, device)
         rows = request_rows(args)
         left = budget - rows * per_request
         if left < page * (per_token + per_swa_token):
@@ -102,10 +107,23 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
     check_pp(cfg, args.pp_size, args.parallel_config().pp_layer_partition)
     if args.parallel_config().world_size > 1:
         ps.init_distributed(args.parallel_config(), rank, args.dist_init_addr, args.dist_timeout)
-    model = load_model(args.model_path, cfg, activation_quant=args.activation_quant)
-    model.enable_native_step(not args.disable_native_step)
+    device = model_device(args, cfg)
+    model = load_model(args.model_path, cfg, activation_quant=args.activation_quant, device=device)
+    model.enable_native_step(not args.disable_native_step and device.type == "cpu")
     model.set_kv_cache_dtype(kv_cache_dtype(args, model))
     return model, cfg
+
+
+def model_device(args: ServerArgs, cfg: ModelConfig) -> torch.device:
+    """--device for this model: auto takes cuda only where the flags and the model allow it."""
+    why_not = args.cuda_refusal()
+    if why_not is None and "cuda" not in model_class(cfg).DEVICES:
+        why_not = (f"with {cfg.architecture}: its layers run on {', '.join(model_class(cfg).DEVICES)} "
+                   "so far; use --device cpu")
+    device = resolve_device(args.device, why_not)
+    if args.device == "auto" and device.type == "cpu" and why_not and torch.cuda.is_available():
+        log.info("--device auto: cpu, since cuda %s", why_not)
+    return device
 
 
 def kv_cache_dtype(args: ServerArgs, model: CausalLM) -> torch.dtype:
@@ -122,7 +140,7 @@ def rank_pool_sizes(args: ServerArgs, cfg: ModelConfig, model: CausalLM) -> tupl
     """(KV slots, windowed-layer slots) that fit this rank's memory budget and every other
     rank's (each holds its shard or stage, all index the same slots)."""
     sizes = pool_sizes(args, cfg, model.pool_bytes_per_token(), model.pool_bytes_per_request(),
-                       model.pool_bytes_per_swa_token())
+                       model.pool_bytes_per_swa_token(), model.device)
     num_slots, swa_slots = ps.agree_min(list(sizes))
     return num_slots, swa_slots
 
@@ -149,7 +167,8 @@ def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None,
     multi = args.parallel_config().world_size > 1
     mirror = ForwardMirror(cfg.hidden_size, args.pp_micro_batches or args.pp_size,
                            args.pp_micro_batch_min_tokens) if multi else None
-    pool = model.make_pool(num_slots, num_rows, swa_slots)
+    with on_device(model.device):
+        pool = model.make_pool(num_slots, num_rows, swa_slots)
     no_radix = args.disable_radix_cache or model.has_request_state
     if no_radix and not args.disable_radix_cache:
         # A recurrent state summarises a whole prefix; it cannot be shared page by page.
@@ -164,6 +183,7 @@ def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None,
     decode_tail = (lambda ids: tokenizer.decode(ids)) if tokenizer else None
     sched_cfg = SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens,
                                 args.decode_log_interval, args.enable_mixed_chunk)
+    log.info("device: %s", model.device)
     log.info("KV pool: %d tokens (%.1f MiB), windowed layers %d tokens (%.1f MiB), request state %d rows "
              "(%.1f MiB), context %d", num_slots, num_slots * per_token / 2**20, swa_slots,
              swa_slots * per_swa_token / 2**20, num_rows, num_rows * per_request / 2**20, ctx)
@@ -194,7 +214,10 @@ def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, c
     log.info("DSpark: draft %s, %d layers, gamma %d, verify mode %s", path, draft.config.num_hidden_layers,
              draft.block_size, mode)
     # the native block pass keeps each block's own K/V in pool rows after the target's slots
-    block_rows = 0 if args.disable_native_step else args.max_running_requests * draft.block_size
-    draft.enable_native_step(block_rows > 0)
-    return DSparkWorker(draft, draft.new_kv_pool(num_slots, block_rows=block_rows), planner,
-                        cache.req_to_token.table, torch.arange(num_slots + 1, num_slots + 1 + block_rows))
+    native = not args.disable_native_step and runner.device.type == "cpu"
+    block_rows = args.max_running_requests * draft.block_size if native else 0
+    draft.enable_native_step(native)
+    with on_device(runner.device):
+        return DSparkWorker(draft, draft.new_kv_pool(num_slots, block_rows=block_rows), planner,
+                            cache.req_to_token.table, torch.arange(num_slots + 1, num_slots + 1 + block_rows),
+                            runner.device)

@@ -61,6 +61,7 @@ class Scheduler(PromptHandover):
                  eos_ids: set[int], decode_tail: Callable[[list[int]], str] | None = None,
                  spec: "DSparkWorker | None" = None):
         self.runner = runner
+        self.device = runner.device
         self.cache = cache
         self.cfg = cfg
         self.eos_ids = eos_ids
@@ -129,8 +130,7 @@ class Scheduler(PromptHandover):
 
     def load(self) -> SchedulerLoad:
         """The load and KV usage, for /metrics and /server_info."""
-        cache = self.cache
-        by_requests = cache.num_slots - cache.available_tokens
+        cache, by_requests = self.cache, self.cache.num_slots - self.cache.available_tokens
         return SchedulerLoad(
             num_running_reqs=self.num_running, num_queue_reqs=len(self.waiting),
             num_used_tokens=by_requests, num_cached_tokens=max(0, cache.used_tokens - by_requests),
@@ -376,9 +376,9 @@ class Scheduler(PromptHandover):
         for req, rows in groups:
             if req.hidden_parts is None or not len(rows):
                 continue
-            idx = torch.as_tensor(list(rows))
-            taps = torch.cat([a[idx] for a in fb.aux_hidden], -1) if fb.aux_hidden else None
-            req.hidden_parts.append((fb.positions[idx], fb.final_hidden[idx], taps))
+            idx = torch.as_tensor(list(rows))      # results leave the scheduler on the host
+            taps = torch.cat([a[idx] for a in fb.aux_hidden], -1).cpu() if fb.aux_hidden else None
+            req.hidden_parts.append((fb.positions[idx].cpu(), fb.final_hidden[idx].cpu(), taps))
 
     @torch.inference_mode()
     def _verify_forward(self, fb, sched: list[ScheduledReq]) -> VerifyLogits:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparkserve.core.device import on_device
 from sparkserve.core.req import Req
 from sparkserve.executor.sampler import processed_probs, sample_from_probs
 from sparkserve.mem.kv_pool import KVPool
@@ -28,10 +29,12 @@ class Proposal:
 
 class DSparkWorker:
     def __init__(self, draft: DSparkDraft, pool: KVPool, planner: VerifyPlanner, req_to_token: torch.Tensor,
-                 block_slots: torch.Tensor | None = None):
+                 block_slots: torch.Tensor | None = None, device: torch.device = torch.device("cpu")):
         """`block_slots`: rows of `pool` no request uses, for the native block pass
-        (DSparkDraft.block_hidden)."""
+        (DSparkDraft.block_hidden). `device`: where the draft and its pool live; `req_to_token`
+        is the host's request table."""
         self.draft = draft
+        self.device = device
         self.pool = pool
         self.block_slots = block_slots
         self.planner = planner
@@ -48,7 +51,8 @@ class DSparkWorker:
     def inject(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Target rows (their taps, positions and slots) become draft context now."""
         if positions.numel():
-            self.draft.inject(taps, positions, slots, self.pool)
+            with on_device(self.device):
+                self.draft.inject(taps, positions, slots, self.pool)
 
     def defer(self, req: Req, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Keep a request's rows back while it does not draft: one projection of all of them when
@@ -83,11 +87,16 @@ class DSparkWorker:
 
     @torch.inference_mode()
     def propose(self, reqs: list[Req], plain_tokens: int = 0) -> list[Proposal]:
+        ctx_lens = [r.kv_len for r in reqs]
+        kv_indices = self.req_to_token[torch.tensor([r.row for r in reqs]), :max(ctx_lens)].to(self.device)
+        with on_device(self.device):
+            return self._propose(reqs, ctx_lens, kv_indices, plain_tokens)
+
+    def _propose(self, reqs: list[Req], ctx_lens: list[int], kv_indices: torch.Tensor,
+                 plain_tokens: int) -> list[Proposal]:
         d, B, G = self.draft, len(reqs), self.num_drafts
         anchors = torch.tensor([r.output_ids[-1] for r in reqs])
-        anchor_pos = torch.tensor([r.kv_len for r in reqs])
-        ctx_lens = [r.kv_len for r in reqs]
-        kv_indices = self.req_to_token[torch.tensor([r.row for r in reqs]), :max(ctx_lens)]
+        anchor_pos = torch.tensor(ctx_lens)
         hidden = d.block_hidden(anchors, anchor_pos, kv_indices, ctx_lens, self.pool,
                                 self.block_slots)[:, self.shift:]
         base = d.lm_head(hidden.reshape(B * G, -1)).float().view(B, G, -1)

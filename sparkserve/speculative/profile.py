@@ -31,6 +31,7 @@ def _timed(runner: ModelRunner, batches: dict[int, list[ScheduledReq]], reps: in
             fb = runner.build_batch(ForwardMode.VERIFY, batches[key])
             t = time.perf_counter()
             runner.forward(fb)
+            runner.synchronize()
             times.append(time.perf_counter() - t)
         median[key] = sorted(times[1:])[reps // 2]       # the first one warms up
     out: list[float] = []

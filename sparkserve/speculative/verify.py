@@ -157,7 +157,8 @@ def sampling_steps(drafts: list[int], draft_probs: torch.Tensor, params: Samplin
     p = processed_probs((yield 1), params)                          # [rows so far, V]
     generator = rng if isinstance(rng, torch.Generator) else rng.generator(p.device)
     if L:
-        u = torch.rand(L, generator=generator, dtype=torch.promote_types(p.dtype, draft_probs.dtype))
+        u = torch.rand(L, generator=generator, dtype=torch.promote_types(p.dtype, draft_probs.dtype),
+                       device=p.device)
         for k in range(L):
             if k >= p.shape[0]:                                     # d_k is reached: its row
                 p = processed_probs((yield L + 1), params)

@@ -32,6 +32,9 @@ class WarmingRunner:
         if n >= 32:
             self.busy_until = end + 60 * MS
 
+    def synchronize(self):
+        pass
+
 
 def test_step_costs_rank_sizes_as_decode_steps_see_them():
     cache = KVCacheManager(1024, 1, 4, 1024, disable_radix_cache=True)

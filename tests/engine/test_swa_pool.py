@@ -438,11 +438,12 @@ def test_pool_sizing_pays_for_request_state(dirs, tmp_path, monkeypatch):
     per_row, per_token = model.pool_bytes_per_request(), model.pool_bytes_per_token()
     assert per_row == 2 * (4 * 16 * 16 + 3 * 3 * 64) * 4     # 2 KDA layers: [H, D, D] state, K-1 conv rows
     rows = 2 + 1                                             # max running + the spare row
-    monkeypatch.setattr(runtime, "pool_memory_budget", lambda args: rows * per_row + 100 * per_token + 5)
+    monkeypatch.setattr(runtime, "pool_memory_budget",
+                        lambda args, device: rows * per_row + 100 * per_token + 5)
     eng = Engine(path, max_running_requests=2, disable_radix_cache=True)
     assert eng.scheduler.cache.num_slots == 100
     assert len(gen(eng, prompts_of([7], seed=1), dict(GREEDY, max_new_tokens=3))[0]) == 3
-    monkeypatch.setattr(runtime, "pool_memory_budget", lambda args: rows * per_row)
+    monkeypatch.setattr(runtime, "pool_memory_budget", lambda args, device: rows * per_row)
     with pytest.raises(ValueError, match="request rows") as e:
         Engine(path, max_running_requests=2)
     assert "--mem-fraction-static" in str(e.value) and "--max-running-requests" in str(e.value)

@@ -314,6 +314,7 @@ def test_server_and_model_info(server):
     assert info == httpx.get(server.url + "/get_server_info", timeout=10).json() | {
         "internal_states": info["internal_states"]}
     assert info["model_path"].endswith(".gguf")
+    assert info["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")    # --device auto, resolved
     # the embedded model answers to a short name and to "default", not to its file path only
     assert info["served_model_name"] == "SmolLM2-135M-Instruct"
     assert httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
