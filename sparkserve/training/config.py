@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 STAGES = ("prompts", "distill", "features", "train", "eval")
+DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_DRAFT_VOCAB = 8192
 
 
@@ -106,6 +107,12 @@ class PipelineConfig:
                                        "(`serve --activation-quant`): train on what the served target runs")
     kv_cache_dtype: str = _h("auto", "the target's KV pool while distilling, capturing and evaluating "
                                      "(`serve --kv-cache-dtype`)")
+    # The train stage's is resolved once per process (ranks.train_device) and carried by Ranks.
+    device: str = field(default="auto", metadata={
+        "help": "where the target engine (`serve --device`) and the train stage run: cpu, or cuda (under "
+                "torchrun NCCL, rank r on GPU LOCAL_RANK); auto: cuda when torch sees a GPU (for "
+                "training: one for each rank on the node), else cpu",
+        "choices": DEVICES})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"cli": False})
 
 

@@ -10,7 +10,7 @@ import time
 from tqdm import tqdm
 
 from sparkserve.training.config import DEFAULT_DRAFT_VOCAB, STAGES, PipelineConfig
-from sparkserve.training.ranks import Ranks, close_ranks, init_ranks
+from sparkserve.training.ranks import Ranks, close_ranks, init_ranks, train_device
 from sparkserve.training.shards import merge_shards, shard_dir
 from sparkserve.training.target_source import EngineTarget, HttpTarget, TargetSource
 
@@ -223,7 +223,9 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
     from sparkserve.training.feature_cache import FeatureCache, write_lse
     from sparkserve.training.train_dspark import train
     target = engine.scheduler.runner.model
-    head = target_vocab_weights(target)["lm_head.weight"]     # whole, also when TP splits the vocab
+    # whole, also when TP splits the vocab; on CPU wherever the target runs (the teacher's rows, lse and
+    # vocab moves read it beside CPU tensors; training moves only the draft vocab's rows)
+    head = target_vocab_weights(target)["lm_head.weight"].cpu()
     dirs = [d for d in [_path(cfg, "features")] if os.path.exists(os.path.join(d, "index.json"))]
     dirs += cfg.extra_features
     if not dirs:
@@ -301,7 +303,7 @@ def stage_eval(cfg: PipelineConfig) -> dict:
     draft_dir = best if os.path.exists(os.path.join(best, "config.json")) else _path(cfg, "draft")
     with Engine(cfg.model_path, speculative_algorithm="DSPARK", speculative_draft_model_path=draft_dir,
                 tp_size=cfg.tp_size, pp_size=cfg.pp_size, activation_quant=cfg.activation_quant,
-                kv_cache_dtype=cfg.kv_cache_dtype) as eng:
+                kv_cache_dtype=cfg.kv_cache_dtype, device=cfg.device) as eng:
         res = _eval_sets(cfg, eng, sets, draft_dir)
     with open(_path(cfg, "eval.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -353,8 +355,8 @@ def check_flags(cfg: PipelineConfig, ranks: Ranks) -> None:
     if cfg.target_url and (cfg.tp_size > 1 or cfg.pp_size > 1):
         raise ValueError("--target-url with --tp-size/--pp-size: the served target has its own layout; "
                          "these flags shard an in-process target")
-    if ranks.world > 1 and (cfg.tp_size > 1 or cfg.pp_size > 1):
-        raise ValueError(f"--tp-size/--pp-size with {ranks.world} torchrun ranks: each rank runs its own "
+    if ranks.group and (cfg.tp_size > 1 or cfg.pp_size > 1):
+        raise ValueError(f"--tp-size/--pp-size with {ranks.world} torchrun rank(s): each rank runs its own "
                          "in-process target; serve a sharded target and give --target-url instead")
     if ranks.world > 1 and "eval" in cfg.stages:
         raise ValueError("--stages eval under torchrun: run the eval stage in one process")
@@ -372,7 +374,7 @@ def _local_config_and_tokenizer(model_path: str | None):
 def run_pipeline(cfg: PipelineConfig) -> None:
     """One process, or one rank of `torchrun --nproc-per-node N -m sparkserve.cli train-draft`
     (every rank runs this with the same flags)."""
-    ranks = init_ranks()
+    ranks = init_ranks(train_device(cfg.device))     # a bad --device fails before any group forms
     finished = False
     try:
         check_flags(cfg, ranks)
@@ -393,7 +395,8 @@ def _run_stages(cfg: PipelineConfig, ranks: Ranks) -> None:
         engine = Engine(cfg.model_path, max_total_tokens=cfg.distill_batch * (cfg.max_new_tokens + 2048),
                         max_running_requests=max(64, cfg.distill_batch), tp_size=cfg.tp_size,
                         pp_size=cfg.pp_size, enable_return_hidden_states=True, disable_radix_cache=True,
-                        activation_quant=cfg.activation_quant, kv_cache_dtype=cfg.kv_cache_dtype)
+                        activation_quant=cfg.activation_quant, kv_cache_dtype=cfg.kv_cache_dtype,
+                        device=cfg.device)
     target: TargetSource | None = None
     if data_stages and cfg.target_url:
         mc, tok = ((engine.model_config, engine.tokenizer) if engine is not None

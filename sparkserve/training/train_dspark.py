@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from sparkserve.layers.linear import Linear
 from sparkserve.models.dspark_draft import DSparkDraft, save_dspark_draft
 from sparkserve.training.config import TrainConfig
 from sparkserve.training.feature_cache import FeatureCache
@@ -31,7 +32,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def sample_anchors(seq_len: int, prompt_len: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    """Anchors a with x_a and x_{a+1} in the response, uniform without replacement."""
+    """Anchors a with x_a and x_{a+1} in the response, uniform without replacement. On CPU, from a
+    CPU generator: the same anchors whatever device trains on them."""
     lo, hi = max(prompt_len, 1), seq_len - 2
     if hi < lo:
         return torch.empty(0, dtype=torch.long)
@@ -48,8 +50,8 @@ def walk_anchors(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, a
     n = int(round(len(anchors) * frac))
     if n == 0:
         return anchors
-    pick = torch.zeros(len(anchors), dtype=torch.bool)
-    pick[torch.linspace(0, len(anchors) - 1, n).round().long()] = True
+    pick = torch.zeros(len(anchors), dtype=torch.bool, device=anchors.device)
+    pick[torch.linspace(0, len(anchors) - 1, n, device=anchors.device).round().long()] = True
     seeds = anchors[pick]
     nxt = seeds + accepted_prefix(draft, tokens, taps, seeds) + 1
     return torch.cat([anchors[~pick], nxt[nxt <= len(tokens) - 2]]).sort().values
@@ -59,16 +61,18 @@ def walk_anchors(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, a
 class Teacher:
     """The target's distribution restricted to a reduced draft vocab: LM-head rows of the draft
     ids and a dense target->draft id map (-1 = not in the draft vocab). The per-token
-    log-normaliser over the full vocab comes from the feature cache (lse.npy)."""
+    log-normaliser over the full vocab comes from the feature cache (lse.npy). Both on the draft's
+    device; the target's whole head stays where it is (only the draft vocab's rows move)."""
     head_rows: torch.Tensor
     t2d: torch.Tensor
 
     @classmethod
     def for_draft(cls, draft: DSparkDraft, target_head: torch.Tensor) -> "Teacher":
-        ids = draft.to_target_ids(torch.arange(draft.config.out_vocab))
-        t2d = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
-        t2d[ids] = torch.arange(len(ids))
-        return cls(target_head[ids].detach().float(), t2d)
+        dev = draft.d2t.device
+        ids = draft.to_target_ids(torch.arange(draft.config.out_vocab, device=dev))
+        t2d = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=dev)
+        t2d[ids] = torch.arange(len(ids), device=dev)
+        return cls(target_head[ids.to(target_head.device)].detach().float().to(dev), t2d)
 
 
 def block_forward(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
@@ -80,18 +84,19 @@ def block_forward(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, 
     G = draft.block_size
     S = tokens.shape[0]
     A = anchors.shape[0]
-    k = torch.arange(G)
+    dev = tokens.device                                                   # the draft's, as taps and anchors
+    k = torch.arange(G, device=dev)
     pos = anchors[:, None] + k[None, :]                                   # [A, G]
     tgt_pos = pos + 1
     valid = tgt_pos < S                                                   # target token exists
-    ids = torch.full((A, G), draft.config.mask_token_id, dtype=torch.long)
+    ids = torch.full((A, G), draft.config.mask_token_id, dtype=torch.long, device=dev)
     ids[:, 0] = tokens[anchors]
     ctx_len = int(anchors.max())                                          # context rows < max anchor
     ctx = F.dropout(draft.context_hidden([taps[:ctx_len]]), dropout, draft.training)
-    cos_ctx = draft.rotary.cos_sin(torch.arange(ctx_len))
+    cos_ctx = draft.rotary.cos_sin(torch.arange(ctx_len, device=dev))
     cos_blk = draft.rotary.cos_sin(pos.reshape(-1))
-    blk = torch.arange(A).repeat_interleave(G)
-    mask = torch.cat([torch.arange(ctx_len)[None, :] < anchors.repeat_interleave(G)[:, None],
+    blk = torch.arange(A, device=dev).repeat_interleave(G)
+    mask = torch.cat([torch.arange(ctx_len, device=dev)[None, :] < anchors.repeat_interleave(G)[:, None],
                       blk[:, None] == blk[None, :]], dim=1)[None, None]
     x = draft.embed_tokens(ids.reshape(-1))
     for layer in draft.layers:
@@ -110,10 +115,10 @@ def consistent_slots(tokens: torch.Tensor, greedy: torch.Tensor, anchors: torch.
     answer's tokens a+1..a+k equal the target's greedy choices there: serving drafts slot k
     after accepted (greedy) tokens, so an answer that left the greedy path conditions the later
     slots on a context serving never has."""
-    S = tokens.shape[0]
-    pos = (anchors[:, None] + torch.arange(G)[None, :]).clamp(max=S - 2)      # positions a..a+G-1
+    S, dev = tokens.shape[0], tokens.device
+    pos = (anchors[:, None] + torch.arange(G, device=dev)[None, :]).clamp(max=S - 2)   # a..a+G-1
     agree = tokens[pos + 1] == greedy[pos]                                    # x_{p+1} is greedy
-    before = torch.cat([torch.ones(len(anchors), 1, dtype=torch.long), agree[:, :-1].long()], 1)
+    before = torch.cat([torch.ones(len(anchors), 1, dtype=torch.long, device=dev), agree[:, :-1].long()], 1)
     return torch.cumprod(before, 1).bool()
 
 
@@ -125,7 +130,7 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
     target's argmax after each position, from a prefill over an answer it did not write) slot k
     learns the target's greedy token, where consistent_slots allows."""
     G, A = draft.block_size, anchors.shape[0]
-    k = torch.arange(G)
+    k = torch.arange(G, device=tokens.device)
     h, logits, emb, valid, safe_tgt = block_forward(draft, tokens, taps, anchors, cfg.dropout)
     if greedy is not None:
         valid = valid & consistent_slots(tokens, greedy, anchors, G)
@@ -155,7 +160,7 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
     # training-time acceptance estimate: tau = 1 + sum_k prod_{i<=k} c*_i (valid prefix only)
     surv = torch.cumprod((c_star * valid.reshape(-1)).view(A, G), dim=1)
     out["tau_sum"] = (1 + surv.sum(1)).sum().detach()
-    out["blocks"] = torch.tensor(float(A))
+    out["blocks"] = torch.tensor(float(A), device=tokens.device)
     return out
 
 
@@ -176,12 +181,15 @@ def _optimizer(draft: DSparkDraft, cfg: TrainConfig) -> tuple[list[torch.Tensor]
 
 def _resume(draft: DSparkDraft, opt: torch.optim.Optimizer, out_dir: str) -> tuple[int, dict]:
     """(step, best validation) from out_dir/train_state.pt, the weights and optimizer loaded. The
-    data order and anchors follow from the step (sample_seed), so any number of ranks resumes."""
+    data order and anchors follow from the step (sample_seed), so any number of ranks resumes.
+    Read to CPU (as written): the weights are copied into the draft on its device, and AdamW moves
+    its moments to their weights' device while keeping `step` on CPU, as a fresh AdamW has it; so a
+    run resumes on either device."""
     best = {"tau": 0.0, "step": 0, "last": 0.0}
     state_path = os.path.join(out_dir, "train_state.pt")
     if not os.path.exists(state_path):
         return 0, best
-    st = torch.load(state_path, weights_only=False)
+    st = torch.load(state_path, map_location="cpu", weights_only=False)
     draft.load_state_dict(st["model"], strict=False)
     try:
         opt.load_state_dict(st["opt"])
@@ -198,9 +206,9 @@ def sample_seed(seed: int, sample: int) -> int:
 
 
 def _step_sums(draft: DSparkDraft, cache, order: torch.Tensor, first: int, mine: range,
-               cfg: TrainConfig, teacher: Teacher | None) -> dict[str, torch.Tensor]:
+               cfg: TrainConfig, teacher: Teacher | None, device: torch.device) -> dict[str, torch.Tensor]:
     """Loss sums of this rank's sequences (`mine`: positions within the global batch that
-    starts at sample `first`)."""
+    starts at sample `first`), each sequence's features moved to `device` as it is read."""
     acc: dict[str, torch.Tensor] = {}
     for j in mine:
         sample = first + j
@@ -208,12 +216,15 @@ def _step_sums(draft: DSparkDraft, cache, order: torch.Tensor, first: int, mine:
         tokens, taps, final, plen = cache.sequence(i)
         gen = torch.Generator().manual_seed(sample_seed(cfg.seed, sample))
         anchors = sample_anchors(len(tokens), plen, cfg.anchors_per_seq, gen)
-        if cfg.walk_anchor_frac > 0 and len(anchors):
-            anchors = walk_anchors(draft, tokens, taps, anchors, cfg.walk_anchor_frac)
         if len(anchors) == 0:
             continue
-        lse = cache.sequence_lse(i) if teacher is not None else None
-        greedy = cache.sequence_greedy(i) if cache.prefill_labelled(i) else None
+        tokens, taps, final, anchors = (t.to(device) for t in (tokens, taps, final, anchors))
+        if cfg.walk_anchor_frac > 0:
+            anchors = walk_anchors(draft, tokens, taps, anchors, cfg.walk_anchor_frac)
+            if len(anchors) == 0:
+                continue
+        lse = cache.sequence_lse(i).to(device) if teacher is not None else None
+        greedy = cache.sequence_greedy(i).to(device) if cache.prefill_labelled(i) else None
         for key, v in block_losses(draft, tokens, taps, final, anchors, cfg, teacher, lse, greedy).items():
             acc[key] = acc.get(key, 0) + v
     return acc
@@ -221,23 +232,22 @@ def _step_sums(draft: DSparkDraft, cache, order: torch.Tensor, first: int, mine:
 
 def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfig,
           log_every: int = 10, target_head: torch.Tensor | None = None,
-          val_cache: FeatureCache | None = None, ranks: Ranks = Ranks()) -> dict:
+          val_cache: FeatureCache | None = None, ranks: Ranks = Ranks(),
+          device: torch.device | str | None = None) -> dict:
     """Resumable: picks up train_state.pt in out_dir. Returns the last logged metrics.
     A reduced-vocab draft needs the target's LM head weight and a cache with lse.npy; its LM
     head (the target's rows of its vocab) is trained only with cfg.train_lm_head.
 
     Data parallel over `ranks`: a step's cfg.seqs_per_step sequences (the global batch) are
     dealt round-robin to the ranks, each rank's loss is scaled so that the averaged gradient is
-    the one-rank gradient of the whole batch, and rank 0 alone logs, validates and saves."""
-    if not 0 <= cfg.walk_anchor_frac <= 1:
-        raise ValueError(f"walk_anchor_frac must be within [0, 1], got {cfg.walk_anchor_frac}")
+    the one-rank gradient of the whole batch, and rank 0 alone logs, validates and saves.
+
+    On `device` (default: the ranks' own, where their process group reduces): the draft (left
+    there), its AdamW moments and the teacher's rows move there, each sequence's features as it is
+    read. Checkpoints hold CPU tensors, so a run resumes on either device."""
+    device = _check_inputs(draft, cache, cfg, target_head, ranks, device)
     os.makedirs(out_dir, exist_ok=True)
-    if draft.d2t is not None and (target_head is None or cache.lse is None):
-        raise ValueError("a reduced-vocab draft trains against the target's LM head and the "
-                         "cache's lse.npy (feature_cache.write_lse)")
-    if cache.any_prefill_labelled() and cache.greedy is None:
-        raise ValueError("prefill-labelled sequences train on the target's greedy choices: the cache "
-                         "needs greedy.npy (feature_cache.write_lse)")
+    draft_to(draft, device)
     params, opt = _optimizer(draft, cfg)
     step, best = _resume(draft, opt, out_dir)
     ranks.broadcast_([p.data for p in params])
@@ -255,9 +265,9 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
         while step < last:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg) * g["mult"]
-            acc = _step_sums(draft, cache, order, step * cfg.seqs_per_step, mine, cfg, teacher)
-            total = ranks.sum_(torch.stack([torch.as_tensor(acc.get(k, 0.0), dtype=torch.float32).detach()
-                                            for k in keys]))
+            acc = _step_sums(draft, cache, order, step * cfg.seqs_per_step, mine, cfg, teacher, device)
+            total = ranks.sum_(torch.stack([torch.as_tensor(acc.get(k, 0.0), dtype=torch.float32,
+                                                            device=device).detach() for k in keys]))
             glob = dict(zip(keys, total))
             if glob["blocks"] == 0:         # no sequence of this batch had an anchor on any rank
                 step += 1
@@ -295,6 +305,26 @@ def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfi
     return metrics
 
 
+def _check_inputs(draft: DSparkDraft, cache: FeatureCache, cfg: TrainConfig, target_head: torch.Tensor | None,
+                  ranks: Ranks, device: torch.device | str | None) -> torch.device:
+    """What train() cannot run with, before it starts; returns the device it trains on (a CUDA one
+    with its index, as the ranks and the draft's tensors name it)."""
+    if not 0 <= cfg.walk_anchor_frac <= 1:
+        raise ValueError(f"walk_anchor_frac must be within [0, 1], got {cfg.walk_anchor_frac}")
+    if draft.d2t is not None and (target_head is None or cache.lse is None):
+        raise ValueError("a reduced-vocab draft trains against the target's LM head and the "
+                         "cache's lse.npy (feature_cache.write_lse)")
+    if cache.any_prefill_labelled() and cache.greedy is None:
+        raise ValueError("prefill-labelled sequences train on the target's greedy choices: the cache "
+                         "needs greedy.npy (feature_cache.write_lse)")
+    device = torch.device(ranks.device if device is None else device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if ranks.group and device != ranks.device:
+        raise ValueError(f"training on {device}: the ranks' process group reduces on {ranks.device}")
+    return device
+
+
 def validate_step(draft: DSparkDraft, val_cache: FeatureCache, cfg: TrainConfig, step: int,
                   out_dir: str, best: dict) -> dict:
     """Log the held-out greedy tau; keep the best draft in DIR/best (early stopping: on small
@@ -312,9 +342,40 @@ def validate_step(draft: DSparkDraft, val_cache: FeatureCache, cfg: TrainConfig,
 
 
 def save_checkpoint(draft, opt, step, out_dir, cfg, best=None) -> None:
+    """train_state.pt with CPU tensors (a CUDA run's checkpoint loads where no GPU is) and the
+    draft's safetensors (which hold no device)."""
     # re-made from the target
     shared = ("embed_tokens",) if draft.d2t is not None else ("embed_tokens", "lm_head")
     trainable = {k: v for k, v in draft.state_dict().items() if not k.startswith(shared)}
-    torch.save({"model": trainable, "opt": opt.state_dict(), "step": step,
-                "config": asdict(cfg), "best": best}, os.path.join(out_dir, "train_state.pt"))
+    torch.save(_on_cpu({"model": trainable, "opt": opt.state_dict(), "step": step,
+                        "config": asdict(cfg), "best": best}), os.path.join(out_dir, "train_state.pt"))
     save_dspark_draft(draft, out_dir, include_shared=False)
+
+
+def _on_cpu(x):
+    """x with every tensor inside (dicts, lists, tuples) on CPU."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {k: _on_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_on_cpu(v) for v in x)
+    return x
+
+
+def draft_to(draft: DSparkDraft, device: torch.device) -> None:
+    """Move the draft to `device`, in place. A module it shares with the target (loading
+    --init-draft shares the embedding and LM head) and that is not on `device` is first replaced
+    by a frozen fp32 copy, so the move leaves the target where it runs."""
+    for name in sorted(draft.shared_with_target):
+        mod = getattr(draft, name)
+        if mod.weight.device == device:
+            continue
+        w = (mod.dense_weight() if hasattr(mod, "dense_weight") else mod.weight).detach().float().clone()
+        if name == "embed_tokens":
+            own = torch.nn.Embedding.from_pretrained(w, freeze=True)
+        else:
+            own = Linear(w.shape[1], w.shape[0])
+            own.weight.data = w
+        setattr(draft, name, own)
+    draft.to(device)

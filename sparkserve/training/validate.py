@@ -36,8 +36,10 @@ def greedy_acceptance(draft: DSparkDraft, cache: FeatureCache, max_seqs: int | N
     last token or two are plain decode steps. Returns {"tau": tokens per cycle, bonus included,
     "slot_accept": P(slot k accepted | slots < k accepted), "blocks": cycles, "accept_hist":
     {accepted drafts: cycles}} (the engine's scheduler.accept_hist for the same requests).
-    The prefix is computed at every anchor in batches; the walk then picks its anchors."""
+    The prefix is computed at every anchor in batches, on the draft's device; the walk then picks
+    its anchors (on the host)."""
     G = draft.block_size
+    dev = draft.norm.weight.device
     was_training = draft.training
     draft.eval()
     n_walk, v_walk = [], []
@@ -46,13 +48,14 @@ def greedy_acceptance(draft: DSparkDraft, cache: FeatureCache, max_seqs: int | N
         lo, S = max(plen, 1), len(tokens)
         if S - 2 <= lo:
             continue
-        n = torch.cat([accepted_prefix(draft, tokens, taps, torch.arange(a, min(a + anchors_per_chunk,
-                                                                                S - 2)))
-                       for a in range(lo, S - 2, anchors_per_chunk)])
+        tokens, taps = tokens.to(dev), taps.to(dev)
+        n = torch.cat([accepted_prefix(draft, tokens, taps, torch.arange(a, min(a + anchors_per_chunk, S - 2),
+                                                                         device=dev))
+                       for a in range(lo, S - 2, anchors_per_chunk)]).tolist()
         a = lo
         while a < S - 2:
             room = min(G, S - a - 2)
-            acc = min(int(n[a - lo]), room)
+            acc = min(n[a - lo], room)
             n_walk.append(acc)
             v_walk.append(room)
             a += acc + 1

@@ -15,9 +15,11 @@ import torch
 from tiny_chat_fixtures import make_tiny_chat_checkpoint
 from train_data_fixtures import (
     PROMPTS,
+    REPO,
     assert_same_features,
     data_flags,
     features,
+    torchrun,
     train_flags,
     train_log,
     write_prompts,
@@ -25,7 +27,6 @@ from train_data_fixtures import (
 
 from sparkserve.cli import main
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Same global batch, other summation order (two ranks' sums all-reduced): float32 rounding only
 # (measured: at most 3e-7 relative over 6 steps).
 LOSS_RTOL = 1e-5
@@ -47,13 +48,6 @@ def setup(tmp_path_factory):
     one = str(root / "one")
     assert main(data_flags(one, model, pfile) + train_flags(6)) == 0
     return root, model, pfile, one
-
-
-def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "sparkserve.cli", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_two_ranks_equal_one_and_resume_on_one(setup):
@@ -91,6 +85,9 @@ def test_rank_flag_conflicts_fail_at_start(setup):
     root, model, pfile, _ = setup
     res = torchrun(2, data_flags(str(root / "bad"), model, pfile) + ["--stages", "eval"])
     assert res.returncode != 0 and "--stages eval under torchrun" in res.stderr
+    # one rank too: its process group would be in the way of the in-process target's own
+    res = torchrun(1, data_flags(str(root / "bad"), model, pfile) + ["--tp-size", "2"])
+    assert res.returncode != 0 and "--tp-size/--pp-size with 1 torchrun rank(s)" in res.stderr
 
 
 def test_two_nodes_train_as_one_rank(setup):
@@ -104,7 +101,8 @@ def test_two_nodes_train_as_one_rank(setup):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     args = data_flags(nodes, model, pfile) + train_flags(6) + ["--stages", "train", "--stop-after", "2"]
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
               "--master-addr=127.0.0.1", f"--master-port={port}"]
@@ -115,3 +113,18 @@ def test_two_nodes_train_as_one_rank(setup):
     want, got = train_log(one, "loss"), train_log(nodes, "loss")
     assert sorted(got) == [1, 2]
     np.testing.assert_allclose([got[1], got[2]], [want[1], want[2]], rtol=LOSS_RTOL)
+
+
+def test_one_rank_torchrun_trains_as_one_process(setup):
+    """torchrun of one rank still forms a process group (gloo here, NCCL with --device cuda), whose
+    collectives run over that one rank and change no number."""
+    root, model, pfile, one = setup
+    solo = str(root / "solo")
+    shutil.copytree(one, solo, ignore=shutil.ignore_patterns("draft"))
+    args = data_flags(solo, model, pfile) + train_flags(6) + ["--stages", "train", "--device", "cpu"]
+    res = torchrun(1, args)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "1 rank(s), process group over gloo" in res.stdout, res.stdout[-2000:]
+    want, got = train_log(one, "loss"), train_log(solo, "loss")
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    np.testing.assert_allclose([got[s] for s in want], [want[s] for s in want], rtol=LOSS_RTOL)

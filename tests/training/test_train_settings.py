@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+import torch
+
 from sparkserve.cli import _parser
 from sparkserve.dataclass_cli import dataclass_from_args
 from sparkserve.training.config import PipelineConfig, TrainConfig
@@ -37,3 +40,23 @@ def test_values_parse_to_field_types():
     assert cfg.target_layer_ids == [1, 5, 9] and cfg.extra_features == ["a", "b"] and cfg.markov_init is False
     assert cfg.stages == ["train", "eval"] and cfg.draft_vocab_size == 0
     assert (cfg.train.steps, cfg.train.lr, cfg.train.train_lm_head) == (7, 1e-3, True)
+
+
+def test_device_flag_defaults_to_auto_and_takes_cpu_or_cuda():
+    assert _parse().device == "auto" and _parse("--device", "cuda").device == "cuda"
+    with pytest.raises(SystemExit):
+        _parse("--device", "tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here: --device cuda is no error")
+def test_device_cuda_without_a_gpu_fails_at_start(tmp_path, capsys):
+    """Before any stage (no model is loaded, nothing is written): exit 2 and a message naming
+    the flag and the way out."""
+    from sparkserve.cli import main
+    out = tmp_path / "run"
+    assert main(["train-draft", "--out", str(out), "--device", "cuda", "--stages", "train"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and "--device cpu" in err, err
+    assert not out.exists()
+    from sparkserve.training.ranks import train_device
+    assert train_device("auto") == torch.device("cpu")

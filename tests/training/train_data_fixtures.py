@@ -1,15 +1,19 @@
-"""Helpers for the scale-out / served-target / prefill-label training tests (not a conftest): the
-tiny chat Llama (hidden 64, vocab 320, a byte tokenizer), a prompts file, the train-draft flags
-those tests share, and readers of a run's feature cache and training log."""
+"""Helpers for the scale-out / served-target / prefill-label / device training tests (not a
+conftest): the tiny chat Llama (hidden 64, vocab 320, a byte tokenizer), a prompts file, the
+train-draft flags those tests share, a torchrun launcher, and readers of a run's feature cache and
+training log."""
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 from conftest import TINY_CONFIGS, make_tiny_checkpoint
 from tiny_chat_fixtures import CHATML
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["Name a colour.", "What is 2 + 2?", "Say hello.", "One word, please.", "Count to three.",
            "Spell cat.", "Pick a number.", "Why?"]
 
@@ -72,3 +76,12 @@ def train_log(out: str, key: str) -> dict[int, float]:
     """Step -> the logged `key` (loss, blocks: the draft blocks of the step's global batch)."""
     rows = [json.loads(line) for line in open(os.path.join(out, "draft", "train_log.jsonl"))]
     return {r["step"]: r[key] for r in rows if key in r}
+
+
+def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node nproc -m sparkserve.cli ARGS`, one thread per rank."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "sparkserve.cli", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
