@@ -19,6 +19,7 @@ from train_data_fixtures import (
     assert_same_features,
     data_flags,
     features,
+    one_thread,  # noqa: F401 (autouse)
     torchrun,
     train_flags,
     train_log,
@@ -30,14 +31,6 @@ from sparkserve.cli import main
 # Same global batch, other summation order (two ranks' sums all-reduced): float32 rounding only
 # (measured: at most 3e-7 relative over 6 steps).
 LOSS_RTOL = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

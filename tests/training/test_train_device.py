@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 import torch
 from tiny_chat_fixtures import make_tiny_chat_checkpoint
-from train_data_fixtures import PROMPTS, data_flags, torchrun, train_flags, train_log, write_prompts
+from train_data_fixtures import (
+    PROMPTS,
+    data_flags,
+    one_thread,  # noqa: F401 (autouse)
+    torchrun,
+    train_flags,
+    train_log,
+    write_prompts,
+)
 
 from sparkserve.cli import main
 
@@ -25,14 +33,6 @@ DEVICE_RTOL = 1e-3
 # nondeterministic atomics could part the two.
 SAME_DEVICE_RTOL = 1e-5
 STEPS = range(1, 7)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

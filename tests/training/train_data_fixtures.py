@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+import torch
 from conftest import TINY_CONFIGS, make_tiny_checkpoint
 from tiny_chat_fixtures import CHATML
 
@@ -85,3 +87,13 @@ def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "sparkserve.cli", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread while a module of multi-process training tests runs (its ranks take one
+    each); the previous setting is restored afterwards. A module opts in by importing it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
