@@ -13,7 +13,7 @@ from kimi_fixtures import make_kimi
 from sparkserve import Engine
 from sparkserve.args import ServerArgs
 from sparkserve.core.device import resolve
-from sparkserve.models.registry import load_config
+from sparkserve.models.registry import load_config, load_model
 from sparkserve.scheduler.runtime import model_device
 
 HAS_CUDA = torch.cuda.is_available()
@@ -58,6 +58,31 @@ def test_models_without_cuda_layers_refuse_it(tmp_path):
     with pytest.raises(ValueError, match="--device cuda with KimiLinearForCausalLM: its layers run on cpu"):
         model_device(ServerArgs(model_path=path, device="cuda").validate(), load_config(path))
     assert model_device(ServerArgs(model_path=path).validate(), load_config(path)).type == "cpu"
+
+
+def test_gguf_blocks_give_way_to_the_fp32_weights_torch_kernels_read(smollm2_path):
+    """registry.to_device's first half, run on the CPU: every block-backed layer of an int8-served
+    GGUF model (blocks held packed, most fp32 weights let go) takes its fp32 weight back and drops
+    the blocks, as torch's kernels on another device need; it then computes what the exact model
+    (activation_quant none) does."""
+    from sparkserve.layers.block_backed import BlockBacked, drop_blocks
+    from sparkserve.training.feature_cache import capture
+    served = load_model(smollm2_path, activation_quant="int8")
+    exact = load_model(smollm2_path, activation_quant="none", pack=False)
+    layers = [m for m in served.modules() if isinstance(m, BlockBacked)]
+    assert any(m.weight.is_meta for m in layers) and all(m.held_blocks is not None for m in layers)
+    drop_blocks(served)
+    assert all(m.held_blocks is None and not m.weight.is_meta for m in layers)
+    exact_layers = [m for m in exact.modules() if isinstance(m, BlockBacked)]
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(layers, exact_layers, strict=True))
+    tokens = prompts_of([12], 49152, seed=6)[0]
+    for m in (served, exact):
+        m.enable_native_step(False)
+    (_, got), = capture(served, [tokens], [1])
+    (_, want), = capture(exact, [tokens], [1])
+    # torch's F.linear against the exact model's fp32 block kernel: the same values, summed in
+    # another order
+    torch.testing.assert_close(served.compute_logits(got), exact.compute_logits(want), atol=1e-3, rtol=1e-4)
 
 
 # ---- on the GPU -------------------------------------------------------------------------------
