@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from sparkserve.layers.linear import Linear
 from sparkserve.models.dspark_draft import DSparkDraft, save_dspark_draft
+from sparkserve.training.blocks import BlockSeq, blocks_forward
 from sparkserve.training.config import TrainConfig
 from sparkserve.training.feature_cache import FeatureCache
 from sparkserve.training.ranks import Ranks
@@ -77,36 +78,9 @@ class Teacher:
 
 def block_forward(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
                   dropout: float = 0.0):
-    """The draft's blocks at the given anchors of one sequence, Markov bias teacher-forced on the
-    true previous tokens; `dropout` applies in training mode only. Returns (h [A*G, d] after the
-    final norm, logits [A*G, V_draft], Markov embeddings of the previous tokens [A*G, r],
-    valid [A, G], target positions [A*G])."""
-    G = draft.block_size
-    S = tokens.shape[0]
-    A = anchors.shape[0]
-    dev = tokens.device                                                   # the draft's, as taps and anchors
-    k = torch.arange(G, device=dev)
-    pos = anchors[:, None] + k[None, :]                                   # [A, G]
-    tgt_pos = pos + 1
-    valid = tgt_pos < S                                                   # target token exists
-    ids = torch.full((A, G), draft.config.mask_token_id, dtype=torch.long, device=dev)
-    ids[:, 0] = tokens[anchors]
-    ctx_len = int(anchors.max())                                          # context rows < max anchor
-    ctx = F.dropout(draft.context_hidden([taps[:ctx_len]]), dropout, draft.training)
-    cos_ctx = draft.rotary.cos_sin(torch.arange(ctx_len, device=dev))
-    cos_blk = draft.rotary.cos_sin(pos.reshape(-1))
-    blk = torch.arange(A, device=dev).repeat_interleave(G)
-    mask = torch.cat([torch.arange(ctx_len, device=dev)[None, :] < anchors.repeat_interleave(G)[:, None],
-                      blk[:, None] == blk[None, :]], dim=1)[None, None]
-    x = draft.embed_tokens(ids.reshape(-1))
-    for layer in draft.layers:
-        kc, vc = layer.self_attn.kv(ctx, cos_ctx)
-        x = layer(x, cos_blk, kc[None], vc[None], mask, 1)
-    h = draft.norm(F.dropout(x, dropout, draft.training))                 # [A*G, d]
-    prev = tokens[pos.clamp(max=S - 1).reshape(-1)]                      # x_{a+k}: anchor for k=0
-    emb = draft.markov_head.prev_embedding(prev)
-    logits = draft.lm_head(h) + draft.markov_head.bias(emb, h)
-    return h, logits, emb, valid, tgt_pos.clamp(max=S - 1).reshape(-1)
+    """blocks_forward for one sequence: (h [A*G, d], logits [A*G, V_draft], Markov embeddings
+    [A*G, r], valid [A, G], target positions [A*G])."""
+    return blocks_forward(draft, [BlockSeq(tokens, taps, anchors)], dropout)
 
 
 def consistent_slots(tokens: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor,
@@ -126,14 +100,32 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
                  anchors: torch.Tensor, cfg: TrainConfig, teacher: Teacher | None = None,
                  lse: torch.Tensor | None = None,
                  greedy: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Weighted loss sums and weight sum for the blocks of one sequence. With `greedy` (the
-    target's argmax after each position, from a prefill over an answer it did not write) slot k
-    learns the target's greedy token, where consistent_slots allows."""
-    G, A = draft.block_size, anchors.shape[0]
-    k = torch.arange(G, device=tokens.device)
-    h, logits, emb, valid, safe_tgt = block_forward(draft, tokens, taps, anchors, cfg.dropout)
-    if greedy is not None:
-        valid = valid & consistent_slots(tokens, greedy, anchors, G)
+    """blocks_losses for one sequence."""
+    return blocks_losses(draft, [BlockSeq(tokens, taps, anchors, final, lse, greedy)], cfg, teacher)
+
+
+def blocks_losses(draft: DSparkDraft, seqs: list[BlockSeq], cfg: TrainConfig,
+                  teacher: Teacher | None = None) -> dict[str, torch.Tensor]:
+    """Weighted loss sums and weight sum of the blocks of these sequences, in one forward
+    (training/blocks.py). A sequence with `greedy` (the target's argmax after each position, from a
+    prefill over an answer it did not write) has slot k learn the target's greedy token, where
+    consistent_slots allows."""
+    G, A = draft.block_size, sum(s.anchors.shape[0] for s in seqs)
+    dev = seqs[0].tokens.device
+    k = torch.arange(G, device=dev)
+    h, logits, emb, valid, safe_tgt = blocks_forward(draft, seqs, cfg.dropout)
+    tokens, final = torch.cat([s.tokens for s in seqs]), torch.cat([s.final for s in seqs])
+    lse = torch.cat([s.lse for s in seqs]) if teacher is not None else None
+    # labels: the answer's next token, or the target's greedy one for prefill-labelled sequences
+    greedy = torch.cat([s.tokens if s.greedy is None else s.greedy for s in seqs])
+    from_greedy = torch.cat([torch.full_like(s.tokens, s.greedy is not None, dtype=torch.bool) for s in seqs])
+    parts, a0 = [], 0
+    for s in seqs:
+        n = s.anchors.shape[0]
+        part = valid[a0:a0 + n]
+        parts.append(part if s.greedy is None else part & consistent_slots(s.tokens, s.greedy, s.anchors, G))
+        a0 += n
+    valid = torch.cat(parts)
     logp_d = F.log_softmax(logits.float(), -1)
     with torch.no_grad():     # target dist. of x_{a+k+1}, once per position (blocks overlap)
         rows, inv = torch.unique(safe_tgt - 1, return_inverse=True)
@@ -144,7 +136,7 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
             outside = (1 - p_t.sum(-1)).clamp_min(0)
     p_d = logp_d.exp()
     l1 = (p_d - p_t).abs().sum(-1) + outside       # teacher mass outside the draft vocab counts fully
-    labels = tokens[safe_tgt] if greedy is None else greedy[safe_tgt - 1]
+    labels = torch.where(from_greedy[safe_tgt], greedy[safe_tgt - 1], tokens[safe_tgt])
     tgt = labels if teacher is None else teacher.t2d[labels]
     in_vocab = tgt >= 0
     ce = F.nll_loss(logp_d, tgt.clamp_min(0), reduction="none") * in_vocab
@@ -160,7 +152,7 @@ def block_losses(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, f
     # training-time acceptance estimate: tau = 1 + sum_k prod_{i<=k} c*_i (valid prefix only)
     surv = torch.cumprod((c_star * valid.reshape(-1)).view(A, G), dim=1)
     out["tau_sum"] = (1 + surv.sum(1)).sum().detach()
-    out["blocks"] = torch.tensor(float(A), device=tokens.device)
+    out["blocks"] = torch.tensor(float(A), device=dev)
     return out
 
 
@@ -208,8 +200,9 @@ def sample_seed(seed: int, sample: int) -> int:
 def _step_sums(draft: DSparkDraft, cache, order: torch.Tensor, first: int, mine: range,
                cfg: TrainConfig, teacher: Teacher | None, device: torch.device) -> dict[str, torch.Tensor]:
     """Loss sums of this rank's sequences (`mine`: positions within the global batch that
-    starts at sample `first`), each sequence's features moved to `device` as it is read."""
-    acc: dict[str, torch.Tensor] = {}
+    starts at sample `first`) in one forward, each sequence's features moved to `device` as it is
+    read."""
+    seqs: list[BlockSeq] = []
     for j in mine:
         sample = first + j
         i = int(order[sample % len(cache)])
@@ -225,9 +218,8 @@ def _step_sums(draft: DSparkDraft, cache, order: torch.Tensor, first: int, mine:
                 continue
         lse = cache.sequence_lse(i).to(device) if teacher is not None else None
         greedy = cache.sequence_greedy(i).to(device) if cache.prefill_labelled(i) else None
-        for key, v in block_losses(draft, tokens, taps, final, anchors, cfg, teacher, lse, greedy).items():
-            acc[key] = acc.get(key, 0) + v
-    return acc
+        seqs.append(BlockSeq(tokens, taps, anchors, final, lse, greedy))
+    return blocks_losses(draft, seqs, cfg, teacher) if seqs else {}
 
 
 def train(draft: DSparkDraft, cache: FeatureCache, out_dir: str, cfg: TrainConfig,

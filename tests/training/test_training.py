@@ -380,6 +380,51 @@ def test_reduced_vocab_teacher_equals_full_vocab_loss(distilled, tmp_path):
     assert sub.t2d[6].item() == 1 and sub.t2d[1].item() == -1
 
 
+@pytest.mark.parametrize("teacher", ["full", "reduced"])
+def test_a_batch_of_sequences_sums_what_each_alone_gives(distilled, tmp_path, teacher):
+    """blocks_losses over sequences of other lengths and anchor counts, one of them prefill-labelled
+    (greedy labels, consistent_slots), in one padded forward: every loss sum and every gradient is
+    the sum over the sequences run one at a time (float32 rounding apart)."""
+    from sparkserve.training.blocks import BlockSeq
+    from sparkserve.training.train_dspark import Teacher, blocks_losses
+    _, target, dcfg, fc_dir, *_ = distilled
+    cache = _cache_with_lse(target, fc_dir, tmp_path)
+    cfg = TrainConfig()
+    if teacher == "full":
+        draft, tch = init_dspark_draft(dcfg, target, seed=3), None
+    else:
+        draft, *_ = _reduced_draft(dcfg, target, cache, 12)
+        tch = Teacher.for_draft(draft, target.lm_head.weight)
+    draft.requires_grad_(True)
+    seqs = []
+    for n, i in enumerate((0, 7, 19)):
+        tokens, taps, final, plen = cache.sequence(i)
+        anchors = sample_anchors(len(tokens), plen, (3, 8, 5)[n], torch.Generator().manual_seed(i))
+        greedy = None
+        if n == 1:              # the target's own answer, with one choice changed: slots past it drop
+            greedy = cache.sequence_greedy(i).clone()
+            greedy[anchors[2] + 1] = (greedy[anchors[2] + 1] + 1) % V
+        seqs.append(BlockSeq(tokens, taps, anchors, final, cache.sequence_lse(i), greedy))
+    assert len({len(s.tokens) for s in seqs}) > 1 and len({len(s.anchors) for s in seqs}) == 3
+
+    def run(group):
+        draft.zero_grad(set_to_none=True)
+        out = blocks_losses(draft, group, cfg, tch)
+        (out["ce"] + out["l1"] + out["conf"]).backward()
+        return {k: v.detach() for k, v in out.items()}, [p.grad.clone() for p in draft.parameters()
+                                                          if p.grad is not None]
+    together, grads = run(seqs)
+    alone = [run([s]) for s in seqs]
+    for key in together:
+        torch.testing.assert_close(together[key], sum(a[0][key] for a in alone), rtol=1e-5, atol=1e-5)
+    for i, g in enumerate(grads):
+        torch.testing.assert_close(g, sum(a[1][i] for a in alone), rtol=1e-4, atol=1e-6)
+    # the prefill-labelled sequence really took greedy labels and dropped inconsistent slots
+    plain = blocks_losses(draft, [BlockSeq(seqs[1].tokens, seqs[1].taps, seqs[1].anchors, seqs[1].final,
+                                           seqs[1].lse)], cfg, tch)
+    assert plain["wsum"] > alone[1][0]["wsum"]
+
+
 def test_markov_fit_recovers_bigram(distilled):
     """On a target whose next token is a function of the current one, the fitted Markov bias
     alone (rank = vocab) predicts that function for every id seen as a previous token."""

@@ -1,0 +1,85 @@
+"""The draft's training blocks over several cached sequences in one forward.
+
+Each sequence's blocks attend to its own fused context before their anchor and to their own
+block only: one boolean mask [B, 1, Q, L + Q] over rows padded to the longest sequence's, so every
+row computes what a forward of its sequence alone computes, while a step's projections, attention
+and launches are shared (a GPU runs a sequence's small kernels at a fraction of its rate)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sparkserve.models.dspark_draft import DSparkDraft
+
+
+@dataclass
+class BlockSeq:
+    """One sequence's rows for training: tokens [S], taps [S, n*d], anchors [A] (sorted), and
+    what its losses read: final hidden rows [S, d], the teacher's lse [S] and the target's greedy
+    choices [S] (prefill-labelled answers)."""
+    tokens: torch.Tensor
+    taps: torch.Tensor
+    anchors: torch.Tensor
+    final: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    greedy: torch.Tensor | None = None
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def blocks_forward(draft: DSparkDraft, seqs: list[BlockSeq], dropout: float = 0.0):
+    """The draft's blocks at every sequence's anchors, Markov bias teacher-forced on the true
+    previous tokens; `dropout` applies in training mode only. Rows are the sequences' blocks in
+    order. Returns (h [R, d] after the final norm, logits [R, V_draft], Markov embeddings of the
+    previous tokens [R, r], valid [sum A, G], target rows [R] as positions in the sequences'
+    concatenated tokens), R = G * sum A."""
+    G, B = draft.block_size, len(seqs)
+    dev = seqs[0].tokens.device
+    k = torch.arange(G, device=dev)
+    lens = [s.tokens.shape[0] for s in seqs]
+    n_blk = [s.anchors.shape[0] for s in seqs]
+    ctx_lens = [int(s.anchors.max()) for s in seqs]                        # context rows < max anchor
+    Q, L = G * max(n_blk), max(ctx_lens)
+    offsets = [sum(lens[:b]) for b in range(B)]
+    pos = [s.anchors[:, None] + k[None, :] for s in seqs]                  # [A, G] each
+    valid = _cat([p + 1 < n for p, n in zip(pos, lens)])                   # target token exists
+    tgt = _cat([(p + 1).clamp(max=n - 1).reshape(-1) + o for p, n, o in zip(pos, lens, offsets)])
+    tokens = _cat([s.tokens for s in seqs])
+    # padded block rows: ids, positions, the anchor each row's block may look before
+    ids = torch.full((B, Q), draft.config.mask_token_id, dtype=torch.long, device=dev)
+    qpos = torch.zeros(B, Q, dtype=torch.long, device=dev)
+    q_anchor = torch.zeros(B, Q, dtype=torch.long, device=dev)
+    for b, (s, p) in enumerate(zip(seqs, pos)):
+        n = n_blk[b] * G
+        ids[b, :n:G] = s.tokens[s.anchors]
+        qpos[b, :n] = p.reshape(-1)
+        q_anchor[b, :n] = s.anchors.repeat_interleave(G)
+    # the fused context of every sequence in one projection, K/V padded to [B, L, Hkv, D]
+    ctx = F.dropout(draft.context_hidden([_cat([s.taps[:c] for s, c in zip(seqs, ctx_lens)])]), dropout,
+                    draft.training)
+    ctx_pos = _cat([torch.arange(c, device=dev) for c in ctx_lens])
+    ctx_dst = _cat([b * L + torch.arange(c, device=dev) for b, c in enumerate(ctx_lens)])
+    cos_ctx = draft.rotary.cos_sin(ctx_pos)
+    cos_blk = draft.rotary.cos_sin(qpos.reshape(-1))
+    q = torch.arange(Q, device=dev)
+    q_real = q[None, :] < torch.tensor(n_blk, device=dev)[:, None] * G     # [B, Q]
+    sees_ctx = torch.arange(L, device=dev)[None, None, :] < q_anchor[:, :, None]
+    same_blk = (q[:, None] // G == q[None, :] // G)[None] & q_real[:, None, :]
+    same_blk = same_blk | ~q_real[:, :, None] & (q[:, None] == q[None, :])[None]   # a pad row sees itself
+    mask = torch.cat([sees_ctx, same_blk], dim=2)[:, None]                 # [B, 1, Q, L + Q]
+    x = draft.embed_tokens(ids.reshape(-1))
+    for layer in draft.layers:
+        kc, vc = layer.self_attn.kv(ctx, cos_ctx)
+        kp = kc.new_zeros(B * L, *kc.shape[1:]).index_copy(0, ctx_dst, kc).view(B, L, *kc.shape[1:])
+        vp = vc.new_zeros(B * L, *vc.shape[1:]).index_copy(0, ctx_dst, vc).view(B, L, *vc.shape[1:])
+        x = layer(x, cos_blk, kp, vp, mask, B)
+    rows = q_real.reshape(-1).nonzero()[:, 0]
+    h = draft.norm(F.dropout(x[rows], dropout, draft.training))
+    prev = tokens[_cat([p.clamp(max=n - 1).reshape(-1) + o for p, n, o in zip(pos, lens, offsets)])]
+    emb = draft.markov_head.prev_embedding(prev)                           # x_{a+k}: the anchor for k=0
+    logits = draft.lm_head(h) + draft.markov_head.bias(emb, h)
+    return h, logits, emb, valid, tgt
