@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from sparkserve.layers.block_backed import BlockBacked
 from sparkserve.layers.linear import Linear
 from sparkserve.models.dspark_draft import DSparkDraft, save_dspark_draft
 from sparkserve.training.blocks import BlockSeq, blocks_forward
@@ -363,7 +364,7 @@ def draft_to(draft: DSparkDraft, device: torch.device) -> None:
         mod = getattr(draft, name)
         if mod.weight.device == device:
             continue
-        w = (mod.dense_weight() if hasattr(mod, "dense_weight") else mod.weight).detach().float().clone()
+        w = (mod.dense_weight() if isinstance(mod, BlockBacked) else mod.weight).detach().float().clone()
         if name == "embed_tokens":
             own = torch.nn.Embedding.from_pretrained(w, freeze=True)
         else:
