@@ -42,15 +42,31 @@ amx)
     step kernel_build 150 python3 -c "
 from sparkserve import kernels
 print('built', kernels.load_extension() is not None, 'runnable', kernels.runnable_variants(), 'picked', kernels.variant())"
-    # C++ errors raised through a minimal extension of this toolchain, apart from sparkserve's
-    step exception_probe 120 python3 -c "
+    # C++ errors raised through minimal extensions of this toolchain, apart from sparkserve's: plain,
+    # then with the kernels' flags (OpenMP links a second runtime beside torch's)
+    step exception_probe 150 python3 -c "
 from torch.utils.cpp_extension import load_inline
-m = load_inline('throw_probe', '#include <torch/extension.h>\nvoid boom() { TORCH_CHECK(false, \"probe\"); }',
-                functions=['boom'])
-try:
-    m.boom()
-except RuntimeError as e:
-    print('caught:', str(e).splitlines()[0])"
+from sparkserve.kernels.build import CFLAGS
+src = '#include <torch/extension.h>\nvoid boom() { TORCH_CHECK(false, \"probe\"); }'
+for name, cflags in (('plain', []), ('kernel_flags', CFLAGS)):
+    m = load_inline('throw_probe_' + name, src, functions=['boom'], extra_cflags=cflags,
+                    extra_ldflags=['-fopenmp'] if cflags else [])
+    try:
+        m.boom()
+    except RuntimeError as e:
+        print(name, 'caught:', str(e).splitlines()[0], flush=True)"
+    # where one of the crashing cases dies: native frames (gdb where the image has it) and the
+    # C++ runtimes the process maps
+    step crash_trace 90 bash -c '
+T=tests/engine/test_int8_kernels.py::test_rejects_bad_shapes_and_unknown_variant
+python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:benchmark "$T" 2>&1 | grep -v "_pytest\|pluggy" | head -25
+if command -v gdb > /dev/null; then
+    gdb -q -batch -ex run -ex bt -ex "info sharedlibrary" --args python3 -m pytest -q -p no:cacheprovider \
+        -p no:benchmark "$T" 2>&1 | grep -E "^#|SIG|libstdc|libgcc|libgomp|libiomp" | head -60
+else echo "no gdb"; fi
+python3 -c "
+from sparkserve import kernels; kernels.load_extension()
+print(*sorted({l.split()[-1] for l in open(\"/proc/self/maps\") if any(k in l for k in (\"libstdc\", \"libgcc\", \"gomp\", \"iomp\"))}), sep=\"\\n\")"'
     # (the tests that load the embedded SmolLM2 left out: its package is 92 MB to carry)
     step int8_tests 120 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 -rs \
         tests/engine/test_int8_kernels.py tests/engine/test_prefill_attention.py tests/engine/test_decode_attention.py \

@@ -1,7 +1,8 @@
 """Which int8 kernel variants beat oneDNN's fp32 GEMM at prefill sizes (`kernels.int8_beats_gemm`).
 
-Each int8 variant this CPU runs (quant_linear_int8 on SmolLM2's Q4_1 projections, x quantized per
-call) against oneDNN's packed fp32 GEMM (what Linear runs past the block kernel's row limit), for
+Each int8 variant this CPU runs (quant_linear_int8 on Q4_1 projections of SmolLM2-135M's shapes,
+random blocks so that nothing needs the embedded model, x quantized per call) against oneDNN's
+packed fp32 GEMM (what Linear runs past the block kernel's row limit), for
 M = 16, 64, 128, 512, median of repeated calls. oneDNN runs once at the CPU's own width and once
 capped to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, a fresh process: it reads the cap at start-up), which
 stands in for a CPU without AVX-512: the ymm variants must beat that one to take prefill sizes.
@@ -21,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results_io import machine_line, write_results  # noqa: E402
 
 MS = (16, 64, 128, 512)
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _median_ms(f, reps: int = 20) -> float:
@@ -35,24 +35,37 @@ def _median_ms(f, reps: int = 20) -> float:
     return sorted(times)[reps // 2] * 1e3
 
 
+def _random_q4_1(n: int, k: int, g) -> "BlockWeight":  # noqa: F821
+    """Random Q4_1 blocks with fp16 scales and minimums of a trained model's size."""
+    import torch
+
+    from sparkserve.kernels import BLOCK_BYTES, Q4_1, BlockWeight
+    b = torch.randint(0, 256, (n, k // 32, BLOCK_BYTES[Q4_1]), dtype=torch.uint8, generator=g)
+    for lo, std in ((0, 0.02), (2, 0.1)):
+        b[..., lo:lo + 2] = (torch.randn(n, k // 32, generator=g) * std).to(torch.float16).view(torch.uint8)\
+            .view(n, k // 32, 2)
+    return BlockWeight(Q4_1, b.view(n, -1), k)
+
+
 def measure(threads: int) -> dict:
     """In this process (oneDNN at whatever ISA its environment allows): ms per call."""
     import torch
 
     from sparkserve import kernels
-    from sparkserve.embedded import default_model_path
-    from sparkserve.models.llama_native import _projections
-    from sparkserve.models.registry import load_model
     torch.set_num_threads(threads)
     torch.set_grad_enabled(False)
-    layer = load_model(default_model_path()).model.layers[0]
+    g = torch.Generator().manual_seed(0)
+    hidden, kv, inter = 576, 192, 1536           # SmolLM2-135M: 9 query and 3 KV heads of 64
+    shapes = {"qkv_proj": (hidden + 2 * kv, hidden), "o_proj": (hidden, hidden),
+              "gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
     out = {}
-    for name, lin in zip(PROJECTIONS, _projections(layer)):
-        blocks = lin.inference_blocks()
+    for name, (n, k) in shapes.items():
+        blocks = _random_q4_1(n, k, g)
+        packed = torch.ops.mkldnn._reorder_linear_weight(blocks.dequantize())
         for m in MS:
-            x = torch.randn(m, lin.in_features)
+            x = torch.randn(m, k)
             gemm = torch.ops.mkldnn._linear_pointwise
-            row = {"onednn": _median_ms(lambda: gemm(x, lin._packed, None, "none", [], ""))}
+            row = {"onednn": _median_ms(lambda: gemm(x, packed, None, "none", [], ""))}
             for v in kernels.runnable_variants():
                 row[v] = _median_ms(lambda: kernels.quant_linear_int8(x, blocks, variant=v))
             out[f"{name}/{m}"] = row

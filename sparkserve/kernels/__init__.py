@@ -91,7 +91,7 @@ def logprob_rows(logits: torch.Tensor, rows: list[int], ids: list[int],
 
 
 def variant() -> str:
-    """The int8 kernel variant that runs: "amx", "avx512vnni", "avx512", "avxvnni", "avx2", or "fp32" when
+    """The int8 kernel variant that runs: "avx512vnni", "amx", "avx512", "avxvnni", "avx2", or "fp32" when
     the kernels are unavailable or every variant is switched off (then int8 requests compute in fp32)."""
     ext = load_extension()
     return "fp32" if ext is None else ext.int8_variant()

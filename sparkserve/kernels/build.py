@@ -44,7 +44,8 @@ HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h", "int8_com
                                            "amx_tiles.h", "paged_attention.h", "prefill_attention.h",
                                            "prefill_tile.h", "rms_norm.h", "native_llama.h", "thread_pool.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
-# int8 kernel variants, best last: name -> extra ISA flags (on top of the AVX2 baseline).
+# int8 kernel variants, each after the one it calls: name -> extra ISA flags (on top of the AVX2
+# baseline). The dispatcher's order is int8_dispatch.cpp's.
 VARIANTS = {
     "avx2": [],
     "avxvnni": ["-mavxvnni"],

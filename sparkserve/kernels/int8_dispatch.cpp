@@ -1,7 +1,9 @@
 // Run-time choice of the int8 kernel variant, and block_linear_int8 / quant_linear_int8 on it.
 //
-// Variants, best first: amx, avx512vnni, avx512, avxvnni, avx2 (each built only if the compiler
-// accepted its flags: build.py defines SPARKSERVE_HAS_<VARIANT>). The first one the CPU supports and that
+// Variants, best first: avx512vnni, amx, avx512, avxvnni, avx2 (each built only if the compiler
+// accepted its flags: build.py defines SPARKSERVE_HAS_<VARIANT>). amx ranks below avx512vnni, which
+// every AMX CPU also has, because it measured slower there (docs/kernel-notes.md): it runs when
+// avx512vnni is switched off. The first one the CPU supports and that
 // SPARKSERVE_KERNEL_VARIANTS_OFF (comma-separated names) does not switch off runs; with all of
 // them off the int8 entry points compute with fp32 activations (block_linear). Every variant reads
 // the packed copy of the weights (int8_common.h).
@@ -78,11 +80,11 @@ bool cpu_has(const std::string& name) {
 // The variants built into this extension, best first.
 const std::vector<Variant>& built() {
   static const std::vector<Variant> v = {
-#ifdef SPARKSERVE_HAS_AMX
-      {"amx", sparkserve::int8::rows_amx_packed},
-#endif
 #ifdef SPARKSERVE_HAS_AVX512VNNI
       {"avx512vnni", sparkserve::int8::rows_avx512vnni_packed},
+#endif
+#ifdef SPARKSERVE_HAS_AMX
+      {"amx", sparkserve::int8::rows_amx_packed},
 #endif
 #ifdef SPARKSERVE_HAS_AVX512
       {"avx512", sparkserve::int8::rows_avx512_packed},

@@ -23,7 +23,7 @@ from sparkserve.layers import linear as linear_mod
 from sparkserve.layers.block_backed import set_activation_quant
 from sparkserve.layers.linear import Linear
 
-VARIANTS = ("avx2", "avxvnni", "avx512", "avx512vnni", "amx")     # the dispatcher's order is the reverse
+VARIANTS = ("avx2", "avxvnni", "avx512", "amx", "avx512vnni")     # the dispatcher's order is the reverse
 EMULATED = "amx_emulated"       # the AMX kernel on software tiles: tests only, on CPUs with AVX-512 VNNI
 # /proc/cpuinfo flags each variant needs
 _VNNI512 = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
