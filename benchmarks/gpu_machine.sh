@@ -4,7 +4,8 @@
 # test dependencies importable (a machine without network: carry wheels, put them on PYTHONPATH).
 #
 #   bash benchmarks/gpu_machine.sh cuda   # --device cuda tests, cuda.py, train_device.py
-#   bash benchmarks/gpu_machine.sh amx    # the host CPU's kernels: build, int8 tests, int8_vs_onednn.py
+#   bash benchmarks/gpu_machine.sh amx    # the host CPU's kernels: build, int8 tests, int8_vs_onednn.py,
+#                                         # verify_rows.py
 set -u
 MODE=${1:-cuda}
 OUT=$(realpath -m "${OUT:-gpu-machine-out}")
@@ -72,6 +73,7 @@ print(*sorted({l.split()[-1] for l in open(\"/proc/self/maps\") if any(k in l fo
         tests/engine/test_int8_kernels.py tests/engine/test_prefill_attention.py tests/engine/test_decode_attention.py \
         -k "not smollm2 and not engine_option and not keep_fp32_get and not int8_engine and not engine_greedy"
     (cd benchmarks && step int8_vs_onednn 200 python3 int8_vs_onednn.py --threads 2)
+    (cd benchmarks && step verify_rows 200 python3 verify_rows.py --threads 2)
     ;;
 *)
     echo "usage: $0 cuda|amx" >&2
