@@ -16,12 +16,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import sparkserve  # noqa: F401  (before torch: its OpenMP threads must be told to wait passively)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from int8_vs_onednn import _random_q4_1  # noqa: E402
+from int8_vs_onednn import _median_ms, _random_q4_1  # noqa: E402
 from results_io import machine_line, write_results  # noqa: E402
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -59,16 +58,8 @@ def measure(threads: int, context: int, reps: int) -> dict:
         loc = positions + 1
         table = torch.arange(1, context + n + 1)[None, :]
 
-        def call():
-            step.forward(x, positions, loc, table, 0, None, None, 0, [context + n], [n], [], True, True)
-        for _ in range(3):
-            call()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t)
-        out[n] = statistics.median(times) * 1e3
+        out[n] = _median_ms(lambda: step.forward(x, positions, loc, table, 0, None, None, 0, [context + n],
+                                                 [n], [], True, True), reps)
     return out
 
 
