@@ -33,7 +33,7 @@ cuda)
     # the CUDA engine and training need none of the CPU kernels: no build
     export SPARKSERVE_DISABLE_KERNELS=1
     step device_tests 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 6 -rs \
-        tests/engine/test_device.py tests/training/test_train_device.py
+        tests/engine/test_device.py tests/engine/test_device_hybrid.py tests/training/test_train_device.py
     step engine_suites_on_cuda 150 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 \
         tests/engine/test_generate.py tests/dspark/test_dspark_greedy.py -k "not smollm2 and not shipped"
     (cd benchmarks && step cuda_bench 150 python3 cuda.py)

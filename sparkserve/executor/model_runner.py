@@ -169,4 +169,5 @@ class ModelRunner:
         KV rows need nothing (rejected slots are just freed); recurrent state does, on every rank."""
         if self.mirror is not None and self.model.has_request_state:
             self.mirror.commit(kept)
-        commit_parts(self.model.commit_verify, batch, kept)
+        with on_device(self.device):
+            commit_parts(self.model.commit_verify, batch, kept)
