@@ -6,8 +6,10 @@
 #   bash benchmarks/gpu_machine.sh cuda   # --device cuda tests, cuda.py, train_device.py
 #   bash benchmarks/gpu_machine.sh amx    # the host CPU's kernels: build, int8 tests, int8_vs_onednn.py,
 #                                         # verify_rows.py
+#   bash benchmarks/gpu_machine.sh cuda device_tests train_bench   # only the steps named
 set -u
 MODE=${1:-cuda}
+STEPS=" ${*:2} "
 OUT=$(realpath -m "${OUT:-gpu-machine-out}")
 mkdir -p "$OUT"
 export SPARKSERVE_BENCH_RESULTS=$OUT     # the benchmarks' tables go there, not over the checked-in ones
@@ -17,6 +19,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 step() {   # step NAME SECONDS COMMAND...: run capped, log to $OUT/NAME.log, print its tail
     local name=$1 cap=$2 t0
     shift 2
+    [[ "$STEPS" == "  " || "$STEPS" == *" $name "* ]] || return 0
     t0=$(date +%s)
     timeout "$cap" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name rc=$? $(( $(date +%s) - t0 ))s"
