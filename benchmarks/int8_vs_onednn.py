@@ -35,7 +35,7 @@ def _median_ms(f, reps: int = 20) -> float:
     return sorted(times)[reps // 2] * 1e3
 
 
-def _random_q4_1(n: int, k: int, g) -> "BlockWeight":  # noqa: F821
+def _random_q4_1(n: int, k: int, g):
     """Random Q4_1 blocks with fp16 scales and minimums of a trained model's size."""
     import torch
 
