@@ -2,14 +2,17 @@
 on this machine? On one image (docs/kernel-notes.md) every error the kernels' extension raised
 killed the process while torch's own examples did not. This builds small extensions bound the way
 sparkserve's are (plain pybind11 `m.def`, no torch error wrapper), with and without the kernels'
-compiler flags, and raises from each entry in a fresh process, so one crash does not hide the rest.
+compiler flags, and once more linked with an object compiled apart (as the kernels' ISA variants
+are), and raises from each entry in a fresh process, so one crash does not hide the rest.
 
     PYTHONPATH=. python benchmarks/exception_probe.py      (gpu_machine.sh amx runs it)
 prints one line per case: caught, or the signal that ended the process."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 
 import sparkserve  # noqa: F401  (before torch: its OpenMP threads must be told to wait passively)
 
@@ -17,6 +20,9 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <stdexcept>
+#ifdef PROBE_LINKED
+float helper_sum(const float* p, int n);   // in an object compiled apart (HELPER)
+#endif
 
 void torch_check() { TORCH_CHECK(false, "probe"); }
 void torch_check_int(int64_t n) { TORCH_CHECK(n > 0, "probe: n = ", n, " bytes per row"); }
@@ -32,6 +38,9 @@ void after_vectors(at::Tensor x) {
   }
   float s[8];
   _mm256_storeu_ps(s, acc);
+#ifdef PROBE_LINKED
+  s[0] += helper_sum(p, 64);
+#endif
   TORCH_CHECK(s[0] < -1e30f, "probe: sum ", s[0], " over ", x.size(0));
 }
 
@@ -43,6 +52,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("torch_check_wrapped", torch::wrap_pybind_function(torch_check));   // load_inline's way
 }
 """
+# compiled as build.py compiles the ISA variants: no torch headers or flags, std:: inline code of its own
+HELPER = r"""
+#include <immintrin.h>
+#include <functional>
+float helper_sum(const float* p, int n) {
+  std::function<float(int)> at = [p](int i) { return p[i]; };
+  __m256 acc = _mm256_setzero_ps();
+  for (int i = 0; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + i));
+  float s[8];
+  _mm256_storeu_ps(s, acc);
+  return s[0] + at(0) * 0.0f;
+}
+"""
+FLAVOURS = ("O3_avx2", "kernel_flags", "linked_object")
 CALLS = {"torch_check": "m.torch_check()", "torch_check_int": "m.torch_check_int(0)",
          "std_error": "m.std_error()", "after_vectors": "m.after_vectors(torch.ones(64))",
          "torch_check_wrapped": "m.torch_check_wrapped()",
@@ -55,10 +78,17 @@ def build(flags: str):
     from torch.utils.cpp_extension import load_inline
 
     from sparkserve.kernels.build import CFLAGS
-    kernel_flags = flags == "kernel_flags"
-    return load_inline(f"exception_probe_{flags}", SOURCE,
-                       extra_cflags=CFLAGS if kernel_flags else ["-O3", "-mavx2"],
-                       extra_ldflags=["-fopenmp"] if kernel_flags else [])
+    cflags, ldflags = (["-O3", "-mavx2"], []) if flags == "O3_avx2" else (CFLAGS, ["-fopenmp"])
+    if flags == "linked_object":
+        d = os.path.join(tempfile.gettempdir(), "exception_probe_helper")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "helper.cpp"), "w") as f:
+            f.write(HELPER)
+        cxx = os.environ.get("CXX", "c++")
+        subprocess.run([cxx, "-O3", "-fPIC", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-c",
+                        os.path.join(d, "helper.cpp"), "-o", os.path.join(d, "helper.o")], check=True)
+        cflags, ldflags = [*cflags, "-DPROBE_LINKED"], [*ldflags, os.path.join(d, "helper.o")]
+    return load_inline(f"exception_probe_{flags}", SOURCE, extra_cflags=cflags, extra_ldflags=ldflags)
 
 
 def main() -> int:
@@ -72,7 +102,7 @@ def main() -> int:
         except RuntimeError as e:
             print("caught:", str(e).splitlines()[0])
         return 0
-    for flags in ("O3_avx2", "kernel_flags"):
+    for flags in FLAVOURS:
         subprocess.run([sys.executable, "-c", f"import sys; sys.argv[1:] = ['{flags}']; "
                         "import exception_probe as p; p.build(sys.argv[1])"],
                        cwd=sys.path[0], check=True)
@@ -80,7 +110,7 @@ def main() -> int:
             r = subprocess.run([sys.executable, __file__, flags, call], capture_output=True, text=True)
             what = r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else (
                 f"rc {r.returncode} {r.stderr.strip().splitlines()[-1:] }")
-            print(f"{flags:12s} {call:20s} {what}", flush=True)
+            print(f"{flags:13s} {call:20s} {what}", flush=True)
     return 0
 
 
