@@ -27,28 +27,27 @@ class PagedAllocator:
         need = self.pages_needed(cur_len, n)
         if need > len(self.free_pages):
             return None
+        # Python ints and one tensor at the end: a torch call per page would cost more than the
+        # page's bookkeeping at small pages
         p = self.page_size
-        slots = []
+        slots: list[int] = []
         in_page = cur_len % p
         if in_page:
             take = min(p - in_page, n)
-            slots.append(torch.arange(last_slot + 1, last_slot + 1 + take))
+            slots.extend(range(last_slot + 1, last_slot + 1 + take))
             n -= take
         for _ in range(need):
             page = self.free_pages.pop()
             take = min(p, n)
-            slots.append(torch.arange(1 + page * p, 1 + page * p + take))
+            slots.extend(range(1 + page * p, 1 + page * p + take))
             n -= take
-        return torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
+        return torch.tensor(slots, dtype=torch.long)
 
     def free(self, slots: torch.Tensor) -> None:
         """Free the pages these slots start or cover (callers pass whole pages' slots); pad
         slot 0 (a position whose page was already given up) is skipped."""
-        slots = slots[slots > 0]
-        if slots.numel() == 0:
-            return
-        pages = torch.unique((slots - 1) // self.page_size)
-        self.free_pages.extend(pages.tolist())
+        p = self.page_size
+        self.free_pages.extend(sorted({(s - 1) // p for s in slots.tolist() if s > 0}))
 
 
 class SplitAllocator:
