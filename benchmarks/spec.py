@@ -1,13 +1,15 @@
 """DSpark speculative decoding vs plain decoding on the embedded SmolLM2-135M-Instruct, in one
 run: batch-1 and batch-8 output tokens/s and the mean accepted length (tokens per verify cycle,
-bonus included).
+bonus included). Each measurement runs one engine in a fresh process (fresh_process.py).
 
-    python benchmarks/spec.py [--draft DIR] [--new-tokens 128] [--reps 3] [--modes full,adaptive]
+    python benchmarks/spec.py [--draft DIR] [--new-tokens 128] [--reps 5] [--modes full,adaptive]
 
 --draft defaults to the draft shipped for the embedded model. Writes benchmarks/results/spec.{md,json}."""
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
 import sys
 import time
@@ -16,6 +18,7 @@ import sparkserve  # noqa: F401  (before torch: its OpenMP threads must be told 
 
 # isort: split
 import torch
+from fresh_process import in_turns, run_json
 from results_io import machine_info, machine_line, sparkserve_kernels, write_results
 
 QUESTIONS = ["Explain how a refrigerator works.", "Write a Python function that reverses a string.",
@@ -25,14 +28,38 @@ QUESTIONS = ["Explain how a refrigerator works.", "Write a Python function that 
              "Write a haiku about autumn.", "How do vaccines work?"]
 
 
-def run(engine, prompts, new) -> tuple[float, float]:
+def run(engine, prompts, new) -> tuple[int, float, int, int]:
+    """Output tokens, seconds, verify cycles and accepted drafts of one batch of greedy requests."""
     t = time.perf_counter()
     outs = engine.generate(messages=[[{"role": "user", "content": q}] for q in prompts],
                            sampling_params={"temperature": 0, "max_new_tokens": new, "ignore_eos": True})
     dt = time.perf_counter() - t
-    cycles = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
-    acc = cycles + sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs)   # bonus included
-    return sum(len(o["output_ids"]) for o in outs) / dt, (acc / cycles if cycles else float("nan"))
+    return (sum(len(o["output_ids"]) for o in outs), dt,
+            sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs),
+            sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs))
+
+
+def worker(kind: str, batch: int, a) -> dict:
+    """One engine (plain, or DSpark in verify mode `kind`) in its own process: output tokens/s and
+    tau over the prompts, `batch` at a time, after a short warm-up."""
+    from sparkserve import Engine
+    spec = {} if kind == "plain" else {
+        "speculative_algorithm": "DSPARK", "speculative_draft_model_path": a.draft,
+        "speculative_dspark_verify_mode": kind,
+        "speculative_dspark_confidence_threshold": a.threshold if kind == "threshold" else None}
+    engine = Engine(max_total_tokens=16384, activation_quant="int8", **spec)
+    run(engine, QUESTIONS[:batch], 8)
+    tokens, seconds, cycles, accepted = 0, 0.0, 0, 0
+    for i in range(0, len(QUESTIONS), batch):
+        n, dt, c, acc = run(engine, QUESTIONS[i:i + batch], a.new_tokens)
+        tokens, seconds, cycles, accepted = tokens + n, seconds + dt, cycles + c, accepted + acc
+    return {"tok_s": tokens / seconds, "tau": (cycles + accepted) / cycles if cycles else float("nan")}
+
+
+def _median_or_nan(xs: list[float]) -> float:
+    """tau is nan in a run that verified nothing."""
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else float("nan")
 
 
 def main() -> int:
@@ -42,48 +69,46 @@ def main() -> int:
                     help="verify modes to compare (full, threshold, adaptive)")
     ap.add_argument("--threshold", type=float, default=None)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from sparkserve import Engine
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.batch, a)))
+        return 0
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    plain = Engine(max_total_tokens=16384, activation_quant="int8")
-    specs = {m: Engine(max_total_tokens=16384, speculative_algorithm="DSPARK", activation_quant="int8",
-                       speculative_draft_model_path=a.draft,
-                       speculative_dspark_verify_mode=m,
-                       speculative_dspark_confidence_threshold=a.threshold if m == "threshold" else None)
-             for m in modes}
+    common = ["--new-tokens", str(a.new_tokens), "--threads", str(a.threads),
+              *(["--draft", a.draft] if a.draft else []),
+              *(["--threshold", str(a.threshold)] if a.threshold is not None else [])]
     rows = {}
     for bs in (1, 8):
-        prompts = QUESTIONS[:bs]
-        run(plain, prompts, 8)                                  # warm-up
-        for e in specs.values():
-            run(e, prompts, 8)
-        tp, ts, taus = [], {m: [] for m in modes}, {m: [] for m in modes}
-        for _ in range(a.reps):                                 # interleaved: noise hits all alike
-            tp.append(run(plain, prompts, a.new_tokens)[0])
-            for m, e in specs.items():
-                s, tau = run(e, prompts, a.new_tokens)
-                ts[m].append(s)
-                taus[m].append(tau)
-        rows[bs] = {"plain_tok_s": tp, **{m: {"dspark_tok_s": ts[m], "tau": taus[m],
-                                             "speedup": statistics.median(ts[m]) / statistics.median(tp)}
+        runs = {k: [] for k in ("plain", *modes)}
+        for rep in range(a.reps):
+            for kind in in_turns(list(runs), rep):
+                runs[kind].append(run_json(__file__, ["--worker", kind, "--batch", str(bs), *common]))
+        tp = [r["tok_s"] for r in runs["plain"]]
+        rows[bs] = {"plain_tok_s": tp, **{m: {"dspark_tok_s": [r["tok_s"] for r in runs[m]],
+                                             "tau": [r["tau"] for r in runs[m]],
+                                             "speedup": statistics.median(r["tok_s"] for r in runs[m])
+                                             / statistics.median(tp)}
                                          for m in modes}}
     res = {"draft": a.draft or "shipped", "modes": modes, "threads": a.threads, "new_tokens": a.new_tokens,
            "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
            "sparkserve_kernels": sparkserve_kernels()}
     lines = [f"# DSpark vs plain decoding, SmolLM2-135M-Instruct, {a.threads} threads ({res['date']})", "",
              f"{machine_line(res['machine'])}; sparkserve kernels: {res['sparkserve_kernels']}", "",
-             f"draft: {res['draft']}, {a.new_tokens} new tokens, greedy, chat prompts, medians of {a.reps}",
-             "",
+             f"draft: {res['draft']}; {len(QUESTIONS)} chat prompts, batch at a time, {a.new_tokens} new "
+             f"tokens each, greedy, EOS ignored; medians of {a.reps} rounds, each engine in a fresh process, "
+             f"kinds taking turns", "",
              "| batch | verify mode | plain tok/s | DSpark tok/s | speedup | tokens per cycle (tau) |",
              "|---|---|---|---|---|---|"]
     for bs, r in rows.items():
         for m in modes:
             lines.append(f"| {bs} | {m} | {statistics.median(r['plain_tok_s']):.1f} | "
                          f"{statistics.median(r[m]['dspark_tok_s']):.1f} | {r[m]['speedup']:.2f}x | "
-                         f"{statistics.median(r[m]['tau']):.2f} |")
+                         f"{_median_or_nan(r[m]['tau']):.2f} |")
     write_results("spec", res, lines)
     return 0
 
