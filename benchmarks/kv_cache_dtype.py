@@ -9,14 +9,15 @@ rounding step, and the comparison would measure int8's noise instead.
 
 Speed (int8 activations, as served): batch-8 decode after prompts of 64 / 256 / 512 / 1024 tokens
 (random ids, so no two share a prefix), output tokens/s of `Engine.generate` with 32 new tokens
-per request, the prompts already in the prefix cache (so the time is decoding), the pool dtypes
-alternating so machine noise hits them alike; medians.
+per request, the prompts already in the prefix cache (so the time is decoding); each engine in a
+fresh process, the pool dtypes taking turns so machine noise hits them alike; medians.
 
     PYTHONPATH=. python benchmarks/kv_cache_dtype.py [--tokens 2048] [--reps 3]
 writes benchmarks/results/kv_cache_dtype.{json,md}."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -30,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from activation_quant import CHUNK, Runner, texts  # noqa: E402
+from fresh_process import in_turns, run_json  # noqa: E402
 from results_io import machine_line, sparkserve_kernels, write_results  # noqa: E402
 
 from sparkserve import Engine  # noqa: E402
@@ -76,26 +78,36 @@ def accuracy(max_tokens: int) -> dict:
     return res
 
 
-def speed(reps: int) -> dict:
-    engines = {d: Engine(max_total_tokens=BATCH * (max(CONTEXTS) + NEW) + 64, max_running_requests=BATCH,
-                         kv_cache_dtype=d) for d in DTYPES}
-    gen = torch.Generator().manual_seed(0)
+def speed_worker(dtype: str, rep: int) -> dict:
+    """One engine with a `dtype` pool in its own process: seconds of the timed decode per context.
+    The prompts depend on (rep, context) only, so every dtype decodes the same ones."""
+    eng = Engine(max_total_tokens=BATCH * (max(CONTEXTS) + NEW) + 64, max_running_requests=BATCH,
+                 kv_cache_dtype=dtype)
     sp = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
     out = {}
     for ctx in CONTEXTS:
-        times: dict[str, list[float]] = {d: [] for d in DTYPES}
-        for _ in range(reps):
-            prompts = [torch.randint(1000, 40000, (ctx,), generator=gen).tolist() for _ in range(BATCH)]
-            for d, eng in engines.items():
-                # the prompts' KV first: the timed call then finds them in the prefix cache and decodes
-                eng.generate(input_ids=prompts, sampling_params=dict(sp, max_new_tokens=1))
-                t = time.perf_counter()
-                eng.generate(input_ids=prompts, sampling_params=sp)
-                times[d].append(time.perf_counter() - t)
-        out[ctx] = {d: BATCH * NEW / statistics.median(v) for d, v in times.items()}
-        print(f"context {ctx}: " + ", ".join(f"{d} {v:.0f} tok/s" for d, v in out[ctx].items()), flush=True)
-    for eng in engines.values():
-        eng.shutdown()
+        gen = torch.Generator().manual_seed(1000 * rep + ctx)
+        prompts = [torch.randint(1000, 40000, (ctx,), generator=gen).tolist() for _ in range(BATCH)]
+        # the prompts' KV first: the timed call then finds them in the prefix cache and decodes
+        eng.generate(input_ids=prompts, sampling_params=dict(sp, max_new_tokens=1))
+        t = time.perf_counter()
+        eng.generate(input_ids=prompts, sampling_params=sp)
+        out[ctx] = time.perf_counter() - t
+    eng.shutdown()
+    return out
+
+
+def speed(reps: int) -> dict:
+    """Output tokens/s per context and dtype: medians over `reps` rounds, each engine in a fresh
+    process (fresh_process.py), the dtypes taking turns."""
+    times: dict[str, list[dict]] = {d: [] for d in DTYPES}
+    for rep in range(reps):
+        for d in in_turns(list(DTYPES), rep):
+            times[d].append(run_json(__file__, ["--worker", d, "--rep", str(rep)]))
+    out = {ctx: {d: BATCH * NEW / statistics.median(r[str(ctx)] for r in times[d]) for d in DTYPES}
+           for ctx in CONTEXTS}
+    for ctx, r in out.items():
+        print(f"context {ctx}: " + ", ".join(f"{d} {v:.0f} tok/s" for d, v in r.items()), flush=True)
     return out
 
 
@@ -103,13 +115,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of held-out text per corpus")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--worker", choices=DTYPES, help=argparse.SUPPRESS)
+    ap.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(speed_worker(args.worker, args.rep)))
+        return
     data = {"speed": speed(args.reps), "accuracy": accuracy(args.tokens)}
     lines = ["# KV pool dtype (SmolLM2-135M Q4_1)", "",
              f"{machine_line()}; sparkserve kernels: {sparkserve_kernels()}; "
              f"{torch.get_num_threads()} threads", "",
              f"Batch-{BATCH} decoding (int8 activations) after prompts of each length (in the prefix "
-             f"cache), {NEW} new tokens each, output tokens/s, medians of {args.reps}:", "",
+             f"cache), {NEW} new tokens each, output tokens/s, medians of {args.reps} rounds, each engine "
+             f"in a fresh process:", "",
              "| prompt tokens | " + " | ".join(DTYPES) + " | float16 / float32 |",
              "|---|" + "---|" * (len(DTYPES) + 1)]
     for ctx, r in data["speed"].items():
