@@ -1,17 +1,20 @@
 """How far DSpark at batch 1 is from paying, and whether the draft or the verify plan holds it back.
 
 Runs the embedded SmolLM2-135M-Instruct with the shipped (or a given) draft over chat prompts, one
-request at a time, greedy, in one run:
+request at a time, greedy, each engine in a fresh process (fresh_process.py), the kinds taking turns:
 - plain decoding, and DSpark with the `full` and `adaptive` verify modes;
-- DSpark with an **oracle verify length**: each cycle verifies exactly the drafts the target would
-  accept (known from the plain run's tokens), so no row is verified in vain and a cycle with no
-  acceptable draft is a plain step. No confidence head can plan better, so its speedup bounds
-  every verify mode of this draft on this machine: below the goal, only a better draft helps;
-  above it, the confidence head and the planner are what to improve;
-- the confidence head's calibration from the `full` run: per slot, the mean predicted survival
+- DSpark with an **oracle verify length**: each step verifies exactly the drafts the target would
+  accept (known from plain decoding's tokens), so no row is verified in vain and a step with no
+  acceptable draft is a plain step after its draft pass (the scheduler's back-off is off for it).
+  No confidence head can plan better, so its speedup bounds every verify mode of this draft on
+  this machine: below the goal, only a better draft (or cheaper verify rows) helps; above it, the
+  confidence head and the planner are what to improve;
+- "oracle with foresight": the oracle's time less its draft passes that found nothing, an estimate
+  of a plan that also knew when not to draft (what the back-off aims at);
+- the confidence head's calibration from the `full` runs: per slot, the mean predicted survival
   (product of confidences up to the slot) against how often the slot was really accepted.
 
-    python benchmarks/spec_bounds.py [--draft DIR] [--new-tokens 128] [--reps 3]
+    python benchmarks/spec_bounds.py [--draft DIR] [--new-tokens 128] [--reps 8]
 
 Writes benchmarks/results/spec_bounds.{md,json}."""
 from __future__ import annotations
@@ -77,7 +80,7 @@ def generate(engine, question: str, new: int) -> tuple[list[int], float, dict]:
 
 
 def calibration(cycles: list[dict], slots: int) -> list[dict]:
-    """Per slot: cycles that reached it, mean predicted survival, observed survival."""
+    """Per slot: the mean predicted survival and the share of cycles that accepted the slot."""
     rows = []
     for k in range(slots):
         pred = [math.prod(c["confidence"][:k + 1]) for c in cycles if len(c["confidence"]) > k]
@@ -197,8 +200,8 @@ def main() -> int:
     hist = res["accepted_histogram"]
     lines += ["", "oracle: each step verifies exactly the drafts the target accepts (none: a plain step "
               "after its draft pass); no confidence head plans better. Oracle with foresight: the "
-              "oracle's time less its draft passes that found nothing, as if it had not drafted there; "
-              "it bounds every plan of this draft on this machine, back-off included.", "",
+              "oracle's time less its draft passes that found nothing, as if it had not drafted there: "
+              "about the best any plan of this draft does on this machine, back-off included.", "",
               "Drafts accepted per step in `full` mode (share of steps): "
               + ", ".join(f"{k}: {100 * n / sum(hist):.0f}%" for k, n in enumerate(hist)), "",
               "Confidence calibration (`full` mode): predicted survival to a slot (product of the "
