@@ -1,9 +1,10 @@
 """Run one measurement in a fresh process and read back its JSON result.
 
 Engines compared in one process do not start equal: one made later decodes measurably faster
-than the first (cause unknown), whichever order they are made in would bias the comparison, and
-a server runs a single engine in its own process. So the scripts that compare engines run each
-measurement in a process of its own, the kinds taking turns."""
+than the first (docs/benchmarks.md, "Engines in one process"), so whichever order they are made
+in would bias the comparison, and a server runs a single engine in its own process. So the
+scripts that compare engines run each measurement in a process of its own, the kinds taking
+turns."""
 from __future__ import annotations
 
 import json
