@@ -12,9 +12,10 @@ import subprocess
 import sys
 
 
-def run_json(script: str, args: list[str]) -> dict:
-    """`python script args...` (its --worker mode), whose last stdout line is a JSON object."""
-    done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+def run_json(script: str, args: list[str], env: dict[str, str] | None = None) -> dict:
+    """`python script args...` (its worker mode; `env`: the whole environment, None: this one's),
+    whose last stdout line is a JSON object."""
+    done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"{script} {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

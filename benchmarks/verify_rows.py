@@ -14,12 +14,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 import sparkserve  # noqa: F401  (before torch: its OpenMP threads must be told to wait passively)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fresh_process import run_json  # noqa: E402
 from int8_vs_onednn import _median_ms, _random_q4_1  # noqa: E402
 from results_io import machine_line, write_results  # noqa: E402
 
@@ -80,10 +80,8 @@ def main() -> int:
     for _ in range(a.rounds):
         for v in variants:
             env = dict(os.environ, SPARKSERVE_KERNEL_VARIANTS_OFF=",".join(variants[:variants.index(v)]))
-            proc = subprocess.run([sys.executable, __file__, "--child", "--threads", str(a.threads),
-                                   "--context", str(a.context), "--reps", str(a.reps)],
-                                  env=env, capture_output=True, text=True, check=True)
-            res = json.loads(proc.stdout.strip().splitlines()[-1])
+            res = run_json(__file__, ["--child", "--threads", str(a.threads), "--context", str(a.context),
+                                      "--reps", str(a.reps)], env)
             assert res["variant"] == v, (v, res["variant"])
             runs[v].append(res)
     ms = {v: {n: statistics.median(r[str(n)] for r in rs) for n in ROWS} for v, rs in runs.items()}

@@ -15,6 +15,7 @@ from minimax_fixtures import make_minimax, with_index_value
 from test_device import needs_cuda, prompts_of
 
 from sparkserve import Engine
+from sparkserve.core.forward_batch import ForwardMode
 from sparkserve.layers.kda import KimiDeltaAttention
 from sparkserve.models.kimi_linear import KimiLinearForCausalLM
 from sparkserve.models.minimax_m3 import MiniMaxM3ForCausalLM
@@ -106,6 +107,5 @@ def test_dspark_on_cuda_stays_lossless_for_hybrid_models(model, rollback, tmp_pa
     eng = on_cuda(path, speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
                   speculative_dspark_verify_mode="full")
     assert [r["output_ids"] for r in eng.generate(input_ids=prompts, sampling_params=params)] == ref
-    from sparkserve.core.forward_batch import ForwardMode
     assert eng.scheduler.forward_count[ForwardMode.VERIFY] > 0
     assert_no_kv_leak(eng.scheduler.cache)
