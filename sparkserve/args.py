@@ -131,6 +131,9 @@ class ServerArgs:
     disable_native_step: bool = field(default=False, metadata=_opt(
         "run every forward layer by layer from Python instead of one native call per small forward "
         "(decode, verify) of a Llama-family model: for debugging and comparison"))
+    disable_huge_pages: bool = field(default=False, metadata=_opt(
+        "hold the CPU weights in ordinary 4 KiB pages instead of 2 MiB transparent huge pages (Linux, "
+        "where THP is madvise or always): for comparison"))
     # server
     host: str = field(default="127.0.0.1", metadata=_opt("HTTP host", server_only=True))
     port: int = field(default=30000, metadata=_opt("HTTP port", server_only=True))

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from sparkserve.kernels import BlockWeight
+from sparkserve.mem.huge_pages import move_into_huge_pages
 
 
 class BlockBacked(nn.Module):
@@ -75,3 +76,11 @@ def drop_blocks(model: nn.Module) -> None:
         if isinstance(m, BlockBacked):
             m.set_activation_quant("none")
             m.set_blocks(None)
+
+
+def hold_blocks_in_huge_pages(*roots: nn.Module) -> int:
+    """The blocks every block-backed module under `roots` holds (what a forward streams) move into
+    2 MiB huge pages (mem/huge_pages.py); returns the bytes moved."""
+    held = {id(b): b for root in roots for m in root.modules()
+            if isinstance(m, BlockBacked) and (b := m.held_blocks) is not None}
+    return move_into_huge_pages(b.blocks for b in held.values())

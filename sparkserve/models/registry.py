@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
-from sparkserve.layers.block_backed import drop_blocks, set_activation_quant
+from sparkserve.layers.block_backed import drop_blocks, hold_blocks_in_huge_pages, set_activation_quant
 from sparkserve.layers.linear import pack_linears
 from sparkserve.mem.heap import release_freed_memory
 from sparkserve.models.kimi_linear import KimiLinearForCausalLM
@@ -51,10 +51,12 @@ def checkpoint_weights(model_path: str, cfg: ModelConfig, names: set[str] | None
 
 
 def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = True,
-               activation_quant: str = "none", device: torch.device = torch.device("cpu")) -> nn.Module:
+               activation_quant: str = "none", device: torch.device = torch.device("cpu"),
+               huge_pages: bool = False) -> nn.Module:
     """`activation_quant`: "int8" lets layers with Q4_1 / Q8_0 blocks run int8 activations at small
     M (the engine's default, --activation-quant); "none" keeps fp32 activations (exact). Off the
-    CPU the model runs torch's kernels on fp32 weights (`to_device`): no blocks, no int8."""
+    CPU the model runs torch's kernels on fp32 weights (`to_device`): no blocks, no int8.
+    `huge_pages`: hold the CPU blocks in 2 MiB pages (mem/huge_pages.py; the engine's default)."""
     if not os.path.exists(model_path):
         raise FileNotFoundError(f"model path {model_path} does not exist")
     cfg = cfg or load_config(model_path)
@@ -75,6 +77,8 @@ def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = Tru
         model = to_device(model, device)
     elif pack:
         pack_linears(model)
+    if huge_pages and device.type == "cpu":
+        hold_blocks_in_huge_pages(model)
     release_freed_memory()
     return model
 

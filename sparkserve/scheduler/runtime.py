@@ -108,7 +108,8 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
     if args.parallel_config().world_size > 1:
         ps.init_distributed(args.parallel_config(), rank, args.dist_init_addr, args.dist_timeout)
     device = model_device(args, cfg)
-    model = load_model(args.model_path, cfg, activation_quant=args.activation_quant, device=device)
+    model = load_model(args.model_path, cfg, activation_quant=args.activation_quant, device=device,
+                       huge_pages=not args.disable_huge_pages)
     model.enable_native_step(not args.disable_native_step and device.type == "cpu")
     model.set_kv_cache_dtype(kv_cache_dtype(args, model))
     return model, cfg
@@ -196,7 +197,8 @@ def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, c
     from sparkserve.speculative.planner import StepCostTable, VerifyPlanner
     from sparkserve.speculative.profile import measure_step_costs
     path = args.speculative_draft_model_path
-    draft = load_dspark_draft(path, runner.model, args.activation_quant)   # also sets the target's aux taps
+    draft = load_dspark_draft(path, runner.model, args.activation_quant,     # also sets the target's aux taps
+                              huge_pages=not args.disable_huge_pages)
     if args.speculative_dspark_block_size:
         draft.config.block_size = args.speculative_dspark_block_size
     thr, mode = args.speculative_dspark_confidence_threshold, args.verify_mode

@@ -1,0 +1,116 @@
+"""sparkserve/mem/huge_pages.py: the weights' blocks copied into 2 MiB transparent huge pages at
+load (the engine's default; --disable-huge-pages keeps them where torch put them).
+
+What the kernel really backs with huge pages is read from /proc/self/smaps. On a host where THP is
+off (or not Linux) nothing moves, and the tests check just that."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from sparkserve import Engine
+from sparkserve.kernels import BlockWeight
+from sparkserve.layers.block_backed import BlockBacked
+from sparkserve.mem.huge_pages import HUGE_PAGE, huge_page_buffer, huge_pages_available, move_into_huge_pages
+
+THP = huge_pages_available()
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+def anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def resident_mib() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1]) // 1024
+
+
+def test_tensors_move_with_their_values_and_views():
+    g = torch.Generator().manual_seed(0)
+    big = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g)
+    head, tail = big[:100], big[(2 << 20) + 7:].view(-1)      # views of one storage, one unaligned
+    floats = torch.randn(1000, 33, generator=g)
+    rows = floats[5:9]
+    want = [t.clone() for t in (big, head, tail, floats, rows)]
+    old = [t.data_ptr() for t in (big, head, tail, floats, rows)]
+    moved = move_into_huge_pages([big, head, tail, floats, rows])
+    for t, w in zip((big, head, tail, floats, rows), want):
+        assert torch.equal(t, w)
+    if not THP:
+        assert moved == 0 and [t.data_ptr() for t in (big, head, tail, floats, rows)] == old
+        return
+    assert moved >= big.numel() + floats.numel() * 4
+    # views stay views of one copy: the offsets between them are kept, and a write shows through
+    assert head.data_ptr() == big.data_ptr() and tail.data_ptr() == big.data_ptr() + (2 << 20) + 7
+    assert rows.data_ptr() == floats.data_ptr() + 5 * 33 * 4
+    assert big.untyped_storage().data_ptr() == floats.untyped_storage().data_ptr()    # one buffer
+    assert big.data_ptr() % HUGE_PAGE == 0
+    assert all(p != t.data_ptr() for p, t in zip(old, (big, head, tail, floats, rows)))
+    big[0] = 255 - int(big[0])
+    assert int(head[0]) == int(big[0])
+    assert anon_huge_kib(big.data_ptr()) >= 2048
+
+
+@pytest.mark.skipif(not THP, reason="needs Linux with transparent huge pages (madvise or always)")
+def test_buffer_takes_huge_pages_as_written_and_gives_them_back():
+    gc.collect()
+    before = resident_mib()
+    buf = huge_page_buffer(64 << 20)
+    assert buf.data_ptr() % HUGE_PAGE == 0 and buf.numel() == 64 << 20
+    assert resident_mib() - before < 8                 # nothing resident before it is written
+    buf.fill_(1)
+    assert resident_mib() - before >= 60
+    assert anon_huge_kib(buf.data_ptr()) >= 60 << 10
+    del buf
+    gc.collect()
+    assert resident_mib() - before < 8                 # the mapping went with the tensor
+
+
+def held_blocks(*roots: torch.nn.Module) -> list[BlockWeight]:
+    return [m.held_blocks for root in roots for m in root.modules()
+            if isinstance(m, BlockBacked) and m.held_blocks is not None]
+
+
+def test_engine_serves_the_same_tokens_from_huge_pages():
+    """The embedded SmolLM2 with its DSpark draft, weights in huge pages, decodes what plain decoding
+    with the weights in ordinary pages does; every block of both models sits in huge pages, and the
+    blocks the draft shares with the target were not copied twice."""
+    prompts = [[{"role": "user", "content": "Name three rivers in Europe."}],
+               [{"role": "user", "content": "def fib(n):"}]]
+    ref = Engine(max_total_tokens=2048, disable_huge_pages=True)
+    try:
+        want = [o["output_ids"] for o in ref.generate(messages=prompts, sampling_params=GREEDY)]
+        assert all(anon_huge_kib(b.blocks.data_ptr()) == 0 for b in held_blocks(ref.scheduler.runner.model)
+                   if b.blocks.numel() >= HUGE_PAGE)
+    finally:
+        ref.shutdown()
+    eng = Engine(max_total_tokens=2048, speculative_algorithm="DSPARK")
+    try:
+        got = [o["output_ids"] for o in eng.generate(messages=prompts, sampling_params=GREEDY)]
+        target, draft = eng.scheduler.runner.model, eng.scheduler.spec.draft
+        blocks = held_blocks(target, draft)
+        assert len(blocks) > 4 * len(target.model.layers)
+        if THP:
+            huge = [b for b in blocks if anon_huge_kib(b.blocks.data_ptr()) > 0]
+            assert len(huge) == len(blocks), f"{len(blocks) - len(huge)} blocks outside huge pages"
+            # the embedding stays in the target's buffer: the draft shares it, does not move it
+            assert "embed_tokens" in draft.shared_with_target
+            arena = target.model.layers[0].self_attn.qkv_proj.held_blocks.blocks.untyped_storage()
+            embed = target.model.embed_tokens.held_blocks.blocks.untyped_storage()
+            assert embed.data_ptr() == arena.data_ptr()
+    finally:
+        eng.shutdown()
+    assert got == want
