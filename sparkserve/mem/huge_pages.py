@@ -5,7 +5,9 @@ on 4 KiB pages that stream misses the TLB every page, and on a virtual machine e
 page tables. torch's allocator gives no say over page size, and the kernel only backs
 2 MiB-aligned ranges with huge pages (where THP is `madvise`, only those advised MADV_HUGEPAGE
 before they are first written). So the weights are copied once, at load, into one such buffer.
-Elsewhere (another OS, THP `never`, a device other than the CPU) they stay where they are."""
+Elsewhere (another OS, THP `never`, a device other than the CPU) they stay where they are. The
+KV and state pools need no copy: NumPy, which allocates them (mem/heap.py: lazy_zeros), advises
+its large buffers MADV_HUGEPAGE itself."""
 from __future__ import annotations
 
 import mmap
