@@ -48,8 +48,9 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
 def move_into_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     """Copy these CPU tensors into one huge-page buffer and point each at its copy (`set_`: every
     holder of the same tensor sees it; a tensor that shares its storage with one given should be
-    given too, or it keeps the old memory). Returns the bytes moved (0 where huge pages are not
-    available). Storage shared by several tensors is copied once, and their views stay views."""
+    given too, or it keeps the old memory). Storage shared by several tensors is copied once, and
+    their views stay views. Returns the bytes moved: 0 where huge pages are not available or the
+    buffer could not be had, and the tensors then stay where they are."""
     by_storage: dict[int, list[torch.Tensor]] = {}
     for t in tensors:
         if t.device.type == "cpu" and t.numel():
@@ -61,7 +62,10 @@ def move_into_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     for s in storages:
         offsets.append(total)
         total += -(-s.nbytes() // ALIGN) * ALIGN
-    arena = huge_page_buffer(total)
+    try:
+        arena = huge_page_buffer(total)
+    except OSError:             # no room for the mapping, or the kernel refuses the advice
+        return 0
     for s, start, ts in zip(storages, offsets, by_storage.values()):
         arena[start:start + s.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(s))
         for t in ts:

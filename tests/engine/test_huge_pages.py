@@ -64,6 +64,18 @@ def test_tensors_move_with_their_values_and_views():
     assert anon_huge_kib(big.data_ptr()) >= 2048
 
 
+def test_tensors_stay_when_no_buffer_can_be_had(monkeypatch):
+    from sparkserve.mem import huge_pages
+
+    def refuse(nbytes: int):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(huge_pages, "huge_page_buffer", refuse)
+    t = torch.arange(1 << 20, dtype=torch.int32)
+    ptr = t.data_ptr()
+    assert move_into_huge_pages([t]) == 0
+    assert t.data_ptr() == ptr and torch.equal(t, torch.arange(1 << 20, dtype=torch.int32))
+
+
 @pytest.mark.skipif(not THP, reason="needs Linux with transparent huge pages (madvise or always)")
 def test_buffer_takes_huge_pages_as_written_and_gives_them_back():
     gc.collect()
