@@ -78,9 +78,18 @@ def drop_blocks(model: nn.Module) -> None:
             m.set_blocks(None)
 
 
-def hold_blocks_in_huge_pages(*roots: nn.Module) -> int:
-    """The blocks every block-backed module under `roots` holds (what a forward streams) move into
-    2 MiB huge pages (mem/huge_pages.py); returns the bytes moved."""
-    held = {id(b): b for root in roots for m in root.modules()
-            if isinstance(m, BlockBacked) and (b := m.held_blocks) is not None}
-    return move_into_huge_pages(b.blocks for b in held.values())
+def hold_weights_in_huge_pages(*roots: nn.Module) -> int:
+    """What a forward of the modules under `roots` streams moves into 2 MiB huge pages
+    (mem/huge_pages.py): the blocks each block-backed module holds (its forward reads those, and
+    its `weight` must stay put, since moving it would count as an update that makes the blocks
+    stale), and the parameters of every other module (norms, stacked experts, convolutions).
+    Returns the bytes moved."""
+    tensors: dict[int, torch.Tensor] = {}
+    for root in roots:
+        for m in root.modules():
+            if isinstance(m, BlockBacked):
+                own = [] if m.held_blocks is None else [m.held_blocks.blocks]
+            else:
+                own = [p for p in m.parameters(recurse=False) if not p.is_meta]
+            tensors.update((id(t), t) for t in own)
+    return move_into_huge_pages(tensors.values())

@@ -16,7 +16,7 @@ from torch import nn
 
 from sparkserve.kernels import BlockWeight
 from sparkserve.layers.activation import silu_and_mul
-from sparkserve.layers.block_backed import hold_blocks_in_huge_pages
+from sparkserve.layers.block_backed import hold_weights_in_huge_pages
 from sparkserve.layers.linear import ACTIVATION_QUANTS, FusedLinear, Linear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
@@ -349,7 +349,7 @@ class DSparkDraft(nn.Module):
 def load_dspark_draft(path: str, target: CausalLM | None = None, activation_quant: str = "none",
                       huge_pages: bool = False) -> DSparkDraft:
     """On the target's device; off the CPU with fp32 weights and torch's kernels, as the target.
-    `huge_pages`: hold the draft's own CPU blocks in 2 MiB pages, as load_model the target's."""
+    `huge_pages`: hold the draft's own CPU weights in 2 MiB pages, as load_model the target's."""
     from sparkserve.layers.linear import pack_linears
     from sparkserve.loader.hf import hf_weights
     with open(os.path.join(path, "config.json")) as f:
@@ -368,7 +368,7 @@ def load_dspark_draft(path: str, target: CausalLM | None = None, activation_quan
     pack_linears(draft)
     if huge_pages:
         own = (m for name, m in draft.named_children() if name not in draft.shared_with_target)
-        hold_blocks_in_huge_pages(*own)
+        hold_weights_in_huge_pages(*own)
     release_freed_memory()
     return draft
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
-from sparkserve.layers.block_backed import drop_blocks, hold_blocks_in_huge_pages, set_activation_quant
+from sparkserve.layers.block_backed import drop_blocks, hold_weights_in_huge_pages, set_activation_quant
 from sparkserve.layers.linear import pack_linears
 from sparkserve.mem.heap import release_freed_memory
 from sparkserve.models.kimi_linear import KimiLinearForCausalLM
@@ -56,7 +56,7 @@ def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = Tru
     """`activation_quant`: "int8" lets layers with Q4_1 / Q8_0 blocks run int8 activations at small
     M (the engine's default, --activation-quant); "none" keeps fp32 activations (exact). Off the
     CPU the model runs torch's kernels on fp32 weights (`to_device`): no blocks, no int8.
-    `huge_pages`: hold the CPU blocks in 2 MiB pages (mem/huge_pages.py; the engine's default)."""
+    `huge_pages`: hold the CPU weights in 2 MiB pages (mem/huge_pages.py; the engine's default)."""
     if not os.path.exists(model_path):
         raise FileNotFoundError(f"model path {model_path} does not exist")
     cfg = cfg or load_config(model_path)
@@ -78,7 +78,7 @@ def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = Tru
     elif pack:
         pack_linears(model)
     if huge_pages and device.type == "cpu":
-        hold_blocks_in_huge_pages(model)
+        hold_weights_in_huge_pages(model)
     release_freed_memory()
     return model
 

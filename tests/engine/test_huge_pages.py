@@ -13,6 +13,8 @@ import torch
 from sparkserve import Engine
 from sparkserve.kernels import BlockWeight
 from sparkserve.layers.block_backed import BlockBacked
+from sparkserve.layers.linear import Linear
+from sparkserve.layers.moe import Experts
 from sparkserve.mem.huge_pages import HUGE_PAGE, huge_page_buffer, huge_pages_available, move_into_huge_pages
 
 THP = huge_pages_available()
@@ -89,6 +91,49 @@ def test_buffer_takes_huge_pages_as_written_and_gives_them_back():
     del buf
     gc.collect()
     assert resident_mib() - before < 8                 # the mapping went with the tensor
+
+
+def test_hybrid_model_weights_in_huge_pages(tmp_path):
+    """Kimi-Linear (fp32 checkpoint: stacked experts, KDA, MLA held as parameters, not blocks): its
+    weights move, and it decodes what it does with them left in place."""
+    from kimi_fixtures import VOCAB, make_kimi
+    path = make_kimi(str(tmp_path / "kimi"), "kda_mla")
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (5, 17)]
+    runs = {}
+    for huge in (False, True):
+        with Engine(path, max_total_tokens=512, activation_quant="none", disable_huge_pages=not huge) as eng:
+            runs[huge] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
+            model = eng.scheduler.runner.model
+            experts = [m for m in model.modules() if isinstance(m, Experts)]
+            params = [p for m in model.modules() if not isinstance(m, BlockBacked)
+                      for p in m.parameters(recurse=False)]
+            assert experts and len(params) > 10
+            storages = {p.untyped_storage().data_ptr() for p in params}
+            if THP and huge:        # one buffer for all of them, in huge pages
+                assert len(storages) == 1 and anon_huge_kib(storages.pop()) >= 2048
+            else:
+                assert len(storages) == len(params)
+    assert runs[True] == runs[False]
+
+
+def test_dense_weights_beside_blocks_stay_put(tmp_path):
+    """A bf16 checkpoint served with fp32 activations keeps fp32 weights beside its BF16 blocks:
+    only the blocks move, since moving a weight counts as an update to it and would leave its
+    blocks stale (the native step then would not run)."""
+    from conftest import TINY_CONFIGS, TINY_SEED
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sparkserve.models.registry import load_model
+    torch.manual_seed(TINY_SEED)
+    cfg = AutoConfig.for_model("llama", **TINY_CONFIGS["llama"])
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "llama")
+    model = load_model(str(tmp_path / "llama"), activation_quant="none", huge_pages=True)
+    linears = [m for m in model.modules() if isinstance(m, BlockBacked) and m.held_blocks is not None]
+    assert linears and all(not m.weight.is_meta for m in linears)
+    assert all(m.inference_blocks() is not None for m in linears if isinstance(m, Linear))
+    if THP:
+        assert all(anon_huge_kib(m.held_blocks.blocks.data_ptr()) > 0 for m in linears)
 
 
 def held_blocks(*roots: torch.nn.Module) -> list[BlockWeight]:
