@@ -40,6 +40,7 @@ from results_io import (
     isa_build,
     machine_info,
     machine_line,
+    peer_env,
     results_name,
     sparkserve_kernels,
     write_results,
@@ -116,7 +117,7 @@ class LlamaBench:
         """One llama-bench rep (after its warm-up): tokens/s of pp<prompt> or tg<gen>."""
         cmd = [self.bin, "-m", self.model, "-t", str(self.threads), "-p", str(prompt), "-n", str(gen),
                "-r", "1", "-o", "json"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=peer_env())
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
         rows = json.loads(r.stdout)

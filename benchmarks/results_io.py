@@ -19,6 +19,16 @@ def write_results(name: str, data, lines: list[str]) -> None:
     print("\n".join(lines))
 
 
+def peer_env(**extra: str) -> dict[str, str]:
+    """The environment to start a peer in (llama.cpp, transformers in a process of its own): this
+    process's without what importing sparkserve added (sparkserve.ENV_DEFAULTS: OpenMP threads that
+    wait passively, which slow llama.cpp's several times), plus `extra`."""
+    import sparkserve
+    env = {k: v for k, v in os.environ.items() if sparkserve.ENV_DEFAULTS.get(k) != v}
+    env.update(extra)
+    return env
+
+
 # the SIMD features that decide which kernels llama.cpp and sparkserve can use on this CPU
 FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
                      "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")

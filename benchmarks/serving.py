@@ -41,6 +41,7 @@ from results_io import (
     isa_build,
     machine_info,
     machine_line,
+    peer_env,
     results_name,
     sparkserve_kernels,
     write_results,
@@ -103,7 +104,8 @@ def _start(engine: str, port: int, threads: int, isa: str) -> subprocess.Popen:
                "--interrupt_requests", "False"]
     else:
         raise ValueError(f"unknown engine {engine!r}")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = (dict(os.environ, OMP_NUM_THREADS=str(threads)) if engine == "sparkserve"
+           else peer_env(OMP_NUM_THREADS=str(threads)))
     log = open(os.path.join(tempfile.gettempdir(), f"serving-{engine}-{port}.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     proc.log_path = log.name

@@ -165,7 +165,8 @@ def test_threads_held_up_do_not_hold_the_job(ext):
 def test_late_import_after_torch_is_reported(first, policy, warns):
     """OMP_WAIT_POLICY works only if set before torch loads OpenMP: sparkserve imported after torch,
     with no policy chosen, says so (torch's threads would spin beside the kernels'); imported first
-    it sets PASSIVE, and a policy the user chose is theirs."""
+    it sets PASSIVE, and a policy the user chose is theirs. ENV_DEFAULTS tells what sparkserve
+    added (a launcher of other programs leaves it out of their environment)."""
     import subprocess
     import sys
 
@@ -174,9 +175,11 @@ def test_late_import_after_torch_is_reported(first, policy, warns):
     if policy:
         env["OMP_WAIT_POLICY"] = policy
     second = "sparkserve" if first == "torch" else "torch"
-    code = f"import {first}, {second}, os; print(os.environ['OMP_WAIT_POLICY'])"
+    code = f"import {first}, {second}, os; print(os.environ['OMP_WAIT_POLICY'], sparkserve.ENV_DEFAULTS)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert ("torch was imported before sparkserve" in out.stderr) == warns, out.stderr
-    assert out.stdout.strip() == (policy or "PASSIVE")
+    value, added = out.stdout.strip().split(" ", 1)
+    assert value == (policy or "PASSIVE")
+    assert added == str({} if policy else {"OMP_WAIT_POLICY": "PASSIVE"})
