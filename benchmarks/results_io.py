@@ -50,7 +50,8 @@ def cap_isa(isa: str) -> None:
     in its environment runs itself again with them (and exits with that run's status)."""
     want = ISA_ENV[isa]
     if any(os.environ.get(k) != v for k, v in want.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **want})
+        # without sparkserve's additions: the new process's import makes them again, and knows them
+        os.execve(sys.executable, [sys.executable, *sys.argv], peer_env(**want))
 
 
 def isa_build(isa: str) -> str:
