@@ -1,6 +1,7 @@
 """Architecture name -> model class, and one `load_model` for GGUF files and HF directories."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterator
 
@@ -22,6 +23,8 @@ MODELS: dict[str, type[nn.Module]] = {
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
 }
+
+log = logging.getLogger(__name__)
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
@@ -78,7 +81,9 @@ def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = Tru
     elif pack:
         pack_linears(model)
     if huge_pages and device.type == "cpu":
-        hold_weights_in_huge_pages(model)
+        moved = hold_weights_in_huge_pages(model)
+        log.info("weights: %.0f MiB in 2 MiB huge pages%s", moved / 2**20,
+                 "" if moved else " (none: not Linux, transparent huge pages off, or no room)")
     release_freed_memory()
     return model
 
