@@ -12,8 +12,10 @@ threads, same machine: the project's machines differ, so only same-run ratios me
   prompt each time, so the prefix cache cannot help), as tok/s = 512 / TTFT; next to llama-bench
   pp512 (`-p 512 -n 0`).
 - batch-32: output tok/s of 32 prompts x N tokens (sparkserve and transformers only).
-Medians of --reps rounds; within a round the engines alternate (order flipped every round) so
-machine noise hits them alike; llama-bench runs one rep per round (`-r 1`, plus its warm-up).
+llama.cpp and transformers (peers/transformers_worker.py) run in processes of their own, with the
+peers' environment (results_io.peer_env). Medians of --reps rounds; within a round the engines
+alternate (order flipped every round) so machine noise hits them alike; llama-bench runs one
+rep per round (`-r 1`, plus its warm-up).
 Writes benchmarks/results/decode.{md,json} with the CPU model, SIMD flags, threads and which
 sparkserve kernels ran (results_io.sparkserve_kernels) in the header. The first run builds
 llama.cpp (~5 min on 2 cores). --isa avx2 holds every engine to AVX2 (results_io.ISA_ENV, a llama.cpp
@@ -50,11 +52,6 @@ PROMPT = "Write a short story about a robot who learns to paint."
 LLAMA = "llama.cpp"
 
 
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
 
 def random_prompt(n: int, seed: int) -> list[int]:
     """n ordinary token ids (no special tokens), different from the first token on for each seed."""
@@ -75,29 +72,31 @@ class Sparkserve:
             [{"role": "user", "content": f"{PROMPT} Story number {i}."}]), add_special_tokens=True)
             for i in range(n)]
 
-    def run(self, prompts: list[list[int]], new: int) -> None:
+    def run(self, prompts: list[list[int]], new: int) -> float:
+        """Seconds of one greedy generate call."""
+        t = time.perf_counter()
         self.engine.generate(input_ids=prompts, sampling_params={
             "temperature": 0, "max_new_tokens": new, "ignore_eos": True})
+        return time.perf_counter() - t
 
 
 class Transformers:
+    """transformers in a process of its own, started with the peers' environment (results_io.
+    peer_env): in this one its OpenMP threads would wait passively, as sparkserve's import asks."""
     name = "transformers"
 
-    def __init__(self):
-        from transformers import AutoModelForCausalLM
-
+    def __init__(self, threads: int):
         from sparkserve.embedded import default_model_path
-        path = default_model_path()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "transformers_worker.py")
+        self.proc = subprocess.Popen([sys.executable, worker, default_model_path(), str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=peer_env())
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the transformers worker did not start (exit {self.proc.wait()})")
 
-    def run(self, prompts: list[list[int]], new: int) -> None:
-        width = max(map(len, prompts))
-        ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])   # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with torch.inference_mode():
-            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                                min_new_tokens=new, do_sample=False, pad_token_id=2)
+    def run(self, prompts: list[list[int]], new: int) -> float:
+        self.proc.stdin.write(json.dumps([prompts, new]) + "\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
 
 
 class LlamaBench:
@@ -141,7 +140,7 @@ def main() -> int:
     n_new, n_pp, batch = a.new_tokens, a.prompt_tokens, a.batch
     llama = None if a.skip_llamacpp else LlamaBench(a.threads, a.isa)    # build first: it needs the cores
     ours = Sparkserve()
-    engines = [ours] + ([] if a.skip_transformers else [Transformers()])
+    engines = [ours] + ([] if a.skip_transformers else [Transformers(a.threads)])
     p1, pb = ours.prompts(1), ours.prompts(batch)
     seed = iter(range(1, 1 << 30))
     for e in engines:                      # warm-up
@@ -154,18 +153,18 @@ def main() -> int:
     bb = {e.name: [] for e in engines}
 
     def decode(e):
-        t1 = _timed(lambda: e.run(p1, 1))
-        tn = _timed(lambda: e.run(p1, n_new))
+        t1 = e.run(p1, 1)
+        tn = e.run(p1, n_new)
         b1[e.name].append((n_new - 1) / (tn - t1))
 
     def prefill(e):
         prompt = [random_prompt(n_pp, next(seed))]
-        t = _timed(lambda: e.run(prompt, 1))
+        t = e.run(prompt, 1)
         ttft[e.name].append(t)
         pp[e.name].append(n_pp / t)
 
     def batched(e):
-        bb[e.name].append(batch * n_new / _timed(lambda: e.run(pb, n_new)))
+        bb[e.name].append(batch * n_new / e.run(pb, n_new))
 
     for rep in range(a.reps):
         steps = []
