@@ -9,14 +9,25 @@ Writes benchmarks/results/sampling.{md,json}."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import warnings
 
+if "--peer" in sys.argv:     # transformers' side, in a process of its own: its torch loads before
+    import torch  # noqa: F401  (sparkserve's import could ask for passive OpenMP waiting)
+    warnings.filterwarnings("ignore", "torch was imported before sparkserve", RuntimeWarning)
+
+# isort: split
 import sparkserve  # noqa: F401  (before torch: its OpenMP threads must be told to wait passively)
 
 # isort: split
 import torch
-from results_io import machine_line, sparkserve_kernels, write_results
+from results_io import machine_line, peer_env, sparkserve_kernels, write_results
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -89,13 +100,33 @@ def timed(fn, pool: torch.Tensor, batch: int, calls: int) -> float:
     return statistics.median(times[3:]) * 1e3
 
 
+def peer_times(pool_path: str, calls: int) -> dict[str, dict[int, float]]:
+    """transformers' ms per call for every setting and batch (the --peer process)."""
+    pool = torch.load(pool_path)
+    out = {}
+    for name, kw in SETTINGS.items():
+        params = SamplingParams(**kw).validate(pool.shape[1])
+        out[name] = {b: timed(lambda x: hf_sample(x, params), pool, b, calls) for b in BATCHES}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--peer", help=argparse.SUPPRESS)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.peer:
+        print(json.dumps(peer_times(a.peer, a.calls)))
+        return
     pool = model_logits(a.threads)
+    with tempfile.TemporaryDirectory() as tmp:     # transformers runs as a program of its own would
+        torch.save(pool, os.path.join(tmp, "pool.pt"))
+        done = subprocess.run([sys.executable, __file__, "--peer", os.path.join(tmp, "pool.pt"), "--threads",
+                               str(a.threads), "--calls", str(a.calls)], capture_output=True, text=True,
+                              env=peer_env(), check=True)
+    hf = json.loads(done.stdout.strip().splitlines()[-1])
     kernel_sample_rows = sampler_mod.sample_rows
     res: dict[str, dict[int, dict[str, float]]] = {}
     for name, kw in SETTINGS.items():
@@ -109,14 +140,15 @@ def main() -> None:
             sampler_mod.argmax_rows = lambda x: x.argmax(-1)
             row["torch"] = timed(lambda x: sampler_mod.Sampler().sample(x, states), pool, b, a.calls)
             sampler_mod.sample_rows, sampler_mod.argmax_rows = kernel_sample_rows, argmax
-            row["transformers"] = timed(lambda x: hf_sample(x, params), pool, b, a.calls)
+            row["transformers"] = hf[name][str(b)]
             res[name][b] = row
             print(name, b, {k: round(v, 3) for k, v in row.items()}, flush=True)
     lines = ["# Sampling time per decode step (SmolLM2-135M logits, 49,152 ids)", "",
              f"{machine_line()}; sparkserve kernels: {sparkserve_kernels()}; {a.threads} threads", "",
              f"{len(pool)} rows of the model's logits; median ms per call over {a.calls} calls. sparkserve "
              "with its CPU kernels and with its torch definition alone; transformers: its logits "
-             "warpers, softmax and torch.multinomial.", "",
+             "warpers, softmax and torch.multinomial, in a process of its own with OpenMP's default "
+             "waiting (sparkserve's process waits passively).", "",
              "| setting | batch | sparkserve (ms) | sparkserve torch path (ms) | transformers (ms) | "
              "transformers / sparkserve |", "|---|---|---|---|---|---|"]
     for name, by_batch in res.items():
