@@ -1,7 +1,9 @@
 """The sampler's time per decode step against transformers' sampling (its logits warpers, softmax and
 torch.multinomial, as `generate` runs them), on SmolLM2's own logits, in one run: batch 1 / 8 / 32,
 greedy and the usual sampled settings. sparkserve's Sampler runs twice: with its CPU kernels
-(kernels/argmax.cpp, sample.cpp) and with its torch definition alone (what other devices run).
+(kernels/argmax.cpp, sample.cpp) and with its torch definition alone (what other devices run),
+in this process (OpenMP threads waiting passively, as sparkserve runs them); transformers' side in a
+process of its own (`--peer`) with OpenMP's default waiting, as a program of its own runs it.
 
     python benchmarks/sampling.py [--threads 2] [--calls 50]
 
