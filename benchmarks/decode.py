@@ -52,7 +52,6 @@ PROMPT = "Write a short story about a robot who learns to paint."
 LLAMA = "llama.cpp"
 
 
-
 def random_prompt(n: int, seed: int) -> list[int]:
     """n ordinary token ids (no special tokens), different from the first token on for each seed."""
     rng = random.Random(seed)
