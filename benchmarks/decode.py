@@ -12,6 +12,8 @@ threads, same machine: the project's machines differ, so only same-run ratios me
   prompt each time, so the prefix cache cannot help), as tok/s = 512 / TTFT; next to llama-bench
   pp512 (`-p 512 -n 0`).
 - batch-32: output tok/s of 32 prompts x N tokens (sparkserve and transformers only).
+- sparkserve + DSpark (the shipped draft, adaptive verify): batch-1 decode as above, on the same
+  prompt (its speed depends on the text: how many drafts the target accepts); --skip-dspark omits it.
 llama.cpp and transformers (peers/transformers_worker.py) run in processes of their own, with the
 peers' environment (results_io.peer_env). Medians of --reps rounds; within a round the engines
 alternate (order flipped every round) so machine noise hits them alike; llama-bench runs one
@@ -50,6 +52,7 @@ from results_io import (
 
 PROMPT = "Write a short story about a robot who learns to paint."
 LLAMA = "llama.cpp"
+DSPARK = "sparkserve + DSpark"
 
 
 def random_prompt(n: int, seed: int) -> list[int]:
@@ -59,11 +62,14 @@ def random_prompt(n: int, seed: int) -> list[int]:
 
 
 class Sparkserve:
-    name = "sparkserve"
+    """The engine as `sparkserve serve` runs it; with `dspark`, DSpark speculative decoding with the
+    shipped draft and adaptive verify (timed at batch 1 only: the issue's goal for it)."""
 
-    def __init__(self):
+    def __init__(self, dspark: bool = False):
         from sparkserve import Engine
-        self.engine = Engine(max_total_tokens=32 * 512, activation_quant="int8")
+        spec = {"speculative_algorithm": "DSPARK", "speculative_dspark_verify_mode": "adaptive"}
+        self.name = DSPARK if dspark else "sparkserve"
+        self.engine = Engine(max_total_tokens=32 * 512, activation_quant="int8", **(spec if dspark else {}))
         self.tok = self.engine.tokenizer
 
     def prompts(self, n: int) -> list[list[int]]:
@@ -131,6 +137,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true", help="no transformers column")
     ap.add_argument("--skip-llamacpp", action="store_true", help="no llama.cpp column (no build)")
+    ap.add_argument("--skip-dspark", action="store_true", help="no DSpark row")
     ap.add_argument("--isa", default="native", choices=sorted(ISA_ENV),
                     help="what every engine may use of the CPU (avx2: an AVX2-only machine; avx512: no VNNI)")
     a = ap.parse_args()
@@ -140,12 +147,13 @@ def main() -> int:
     llama = None if a.skip_llamacpp else LlamaBench(a.threads, a.isa)    # build first: it needs the cores
     ours = Sparkserve()
     engines = [ours] + ([] if a.skip_transformers else [Transformers(a.threads)])
+    spec = [] if a.skip_dspark else [Sparkserve(dspark=True)]
     p1, pb = ours.prompts(1), ours.prompts(batch)
     seed = iter(range(1, 1 << 30))
-    for e in engines:                      # warm-up
+    for e in engines + spec:               # warm-up
         e.run(p1, 4)
         e.run([random_prompt(n_pp, next(seed))], 1)
-    names = [e.name for e in engines] + ([LLAMA] if llama else [])
+    names = [e.name for e in engines + spec] + ([LLAMA] if llama else [])
     b1 = {n: [] for n in names}
     pp = {n: [] for n in names}
     ttft = {e.name: [] for e in engines}
@@ -170,18 +178,19 @@ def main() -> int:
         for fn, llama_fn in ((decode, lambda: b1[LLAMA].append(llama.tok_s(0, n_new))),
                              (prefill, lambda: pp[LLAMA].append(llama.tok_s(n_pp, 0))),
                              (batched, None)):
-            group = [(e.name, lambda e=e, fn=fn: fn(e)) for e in engines]
+            group = [(e.name, lambda e=e, fn=fn: fn(e)) for e in engines + (spec if fn is decode else [])]
             if llama and llama_fn:
                 group.append((LLAMA, llama_fn))
             steps += group if rep % 2 == 0 else group[::-1]
         for name, step in steps:
             step()
         print(f"round {rep + 1}/{a.reps}: " + ", ".join(
-            f"{n} b1 {b1[n][-1]:.1f} pp {pp[n][-1]:.0f}" for n in names), file=sys.stderr, flush=True)
+            f"{n} b1 {b1[n][-1]:.1f}" + (f" pp {pp[n][-1]:.0f}" if pp[n] else "") for n in names),
+            file=sys.stderr, flush=True)
 
     med = lambda d: {k: statistics.median(v) for k, v in d.items() if v}   # noqa: E731
     m1, mpp, mttft, mb = med(b1), med(pp), med(ttft), med(bb)
-    ratio = lambda m, peer: m["sparkserve"] / m[peer] if peer in m else None   # noqa: E731
+    ratio = lambda m, peer, ours="sparkserve": m[ours] / m[peer] if peer in m and ours in m else None  # noqa: E731
     machine = machine_info(a.isa)
     kernels = sparkserve_kernels()
     res = {"threads": a.threads, "new_tokens": n_new, "prompt_tokens": n_pp, "batch": batch, "reps": a.reps,
@@ -192,6 +201,8 @@ def main() -> int:
            "ratio_batch1_vs_llamacpp": ratio(m1, LLAMA),
            f"ratio_prefill{n_pp}_vs_llamacpp": ratio(mpp, LLAMA),
            "ratio_batch1": ratio(m1, "transformers"), f"ratio_batch{batch}": ratio(mb, "transformers"),
+           "ratio_dspark_batch1_vs_llamacpp": ratio(m1, LLAMA, DSPARK),
+           "ratio_dspark_batch1_vs_plain": ratio(m1, "sparkserve", DSPARK),
            "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__}
     lb = res["llamacpp_build"]
     lines = [f"# Decode and prefill speed, SmolLM2-135M-Instruct, {a.threads} threads ({res['date']})", "",
@@ -204,12 +215,18 @@ def main() -> int:
     for n in names:
         label = f"{LLAMA} (llama-bench tg{n_new} / pp{n_pp})" if n == LLAMA else n
         t = f" ({1000 * mttft[n]:.0f})" if n in mttft else ""
-        lines.append(f"| {label} | {m1[n]:.1f} | {mpp[n]:.0f}{t} | "
+        label = f"{DSPARK} (shipped draft, adaptive verify)" if n == DSPARK else label
+        lines.append(f"| {label} | {m1[n]:.1f} | {f'{mpp[n]:.0f}' if n in mpp else '-'}{t} | "
                      f"{f'{mb[n]:.1f}' if n in mb else '-'} |")
     lines.append("")
     if llama:
         lines.append(f"sparkserve / llama.cpp: **{res['ratio_batch1_vs_llamacpp']:.2f}x** batch-1 decode, "
                      f"**{res[f'ratio_prefill{n_pp}_vs_llamacpp']:.2f}x** prefill-{n_pp}.")
+    if DSPARK in m1:
+        vs_llama = (f"**{res['ratio_dspark_batch1_vs_llamacpp']:.2f}x** llama.cpp's batch-1 decode, "
+                    if llama else "")
+        lines.append(f"sparkserve + DSpark (adaptive): {vs_llama}"
+                     f"{res['ratio_dspark_batch1_vs_plain']:.2f}x sparkserve's plain decoding.")
     if "transformers" in m1:
         lines.append(f"sparkserve / transformers: **{res['ratio_batch1']:.2f}x** at batch 1, "
                      f"**{res[f'ratio_batch{batch}']:.2f}x** at batch {batch}.")
