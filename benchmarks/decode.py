@@ -5,6 +5,7 @@ threads, same machine: the project's machines differ, so only same-run ratios me
 
     python benchmarks/decode.py [--threads 2] [--reps 3] [--new-tokens 128] [--prompt-tokens 512]
                                 [--skip-transformers] [--skip-llamacpp] [--isa native|avx2|avx512]
+                                [--gguf-type Q4_K_M]
 
 - batch-1 decode tok/s = (N - 1) / (t(N tokens) - t(1 token)): prefill cancels out; next to
   llama-bench tg128 (`-p 0 -n 128`).
@@ -22,7 +23,10 @@ Writes benchmarks/results/decode.{md,json} with the CPU model, SIMD flags, threa
 sparkserve kernels ran (results_io.sparkserve_kernels) in the header. The first run builds
 llama.cpp (~5 min on 2 cores). --isa avx2 holds every engine to AVX2 (results_io.ISA_ENV, a llama.cpp
 built without AVX-512/VNNI) and writes decode_avx2.{md,json}: an AVX2-only machine's ratios; --isa
-avx512 the same for AVX-512 without VNNI (decode_avx512.*)."""
+avx512 the same for AVX-512 without VNNI (decode_avx512.*). --gguf-type T runs every engine on the
+model re-quantized to T by llama.cpp's llama-quantize (peers/llamacpp.py `quantized`): the types
+people download (Q4_0, Q4_K_M, Q6_K, ..), which sparkserve holds as Q4_1 / Q8_0 for its int8
+kernels (loader/gguf_int8.py); writes decode_<type>.{md,json}."""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +59,14 @@ LLAMA = "llama.cpp"
 DSPARK = "sparkserve + DSpark"
 
 
+def gguf_tensor_types(path: str) -> dict[str, int]:
+    """How many tensors of each GGUF type the file holds, most common first."""
+    from collections import Counter
+
+    import gguf
+    return dict(Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors).most_common())
+
+
 def random_prompt(n: int, seed: int) -> list[int]:
     """n ordinary token ids (no special tokens), different from the first token on for each seed."""
     rng = random.Random(seed)
@@ -65,11 +77,12 @@ class Sparkserve:
     """The engine as `sparkserve serve` runs it; with `dspark`, DSpark speculative decoding with the
     shipped draft and adaptive verify (timed at batch 1 only: the issue's goal for it)."""
 
-    def __init__(self, dspark: bool = False):
+    def __init__(self, model: str, dspark: bool = False):
         from sparkserve import Engine
         spec = {"speculative_algorithm": "DSPARK", "speculative_dspark_verify_mode": "adaptive"}
         self.name = DSPARK if dspark else "sparkserve"
-        self.engine = Engine(max_total_tokens=32 * 512, activation_quant="int8", **(spec if dspark else {}))
+        self.engine = Engine(model, max_total_tokens=32 * 512, activation_quant="int8",
+                             **(spec if dspark else {}))
         self.tok = self.engine.tokenizer
 
     def prompts(self, n: int) -> list[list[int]]:
@@ -90,10 +103,9 @@ class Transformers:
     peer_env): in this one its OpenMP threads would wait passively, as sparkserve's import asks."""
     name = "transformers"
 
-    def __init__(self, threads: int):
-        from sparkserve.embedded import default_model_path
+    def __init__(self, model: str, threads: int):
         worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "transformers_worker.py")
-        self.proc = subprocess.Popen([sys.executable, worker, default_model_path(), str(threads)],
+        self.proc = subprocess.Popen([sys.executable, worker, model, str(threads)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=peer_env())
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the transformers worker did not start (exit {self.proc.wait()})")
@@ -108,13 +120,11 @@ class LlamaBench:
     """llama.cpp's own benchmark tool on the same GGUF: tg (`-p 0 -n N`) and pp (`-p P -n 0`)."""
     name = LLAMA
 
-    def __init__(self, threads: int, isa: str):
+    def __init__(self, model: str, threads: int, isa: str):
         from peers.llamacpp import build, build_info
-
-        from sparkserve.embedded import default_model_path
         self.bin = str(build(isa=isa)["llama-bench"])
         self.info = build_info(isa)
-        self.model = default_model_path()
+        self.model = model
         self.threads = threads
 
     def tok_s(self, prompt: int, gen: int) -> float:
@@ -140,14 +150,20 @@ def main() -> int:
     ap.add_argument("--skip-dspark", action="store_true", help="no DSpark row")
     ap.add_argument("--isa", default="native", choices=sorted(ISA_ENV),
                     help="what every engine may use of the CPU (avx2: an AVX2-only machine; avx512: no VNNI)")
+    ap.add_argument("--gguf-type", help="the model re-quantized to this llama-quantize type (Q4_K_M, ...)")
     a = ap.parse_args()
     cap_isa(a.isa)
     torch.set_num_threads(a.threads)
     n_new, n_pp, batch = a.new_tokens, a.prompt_tokens, a.batch
-    llama = None if a.skip_llamacpp else LlamaBench(a.threads, a.isa)    # build first: it needs the cores
-    ours = Sparkserve()
-    engines = [ours] + ([] if a.skip_transformers else [Transformers(a.threads)])
-    spec = [] if a.skip_dspark else [Sparkserve(dspark=True)]
+    from sparkserve.embedded import default_model_path
+    model = default_model_path()
+    if a.gguf_type:
+        from peers.llamacpp import quantized
+        model = str(quantized(model, a.gguf_type, a.isa))
+    llama = None if a.skip_llamacpp else LlamaBench(model, a.threads, a.isa)   # built first: needs the cores
+    ours = Sparkserve(model)
+    engines = [ours] + ([] if a.skip_transformers else [Transformers(model, a.threads)])
+    spec = [] if a.skip_dspark else [Sparkserve(model, dspark=True)]
     p1, pb = ours.prompts(1), ours.prompts(batch)
     seed = iter(range(1, 1 << 30))
     for e in engines + spec:               # warm-up
@@ -203,10 +219,14 @@ def main() -> int:
            "ratio_batch1": ratio(m1, "transformers"), f"ratio_batch{batch}": ratio(mb, "transformers"),
            "ratio_dspark_batch1_vs_llamacpp": ratio(m1, LLAMA, DSPARK),
            "ratio_dspark_batch1_vs_plain": ratio(m1, "sparkserve", DSPARK),
+           "model": os.path.basename(model), "gguf_tensor_types": gguf_tensor_types(model),
            "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__}
     lb = res["llamacpp_build"]
-    lines = [f"# Decode and prefill speed, SmolLM2-135M-Instruct, {a.threads} threads ({res['date']})", "",
+    types = ", ".join(f"{t} x {n}" for t, n in res["gguf_tensor_types"].items())
+    lines = [f"# Decode and prefill speed, SmolLM2-135M-Instruct {a.gguf_type or 'Q4_1'}, {a.threads} "
+             f"threads ({res['date']})", "",
              f"{machine_line(machine)}; sparkserve kernels: {kernels}; torch {torch.__version__}",
+             f"model: {res['model']} (tensors: {types})",
              *([f"llama.cpp {lb.get('llama_cpp_commit')} (llama-cpp-python {lb.get('llama_cpp_python')} "
                 f"sdist), built from source with {isa_build(a.isa)}, {lb.get('compiler', '?')}"]
                if llama else []),
@@ -231,12 +251,13 @@ def main() -> int:
         lines.append(f"sparkserve / transformers: **{res['ratio_batch1']:.2f}x** at batch 1, "
                      f"**{res[f'ratio_batch{batch}']:.2f}x** at batch {batch}.")
     lines += ["", f"Medians of {a.reps} rounds, engines alternating. {n_new} new tokens per request, greedy, "
-              "EOS ignored. sparkserve and llama.cpp run the Q4_1 GGUF; transformers runs fp32 weights "
+              "EOS ignored. sparkserve and llama.cpp run the same GGUF; transformers runs fp32 weights "
               f"dequantized from it. Prefill-{n_pp}: sparkserve/transformers time a {n_pp}-token random "
               "prompt with max_new_tokens=1 (TTFT, includes one sampled token); llama.cpp is llama-bench "
               f"pp{n_pp}. Batch-1 decode = (N-1)/(t(N)-t(1)); llama.cpp is llama-bench tg{n_new}. "
               "On a shared machine, trust the ratios more than the absolute numbers."]
-    write_results(results_name("decode", a.isa), res, lines)
+    name = results_name("decode", a.isa) + (f"_{a.gguf_type.lower()}" if a.gguf_type else "")
+    write_results(name, res, lines)
     return 0
 
 

@@ -1,10 +1,11 @@
 """The real llama.cpp as a speed peer: `llama-bench` and `llama-server` built from source, once per
-machine kind, so benchmarks compare sparkserve with llama.cpp in the same run on the same CPU.
+machine kind, so benchmarks compare sparkserve with llama.cpp in the same run on the same CPU;
+`llama-quantize` makes the other GGUF types of a model they compare on (`quantized`).
 
     python benchmarks/peers/llamacpp.py [--force]      # build (first time ~5 min on 2 cores), print paths
 
     from peers.llamacpp import build            # (with benchmarks/ on sys.path)
-    paths = build()                            # {"llama-bench": Path, "llama-server": Path}
+    paths = build()                            # {"llama-bench": Path, "llama-server": Path, ...}
 
 Why from source: llama-cpp-python's server is a Python wrapper (one request at a time); issue #20
 wants the C++ tools with continuous batching. The source is the llama-cpp-python sdist from PyPI
@@ -36,7 +37,7 @@ from pathlib import Path
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"       # the one pin: sdist of llama-cpp-python that vendors llama.cpp
 LLAMA_CPP_COMMIT = "0c1e57098"             # what that sdist vendors (for the record only)
 PATCH_LEVEL = 1                            # bump when the patches below change: forces a rebuild
-TARGETS = ("llama-bench", "llama-server")
+TARGETS = ("llama-bench", "llama-server", "llama-quantize")
 CMAKE_ARGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"]
@@ -204,7 +205,7 @@ def _build_into(d: Path, isa: str) -> None:
 
 
 def build(force: bool = False, isa: str = "native") -> dict[str, Path]:
-    """Build llama-bench and llama-server for `isa` unless cached; return {name: path}. Raises on failure."""
+    """Build the TARGETS for `isa` unless cached; return {name: path}. Raises on failure."""
     d = cache_dir(isa)
     if _ready(d) and not force:
         return _binaries(d)
@@ -230,6 +231,22 @@ def build_info(isa: str = "native") -> dict:
         return json.loads((cache_dir(isa) / "build.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+def quantized(src: str, qtype: str, isa: str = "native") -> Path:
+    """`src` (a GGUF file) re-quantized to `qtype` (llama-quantize's names: Q4_0, Q4_K_M, Q6_K, ..)
+    by llama.cpp's own tool, once: cached beside the peers' builds. From an already quantized file
+    (`--allow-requantize`) the weights are rounded twice, which changes the model a little and its
+    speed not at all."""
+    root = cache_dir(isa).parent / "models"
+    dst = root / f"{Path(src).stem}.{qtype}.gguf"
+    if not dst.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_suffix(".part")
+        _run([str(build(isa=isa)["llama-quantize"]), "--allow-requantize", src, str(tmp), qtype],
+             root / f"{dst.name}.log")
+        tmp.rename(dst)
+    return dst
 
 
 def main() -> int:

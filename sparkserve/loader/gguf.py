@@ -5,10 +5,14 @@ serves GGUF and HF checkpoints alike.
 2-D weights in a format the block kernels read (Q4_1, Q8_0, BF16, F16) come as their raw blocks,
 permuted the same way, on an unread (meta) tensor (`loader.weights.with_blocks`): the Linear layers
 compute from the blocks, and the loader dequantizes them only where a module keeps fp32 values.
-Other tensors (norms, other quant types) come dequantized to fp32 by gguf-py."""
+For a model served with int8 activations, other quantized 2-D weights (Q4_0, Q4_K, Q6_K, ...) come
+as blocks the int8 kernels read (loader/gguf_int8.py). Other tensors (norms, and every other type
+when the activations stay fp32) come dequantized to fp32 by gguf-py."""
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from typing import Any, Iterator
 
 import gguf
@@ -18,7 +22,10 @@ import torch
 from sparkserve.config import ModelConfig
 from sparkserve.kernels.blocks import BlockWeight
 from sparkserve.loader.gguf_file import GGUFFile, close_gguf, gguf_metadata, open_gguf
+from sparkserve.loader.gguf_int8 import group_form, int8_blocks, int8_form
 from sparkserve.loader.weights import with_blocks
+
+log = logging.getLogger(__name__)
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -73,21 +80,53 @@ def _unpermute_rows(rows: int, n_head: int) -> np.ndarray:
     return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def gguf_weights(path: str, cfg: ModelConfig, names: set[str] | None = None
+def gguf_weights(path: str, cfg: ModelConfig, names: set[str] | None = None, for_int8: bool = False
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor (HF names), or only those in `names` (the others are not dequantized). Once
-    read (or abandoned), the file's reader is dropped from the cache: a process reads its weights
-    once, and the reader holds a few times the metadata's memory besides the file's mapping."""
+    """Every tensor (HF names), or only those in `names` (the others are not dequantized).
+    `for_int8`: the model runs int8 activations, so quantized weights of other types come as
+    blocks of a type the int8 kernels read (loader/gguf_int8.py). Once read (or abandoned), the
+    file's reader is dropped from the cache: a process reads its weights once, and the reader
+    holds a few times the metadata's memory besides the file's mapping."""
     reader = open_gguf(path)
     permuted = gguf_metadata(path)["general.architecture"] == "llama"
+    forms = _int8_forms(reader) if for_int8 else {}
+    if forms and names is None:
+        name = lambda t: gguf.GGMLQuantizationType(t).name   # noqa: E731
+        kinds = Counter(f"{name(int(t.tensor_type))} -> {name(forms[t.name])}"
+                        for t in reader.tensors if t.name in forms)
+        log.info("GGUF weights held for the int8 kernels: %s",
+                 ", ".join(f"{k} x {n}" for k, n in kinds.items()))
     try:
-        yield from _tensors(reader, cfg, names, permuted)
+        yield from _tensors(reader, cfg, names, permuted, forms)
     finally:
         close_gguf(path)
 
 
-def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permuted: bool
-             ) -> Iterator[tuple[str, torch.Tensor]]:
+# Tensors of one layer fused into one projection (layers/linear.py FusedLinear).
+_FUSED = ({"attn_q", "attn_k", "attn_v"}, {"ffn_gate", "ffn_up"})
+
+
+def _int8_forms(reader: GGUFFile) -> dict[str, int]:
+    """GGUF tensor name -> the block type it is converted to for the int8 kernels (those kept as
+    they are are left out): each tensor's own form, one form for the tensors of a fused projection."""
+    types = {t.name: int(t.tensor_type) for t in reader.tensors if len(t.shape) == 2}
+    forms = {name: form for name, qtype in types.items() if (form := int8_form(qtype)) is not None}
+    for name in types:
+        m = re.fullmatch(r"(blk\.\d+\.)(\w+)\.weight", name)
+        group = next((g for g in _FUSED if m and m.group(2) in g), None)
+        if group is None:
+            continue
+        members = [f"{m.group(1)}{part}.weight" for part in sorted(group)]
+        form = group_form([types[n] for n in members if n in types])
+        if form is not None and form != types[name]:
+            forms[name] = form
+        elif form is None:
+            forms.pop(name, None)
+    return forms
+
+
+def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permuted: bool,
+             int8_forms: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
     for t in reader.tensors:
         name = _hf_name(t.name)
         if names is not None and name not in names:
@@ -96,9 +135,11 @@ def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permute
         n_head = (cfg.num_attention_heads if name.endswith("q_proj.weight") else
                   cfg.num_key_value_heads if name.endswith("k_proj.weight") else None)
         perm = _unpermute_rows(shape[0], n_head) if permuted and n_head is not None else None
-        if BlockWeight.supports(int(t.tensor_type), shape):
+        form = int8_forms.get(t.name)
+        if form is not None or BlockWeight.supports(int(t.tensor_type), shape):
             # unread: the loader dequantizes the blocks only for a module that keeps fp32 values
-            blocks = BlockWeight.from_numpy(int(t.tensor_type), t.data, shape)
+            blocks = (BlockWeight.from_numpy(int(t.tensor_type), t.data, shape) if form is None else
+                      int8_blocks(int(t.tensor_type), t.data, shape, form))
             yield name, with_blocks(torch.empty(shape, device="meta"),
                                     blocks if perm is None else blocks.rows(perm))
             continue

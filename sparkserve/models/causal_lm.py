@@ -64,6 +64,7 @@ class CausalLM(AuxCaptureMixin, nn.Module):
         self.has_lm_head = self.first_stage
         self.vocab_sharded = ps.tp_size() > 1      # embedding and LM head hold a vocab slice
         self.checkpoint_path: str | None = None    # set by load_model (a draft may read the full head)
+        self.checkpoint_for_int8 = False            # its GGUF weights in the int8 kernels' types
         self.kv_dtype = torch.float32               # what the KV pool stores (--kv-cache-dtype)
         self.device = torch.device("cpu")           # where it runs (--device; registry.to_device)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, bias=lm_head_bias) \

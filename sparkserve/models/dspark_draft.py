@@ -455,7 +455,8 @@ def target_vocab_weights(target: CausalLM) -> dict[str, torch.Tensor]:
                 "lm_head.weight": target.lm_head.dense_weight()}
     from sparkserve.models.registry import checkpoint_weights
     got = {name: values_of(t) for name, t in checkpoint_weights(
-        target.checkpoint_path, target.config, {"model.embed_tokens.weight", "lm_head.weight"})}
+        target.checkpoint_path, target.config, {"model.embed_tokens.weight", "lm_head.weight"},
+        target.checkpoint_for_int8)}
     embed = got["model.embed_tokens.weight"]
     head = embed if target.config.tie_word_embeddings else got["lm_head.weight"]
     return {"embed_tokens.weight": embed, "lm_head.weight": head}

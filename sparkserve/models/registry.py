@@ -42,13 +42,15 @@ def load_config(model_path: str) -> ModelConfig:
     return hf_config(model_path)
 
 
-def checkpoint_weights(model_path: str, cfg: ModelConfig, names: set[str] | None = None
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(model_path: str, cfg: ModelConfig, names: set[str] | None = None,
+                       for_int8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of a GGUF file or an HF checkpoint; only `names` when given (the others
-    are not read: e.g. a draft's full copy of a vocab-split target's embedding and LM head)."""
+    are not read: e.g. a draft's full copy of a vocab-split target's embedding and LM head).
+    `for_int8`: a GGUF file's quantized weights in the types the int8 kernels read (the model's
+    `checkpoint_for_int8`, loader/gguf_int8.py)."""
     if model_path.endswith(".gguf"):
         from sparkserve.loader.gguf import gguf_weights
-        return gguf_weights(model_path, cfg, names)
+        return gguf_weights(model_path, cfg, names, for_int8)
     from sparkserve.loader.hf import hf_weights
     return hf_weights(model_path, names)
 
@@ -68,12 +70,13 @@ def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = Tru
     with torch.device("meta"):
         model = cls(cfg)
     model = model.to_empty(device="cpu")
-    weights = checkpoint_weights(model_path, cfg)
+    mode = activation_quant if device.type == "cpu" else "none"
+    weights = checkpoint_weights(model_path, cfg, for_int8=mode == "int8")
     model.post_materialize()
-    model.checkpoint_path = model_path
+    model.checkpoint_path, model.checkpoint_for_int8 = model_path, mode == "int8"
     # The mode first: a layer that int8 takes at every row count then needs no fp32 values, and the
     # loader leaves its GGUF tensors unread (loader/weights.py): no fp32 weight is computed for it.
-    set_activation_quant(model, activation_quant if device.type == "cpu" else "none")
+    set_activation_quant(model, mode)
     model.load_weights((name, t) for name, t in weights if model.owns(name))   # a pipeline stage's share
     model = model.eval().requires_grad_(False)
     if device.type != "cpu":

@@ -1,0 +1,114 @@
+"""GGUF quant types the int8 kernels do not read, held in ones they do.
+
+Most GGUF files people download are not Q4_1 / Q8_0 throughout: a "Q4_K_M" file holds Q4_K and
+Q6_K tensors, a "Q4_0" one Q4_0 layers beside a Q6_K or Q8_0 embedding. Dequantized to fp32 those
+would take 5-7x their bytes and run on fp32 GEMV. Served with int8 activations they are instead
+turned into blocks the int8 kernels read, once, at load:
+- Q4_0 -> Q4_1, exactly: the same nibbles, m = -8 d.
+- Q4_K -> Q4_1 per sub-block of 32: the same nibbles, d = d_K * scale and m = -dmin * min rounded
+  to fp16, by at most 2^-11 of themselves: under 1/32 of d_K (dmin), the step Q4_K itself rounds
+  its 6-bit scales (mins) to. A weight moves by at most 2^-11 (|w - m| + |m|).
+- Q5_0 -> Q8_0, exactly: its 5-bit values minus 16 are int8 values of the same d.
+- anything else quantized (Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, IQ*, ...) -> Q8_0, requantized from
+  gguf-py's fp32 values: an 8-bit grid over values that had at most 6 bits.
+The converted blocks are then the model's weights (their dequantization is the fp32 value
+wherever one is kept), as for a file that held them. F32 / F16 / BF16 tensors are left to the
+loader, which keeps them exact. `--activation-quant none` loads every tensor exactly instead."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+from sparkserve.kernels.blocks import Q4_1, Q8_0, BlockWeight
+
+Q4_0, Q4_K, Q5_0 = (int(gguf.GGMLQuantizationType.Q4_0), int(gguf.GGMLQuantizationType.Q4_K),
+                    int(gguf.GGMLQuantizationType.Q5_0))
+_UNQUANTIZED = {int(gguf.GGMLQuantizationType.F32), int(gguf.GGMLQuantizationType.F16),
+                int(gguf.GGMLQuantizationType.BF16), int(gguf.GGMLQuantizationType.F64)}
+
+
+def int8_form(qtype: int) -> int | None:
+    """The int8 kernels' block type a GGUF tensor of `qtype` is held in; None for one kept as it
+    is (Q4_1 / Q8_0, which they read, and unquantized types)."""
+    if qtype in (Q4_1, Q8_0) or qtype in _UNQUANTIZED:
+        return None
+    return Q4_1 if qtype in (Q4_0, Q4_K) else Q8_0
+
+
+def group_form(qtypes: list[int]) -> int | None:
+    """One form for tensors fused into one projection (q|k|v, gate|up), which the kernels run as
+    one block weight of one type: the common form, else Q8_0 when they would differ. None when
+    one of them is unquantized (the fused weight then stays fp32, exact)."""
+    if any(t in _UNQUANTIZED for t in qtypes):
+        return None
+    forms = {int8_form(t) or t for t in qtypes}
+    return forms.pop() if len(forms) == 1 else Q8_0
+
+
+def int8_blocks(qtype: int, data: np.ndarray, shape: tuple[int, int], form: int) -> BlockWeight:
+    """A 2-D GGUF tensor (`data`: its raw bytes, torch-order `shape` [N, K]) as `form` blocks."""
+    n, k = shape
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(n, -1)
+    if form == qtype:
+        return BlockWeight.from_numpy(qtype, raw, shape)
+    if form == Q4_1:
+        if qtype == Q4_0:
+            return BlockWeight.from_numpy(Q4_1, _q4_0_as_q4_1(raw), shape)
+        if qtype == Q4_K:
+            converted = _q4_k_as_q4_1(raw)
+            if converted is not None:
+                return BlockWeight.from_numpy(Q4_1, converted, shape)
+    if form == Q8_0 and qtype == Q5_0:
+        return BlockWeight.from_numpy(Q8_0, _q5_0_as_q8_0(raw), shape)
+    values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).reshape(n, k)
+    return BlockWeight.from_numpy(Q8_0, gguf.quants.quantize(
+        np.ascontiguousarray(values, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0), shape)
+
+
+def _q4_1(d: np.ndarray, m: np.ndarray, nibbles: np.ndarray) -> np.ndarray:
+    """Q4_1 bytes [..., 20] from fp16 d, m [...] and the 16 nibble bytes of each block [..., 16]."""
+    return np.concatenate([d.astype(np.float16)[..., None].view(np.uint8),
+                           m.astype(np.float16)[..., None].view(np.uint8), nibbles], axis=-1)
+
+
+def _q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray:
+    """Q4_0 (fp16 d, 16 nibble bytes; w = d (q - 8)) rows as Q4_1 rows: w = d q + (-8 d), exact
+    (a power-of-two multiple of an fp16, finite for any d a weight has)."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 18)
+    d = b[..., :2].copy().view(np.float16)[..., 0]
+    return _q4_1(d, -8 * d, b[..., 2:]).reshape(n, -1)
+
+
+def _q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 (fp16 d, 32 high bits, 16 nibble bytes; w = d (q - 16)) rows as Q8_0 rows (fp16 d, 32
+    int8; w = d q): the same d, q - 16 as the int8 value, exact."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 22)
+    high = (b[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1     # [n, nb, 32]
+    low = np.concatenate([b[..., 6:] & 0x0F, b[..., 6:] >> 4], axis=-1)              # elements 0..15, 16..31
+    q = ((low | (high.astype(np.uint8) << 4)).astype(np.int16) - 16).astype(np.int8)
+    return np.concatenate([b[..., :2], q.view(np.uint8)], axis=-1).reshape(n, -1)
+
+
+def _q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
+    """Q4_K rows (super-blocks of 256: fp16 d, dmin, 12 bytes of 6-bit scales and mins, 128 nibble
+    bytes; w = d sc_j q - dmin mn_j over sub-block j of 32) as Q4_1 rows, or None where a
+    sub-block's scale or offset overflows fp16 (the caller then requantizes to Q8_0). A product
+    of an fp16 and a 6-bit integer rounds to fp16 by at most 2^-11 of itself where it is normal,
+    and not at all where the fp16 is subnormal (it stays on the subnormal grid)."""
+    n = raw.shape[0]
+    b = raw.reshape(-1, 144)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)                # [S, 1]
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])                     # [S, 8] each
+    scale, offset = d * sc.astype(np.float32), -dmin * mn.astype(np.float32)
+    with np.errstate(over="ignore"):
+        if not all(np.isfinite(x.astype(np.float16)).all() for x in (scale, offset)):
+            return None
+    # Sub-block 2c holds the low nibbles of bytes 32c .. 32c+31, sub-block 2c+1 their high ones;
+    # a Q4_1 block holds elements i and i+16 in the low and high nibble of its byte i.
+    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(-1, 8, 32)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    return _q4_1(scale, offset, nibbles).reshape(n, -1)
