@@ -5,7 +5,7 @@ threads, same machine: the project's machines differ, so only same-run ratios me
 
     python benchmarks/decode.py [--threads 2] [--reps 3] [--new-tokens 128] [--prompt-tokens 512]
                                 [--skip-transformers] [--skip-llamacpp] [--isa native|avx2|avx512]
-                                [--gguf-type Q4_K_M]
+                                [--model PATH] [--gguf-type Q4_K_M]
 
 - batch-1 decode tok/s = (N - 1) / (t(N tokens) - t(1 token)): prefill cancels out; next to
   llama-bench tg128 (`-p 0 -n 128`).
@@ -26,7 +26,9 @@ built without AVX-512/VNNI) and writes decode_avx2.{md,json}: an AVX2-only machi
 avx512 the same for AVX-512 without VNNI (decode_avx512.*). --gguf-type T runs every engine on the
 model re-quantized to T by llama.cpp's llama-quantize (peers/llamacpp.py `quantized`): the types
 people download (Q4_0, Q4_K_M, Q6_K, ..), which sparkserve holds as Q4_1 / Q8_0 for its int8
-kernels (loader/gguf_int8.py); writes decode_<type>.{md,json}."""
+kernels (loader/gguf_int8.py); writes decode_<type>.{md,json}. --model runs another GGUF instead of
+the embedded model (random_gguf.py writes one of a chosen width), without the DSpark row (the
+shipped draft is the embedded model's) and into decode_<model file>.{md,json}."""
 from __future__ import annotations
 
 import argparse
@@ -150,20 +152,21 @@ def main() -> int:
     ap.add_argument("--skip-dspark", action="store_true", help="no DSpark row")
     ap.add_argument("--isa", default="native", choices=sorted(ISA_ENV),
                     help="what every engine may use of the CPU (avx2: an AVX2-only machine; avx512: no VNNI)")
+    ap.add_argument("--model", help="a GGUF file instead of the embedded model")
     ap.add_argument("--gguf-type", help="the model re-quantized to this llama-quantize type (Q4_K_M, ...)")
     a = ap.parse_args()
     cap_isa(a.isa)
     torch.set_num_threads(a.threads)
     n_new, n_pp, batch = a.new_tokens, a.prompt_tokens, a.batch
     from sparkserve.embedded import default_model_path
-    model = default_model_path()
+    model = a.model or default_model_path()
     if a.gguf_type:
         from peers.llamacpp import quantized
         model = str(quantized(model, a.gguf_type, a.isa))
     llama = None if a.skip_llamacpp else LlamaBench(model, a.threads, a.isa)   # built first: needs the cores
     ours = Sparkserve(model)
     engines = [ours] + ([] if a.skip_transformers else [Transformers(model, a.threads)])
-    spec = [] if a.skip_dspark else [Sparkserve(model, dspark=True)]
+    spec = [] if a.skip_dspark or a.model else [Sparkserve(model, dspark=True)]
     p1, pb = ours.prompts(1), ours.prompts(batch)
     seed = iter(range(1, 1 << 30))
     for e in engines + spec:               # warm-up
@@ -223,8 +226,8 @@ def main() -> int:
            "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__}
     lb = res["llamacpp_build"]
     types = ", ".join(f"{t} x {n}" for t, n in res["gguf_tensor_types"].items())
-    lines = [f"# Decode and prefill speed, SmolLM2-135M-Instruct {a.gguf_type or 'Q4_1'}, {a.threads} "
-             f"threads ({res['date']})", "",
+    title = os.path.basename(a.model) if a.model else f"SmolLM2-135M-Instruct {a.gguf_type or 'Q4_1'}"
+    lines = [f"# Decode and prefill speed, {title}, {a.threads} threads ({res['date']})", "",
              f"{machine_line(machine)}; sparkserve kernels: {kernels}; torch {torch.__version__}",
              f"model: {res['model']} (tensors: {types})",
              *([f"llama.cpp {lb.get('llama_cpp_commit')} (llama-cpp-python {lb.get('llama_cpp_python')} "
@@ -256,7 +259,8 @@ def main() -> int:
               "prompt with max_new_tokens=1 (TTFT, includes one sampled token); llama.cpp is llama-bench "
               f"pp{n_pp}. Batch-1 decode = (N-1)/(t(N)-t(1)); llama.cpp is llama-bench tg{n_new}. "
               "On a shared machine, trust the ratios more than the absolute numbers."]
-    name = results_name("decode", a.isa) + (f"_{a.gguf_type.lower()}" if a.gguf_type else "")
+    model_part = f"_{os.path.basename(a.model).removesuffix('.gguf')}" if a.model else ""
+    name = results_name("decode", a.isa) + model_part + (f"_{a.gguf_type.lower()}" if a.gguf_type else "")
     write_results(name, res, lines)
     return 0
 

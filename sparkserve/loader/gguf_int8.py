@@ -51,13 +51,10 @@ def int8_blocks(qtype: int, data: np.ndarray, shape: tuple[int, int], form: int)
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(n, -1)
     if form == qtype:
         return BlockWeight.from_numpy(qtype, raw, shape)
-    if form == Q4_1:
-        if qtype == Q4_0:
-            return BlockWeight.from_numpy(Q4_1, _q4_0_as_q4_1(raw), shape)
-        if qtype == Q4_K:
-            converted = _q4_k_as_q4_1(raw)
-            if converted is not None:
-                return BlockWeight.from_numpy(Q4_1, converted, shape)
+    if form == Q4_1 and qtype in (Q4_0, Q4_K):
+        converted = _q4_0_as_q4_1(raw) if qtype == Q4_0 else _q4_k_as_q4_1(raw)
+        if converted is not None:
+            return BlockWeight.from_numpy(Q4_1, converted, shape)
     if form == Q8_0 and qtype == Q5_0:
         return BlockWeight.from_numpy(Q8_0, _q5_0_as_q8_0(raw), shape)
     values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).reshape(n, k)
@@ -65,19 +62,24 @@ def int8_blocks(qtype: int, data: np.ndarray, shape: tuple[int, int], form: int)
         np.ascontiguousarray(values, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0), shape)
 
 
-def _q4_1(d: np.ndarray, m: np.ndarray, nibbles: np.ndarray) -> np.ndarray:
-    """Q4_1 bytes [..., 20] from fp16 d, m [...] and the 16 nibble bytes of each block [..., 16]."""
-    return np.concatenate([d.astype(np.float16)[..., None].view(np.uint8),
-                           m.astype(np.float16)[..., None].view(np.uint8), nibbles], axis=-1)
+def _q4_1(d: np.ndarray, m: np.ndarray, nibbles: np.ndarray) -> np.ndarray | None:
+    """Q4_1 bytes [..., 20] from d, m [...] rounded to fp16 and the 16 nibble bytes of each block
+    [..., 16]; None where d or m overflows fp16 (the caller then requantizes to Q8_0)."""
+    with np.errstate(over="ignore"):
+        d16, m16 = d.astype(np.float16), m.astype(np.float16)
+    if not (np.isfinite(d16).all() and np.isfinite(m16).all()):
+        return None
+    return np.concatenate([d16[..., None].view(np.uint8), m16[..., None].view(np.uint8), nibbles], axis=-1)
 
 
-def _q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray:
+def _q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
     """Q4_0 (fp16 d, 16 nibble bytes; w = d (q - 8)) rows as Q4_1 rows: w = d q + (-8 d), exact
-    (a power-of-two multiple of an fp16, finite for any d a weight has)."""
+    (a power-of-two multiple of an fp16)."""
     n = raw.shape[0]
     b = raw.reshape(n, -1, 18)
-    d = b[..., :2].copy().view(np.float16)[..., 0]
-    return _q4_1(d, -8 * d, b[..., 2:]).reshape(n, -1)
+    d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = _q4_1(d, -8 * d, b[..., 2:])
+    return None if q is None else q.reshape(n, -1)
 
 
 def _q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
@@ -93,22 +95,18 @@ def _q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
 
 def _q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
     """Q4_K rows (super-blocks of 256: fp16 d, dmin, 12 bytes of 6-bit scales and mins, 128 nibble
-    bytes; w = d sc_j q - dmin mn_j over sub-block j of 32) as Q4_1 rows, or None where a
-    sub-block's scale or offset overflows fp16 (the caller then requantizes to Q8_0). A product
-    of an fp16 and a 6-bit integer rounds to fp16 by at most 2^-11 of itself where it is normal,
-    and not at all where the fp16 is subnormal (it stays on the subnormal grid)."""
+    bytes; w = d sc_j q - dmin mn_j over sub-block j of 32) as Q4_1 rows (None: see _q4_1). A
+    product of an fp16 and a 6-bit integer rounds to fp16 by at most 2^-11 of itself where it is
+    normal, and not at all where the fp16 is subnormal (it stays on the subnormal grid)."""
     n = raw.shape[0]
     b = raw.reshape(-1, 144)
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)                # [S, 1]
     dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])                     # [S, 8] each
     scale, offset = d * sc.astype(np.float32), -dmin * mn.astype(np.float32)
-    with np.errstate(over="ignore"):
-        if not all(np.isfinite(x.astype(np.float16)).all() for x in (scale, offset)):
-            return None
     # Sub-block 2c holds the low nibbles of bytes 32c .. 32c+31, sub-block 2c+1 their high ones;
     # a Q4_1 block holds elements i and i+16 in the low and high nibble of its byte i.
     qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     q = (qs & 0x0F).reshape(-1, 8, 32)
-    nibbles = q[..., :16] | (q[..., 16:] << 4)
-    return _q4_1(scale, offset, nibbles).reshape(n, -1)
+    q4_1 = _q4_1(scale, offset, q[..., :16] | (q[..., 16:] << 4))
+    return None if q4_1 is None else q4_1.reshape(n, -1)

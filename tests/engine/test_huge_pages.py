@@ -143,15 +143,18 @@ def held_blocks(*roots: torch.nn.Module) -> list[BlockWeight]:
 
 def test_engine_serves_the_same_tokens_from_huge_pages():
     """The embedded SmolLM2 with its DSpark draft, weights in huge pages, decodes what plain decoding
-    with the weights in ordinary pages does; every block of both models sits in huge pages, and the
-    blocks the draft shares with the target were not copied twice."""
+    with the weights where they were loaded does (`--disable-huge-pages`: not moved into one buffer;
+    whether such memory gets huge pages depends on what the process's heap held before, which NumPy
+    advises for its large arrays); every block of both models sits in huge pages, and the blocks
+    the draft shares with the target were not copied twice."""
     prompts = [[{"role": "user", "content": "Name three rivers in Europe."}],
                [{"role": "user", "content": "def fib(n):"}]]
     ref = Engine(max_total_tokens=2048, disable_huge_pages=True)
     try:
         want = [o["output_ids"] for o in ref.generate(messages=prompts, sampling_params=GREEDY)]
-        assert all(anon_huge_kib(b.blocks.data_ptr()) == 0 for b in held_blocks(ref.scheduler.runner.model)
-                   if b.blocks.numel() >= HUGE_PAGE)
+        model = ref.scheduler.runner.model
+        assert (model.model.embed_tokens.held_blocks.blocks.untyped_storage().data_ptr() !=
+                model.model.layers[0].self_attn.qkv_proj.held_blocks.blocks.untyped_storage().data_ptr())
     finally:
         ref.shutdown()
     eng = Engine(max_total_tokens=2048, speculative_algorithm="DSPARK")
