@@ -236,9 +236,9 @@ def main() -> int:
              "", f"| engine | batch-1 decode tok/s | prefill-{n_pp} tok/s (TTFT ms) | "
              f"batch-{batch} output tok/s |", "|---|---|---|---|"]
     for n in names:
-        label = f"{LLAMA} (llama-bench tg{n_new} / pp{n_pp})" if n == LLAMA else n
+        label = {LLAMA: f"{LLAMA} (llama-bench tg{n_new} / pp{n_pp})",
+                 DSPARK: f"{DSPARK} (shipped draft, adaptive verify)"}.get(n, n)
         t = f" ({1000 * mttft[n]:.0f})" if n in mttft else ""
-        label = f"{DSPARK} (shipped draft, adaptive verify)" if n == DSPARK else label
         lines.append(f"| {label} | {m1[n]:.1f} | {f'{mpp[n]:.0f}' if n in mpp else '-'}{t} | "
                      f"{f'{mb[n]:.1f}' if n in mb else '-'} |")
     lines.append("")
