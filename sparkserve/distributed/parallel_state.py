@@ -72,15 +72,21 @@ class _State:
 _state = _State()
 
 
+def check_free() -> None:
+    """Refuse a second engine in a process that drives a parallel one: the process's groups and
+    rank state are that engine's (a single-rank engine would wait in its collectives)."""
+    if dist.is_initialized():
+        raise ValueError("this process already drives a parallel engine (--tp-size/--pp-size > 1); "
+                         "shut that one down first (Engine.shutdown())")
+
+
 def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: float) -> None:
     """Join the world as `rank` and build every group (each rank builds all of them, in order).
     With DP attention or context parallel (pp 1), rank r is in attention group r // (tp / dp),
     whose first rank drives it (runs its scheduler); its ranks split the attention heads or, with
     --attn-cp-size, the tokens of long prefills (cp group); the attention groups together are the
     one tp group of the MLP."""
-    if dist.is_initialized():
-        raise ValueError("this process already drives a parallel engine (--tp-size/--pp-size > 1); "
-                         "shut that one down first (Engine.shutdown())")
+    check_free()
     dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=cfg.world_size,
                             timeout=CONTROL_TIMEOUT)
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from sparkserve.args import ServerArgs
 from sparkserve.core.req import Req
 from sparkserve.core.sampling_state import RequestSamplingState
+from sparkserve.distributed import parallel_state as ps
 from sparkserve.entrypoints.ranks import start_worker_ranks, stop_worker_ranks
 from sparkserve.frontend.output_stream import OutputStream
 from sparkserve.frontend.prepare import (
@@ -39,6 +40,7 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **kwargs: Any):
         self.args = ServerArgs(model_path=model_path, **kwargs).validate()
+        ps.check_free()
         if self.args.node_rank > 0:
             raise ValueError("--node-rank > 0 runs only that node's ranks: use `sparkserve serve` there")
         self.tokenizer = load_tokenizer_for(self.args)

@@ -3,7 +3,7 @@ single-process engine's greedy tokens and logprobs, with chunked prefill, a pref
 retraction, return_hidden_states and DSpark; KV heads split or replicated; the vocab split over
 the ranks, tied LM head or not, padded when it does not divide (3 ranks); a draft without its own
 embedding / LM head gets the target's full ones; two launches on 127.0.0.1 as two nodes; bad
-layouts refused at start-up naming the flags."""
+layouts refused at start-up naming the flags, and a second engine beside a parallel one."""
 from __future__ import annotations
 
 import os
@@ -42,6 +42,9 @@ def test_ranks_equal_one(arch, tp, tiny_dirs, mqa_dir, tmp_path):
         got = run_mixed(eng)
         assert got[3]["meta_info"]["cached_tokens"] >= 16             # the prefix cache served it
         assert_no_kv_leak(eng.scheduler.cache)
+        if arch == "llama":          # another engine beside it is refused, not left waiting for ranks
+            with pytest.raises(ValueError, match="shut that one down first"):
+                Engine(path, **COMMON)
     assert_same(got, want)
 
 
