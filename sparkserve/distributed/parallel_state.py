@@ -72,12 +72,16 @@ class _State:
 _state = _State()
 
 
+_BUSY = ("this process already drives a parallel engine (--tp-size/--pp-size > 1); shut that one down "
+         "first (Engine.shutdown())")
+
+
 def check_free() -> None:
-    """Refuse a second engine in a process that drives a parallel one: the process's groups and
-    rank state are that engine's (a single-rank engine would wait in its collectives)."""
-    if dist.is_initialized():
-        raise ValueError("this process already drives a parallel engine (--tp-size/--pp-size > 1); "
-                         "shut that one down first (Engine.shutdown())")
+    """Refuse a second engine in a process that drives a parallel one: the rank state is that
+    engine's (a single-rank engine would wait in its collectives). A process group of someone
+    else's (train-draft's DDP ranks) is no engine's."""
+    if _state.world_size > 1:
+        raise ValueError(_BUSY)
 
 
 def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: float) -> None:
@@ -86,7 +90,8 @@ def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: 
     whose first rank drives it (runs its scheduler); its ranks split the attention heads or, with
     --attn-cp-size, the tokens of long prefills (cp group); the attention groups together are the
     one tp group of the MLP."""
-    check_free()
+    if dist.is_initialized():
+        raise ValueError(_BUSY)
     dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=cfg.world_size,
                             timeout=CONTROL_TIMEOUT)
     timeout = datetime.timedelta(seconds=timeout_s)
