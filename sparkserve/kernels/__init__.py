@@ -1,9 +1,9 @@
 """C++ CPU kernels for batch-1 / small-batch inference.
 
-`quant_linear(x, w, bias)` computes `x @ W.T (+ bias)` in fp32 from a `BlockWeight` (Q4_1, Q8_0,
-BF16, F16), reading the blocks once for all rows of x (quant_gemv.cpp; used by layers/linear.py).
+`quant_linear(x, w, bias)` computes `x @ W.T (+ bias)` in fp32 from a `BlockWeight` (Q4_0, Q4_1,
+Q8_0, Q6_S, BF16, F16), reading the blocks once for all rows of x (quant_gemv.cpp; used by layers/linear.py).
 `quant_linear_int8` does the same with x quantized to int8 per block of 32 and integer dot products
-for Q4_1 / Q8_0 (int8_*.cpp), on the CPU variant `variant()` names (chosen at load by the CPU's
+for Q4_0 / Q4_1 / Q8_0 / Q6_S (int8_*.cpp), on the CPU variant `variant()` names (chosen at load by the CPU's
 flags; SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches variants off).
 The extension also has `rms_norm` and `add_rms_norm` (rms_norm.cpp; used by layers/norm.py) and
 `decode_attention` (decode_attention.cpp: paged attention without the K/V gather; layers/attention.py),
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from sparkserve.kernels.blocks import BF16, BLOCK_BYTES, F16, Q4_1, Q8_0, BlockWeight
+from sparkserve.kernels.blocks import BF16, BLOCK_BYTES, F16, INT8_TYPES, Q4_0, Q4_1, Q6_S, Q8_0, BlockWeight
 from sparkserve.kernels.build import load_extension
 
-__all__ = ["BlockWeight", "Q4_1", "Q8_0", "BF16", "F16", "BLOCK_BYTES", "available", "load_extension",
-           "quant_linear", "quant_linear_int8", "dequantize_rows", "variant", "runnable_variants",
-           "int8_beats_gemm", "argmax_rows", "sample_rows", "logprob_rows"]
+__all__ = ["BlockWeight", "Q4_0", "Q4_1", "Q8_0", "Q6_S", "BF16", "F16", "BLOCK_BYTES", "INT8_TYPES",
+           "available", "load_extension", "quant_linear", "quant_linear_int8", "dequantize_rows", "variant",
+           "runnable_variants", "int8_beats_gemm", "argmax_rows", "sample_rows", "logprob_rows"]
 
 
 def available() -> bool:
@@ -38,7 +38,7 @@ def quant_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = No
 
 def quant_linear_int8(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None,
                       variant: str = "") -> torch.Tensor:
-    """As quant_linear, with int8 activations for Q4_1 / Q8_0 (BF16 / F16 stay fp32). `variant`
+    """As quant_linear, with int8 activations for INT8_TYPES (BF16 / F16 stay fp32). `variant`
     names one to use instead of the dispatcher's choice (it must run on this CPU)."""
     ext = load_extension()
     if ext is None:

@@ -59,7 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quant_linear with x quantized to int8 per block of 32 and integer dot products (Q4_1, Q8_0)",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("variant") = "");
   m.def("dequantize_rows", &dequantize_rows, "rows ids of a block weight as fp32 (gguf-py's values)");
-  m.def("pack_blocks", &pack_blocks, "Q4_1 / Q8_0 blocks in the int8 variants' packed layout (same shape)");
+  m.def("pack_blocks", &pack_blocks, "Q4_1 / Q8_0 / Q6_S blocks in the int8 variants' packed layout (same shape)");
   m.def("unpack_blocks", &unpack_blocks, "packed blocks back in GGUF order");
   m.def("int8_variants_runnable", &int8_variants_runnable,
         "int8 variants built here that this CPU runs; test_only: those the dispatcher never picks");

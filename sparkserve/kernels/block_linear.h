@@ -16,7 +16,7 @@ void block_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
                   const float* bias, float* y);
 
 // As block_linear, with each x row quantized to int8 in blocks of 32 (scale amax/127, as llama.cpp's
-// Q8_0/Q8_1 activations) and integer dot products against Q4_1 / Q8_0 blocks (int32 inside a
+// Q8_0/Q8_1 activations) and integer dot products against Q4_1 / Q8_0 / Q6_S blocks (int32 inside a
 // block, fp32 across blocks), on the best variant this CPU runs (int8_dispatch.cpp). BF16 / F16
 // weights, or every variant switched off by SPARKSERVE_KERNEL_VARIANTS_OFF, take block_linear.
 // `w` is the tensor of the blocks (uint8 [N, row bytes], contiguous): either packed already

@@ -1,16 +1,21 @@
 """BlockWeight: a 2-D weight [N, K] kept in a GGUF block format, one row of blocks per output row.
 
 Formats (ggml's, as gguf-py dequantizes them), 32 weights per block:
+  Q4_0 (type 2), 18 bytes: fp16 d, 16 bytes of nibbles (as Q4_1's); w = d*(q - 8).
   Q4_1 (type 3), 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; low nibbles are elements 0..15,
                  high nibbles 16..31; w = d*q + m.
   Q8_0 (type 8), 34 bytes: fp16 d, 32 int8; w = d*q.
   BF16 (type 30), 64 bytes: 32 bf16 values; w = their fp32 widening.
   F16 (type 1),   64 bytes: 32 fp16 values; w = their fp32 widening (exact).
+  Q6_S (114, sparkserve's own: GGUF Q6_K in blocks of 32, loader/gguf_int8.py), 28 bytes: fp16 d
+                 (the super-block's), int8 scales of elements 0..15 and 16..31, 16 bytes of
+                 low nibbles of u (as Q4_1's), 8 bytes of high bits (element 16c + 4k + j: byte
+                 4c + j, bits 2k); w = (d * scale) * (u - 32), Q6_K's values exactly.
 Row operations (q|k|v concatenation, llama.cpp's q/k rope permutation) act on whole block rows.
 
-Served with int8 activations, Q4_1 / Q8_0 weights are held in the layout the int8 kernels read
-(`packed()`: Q4_1_X16 / Q8_0_X16, groups of 16 output rows, kernels/int8_common.h) instead of the
-GGUF one, as ggml's CPU backend repacks its weights: the same bytes in another order, so the
+Served with int8 activations, Q4_0 / Q4_1 / Q8_0 / Q6_S weights are held in the layout the int8
+kernels read (`packed()`: Q4_0_X16 / ..., groups of 16 output rows, kernels/int8_common.h)
+instead of the GGUF one, as ggml's CPU backend repacks its weights: the same bytes in another order, so the
 model's weights are held once. `unpacked()` gives the GGUF form back."""
 from __future__ import annotations
 
@@ -23,12 +28,15 @@ import torch
 
 from sparkserve.kernels.build import load_extension
 
-Q4_1, Q8_0, BF16, F16 = 3, 8, 30, 1
-Q4_1_X16, Q8_0_X16 = 1003, 1008          # packed for the int8 kernels (not GGUF types)
-PACKED_TYPE = {Q4_1: Q4_1_X16, Q8_0: Q8_0_X16}
+Q4_0, Q4_1, Q8_0, BF16, F16, Q6_S = 2, 3, 8, 30, 1, 114
+# packed for the int8 kernels (not GGUF types)
+Q4_0_X16, Q4_1_X16, Q8_0_X16, Q6_S_X16 = 1002, 1003, 1008, 1114
+PACKED_TYPE = {Q4_0: Q4_0_X16, Q4_1: Q4_1_X16, Q8_0: Q8_0_X16, Q6_S: Q6_S_X16}
+INT8_TYPES = tuple(PACKED_TYPE)          # the block types the int8 kernels read
 GGUF_TYPE = {v: k for k, v in PACKED_TYPE.items()}
 PACK_ROWS = 16                           # output rows per packed group
-BLOCK_BYTES = {Q4_1: 20, Q8_0: 34, BF16: 64, F16: 64, Q4_1_X16: 20, Q8_0_X16: 34}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, BF16: 64, F16: 64, Q6_S: 28}
+BLOCK_BYTES.update({p: BLOCK_BYTES[t] for p, t in GGUF_TYPE.items()})
 _HALF_TYPES = {torch.bfloat16: BF16, torch.float16: F16}
 
 
@@ -75,7 +83,7 @@ class BlockWeight:
 
     def packed(self) -> "BlockWeight | None":
         """This weight in the int8 kernels' layout, or None where they do not read one: a type
-        other than Q4_1 / Q8_0, rows not a multiple of 16 (those get a packed copy beside the
+        other than INT8_TYPES, rows not a multiple of 16 (those get a packed copy beside the
         blocks, kernels/int8_packed.cpp), or no int8 variant to run (unbuilt, or all switched off)."""
         if self.is_packed:
             return self
@@ -185,7 +193,25 @@ class BlockWeight:
         if self.qtype == Q8_0:
             q = b[..., 2:].contiguous().view(torch.int8).float()
             return (q * d).reshape(n, k)
+        if self.qtype == Q4_0:
+            qs = b[..., 2:]
+            q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float() - 8
+            return (d * q).reshape(n, k)
+        if self.qtype == Q6_S:
+            u, scale = q6_s_ints(b)
+            return ((d * scale.float()) * (u - 32).float()).reshape(n, k)
         m = b[..., 2:4].contiguous().view(torch.float16).float()
         qs = b[..., 4:]
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()                # elements 0..15, 16..31
         return (d * q + m).reshape(n, k)
+
+
+def q6_s_ints(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_S blocks [..., 28] -> u [..., 32] (0..63) and each element's int8 scale [..., 32]."""
+    nib = b[..., 4:20]
+    low = torch.cat([nib & 0x0F, nib >> 4], dim=-1)
+    e = torch.arange(32)
+    hbyte = b[..., 20:28][..., 4 * (e // 16) + e % 4]
+    high = (hbyte >> (2 * (e % 16 // 4))) & 3
+    scale = b[..., 2:4].contiguous().view(torch.int8)[..., e // 16]
+    return low | (high << 4), scale

@@ -148,10 +148,11 @@ void amx_rows_typed(const QuantX& q, const uint8_t* wp, int64_t n0, int64_t n1, 
   tiles::release();
 }
 
-// The variant's entry (PackedRowsFn): one x row goes to the VNNI kernel.
+// The variant's entry (PackedRowsFn): one x row, and Q4_0 / Q6_S weights, go to the VNNI kernel.
 inline void amx_rows(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1, const float* bias,
                      float* y, int64_t N) {
-  if (q.M < kAmxMinRows) sparkserve::int8::rows_avx512vnni_packed(q, wp, qtype, n0, n1, bias, y, N);
+  if (q.M < kAmxMinRows || qtype == sparkserve::int8::kQ6_S || qtype == sparkserve::int8::kQ4_0)   // no tile form
+    sparkserve::int8::rows_avx512vnni_packed(q, wp, qtype, n0, n1, bias, y, N);
   else if (qtype == kQ4_1) amx_rows_typed<3>(q, wp, n0, n1, bias, y, N);
   else amx_rows_typed<8>(q, wp, n0, n1, bias, y, N);
 }

@@ -6,6 +6,13 @@ namespace {
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return _mm_cvtsi128_si32(t);
+}
+
 // The block dot without VNNI: maddubs sums pairs of u8 * s8 in int16. Q4_1's nibbles are at most
 // 15, so a pair is at most 2 * 15 * 127 and the eight of a block add up in int16 before one madd.
 // Q8_0 takes llama.cpp's form: |q| (at most 128) as the unsigned operand and q's sign moved onto
@@ -17,7 +24,7 @@ struct MaddubsYmm {
   }
   template <int QT>
   static __m256i block_dot(const __m256i w[16], const int8_t* xr, __m256i start) {
-    if (QT != kQ4_1p) {
+    if (!sparkserve::int8::nibble_type(QT)) {
       __m256i a = _mm256_setzero_si256();
       for (int g = 0; g < 8; ++g) {
         const __m256i p = _mm256_maddubs_epi16(w[g], _mm256_sign_epi8(bcast4(xr + 4 * g), w[8 + g]));
@@ -29,6 +36,14 @@ struct MaddubsYmm {
     for (int g = 1; g < 8; ++g) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[g], bcast4(xr + 4 * g)));
     return _mm256_add_epi32(start, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
   }
+  // half a Q6_S block (u at most 63: two pairs add up in int16, then one madd)
+  static __m256i dot16(const __m256i w[4], const int8_t* xr, __m256i start) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], bcast4(xr)), _mm256_maddubs_epi16(w[1], bcast4(xr + 4)));
+    const __m256i s23 =
+        _mm256_add_epi16(_mm256_maddubs_epi16(w[2], bcast4(xr + 8)), _mm256_maddubs_epi16(w[3], bcast4(xr + 12)));
+    return _mm256_add_epi32(start, _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones)));
+  }
 };
 
 }  // namespace
@@ -37,8 +52,7 @@ namespace sparkserve::int8 {
 
 void rows_avx2_packed(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1, const float* bias,
                       float* y, int64_t N) {
-  if (qtype == 3) packed_rows_typed<MaddubsYmm, 3>(q, wp, n0, n1, bias, y, N);
-  else packed_rows_typed<MaddubsYmm, 8>(q, wp, n0, n1, bias, y, N);
+  packed_rows<MaddubsYmm>(q, wp, qtype, n0, n1, bias, y, N);
 }
 
 void quantize_rows(const float* x, int64_t m0, int64_t m1, const QuantX& q) {
@@ -51,11 +65,13 @@ void quantize_rows(const float* x, int64_t m0, int64_t m1, const QuantX& q) {
     float* d = q.d + t0 * nb;
     float* s = q.s + t0 * nb;
     int32_t* xn = q.xn + t0 * nb;
+    int32_t* ha = q.ha + t0 * nb;
+    int32_t* hb = q.hb + t0 * nb;
     for (int64_t blk = 0; blk < nb; ++blk) {
       for (int64_t m = 0; m < kTile; ++m) {
         if (m >= mt) {
           d[blk * kTile + m] = s[blk * kTile + m] = 0.0f;
-          xn[blk * kTile + m] = 0;
+          xn[blk * kTile + m] = ha[blk * kTile + m] = hb[blk * kTile + m] = 0;
           continue;
         }
         const float* xp = x + (t0 + m) * K + blk * 32;
@@ -71,17 +87,16 @@ void quantize_rows(const float* x, int64_t m0, int64_t m1, const QuantX& q) {
         const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
         __m256i iv[4];
         for (int j = 0; j < 4; ++j) iv[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));   // round to nearest even
-        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+        const __m256i suma = _mm256_add_epi32(iv[0], iv[1]), sumb = _mm256_add_epi32(iv[2], iv[3]);
         const __m256i b = _mm256_permutevar8x32_epi32(
             _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3])), order);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + (blk * mt + m) * 32), b);
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-        const int32_t isum = _mm_cvtsi128_si32(t);
+        const int32_t ia = hsum_epi32(suma), ib = hsum_epi32(sumb), isum = ia + ib;
         d[blk * kTile + m] = dd;
         s[blk * kTile + m] = dd * static_cast<float>(isum);
         xn[blk * kTile + m] = -128 * isum;
+        ha[blk * kTile + m] = -32 * ia;
+        hb[blk * kTile + m] = -32 * ib;
       }
     }
   }

@@ -19,15 +19,23 @@ struct MaddubsZmm {
   template <int QT>
   static __m512i block_dot(const __m512i w[16], const int8_t* xr, __m512i start) {
     __m512i lo = _mm512_maddubs_epi16(w[0], bcast4(xr)), hi = _mm512_setzero_si512();
-    if (QT != kQ4_1) hi = _mm512_maddubs_epi16(w[8], bcast4(xr));
+    if (!sparkserve::int8::nibble_type(QT)) hi = _mm512_maddubs_epi16(w[8], bcast4(xr));
     for (int g = 1; g < 8; ++g) {
       const __m512i x = bcast4(xr + 4 * g);
       lo = _mm512_add_epi16(lo, _mm512_maddubs_epi16(w[g], x));
-      if (QT != kQ4_1) hi = _mm512_add_epi16(hi, _mm512_maddubs_epi16(w[8 + g], x));
+      if (!sparkserve::int8::nibble_type(QT)) hi = _mm512_add_epi16(hi, _mm512_maddubs_epi16(w[8 + g], x));
     }
     __m512i p = _mm512_add_epi32(start, _mm512_madd_epi16(lo, _mm512_set1_epi16(1)));
-    if (QT != kQ4_1) p = _mm512_add_epi32(p, _mm512_madd_epi16(hi, _mm512_set1_epi16(16)));
+    if (!sparkserve::int8::nibble_type(QT)) p = _mm512_add_epi32(p, _mm512_madd_epi16(hi, _mm512_set1_epi16(16)));
     return p;
+  }
+  // half a Q6_S block (u at most 63: two pairs add up in int16, then one madd)
+  static __m512i dot16(const __m512i w[4], const int8_t* xr, __m512i start) {
+    const __m512i ones = _mm512_set1_epi16(1);
+    const __m512i s01 = _mm512_add_epi16(_mm512_maddubs_epi16(w[0], bcast4(xr)), _mm512_maddubs_epi16(w[1], bcast4(xr + 4)));
+    const __m512i s23 =
+        _mm512_add_epi16(_mm512_maddubs_epi16(w[2], bcast4(xr + 8)), _mm512_maddubs_epi16(w[3], bcast4(xr + 12)));
+    return _mm512_add_epi32(start, _mm512_add_epi32(_mm512_madd_epi16(s01, ones), _mm512_madd_epi16(s23, ones)));
   }
 };
 
@@ -37,8 +45,7 @@ namespace sparkserve::int8 {
 
 void rows_avx512_packed(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1,
                         const float* bias, float* y, int64_t N) {
-  if (qtype == kQ4_1) packed_rows_typed<MaddubsZmm, 3>(q, wp, n0, n1, bias, y, N);
-  else packed_rows_typed<MaddubsZmm, 8>(q, wp, n0, n1, bias, y, N);
+  packed_rows<MaddubsZmm>(q, wp, qtype, n0, n1, bias, y, N);
 }
 
 }  // namespace sparkserve::int8

@@ -24,6 +24,13 @@ struct VnniZmm {
     }
     return _mm512_add_epi32(a0, a1);
   }
+  // half a Q6_S block: inputs 0..15 of w[0..3]
+  static __m512i dot16(const __m512i w[4], const int8_t* xr, __m512i start) {
+    __m512i a0 = start, a1 = _mm512_setzero_si512();
+    a0 = dot4(a0, w[0], xr), a1 = dot4(a1, w[1], xr + 4);
+    a0 = dot4(a0, w[2], xr + 8), a1 = dot4(a1, w[3], xr + 12);
+    return _mm512_add_epi32(a0, a1);
+  }
 };
 
 }  // namespace
@@ -32,8 +39,7 @@ namespace sparkserve::int8 {
 
 void rows_avx512vnni_packed(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1,
                             const float* bias, float* y, int64_t N) {
-  if (qtype == kQ4_1) packed_rows_typed<VnniZmm, 3>(q, wp, n0, n1, bias, y, N);
-  else packed_rows_typed<VnniZmm, 8>(q, wp, n0, n1, bias, y, N);
+  packed_rows<VnniZmm>(q, wp, qtype, n0, n1, bias, y, N);
 }
 
 }  // namespace sparkserve::int8

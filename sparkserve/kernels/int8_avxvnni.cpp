@@ -17,6 +17,13 @@ struct PackedIsa {
     }
     return _mm256_add_epi32(a0, a1);
   }
+  // half a Q6_S block: inputs 0..15 of w[0..3]
+  static __m256i dot16(const __m256i w[4], const int8_t* xr, __m256i start) {
+    __m256i a0 = start, a1 = _mm256_setzero_si256();
+    a0 = _mm256_dpbusd_avx_epi32(a0, w[0], bcast4(xr)), a1 = _mm256_dpbusd_avx_epi32(a1, w[1], bcast4(xr + 4));
+    a0 = _mm256_dpbusd_avx_epi32(a0, w[2], bcast4(xr + 8)), a1 = _mm256_dpbusd_avx_epi32(a1, w[3], bcast4(xr + 12));
+    return _mm256_add_epi32(a0, a1);
+  }
 };
 
 }  // namespace
@@ -25,8 +32,7 @@ namespace sparkserve::int8 {
 
 void rows_avxvnni_packed(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1, const float* bias,
                          float* y, int64_t N) {
-  if (qtype == 3) packed_rows_typed<PackedIsa, 3>(q, wp, n0, n1, bias, y, N);
-  else packed_rows_typed<PackedIsa, 8>(q, wp, n0, n1, bias, y, N);
+  packed_rows<PackedIsa>(q, wp, qtype, n0, n1, bias, y, N);
 }
 
 }  // namespace sparkserve::int8

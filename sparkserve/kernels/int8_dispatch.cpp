@@ -118,8 +118,6 @@ const Variant& variant() {
   return v;
 }
 
-constexpr int kQ4_1 = 3, kQ8_0 = 8;
-
 }  // namespace
 
 namespace sparkserve {
@@ -134,7 +132,7 @@ void linear_int8_on(const Variant& v, const float* x, int64_t M, int64_t K, cons
                     int qtype, const float* bias, float* y) {
   const bool in_place = int8::is_packed_type(qtype);    // packed already: no copy to look up
   qtype = int8::gguf_type_of(qtype);
-  if ((qtype != kQ4_1 && qtype != kQ8_0) || v.packed == nullptr) {
+  if (!int8::int8_reads(qtype) || v.packed == nullptr) {
     TORCH_CHECK(!in_place, "int8 linear: packed blocks need an int8 kernel variant, and none runs");
     block_linear(x, M, K, w.data_ptr<uint8_t>(), N, qtype, bias, y);
     return;
@@ -143,8 +141,8 @@ void linear_int8_on(const Variant& v, const float* x, int64_t M, int64_t K, cons
   std::vector<int8_t> qs(M * K);
   const int64_t ns = int8::quantx_scales(M, K);
   std::vector<float> ds(ns), ss(ns);
-  std::vector<int32_t> xn(ns);
-  const int8::QuantX q{qs.data(), ds.data(), ss.data(), xn.data(), M, K};
+  std::vector<int32_t> xn(ns), ha(ns), hb(ns);
+  const int8::QuantX q{qs.data(), ds.data(), ss.data(), xn.data(), ha.data(), hb.data(), M, K};
   const int64_t tiles = (M + int8::kTile - 1) / int8::kTile;
   // Quantizing x is cheap next to the product: threads only from a few tiles of wide rows on.
   const int64_t qgrain = std::max<int64_t>(1, (64 << 10) / (int8::kTile * K));
@@ -169,7 +167,7 @@ void block_linear_int8(const float* x, int64_t M, int64_t K, const at::Tensor& w
 
 }  // namespace sparkserve
 
-// As quant_linear (quant_gemv.cpp), with x quantized to int8 per block of 32 for Q4_1 / Q8_0.
+// As quant_linear (quant_gemv.cpp), with x quantized to int8 per block of 32 for Q4_1 / Q8_0 / Q6_S.
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias);
 
 // `variant`: "" for the dispatcher's choice, or a variant by name, "amx_emulated" included (tests;
@@ -189,7 +187,7 @@ at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::opt
   const int gguf = sparkserve::int8::gguf_type_of(static_cast<int>(qtype));
   TORCH_CHECK(v.packed != nullptr || !sparkserve::int8::is_packed_type(static_cast<int>(qtype)),
               "quant_linear_int8: packed blocks need an int8 kernel variant, and ", v.name, " is none");
-  if ((gguf != kQ4_1 && gguf != kQ8_0) || v.packed == nullptr) return quant_linear(x, w, qtype, bias);
+  if (!sparkserve::int8::int8_reads(gguf) || v.packed == nullptr) return quant_linear(x, w, qtype, bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear_int8: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),

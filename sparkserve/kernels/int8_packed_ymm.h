@@ -12,7 +12,9 @@
 
 namespace {
 
+using sparkserve::int8::dot_start;
 using sparkserve::int8::kGroupRows;
+using sparkserve::int8::kQ4_0;
 using sparkserve::int8::kTile;
 using sparkserve::int8::packed_m_at;
 using sparkserve::int8::packed_quants_at;
@@ -20,6 +22,7 @@ using sparkserve::int8::packed_record_bytes;
 using sparkserve::int8::QuantX;
 
 constexpr int kQ4_1p = 3;
+constexpr int kQ6_Sp = sparkserve::int8::kQ6_S;
 constexpr int kHalf = 8;          // output rows per ymm
 constexpr int kPass = 4;          // x rows per pass
 
@@ -35,8 +38,6 @@ inline void half_pass(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, in
   const __m256i lo4 = _mm256_set1_epi8(0x0F);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* rec = wg + blk * GB;
-    if (h == 0 && m1 == 0)
-      for (int o = 0; o < GB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + nb * GB + o), _MM_HINT_T0);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
     const __m256 mw = QT == kQ4_1p
         ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + packed_m_at + 16 * h)))
@@ -49,10 +50,45 @@ inline void half_pass(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, in
     const int8_t* xb = xq + blk * (mt * 32);
     for (int m = 0; m < MT; ++m) {
       const int64_t i = blk * kTile + m1 + m;
-      const __m256i start = QT == kQ4_1p ? _mm256_setzero_si256() : _mm256_set1_epi32(xn[i]);
+      const __m256i start = _mm256_set1_epi32(dot_start<QT>(xn[i]));
       const __m256i p = Isa::template block_dot<QT>(w, xb + (m1 + m) * 32, start);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i])), acc[m]);
       if (QT == kQ4_1p) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i]), acc[m]);
+    }
+  }
+}
+
+// As half_pass for Q6_S (int8_packed_zmm.h's group_tile_q6, 8 rows at a time).
+template <class Isa, int MT>
+inline void half_pass_q6(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, int64_t mt, int64_t m1,
+                         const float* xd, const int32_t* ha, const int32_t* hb, __m256 acc[MT]) {
+  constexpr int64_t GB = packed_record_bytes(kQ6_Sp);
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* rec = wg + blk * GB;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
+    const uint8_t* sc = rec + sparkserve::int8::packed_sc_at + kHalf * h;
+    const __m256i sca = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+    const __m256i scb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16)));
+    __m256i w[8];
+    sparkserve::int8::unpack_q6<__m256i>(
+        [&](int i) {
+          return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + packed_quants_at(kQ6_Sp) + 64 * i + 32 * h));
+        },
+        [&](__m256i v) { return _mm256_and_si256(v, lo4); },
+        [&](__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4); },
+        [](__m256i v) { return _mm256_slli_epi16(v, 4); }, [](__m256i v) { return _mm256_slli_epi16(v, 2); },
+        [](__m256i v) { return _mm256_srli_epi16(v, 2); },
+        [&](__m256i w, __m256i v) { return _mm256_or_si256(w, _mm256_and_si256(v, bits45)); }, w);
+    const int8_t* xb = xq + blk * (mt * 32);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t i = blk * kTile + m1 + m;
+      const int8_t* xr = xb + (m1 + m) * 32;
+      const __m256i pa = Isa::dot16(w, xr, _mm256_set1_epi32(ha[i]));
+      const __m256i pb = Isa::dot16(w + 4, xr + 16, _mm256_set1_epi32(hb[i]));
+      const __m256i p = _mm256_add_epi32(_mm256_mullo_epi32(pa, sca), _mm256_mullo_epi32(pb, scb));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i])), acc[m]);
     }
   }
 }
@@ -62,9 +98,12 @@ void store_pass(const QuantX& q, const uint8_t* wp, int64_t n, int h, int64_t m0
                 const float* bias, float* y, int64_t N) {
   constexpr int64_t GB = packed_record_bytes(QT);
   const int64_t nb = q.K / 32, row0 = n + kHalf * h;
+  const uint8_t* wg = wp + n / kGroupRows * nb * GB;
   __m256 acc[MT];
-  half_pass<Isa, QT, MT>(wp + n / kGroupRows * nb * GB, nb, h, q.qs + m0 * q.K, mt, m1, q.d + m0 * nb,
-                         q.s + m0 * nb, q.xn + m0 * nb, acc);
+  if constexpr (QT == kQ6_Sp)
+    half_pass_q6<Isa, MT>(wg, nb, h, q.qs + m0 * q.K, mt, m1, q.d + m0 * nb, q.ha + m0 * nb, q.hb + m0 * nb, acc);
+  else
+    half_pass<Isa, QT, MT>(wg, nb, h, q.qs + m0 * q.K, mt, m1, q.d + m0 * nb, q.s + m0 * nb, q.xn + m0 * nb, acc);
   const int64_t valid = N - row0 < kHalf ? N - row0 : kHalf;
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)),
                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -88,6 +127,16 @@ void packed_rows_typed(const QuantX& q, const uint8_t* wp, int64_t n0, int64_t n
           }
         }
       }
+}
+
+// The entry of a ymm variant (PackedRowsFn) for its Isa.
+template <class Isa>
+void packed_rows(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1, const float* bias,
+                 float* y, int64_t N) {
+  if (qtype == kQ4_0) packed_rows_typed<Isa, kQ4_0>(q, wp, n0, n1, bias, y, N);
+  else if (qtype == kQ4_1p) packed_rows_typed<Isa, kQ4_1p>(q, wp, n0, n1, bias, y, N);
+  else if (qtype == kQ6_Sp) packed_rows_typed<Isa, kQ6_Sp>(q, wp, n0, n1, bias, y, N);
+  else packed_rows_typed<Isa, 8>(q, wp, n0, n1, bias, y, N);
 }
 
 }  // namespace

@@ -13,14 +13,18 @@
 
 namespace {
 
+using sparkserve::int8::dot_start;
 using sparkserve::int8::kGroupRows;
+using sparkserve::int8::kQ4_0;
+using sparkserve::int8::kQ4_1;
 using sparkserve::int8::kTile;
 using sparkserve::int8::packed_m_at;
 using sparkserve::int8::packed_quants_at;
 using sparkserve::int8::packed_record_bytes;
+using sparkserve::int8::kQ6_S;
+using sparkserve::int8::packed_sc_at;
 using sparkserve::int8::QuantX;
 
-constexpr int kQ4_1 = 3;
 
 inline __m512 halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -54,8 +58,6 @@ inline void group_tile(const uint8_t* wg, int64_t nb, const int8_t* xq, const fl
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* rec = wg + blk * GB;
-    for (int o = 0; o < GB; o += 64)     // the same block of the next group
-      _mm_prefetch(reinterpret_cast<const char*>(rec + nb * GB + o), _MM_HINT_T0);
     const __m512 dw = halves(rec);
     const __m512 mw = QT == kQ4_1 ? halves(rec + packed_m_at) : _mm512_setzero_ps();
     __m512i w[16];
@@ -66,9 +68,42 @@ inline void group_tile(const uint8_t* wg, int64_t nb, const int8_t* xq, const fl
     const int8_t* xb = xq + blk * (MT * 32);
     for (int m = 0; m < MT; ++m) {
       const int64_t i = blk * kTile + m;
-      // Q8_0 starts at -128 * sum(q_x) to undo the weights' +128
-      const __m512i start = QT == kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(xn[i]);
+      const __m512i start = _mm512_set1_epi32(dot_start<QT>(xn[i]));
       acc[m] = add_block<QT>(acc[m], Isa::template block_dot<QT>(w, xb + m * 32, start), dw, mw, xd[i], xs[i]);
+    }
+  }
+}
+
+// As group_tile for Q6_S: each half of a block sums in int32 from its share of the +32 offset
+// (`Isa::dot16`), and the halves' int8 scales join them, still in int32.
+template <class Isa, int MT>
+inline void group_tile_q6(const uint8_t* wg, int64_t nb, const int8_t* xq, const float* xd, const int32_t* ha,
+                          const int32_t* hb, __m512 acc[MT]) {
+  constexpr int64_t GB = packed_record_bytes(kQ6_S);
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* rec = wg + blk * GB;
+    const __m512 dw = halves(rec);
+    const __m512i sca = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + packed_sc_at)));
+    const __m512i scb =
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + packed_sc_at + 16)));
+    __m512i w[8];
+    sparkserve::int8::unpack_q6<__m512i>(
+        [&](int i) { return _mm512_loadu_si512(rec + packed_quants_at(kQ6_S) + 64 * i); },
+        [&](__m512i v) { return _mm512_and_si512(v, lo4); },
+        [&](__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4); },
+        [](__m512i v) { return _mm512_slli_epi16(v, 4); }, [](__m512i v) { return _mm512_slli_epi16(v, 2); },
+        [](__m512i v) { return _mm512_srli_epi16(v, 2); },
+        [&](__m512i w, __m512i v) { return _mm512_ternarylogic_epi32(w, v, bits45, 0xF8); },   // w | (v & m)
+        w);
+    const int8_t* xb = xq + blk * (MT * 32);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t i = blk * kTile + m;
+      const __m512i pa = Isa::dot16(w, xb + m * 32, _mm512_set1_epi32(ha[i]));
+      const __m512i pb = Isa::dot16(w + 4, xb + m * 32 + 16, _mm512_set1_epi32(hb[i]));
+      const __m512i p = _mm512_add_epi32(_mm512_mullo_epi32(pa, sca), _mm512_mullo_epi32(pb, scb));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, _mm512_set1_ps(xd[i])), acc[m]);
     }
   }
 }
@@ -78,10 +113,13 @@ void tile_rows(const QuantX& q, int64_t m0, const uint8_t* wp, int64_t n, const 
                int64_t N) {
   constexpr int64_t GB = packed_record_bytes(QT);
   const int64_t nb = q.K / 32;
+  const uint8_t* wg = wp + n / kGroupRows * nb * GB;
   __m512 acc[MT];
   // m0 is a multiple of kTile: the tile's scales start at m0 * nb
-  group_tile<Isa, QT, MT>(wp + n / kGroupRows * nb * GB, nb, q.qs + m0 * q.K, q.d + m0 * nb, q.s + m0 * nb,
-                          q.xn + m0 * nb, acc);
+  if constexpr (QT == kQ6_S)
+    group_tile_q6<Isa, MT>(wg, nb, q.qs + m0 * q.K, q.d + m0 * nb, q.ha + m0 * nb, q.hb + m0 * nb, acc);
+  else
+    group_tile<Isa, QT, MT>(wg, nb, q.qs + m0 * q.K, q.d + m0 * nb, q.s + m0 * nb, q.xn + m0 * nb, acc);
   store_tile<MT>(acc, m0, n, bias, y, N);
 }
 
@@ -102,6 +140,16 @@ void packed_rows_typed(const QuantX& q, const uint8_t* wp, int64_t n0, int64_t n
       }
     }
   }
+}
+
+// The entry of a zmm variant (PackedRowsFn) for its Isa.
+template <class Isa>
+void packed_rows(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1, const float* bias,
+                 float* y, int64_t N) {
+  if (qtype == kQ4_0) packed_rows_typed<Isa, kQ4_0>(q, wp, n0, n1, bias, y, N);
+  else if (qtype == kQ4_1) packed_rows_typed<Isa, kQ4_1>(q, wp, n0, n1, bias, y, N);
+  else if (qtype == kQ6_S) packed_rows_typed<Isa, kQ6_S>(q, wp, n0, n1, bias, y, N);
+  else packed_rows_typed<Isa, 8>(q, wp, n0, n1, bias, y, N);
 }
 
 }  // namespace

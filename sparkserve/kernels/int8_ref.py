@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from sparkserve.kernels.blocks import BLOCK_BYTES, Q4_1, Q8_0, BlockWeight
+from sparkserve.kernels.blocks import BLOCK_BYTES, Q4_0, Q4_1, Q6_S, Q8_0, BlockWeight, q6_s_ints
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -28,8 +28,14 @@ def _weight_ints(w: BlockWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     d = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
     if w.qtype == Q8_0:
         return b[..., 2:].contiguous().view(torch.int8).float(), d, None
+    if w.qtype == Q4_0:
+        qs = b[..., 2:]
+        return torch.cat([qs & 0x0F, qs >> 4], dim=-1).float() - 8, d, None
+    if w.qtype == Q6_S:              # scale * (u - 32): integers, the kernels' int32 sum
+        u, scale = q6_s_ints(b)
+        return (scale.long() * (u.long() - 32)).float(), d, None
     if w.qtype != Q4_1:
-        raise ValueError("int8 activations cover Q4_1 and Q8_0 weights only")
+        raise ValueError("int8 activations cover Q4_0, Q4_1, Q8_0 and Q6_S weights only")
     qs = b[..., 4:]
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
     return q, d, b[..., 2:4].contiguous().view(torch.float16).float()[..., 0]

@@ -32,16 +32,18 @@ namespace {
 
 using sparkserve::hsum;
 
-// ggml type ids (gguf.GGMLQuantizationType)
-constexpr int kQ4_1 = 3;
-constexpr int kQ8_0 = 8;
+// ggml type ids (gguf.GGMLQuantizationType), and sparkserve's Q6_S (kernels/blocks.py)
+using sparkserve::int8::kQ4_0;
+using sparkserve::int8::kQ4_1;
+using sparkserve::int8::kQ6_S;
+using sparkserve::int8::kQ8_0;
 constexpr int kBF16 = 30;
 constexpr int kF16 = 1;
 
-// Bytes per 32 weights (the packed types as the GGUF ones they hold).
+// Bytes per 32 weights (the packed types as the block types they hold).
 constexpr int block_bytes(int qt) {
   qt = sparkserve::int8::gguf_type_of(qt);
-  return qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : 64;
+  return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : qt == kQ6_S ? 28 : 64;
 }
 
 inline float fp16_to_fp32(const uint8_t* p) {
@@ -80,10 +82,37 @@ inline void expand<kQ4_1>(const uint8_t* blk, __m256 w[4]) {
 }
 
 template <>
+inline void expand<kQ4_0>(const uint8_t* blk, __m256 w[4]) {
+  // block_q4_0: fp16 d, 16 bytes qs (Q4_1's nibble order); w = d * (q - 8), exact in fp32.
+  const __m256 d = _mm256_set1_ps(fp16_to_fp32(blk));
+  const __m256i b0 = u8x8(blk + 2), b1 = u8x8(blk + 10);
+  const __m256i lo4 = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
+  const __m256i q[4] = {_mm256_and_si256(b0, lo4), _mm256_and_si256(b1, lo4), _mm256_srli_epi32(b0, 4),
+                        _mm256_srli_epi32(b1, 4)};
+  for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], eight)));
+}
+
+template <>
 inline void expand<kQ8_0>(const uint8_t* blk, __m256 w[4]) {
   // block_q8_0: fp16 d, 32 int8 qs. d*q is exact in fp32.
   const __m256 d = _mm256_set1_ps(fp16_to_fp32(blk));
   for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(i8x8(blk + 2 + 8 * j)));
+}
+
+template <>
+inline void expand<kQ6_S>(const uint8_t* blk, __m256 w[4]) {
+  // Q6_S: fp16 d, int8 scales of elements 0..15 and 16..31, 16 nibble bytes (as Q4_1's), 8 bytes
+  // of high bits (element 16c + 4k + j: byte 4c + j, bits 2k); w = (d * scale) * (u - 32), in
+  // that order, as gguf-py's Q6_K.
+  const float d = fp16_to_fp32(blk);
+  const float ds[2] = {d * static_cast<int8_t>(blk[2]), d * static_cast<int8_t>(blk[3])};
+  alignas(32) float v[32];
+  for (int e = 0; e < 32; ++e) {
+    const int low = e < 16 ? blk[4 + e] & 0x0F : blk[4 + e - 16] >> 4;
+    const int high = blk[20 + 4 * (e / 16) + e % 4] >> (2 * (e % 16 / 4)) & 3;
+    v[e] = ds[e / 16] * static_cast<float>((low | high << 4) - 32);
+  }
+  for (int j = 0; j < 4; ++j) w[j] = _mm256_load_ps(v + 8 * j);
 }
 
 template <>
@@ -294,12 +323,18 @@ void pack_tiles(const float* x, int64_t M, int64_t K, float* out) {
   }
 }
 
+bool known_type(int64_t qtype) {
+  return sparkserve::int8::int8_reads(static_cast<int>(qtype)) || qtype == kBF16 || qtype == kF16;
+}
+
 // Calls f with the block type as a compile-time constant (std::integral_constant<int, QT>).
 template <typename F>
 void by_type(int64_t qtype, F&& f) {
   switch (qtype) {
+    case kQ4_0: f(std::integral_constant<int, kQ4_0>{}); break;
     case kQ4_1: f(std::integral_constant<int, kQ4_1>{}); break;
     case kQ8_0: f(std::integral_constant<int, kQ8_0>{}); break;
+    case kQ6_S: f(std::integral_constant<int, kQ6_S>{}); break;
     case kF16: f(std::integral_constant<int, kF16>{}); break;
     default: f(std::integral_constant<int, kBF16>{}); break;
   }
@@ -348,7 +383,7 @@ void block_linear(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias) {
   TORCH_CHECK(!sparkserve::int8::is_packed_type(static_cast<int>(qtype)), "quant_linear: packed blocks (type ",
               qtype, ") are read with int8 activations only (quant_linear_int8)");
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kBF16 || qtype == kF16, "quant_linear: unsupported type ", qtype);
+  TORCH_CHECK(known_type(qtype), "quant_linear: unsupported type ", qtype);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -378,8 +413,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional
 at::Tensor dequantize_rows(at::Tensor w, int64_t qtype, int64_t K, at::Tensor ids) {
   const bool packed = sparkserve::int8::is_packed_type(static_cast<int>(qtype));
   qtype = sparkserve::int8::gguf_type_of(static_cast<int>(qtype));
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kBF16 || qtype == kF16,
-              "dequantize_rows: unsupported type ", qtype);
+  TORCH_CHECK(known_type(qtype), "dequantize_rows: unsupported type ", qtype);
   TORCH_CHECK(K % 32 == 0, "dequantize_rows: K must be a multiple of 32, got ", K);
   const int64_t row_bytes = K / 32 * block_bytes(static_cast<int>(qtype)), N = w.size(0);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes,

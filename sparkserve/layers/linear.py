@@ -86,7 +86,7 @@ class Linear(Sharded, BlockBacked):
         self.set_activation_quant(self.activation_quant)
 
     def set_activation_quant(self, mode: str) -> None:
-        """"int8": x quantized to int8 per block of 32 when the blocks are Q4_1 / Q8_0 (small logit
+        """"int8": x quantized to int8 per block of 32 when the int8 kernels read the blocks (small logit
         changes, faster at decode sizes); "none": fp32 activations, exact."""
         if mode not in ACTIVATION_QUANTS:
             raise ValueError(f"activation_quant {mode!r}: use one of {', '.join(ACTIVATION_QUANTS)}")
@@ -102,7 +102,7 @@ class Linear(Sharded, BlockBacked):
         """The most rows int8 activations take with these blocks under `mode`. An int8 variant that
         beats oneDNN's fp32 GEMM at prefill sizes too takes every row count (docs/kernel-notes.md);
         the others stop where the block kernel does."""
-        if mode != "int8" or blocks is None or blocks.gguf_type not in (kernels.Q4_1, kernels.Q8_0):
+        if mode != "int8" or blocks is None or blocks.gguf_type not in kernels.INT8_TYPES:
             return 0
         return ALL_ROWS if kernels.int8_beats_gemm() else self._max_m
 

@@ -2,10 +2,10 @@
 llama.cpp stores llama q/k rows permuted for its rope; we undo that so one model code path
 serves GGUF and HF checkpoints alike.
 
-2-D weights in a format the block kernels read (Q4_1, Q8_0, BF16, F16) come as their raw blocks,
+2-D weights in a format the block kernels read (Q4_0, Q4_1, Q8_0, BF16, F16) come as their raw blocks,
 permuted the same way, on an unread (meta) tensor (`loader.weights.with_blocks`): the Linear layers
 compute from the blocks, and the loader dequantizes them only where a module keeps fp32 values.
-For a model served with int8 activations, other quantized 2-D weights (Q4_0, Q4_K, Q6_K, ...) come
+For a model served with int8 activations, other quantized 2-D weights (Q4_K, Q6_K, Q5_0, ...) come
 as blocks the int8 kernels read (loader/gguf_int8.py). Other tensors (norms, and every other type
 when the activations stay fp32) come dequantized to fp32 by gguf-py."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from sparkserve.config import ModelConfig
 from sparkserve.kernels.blocks import BlockWeight
 from sparkserve.loader.gguf_file import GGUFFile, close_gguf, gguf_metadata, open_gguf
-from sparkserve.loader.gguf_int8 import group_form, int8_blocks, int8_form
+from sparkserve.loader.gguf_int8 import group_form, int8_blocks, int8_form, type_name
 from sparkserve.loader.weights import with_blocks
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,7 @@ def gguf_weights(path: str, cfg: ModelConfig, names: set[str] | None = None, for
     permuted = gguf_metadata(path)["general.architecture"] == "llama"
     forms = _int8_forms(reader) if for_int8 else {}
     if forms and names is None:
-        name = lambda t: gguf.GGMLQuantizationType(t).name   # noqa: E731
-        kinds = Counter(f"{name(int(t.tensor_type))} -> {name(forms[t.name])}"
+        kinds = Counter(f"{type_name(int(t.tensor_type))} -> {type_name(forms[t.name])}"
                         for t in reader.tensors if t.name in forms)
         log.info("GGUF weights held for the int8 kernels: %s",
                  ", ".join(f"{k} x {n}" for k, n in kinds.items()))

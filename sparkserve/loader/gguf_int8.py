@@ -1,15 +1,20 @@
 """GGUF quant types the int8 kernels do not read, held in ones they do.
 
-Most GGUF files people download are not Q4_1 / Q8_0 throughout: a "Q4_K_M" file holds Q4_K and
-Q6_K tensors, a "Q4_0" one Q4_0 layers beside a Q6_K or Q8_0 embedding. Dequantized to fp32 those
-would take 5-7x their bytes and run on fp32 GEMV. Served with int8 activations they are instead
+Most GGUF files people download are not Q4_0 / Q4_1 / Q8_0 throughout: a "Q4_K_M" file holds Q4_K
+and Q6_K tensors, a "Q4_0" one Q4_0 layers beside a Q6_K or Q8_0 embedding. Dequantized to fp32
+those would take 5-7x their bytes and run on fp32 GEMV. Served with int8 activations they are instead
 turned into blocks the int8 kernels read, once, at load:
-- Q4_0 -> Q4_1, exactly: the same nibbles, m = -8 d.
+- Q4_0 stays Q4_0, which they read too (and -> Q4_1, exactly, the same nibbles with m = -8 d,
+  beside Q4_1 tensors in a fused projection).
 - Q4_K -> Q4_1 per sub-block of 32: the same nibbles, d = d_K * scale and m = -dmin * min rounded
   to fp16, by at most 2^-11 of themselves: under 1/32 of d_K (dmin), the step Q4_K itself rounds
   its 6-bit scales (mins) to. A weight moves by at most 2^-11 (|w - m| + |m|).
-- Q5_0 -> Q8_0, exactly: its 5-bit values minus 16 are int8 values of the same d.
-- anything else quantized (Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, IQ*, ...) -> Q8_0, requantized from
+- Q6_K -> Q6_S (kernels/blocks.py), exactly: the same 6-bit values and int8 scales of 16, in
+  blocks of 32 that each repeat the super-block's d (7 bits a weight against Q6_K's 6.56 and
+  Q8_0's 8.5).
+- Q5_0 -> Q6_S, exactly: its 5-bit values plus 16, scales 1 (and -> Q8_0, exactly, its values
+  minus 16 as int8, where a fused projection's other tensors go to Q8_0).
+- anything else quantized (Q5_1, Q5_K, Q2_K, Q3_K, IQ*, ...) -> Q8_0, requantized from
   gguf-py's fp32 values: an 8-bit grid over values that had at most 6 bits.
 The converted blocks are then the model's weights (their dequantization is the fp32 value
 wherever one is kept), as for a file that held them. F32 / F16 / BF16 tensors are left to the
@@ -19,30 +24,45 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from sparkserve.kernels.blocks import Q4_1, Q8_0, BlockWeight
+from sparkserve.kernels.blocks import BLOCK_BYTES, Q4_0, Q4_1, Q6_S, Q8_0, BlockWeight
 
-Q4_0, Q4_K, Q5_0 = (int(gguf.GGMLQuantizationType.Q4_0), int(gguf.GGMLQuantizationType.Q4_K),
-                    int(gguf.GGMLQuantizationType.Q5_0))
+Q4_K, Q5_0, Q6_K = (int(gguf.GGMLQuantizationType.Q4_K), int(gguf.GGMLQuantizationType.Q5_0),
+                    int(gguf.GGMLQuantizationType.Q6_K))
 _UNQUANTIZED = {int(gguf.GGMLQuantizationType.F32), int(gguf.GGMLQuantizationType.F16),
                 int(gguf.GGMLQuantizationType.BF16), int(gguf.GGMLQuantizationType.F64)}
 
 
+# The forms each quantized type is held in without changing its values (Q4_K: within fp16's
+# rounding of its scales), smallest first. Any type can go to Q8_0, requantized where not listed.
+_FORMS = {Q4_0: (Q4_0, Q4_1), Q4_1: (Q4_1,), Q4_K: (Q4_1,), Q5_0: (Q6_S, Q8_0), Q6_K: (Q6_S,),
+          Q8_0: (Q8_0,)}
+
+
+def _forms(qtype: int) -> tuple[int, ...]:
+    return _FORMS.get(qtype, (Q8_0,))
+
+
 def int8_form(qtype: int) -> int | None:
     """The int8 kernels' block type a GGUF tensor of `qtype` is held in; None for one kept as it
-    is (Q4_1 / Q8_0, which they read, and unquantized types)."""
-    if qtype in (Q4_1, Q8_0) or qtype in _UNQUANTIZED:
+    is (a type they read, or an unquantized one)."""
+    if qtype in _UNQUANTIZED or _forms(qtype)[0] == qtype:
         return None
-    return Q4_1 if qtype in (Q4_0, Q4_K) else Q8_0
+    return _forms(qtype)[0]
+
+
+def type_name(qtype: int) -> str:
+    """A GGUF type's name, or a form's that is not one (Q6_S)."""
+    return "Q6_S" if qtype == Q6_S else gguf.GGMLQuantizationType(qtype).name
 
 
 def group_form(qtypes: list[int]) -> int | None:
     """One form for tensors fused into one projection (q|k|v, gate|up), which the kernels run as
-    one block weight of one type: the common form, else Q8_0 when they would differ. None when
-    one of them is unquantized (the fused weight then stays fp32, exact)."""
+    one block weight of one type: the smallest form that holds each of them as its own does, else
+    Q8_0. None when one of them is unquantized (the fused weight then stays fp32, exact)."""
     if any(t in _UNQUANTIZED for t in qtypes):
         return None
-    forms = {int8_form(t) or t for t in qtypes}
-    return forms.pop() if len(forms) == 1 else Q8_0
+    common = set.intersection(*(set(_forms(t)) for t in qtypes))
+    return min(common, key=BLOCK_BYTES.__getitem__) if common else Q8_0
 
 
 def int8_blocks(qtype: int, data: np.ndarray, shape: tuple[int, int], form: int) -> BlockWeight:
@@ -57,6 +77,9 @@ def int8_blocks(qtype: int, data: np.ndarray, shape: tuple[int, int], form: int)
             return BlockWeight.from_numpy(Q4_1, converted, shape)
     if form == Q8_0 and qtype == Q5_0:
         return BlockWeight.from_numpy(Q8_0, _q5_0_as_q8_0(raw), shape)
+    if form == Q6_S and qtype in (Q5_0, Q6_K):
+        converted = _q5_0_as_q6_s(raw) if qtype == Q5_0 else _q6_k_as_q6_s(raw)
+        return BlockWeight.from_numpy(Q6_S, converted, shape)
     values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).reshape(n, k)
     return BlockWeight.from_numpy(Q8_0, gguf.quants.quantize(
         np.ascontiguousarray(values, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0), shape)
@@ -82,15 +105,37 @@ def _q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
     return None if q is None else q.reshape(n, -1)
 
 
-def _q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
-    """Q5_0 (fp16 d, 32 high bits, 16 nibble bytes; w = d (q - 16)) rows as Q8_0 rows (fp16 d, 32
-    int8; w = d q): the same d, q - 16 as the int8 value, exact."""
+def _q5_0_values(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_0 rows (fp16 d, 32 high bits, 16 nibble bytes; w = d (q - 16)) -> the d bytes [n, nb, 2]
+    and q [n, nb, 32] (0..31)."""
     n = raw.shape[0]
     b = raw.reshape(n, -1, 22)
     high = (b[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1     # [n, nb, 32]
     low = np.concatenate([b[..., 6:] & 0x0F, b[..., 6:] >> 4], axis=-1)              # elements 0..15, 16..31
-    q = ((low | (high.astype(np.uint8) << 4)).astype(np.int16) - 16).astype(np.int8)
-    return np.concatenate([b[..., :2], q.view(np.uint8)], axis=-1).reshape(n, -1)
+    return b[..., :2], low | (high.astype(np.uint8) << 4)
+
+
+def _q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 rows as Q8_0 rows (fp16 d, 32 int8; w = d q): the same d, q - 16 as the int8 value."""
+    d, q = _q5_0_values(raw)
+    q8 = (q.astype(np.int16) - 16).astype(np.int8)
+    return np.concatenate([d, q8.view(np.uint8)], axis=-1).reshape(raw.shape[0], -1)
+
+
+def _q5_0_as_q6_s(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 rows as Q6_S rows: the same d, scales 1, u = q + 16 (w = d (u - 32))."""
+    d, q = _q5_0_values(raw)
+    ones = np.ones((*q.shape[:-1], 2), dtype=np.uint8)
+    return _q6_s(d, ones, q + 16).reshape(raw.shape[0], -1)
+
+
+def _q6_s(d: np.ndarray, scales: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Q6_S blocks [..., 28] from the fp16 d bytes [..., 2], the int8 scale bytes [..., 2] and u
+    [..., 32] (0..63); in the high bytes, bits 2k of byte 4c + j hold element 16c + 4k + j's."""
+    nibbles = (u[..., :16] & 0x0F) | ((u[..., 16:] & 0x0F) << 4)
+    pairs = (u >> 4).reshape(*u.shape[:-1], 2, 4, 4) << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    high = np.bitwise_or.reduce(pairs, axis=-2).reshape(*u.shape[:-1], 8)
+    return np.concatenate([d, scales, nibbles, high], axis=-1).astype(np.uint8)
 
 
 def _q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
@@ -110,3 +155,20 @@ def _q4_k_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
     q = (qs & 0x0F).reshape(-1, 8, 32)
     q4_1 = _q4_1(scale, offset, q[..., :16] | (q[..., 16:] << 4))
     return None if q4_1 is None else q4_1.reshape(n, -1)
+
+
+def _q6_k_as_q6_s(raw: np.ndarray) -> np.ndarray:
+    """Q6_K rows (super-blocks of 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+    scales of 16 elements, fp16 d; w = d sc_i (u - 32)) as Q6_S rows, exact: per sub-block j of 32
+    the same d, scales 2j and 2j + 1, and the same u."""
+    n = raw.shape[0]
+    b = raw.reshape(-1, 210)
+    s = b.shape[0]
+    # gguf-py's Q6_K element order: low nibbles of bytes h*64 + i are elements 128h + i (low) and
+    # 128h + 64 + i (high); bits 2t of qh byte h*32 + i belong to element 128h + 32t + i.
+    shifts = np.arange(0, 8, 2, dtype=np.uint8)
+    low = (b[:, :128].reshape(s, 2, 1, 64) >> shifts[[0, 2]].reshape(1, 1, 2, 1)) & 0x0F
+    high = (b[:, 128:192].reshape(s, 2, 1, 32) >> shifts.reshape(1, 1, 4, 1)) & 3
+    u = (low.reshape(s, 256) | (high.reshape(s, 256) << 4)).reshape(s, 8, 32)
+    d = np.broadcast_to(b[:, 208:210].reshape(s, 1, 2), (s, 8, 2))
+    return _q6_s(d, b[:, 192:208].reshape(s, 8, 2), u).reshape(n, -1)

@@ -1,5 +1,5 @@
-"""GGUF quant types the int8 kernels do not read (Q4_0, Q4_K, Q5_*, Q6_K, Q2_K, Q3_K) held in ones
-they do (loader/gguf_int8.py), checked against gguf-py's own dequantization: block by block for
+"""GGUF quant types the int8 kernels do not read (Q4_K, Q5_*, Q6_K, Q2_K, Q3_K) held in ones they
+do (loader/gguf_int8.py), checked against gguf-py's own dequantization: block by block for
 each type, and a SmolLM2 file re-encoded into a Q4_K_M-like mix served with int8 activations
 against the same file's exact fp32 weights."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from int8_fixtures import assert_int8_close, chunked_logits
 
-from sparkserve.kernels.blocks import Q4_1, Q8_0
+from sparkserve.kernels.blocks import BLOCK_BYTES, Q4_1, Q6_S, Q8_0
 from sparkserve.loader.gguf_int8 import Q4_0, Q4_K, group_form, int8_blocks, int8_form
 
 T = gguf.GGMLQuantizationType
@@ -57,6 +57,31 @@ def encode_q4_k(w: np.ndarray) -> np.ndarray:
                           axis=1).reshape(n, -1)
 
 
+def encode_q6_k(w: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [n, k / 256 * 210] of fp32 [n, k]: per 16 elements an int8 scale of the
+    super-block's fp16 d, values rounded onto it in [-32, 31] (a plain encoder; gguf-py has none)."""
+    n, k = w.shape
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    step = np.abs(x).max(-1) / 31
+    d = (step.max(-1) / 127).astype(np.float16)
+    d32 = np.where(d == 0, 1, d).astype(np.float32)
+    sc = np.clip(np.rint(step / d32[:, None]), 1, 127).astype(np.int8)
+    q = np.clip(np.rint(x / (sc * d32[:, None])[..., None]), -32, 31).astype(np.int16)
+    u = (q + 32).astype(np.uint8).reshape(-1, 256)
+    low, high = (u & 0x0F).reshape(-1, 2, 2, 64), (u >> 4).reshape(-1, 2, 4, 32)
+    ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)      # element 128h + 64s + i
+    qh = np.bitwise_or.reduce(high << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1), axis=2)
+    return np.concatenate([ql, qh.reshape(-1, 64), sc.view(np.uint8), d.reshape(-1, 1).view(np.uint8)],
+                          axis=1).reshape(n, -1)
+
+
+def test_q6_k_encoder_round_trips():
+    w = np.random.default_rng(5).standard_normal((8, 512)).astype(np.float32)
+    back = dequantized(T.Q6_K, encode_q6_k(w)).numpy()
+    step = np.abs(w).reshape(-1, 16).max(-1, keepdims=True) / 31
+    assert (np.abs(back - w).reshape(-1, 16) <= 0.6 * step + 1e-6).all()
+
+
 def test_q4_k_encoder_round_trips():
     """The test's own encoder writes what gguf-py reads back (within a 4-bit step)."""
     w = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32) * 0.05
@@ -65,11 +90,15 @@ def test_q4_k_encoder_round_trips():
     assert np.all(np.abs(back - w).reshape(-1, 32).max(-1) <= 0.6 * step + 1e-6)
 
 
-@pytest.mark.parametrize("qtype, form", [(T.Q4_0, Q4_1), (T.Q5_0, Q8_0)])
-def test_q4_0_and_q5_0_keep_their_values(qtype, form):
-    raw = random_blocks(qtype, 32, 256, np.random.default_rng(1))
-    b = int8_blocks(int(qtype), raw, (32, 256), int8_form(int(qtype)))
-    assert b.qtype == form
+@pytest.mark.parametrize("qtype, form", [(T.Q4_0, Q4_1), (T.Q5_0, Q6_S), (T.Q5_0, Q8_0), (T.Q6_K, Q6_S)])
+def test_exact_conversions_keep_their_values(qtype, form):
+    """Q4_0 as Q4_1 (beside Q4_1 tensors in a fused projection), Q5_0 as Q6_S (its own form) or
+    Q8_0 (beside Q8_0 tensors), Q6_K as Q6_S (its 6-bit values and int8 scales of 16 in blocks of
+    32): gguf-py's values exactly."""
+    raw = random_blocks(qtype, 48, 512, np.random.default_rng(1))
+    assert form == int8_form(int(qtype)) or (qtype, form) in ((T.Q5_0, Q8_0), (T.Q4_0, Q4_1))
+    b = int8_blocks(int(qtype), raw, (48, 512), form)
+    assert b.qtype == form and b.blocks.shape == (48, 16 * BLOCK_BYTES[form])
     assert torch.equal(b.dequantize(), dequantized(qtype, raw))
 
 
@@ -108,13 +137,13 @@ def test_q4_k_scales_beyond_fp16_take_q8_0():
 @pytest.mark.parametrize("qtype", [T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K, T.Q6_K, Q4_1])
 def test_other_types_become_q8_0_within_its_rounding(qtype):
     """Requantized from gguf-py's values: each within half a Q8_0 step of its block (fp16's rounding
-    of the step aside). Q4_1 is requantized only to join Q8_0 parts of a fused projection."""
+    of the step aside). Q4_1 and Q6_K are requantized only to join Q8_0 parts of a fused projection."""
     rng = np.random.default_rng(4)
     raw = (random_blocks(T(qtype), 16, 512, rng) if qtype != Q4_1 else
            gguf.quants.quantize(rng.standard_normal((16, 512)).astype(np.float32), T.Q4_1))
     ref = dequantized(T(qtype), raw)
     b = int8_blocks(int(qtype), raw, (16, 512), Q8_0)
-    assert b.qtype == Q8_0 and (qtype == Q4_1 or int8_form(int(qtype)) == Q8_0)
+    assert b.qtype == Q8_0 and (qtype in (Q4_1, T.Q6_K) or int8_form(int(qtype)) == Q8_0)
     err = (b.dequantize() - ref).abs().reshape(-1, 32).max(-1).values
     amax = ref.reshape(-1, 32).abs().max(-1).values
     assert (err <= amax / 254 + amax * 2 ** -10).all() and err.max() > 0
@@ -122,8 +151,11 @@ def test_other_types_become_q8_0_within_its_rounding(qtype):
 
 def test_kept_types_and_fused_forms():
     assert int8_form(Q4_1) is None and int8_form(Q8_0) is None and int8_form(int(T.F16)) is None
+    assert int8_form(Q4_0) is None and group_form([Q4_0, Q4_0]) == Q4_0
     assert group_form([Q4_K, Q4_K, Q4_0]) == Q4_1          # one form already
     assert group_form([Q4_K, Q4_K, int(T.Q6_K)]) == Q8_0   # Q4_K_M's q|k|v in some layers
+    assert group_form([int(T.Q6_K), int(T.Q5_0)]) == Q6_S   # both exact in it
+    assert group_form([int(T.Q5_0), Q8_0]) == Q8_0
     assert group_form([Q4_1, Q8_0]) == Q8_0
     assert group_form([Q4_K, int(T.F16)]) is None
 
@@ -144,7 +176,8 @@ def _rewrite(src: str, dst: str, encodings: dict[str, T]) -> None:
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        data = encode_q4_k(w) if new == T.Q4_K else gguf.quants.quantize(w, new)
+        encode = {T.Q4_K: encode_q4_k, T.Q6_K: encode_q6_k}.get(new, lambda w: gguf.quants.quantize(w, new))
+        data = encode(w)
         writer.add_tensor(t.name, data, raw_dtype=new)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
@@ -155,12 +188,13 @@ def mixed_gguf(smollm2_path, tmp_path_factory) -> str:
     """SmolLM2 in a mix of the types llama.cpp's K-quant presets write (Q4_K only where a row is a
     multiple of 256 wide: the down projections; the 576-wide ones take other types, as there):
     layer 0 Q4_0 q/k beside a Q5_1 v, Q5_0 gate/up, Q4_K down; layer 1 all Q4_0; layer 2 a Q4_0
-    gate beside the shipped Q4_1 up and a Q4_K down; a Q5_0 embedding (and tied LM head); the
-    other layers as shipped (Q4_1)."""
+    gate beside the shipped Q4_1 up and a Q4_K down; layer 3 a Q6_K down; a Q5_0 embedding (and
+    tied LM head); the other layers as shipped (Q4_1)."""
     path = str(tmp_path_factory.mktemp("kquant") / "smollm2-mixed.gguf")
     enc = {"token_embd.weight": T.Q5_0, "blk.0.attn_q.weight": T.Q4_0, "blk.0.attn_k.weight": T.Q4_0,
            "blk.0.attn_v.weight": T.Q5_1, "blk.0.ffn_gate.weight": T.Q5_0, "blk.0.ffn_up.weight": T.Q5_0,
-           "blk.0.ffn_down.weight": T.Q4_K, "blk.2.ffn_gate.weight": T.Q4_0, "blk.2.ffn_down.weight": T.Q4_K}
+           "blk.0.ffn_down.weight": T.Q4_K, "blk.2.ffn_gate.weight": T.Q4_0, "blk.2.ffn_down.weight": T.Q4_K,
+           "blk.3.ffn_down.weight": T.Q6_K}
     enc.update({f"blk.1.{p}.weight": T.Q4_0 for p in ("attn_q", "attn_k", "attn_v", "attn_output",
                                                       "ffn_gate", "ffn_up", "ffn_down")})
     _rewrite(smollm2_path, path, enc)
@@ -169,19 +203,21 @@ def mixed_gguf(smollm2_path, tmp_path_factory) -> str:
 
 @torch.no_grad()
 def test_mixed_gguf_runs_on_the_int8_kernels(mixed_gguf):
-    """Served with int8 activations, every projection of the mixed file is held as packed Q4_1 /
-    Q8_0 blocks (no fp32 weight), of the form its types give; layer 1's Q4_0 weights and the Q5_0
-    embedding are the file's values exactly, layer 2's Q4_K ones within fp16's rounding of their
+    """Served with int8 activations, every projection of the mixed file is held as packed blocks of
+    a type the int8 kernels read (no fp32 weight), of the form its types give; layer 1's Q4_0 weights, layer
+    3's Q6_K ones and the Q5_0 embedding are the file's values exactly, layer 2's Q4_K ones within
+    fp16's rounding of their
     scales; and the model's logits stay within the int8 tolerance of the same file's exact fp32
     weights (int8_fixtures)."""
     from sparkserve.frontend.tokenizer import load_tokenizer
     from sparkserve.models.registry import load_model
     i8 = load_model(mixed_gguf, activation_quant="int8")
     l0, l1 = i8.model.layers[0], i8.model.layers[1]
-    l2 = i8.model.layers[2]
-    forms = {l0.self_attn.qkv_proj: Q8_0, l0.mlp.gate_up_proj: Q8_0, l0.mlp.down_proj: Q4_1,
-             l1.self_attn.qkv_proj: Q4_1, l1.self_attn.o_proj: Q4_1, l1.mlp.down_proj: Q4_1,
-             l2.mlp.gate_up_proj: Q4_1, l2.mlp.down_proj: Q4_1, i8.lm_head: Q8_0, i8.model.embed_tokens: Q8_0}
+    l2, l3 = i8.model.layers[2], i8.model.layers[3]
+    forms = {l0.self_attn.qkv_proj: Q8_0, l0.mlp.gate_up_proj: Q6_S, l0.mlp.down_proj: Q4_1,
+             l1.self_attn.qkv_proj: Q4_0, l1.self_attn.o_proj: Q4_0, l1.mlp.down_proj: Q4_0,
+             l2.mlp.gate_up_proj: Q4_1, l2.mlp.down_proj: Q4_1, l3.mlp.down_proj: Q6_S, i8.lm_head: Q6_S,
+             i8.model.embed_tokens: Q6_S}
     for m, form in forms.items():
         assert m.held_blocks.gguf_type == form and m.held_blocks.is_packed and m.weight.is_meta
     assert i8.checkpoint_for_int8
@@ -189,6 +225,8 @@ def test_mixed_gguf_runs_on_the_int8_kernels(mixed_gguf):
     raw = {t.name: t for t in reader.tensors}
     down = raw["blk.1.ffn_down.weight"]
     assert torch.equal(l1.mlp.down_proj.held_blocks.dequantize(), dequantized(T.Q4_0, down.data))
+    down = raw["blk.3.ffn_down.weight"]
+    assert torch.equal(l3.mlp.down_proj.held_blocks.dequantize(), dequantized(T.Q6_K, down.data))
     embed = raw["token_embd.weight"]
     assert torch.equal(i8.model.embed_tokens.held_blocks.dequantize(), dequantized(T.Q5_0, embed.data))
     down = raw["blk.2.ffn_down.weight"]

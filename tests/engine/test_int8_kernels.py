@@ -1,5 +1,5 @@
 """Int8 activations (sparkserve.kernels.quant_linear_int8): x quantized per block of 32 to int8 and
-integer dot products against Q4_1 / Q8_0 blocks, on CPU variants chosen at run time.
+integer dot products against Q4_0 / Q4_1 / Q8_0 / Q6_S blocks, on CPU variants chosen at run time.
 
 Each variant this CPU runs must match the torch reference of the same quantization and integer dot
 (sparkserve/kernels/int8_ref.py) to fp32 rounding, and stay close to the fp32 product on the
@@ -19,12 +19,13 @@ from int8_fixtures import assert_int8_close, chunked_logits
 from test_quant_kernels import REPO, random_blocks
 
 from sparkserve import kernels
-from sparkserve.kernels import BF16, Q4_1, Q8_0, int8_ref
+from sparkserve.kernels import BF16, Q4_0, Q4_1, Q6_S, Q8_0, int8_ref
 from sparkserve.layers import linear as linear_mod
 from sparkserve.layers.block_backed import set_activation_quant
 from sparkserve.layers.linear import Linear
 
 VARIANTS = ("avx2", "avxvnni", "avx512", "amx", "avx512vnni")     # the dispatcher's order is the reverse
+INT8_QTYPES, INT8_IDS = [Q4_0, Q4_1, Q8_0, Q6_S], ["Q4_0", "Q4_1", "Q8_0", "Q6_S"]
 EMULATED = "amx_emulated"       # the AMX kernel on software tiles: tests only, on CPUs with AVX-512 VNNI
 # /proc/cpuinfo flags each variant needs
 _VNNI512 = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
@@ -64,7 +65,7 @@ def test_runnable_variants_follow_the_cpu():
 
 
 @pytest.mark.parametrize("variant", [*VARIANTS, EMULATED])
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", INT8_QTYPES, ids=INT8_IDS)
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (33, 576), (61, 1536)])
 def test_variant_matches_reference(variant, qtype, n, k):
     """Every M scheme (1, a partial tile, a full tile, one and a half tile pairs, a pair + 1,
@@ -136,7 +137,7 @@ def test_packed_copies_go_with_their_weights():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", INT8_QTYPES, ids=INT8_IDS)
 def test_blocks_held_packed_compute_as_the_gguf_ones(qtype):
     """A weight packed in place (BlockWeight.packed: the int8 kernels' layout, same shape and size)
     gives every variant the same outputs bit for bit as its GGUF blocks, with no packed copy made;
@@ -262,7 +263,7 @@ def test_env_switches_variants_off_in_order():
         assert res["any_m"] == (want in ("amx", "avx512vnni", "avx512") or ymm_wins), (off, capped, res)
 
 
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", INT8_QTYPES, ids=INT8_IDS)
 def test_amx_kernel_equals_vnni_bit_for_bit(qtype):
     """The AMX kernel (on the CPU's tiles where it has AMX, and on software tiles wherever AVX-512
     VNNI runs) gives the AVX-512 VNNI kernel's results bit for bit at every row count: each tile
@@ -293,7 +294,7 @@ def _layer(qtype: int, n: int = 48, k: int = 64) -> Linear:
     return lin
 
 
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", INT8_QTYPES, ids=INT8_IDS)
 def test_linear_activation_modes(qtype):
     """"none" is the exact fp32 kernel at every M it takes; "int8" is the int8 kernel at every M
     the block kernel takes, and past it too where the variant beats oneDNN (int8_beats_gemm), each
@@ -366,7 +367,7 @@ def test_int8_layer_lets_its_fp32_weight_go():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, BF16], ids=["Q4_1", "Q8_0", "BF16"])
+@pytest.mark.parametrize("qtype", [*INT8_QTYPES, BF16], ids=[*INT8_IDS, "BF16"])
 def test_int8_embedding_looks_rows_up_in_its_blocks(qtype):
     """Served quantized, the embedding holds no fp32 table and looks rows up in its blocks (the C++
     row expansion, or torch's without the kernels): the same values bit for bit, for any id shape;

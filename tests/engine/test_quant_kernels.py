@@ -1,4 +1,5 @@
-"""The C++ block kernels (sparkserve.kernels): y = x @ W.T straight from Q4_1 / Q8_0 / BF16 / F16 blocks.
+"""The C++ block kernels (sparkserve.kernels): y = x @ W.T straight from Q4_0 / Q4_1 / Q8_0 / Q6_S / BF16
+/ F16 blocks.
 
 They must compute on exactly the values gguf-py's `dequantize` gives (checked bit for bit on the
 embedded GGUF) and differ from F.linear on the dequantized weight only by summation order; the
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkserve import kernels
-from sparkserve.kernels import BF16, BLOCK_BYTES, F16, Q4_1, Q8_0, BlockWeight
+from sparkserve.kernels import BF16, BLOCK_BYTES, F16, Q4_0, Q4_1, Q6_S, Q8_0, BlockWeight
 from sparkserve.layers import linear as linear_mod
 from sparkserve.layers.linear import FusedLinear, Linear
 from sparkserve.loader.gguf_file import open_gguf
@@ -49,6 +50,8 @@ def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> BlockWeight:
     if qtype == Q4_1:
         m = (torch.randn(n, nb, generator=g) * 0.1).to(torch.float16)
         b[..., 2:4] = m.view(torch.uint8).view(n, nb, 2)
+    if qtype == Q6_S:        # weights d * scale * (u - 32): keep d * scale around 0.02 / 32
+        b[..., 0:2] = (d / 2048).view(torch.uint8).view(n, nb, 2)
     return BlockWeight(qtype, b.view(n, -1), k)
 
 
@@ -62,7 +65,8 @@ def assert_close_to_linear(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bi
 # M covers both schemes of quant_linear (register expansion below 8 rows, expanded panels from 8)
 # and every mix of 4- and 3-row x tiles; N every tail of a 3-row panel; K one chunk, several, and
 # a last chunk of a single block (800 = 768 + 32).
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, BF16, F16], ids=["Q4_1", "Q8_0", "BF16", "F16"])
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0, Q6_S, BF16, F16],
+                         ids=["Q4_0", "Q4_1", "Q8_0", "Q6_S", "BF16", "F16"])
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (33, 96), (257, 576), (61, 1536), (5, 800)])
 def test_kernel_matches_linear_on_dequantized_weight(qtype, n, k):
     w = random_blocks(qtype, n, k, seed=n + k)
@@ -83,7 +87,7 @@ def test_kernel_matches_linear_on_dequantized_weight(qtype, n, k):
 def test_linears_are_torch_operators():
     """torch.ops.sparkserve.* (what a compiled graph calls) run the same kernels as the bindings."""
     g = torch.Generator().manual_seed(2)
-    for qtype in (Q4_1, Q8_0):
+    for qtype in (Q4_0, Q4_1, Q8_0, Q6_S):
         w = random_blocks(qtype, 40, 96, seed=qtype)
         x, bias = torch.randn(3, 96, generator=g), torch.randn(40, generator=g)
         assert torch.equal(torch.ops.sparkserve.quant_linear(x, w.blocks, w.qtype, bias),
