@@ -110,7 +110,7 @@ class ServerArgs:
         "waiting requests beyond which new ones get 503 (default: no limit)", server_only=True))
     # runtime
     activation_quant: str = field(default="int8", metadata=_opt(
-        "activations of layers with Q4_1 / Q8_0 (GGUF) weights on CPU: int8 (default, as llama.cpp and "
+        "activations of layers with quantized (GGUF) weights on CPU: int8 (default, as llama.cpp and "
         "vLLM's GGUF kernels) quantizes them per block of 32 for integer dot products (several times "
         "faster; logits move slightly, perplexity +0.3-1.0%% on SmolLM2: docs/kernel-notes.md); none "
         "keeps fp32 activations (exact). Other weights always run fp32 activations",

@@ -1,4 +1,4 @@
-"""BlockBacked: a module whose fp32 `weight` came from checkpoint blocks (GGUF Q4_1 / Q8_0, half
+"""BlockBacked: a module whose fp32 `weight` came from checkpoint blocks (quantized GGUF, half
 types) that it keeps beside it. Served quantized (--activation-quant int8), such a module reads
 the blocks only, so the fp32 copy can go: a meta tensor of the same shape stands in for it, and
 `dense_weight()` rebuilds the values for the rare reader (a draft copying the target's LM head,

@@ -4,14 +4,14 @@ Fused projections (q|k|v, gate|up) cut the number of GEMV calls per decode step.
 reorders a weight into oneDNN's blocked layout once at load time, which runs fp32 GEMV and
 small-M GEMM (verify, batched decode) faster than `F.linear`.
 
-A layer loaded from GGUF blocks (Q4_1, Q8_0) or bf16 also keeps those blocks (`set_blocks`):
+A layer loaded from GGUF blocks (Q4_0, Q4_1, Q8_0, Q6_S) or bf16 also keeps those blocks (`set_blocks`):
 for up to QUANT_MAX_M rows (decode, batched decode, verify blocks) the C++ kernel in
 sparkserve.kernels reads them directly — 5-6x fewer bytes than fp32 for Q4_1 — and computes
 in fp32 on exactly the dequantized values. Larger M (prefill) and anything with autograd keep
 the fp32 weight (oneDNN).
 
-`set_activation_quant("int8")` (the engine's default --activation-quant, applied by load_model) lets Q4_1 /
-Q8_0 layers quantize x to int8 per block of 32 and use integer dot products (llama.cpp's scheme)
+`set_activation_quant("int8")` (the engine's default --activation-quant, applied by load_model) lets layers
+with quantized blocks quantize x to int8 per block of 32 and use integer dot products (llama.cpp's scheme)
 at every M the block kernel takes (every M at all where the int8 variant is faster than oneDNN
 at prefill sizes, `kernels.int8_beats_gemm()`); "none" (the default of a bare Linear) keeps the
 fp32-exact kernel. Int8 is used for all those M, not only where it is fastest: a row's int8

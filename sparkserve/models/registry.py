@@ -58,7 +58,7 @@ def checkpoint_weights(model_path: str, cfg: ModelConfig, names: set[str] | None
 def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = True,
                activation_quant: str = "none", device: torch.device = torch.device("cpu"),
                huge_pages: bool = False) -> nn.Module:
-    """`activation_quant`: "int8" lets layers with Q4_1 / Q8_0 blocks run int8 activations at small
+    """`activation_quant`: "int8" lets layers with quantized blocks run int8 activations at small
     M (the engine's default, --activation-quant); "none" keeps fp32 activations (exact). Off the
     CPU the model runs torch's kernels on fp32 weights (`to_device`): no blocks, no int8.
     `huge_pages`: hold the CPU weights in 2 MiB pages (mem/huge_pages.py; the engine's default)."""
