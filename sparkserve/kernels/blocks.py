@@ -13,10 +13,11 @@ Formats (ggml's, as gguf-py dequantizes them), 32 weights per block:
                  4c + j, bits 2k); w = (d * scale) * (u - 32), Q6_K's values exactly.
 Row operations (q|k|v concatenation, llama.cpp's q/k rope permutation) act on whole block rows.
 
-Served with int8 activations, Q4_0 / Q4_1 / Q8_0 / Q6_S weights are held in the layout the int8
-kernels read (`packed()`: Q4_0_X16 / ..., groups of 16 output rows, kernels/int8_common.h)
-instead of the GGUF one, as ggml's CPU backend repacks its weights: the same bytes in another order, so the
-model's weights are held once. `unpacked()` gives the GGUF form back."""
+Served with int8 activations, Q4_0 / Q4_1 / Q8_0 / Q6_S weights (INT8_TYPES) are held in the
+layout the int8 kernels read (`packed()`: Q4_0_X16 / ..., groups of 16 output rows,
+kernels/int8_common.h) instead of the block one, as ggml's CPU backend repacks its weights: the
+same bytes in another order, so the model's weights are held once. `unpacked()` gives the block
+form back."""
 from __future__ import annotations
 
 import weakref

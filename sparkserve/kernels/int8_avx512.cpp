@@ -32,9 +32,11 @@ struct MaddubsZmm {
   // half a Q6_S block (u at most 63: two pairs add up in int16, then one madd)
   static __m512i dot16(const __m512i w[4], const int8_t* xr, __m512i start) {
     const __m512i ones = _mm512_set1_epi16(1);
-    const __m512i s01 = _mm512_add_epi16(_mm512_maddubs_epi16(w[0], bcast4(xr)), _mm512_maddubs_epi16(w[1], bcast4(xr + 4)));
-    const __m512i s23 =
-        _mm512_add_epi16(_mm512_maddubs_epi16(w[2], bcast4(xr + 8)), _mm512_maddubs_epi16(w[3], bcast4(xr + 12)));
+    const auto pair = [&](int g) {   // inputs 4g..4g+7
+      return _mm512_add_epi16(_mm512_maddubs_epi16(w[g], bcast4(xr + 4 * g)),
+                              _mm512_maddubs_epi16(w[g + 1], bcast4(xr + 4 * g + 4)));
+    };
+    const __m512i s01 = pair(0), s23 = pair(2);
     return _mm512_add_epi32(start, _mm512_add_epi32(_mm512_madd_epi16(s01, ones), _mm512_madd_epi16(s23, ones)));
   }
 };

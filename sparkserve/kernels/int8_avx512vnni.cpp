@@ -27,8 +27,10 @@ struct VnniZmm {
   // half a Q6_S block: inputs 0..15 of w[0..3]
   static __m512i dot16(const __m512i w[4], const int8_t* xr, __m512i start) {
     __m512i a0 = start, a1 = _mm512_setzero_si512();
-    a0 = dot4(a0, w[0], xr), a1 = dot4(a1, w[1], xr + 4);
-    a0 = dot4(a0, w[2], xr + 8), a1 = dot4(a1, w[3], xr + 12);
+    for (int g = 0; g < 4; g += 2) {
+      a0 = dot4(a0, w[g], xr + 4 * g);
+      a1 = dot4(a1, w[g + 1], xr + 4 * g + 4);
+    }
     return _mm512_add_epi32(a0, a1);
   }
 };

@@ -20,8 +20,10 @@ struct PackedIsa {
   // half a Q6_S block: inputs 0..15 of w[0..3]
   static __m256i dot16(const __m256i w[4], const int8_t* xr, __m256i start) {
     __m256i a0 = start, a1 = _mm256_setzero_si256();
-    a0 = _mm256_dpbusd_avx_epi32(a0, w[0], bcast4(xr)), a1 = _mm256_dpbusd_avx_epi32(a1, w[1], bcast4(xr + 4));
-    a0 = _mm256_dpbusd_avx_epi32(a0, w[2], bcast4(xr + 8)), a1 = _mm256_dpbusd_avx_epi32(a1, w[3], bcast4(xr + 12));
+    for (int g = 0; g < 4; g += 2) {
+      a0 = _mm256_dpbusd_avx_epi32(a0, w[g], bcast4(xr + 4 * g));
+      a1 = _mm256_dpbusd_avx_epi32(a1, w[g + 1], bcast4(xr + 4 * g + 4));
+    }
     return _mm256_add_epi32(a0, a1);
   }
 };

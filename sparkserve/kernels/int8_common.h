@@ -52,7 +52,8 @@ constexpr int64_t packed_record_bytes(int qtype) {
 }
 constexpr int packed_m_at = 32;                                            // Q4_1's m, after d
 constexpr int packed_sc_at = 32;                                           // Q6_S's sc_a, after d
-constexpr int packed_quants_at(int qtype) { return qtype == kQ4_1 || qtype == kQ6_S ? 64 : 32; }   // the first chunk
+// the first chunk: after d, and Q4_1's m or Q6_S's scales
+constexpr int packed_quants_at(int qtype) { return qtype == kQ4_1 || qtype == kQ6_S ? 64 : 32; }
 
 // Packed weights held in place of their blocks (kernels/blocks.py's Q4_0_X16, Q4_1_X16, Q8_0_X16,
 // Q6_S_X16), as ggml's CPU backend holds its repacked types: the layout above with N a multiple of
@@ -65,13 +66,29 @@ constexpr bool is_packed_type(int qtype) { return qtype > kPackedOffset && int8_
 // The block type a packed type holds (2 Q4_0, 3 Q4_1, 8 Q8_0, 114 Q6_S); any other type is its own.
 constexpr int gguf_type_of(int qtype) { return is_packed_type(qtype) ? qtype - kPackedOffset : qtype; }
 
+template <int QT>
+struct TypeTag {
+  static constexpr int value = QT;
+};
+
+// f(TypeTag<QT>{}) for qtype, one of the block types the int8 variants read (int8_reads).
+template <class F>
+inline void with_int8_type(int qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_0: f(TypeTag<kQ4_0>{}); break;
+    case kQ4_1: f(TypeTag<kQ4_1>{}); break;
+    case kQ6_S: f(TypeTag<kQ6_S>{}); break;
+    default: f(TypeTag<kQ8_0>{}); break;
+  }
+}
+
 // Where a block dot of type QT starts, to cancel its weights' offset: -128 * sum(q_x) for Q8_0's
 // +128 (xn), -8 * sum(q_x) for Q4_0's +8, nothing for Q4_1 (its m term does it).
 template <int QT>
 constexpr int32_t dot_start(int32_t xn) { return QT == kQ4_1 ? 0 : QT == kQ4_0 ? xn / 16 : xn; }
 
 // The weight vectors of one packed record for a block dot: w[g] holds inputs 4g..4g+3 of each row
-// (g < 8), as Q4_1 nibbles (chunk i's low nibbles are inputs 4i.., its high nibbles 16 + 4i..), or
+// (g < 8), as Q4_0 / Q4_1 nibbles (chunk i's low nibbles are inputs 4i.., its high nibbles 16 + 4i..), or
 // as Isa::unpack_q8_0(chunk g, w[g], w[8 + g]) makes them of Q8_0 bytes (q + 128), in the form the
 // variant's dot wants. load(i) reads chunk i, lo / hi take a vector's low / high nibbles.
 //   Q6_S (unpack_q6): w[g] holds u of inputs 4g..4g+3 (0..63), the low nibble from chunk g % 4

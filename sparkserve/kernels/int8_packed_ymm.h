@@ -14,15 +14,14 @@ namespace {
 
 using sparkserve::int8::dot_start;
 using sparkserve::int8::kGroupRows;
-using sparkserve::int8::kQ4_0;
+using sparkserve::int8::kQ4_1;
+using sparkserve::int8::kQ6_S;
 using sparkserve::int8::kTile;
 using sparkserve::int8::packed_m_at;
 using sparkserve::int8::packed_quants_at;
 using sparkserve::int8::packed_record_bytes;
 using sparkserve::int8::QuantX;
 
-constexpr int kQ4_1p = 3;
-constexpr int kQ6_Sp = sparkserve::int8::kQ6_S;
 constexpr int kHalf = 8;          // output rows per ymm
 constexpr int kPass = 4;          // x rows per pass
 
@@ -39,7 +38,7 @@ inline void half_pass(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, in
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* rec = wg + blk * GB;
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
-    const __m256 mw = QT == kQ4_1p
+    const __m256 mw = QT == kQ4_1
         ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + packed_m_at + 16 * h)))
         : _mm256_setzero_ps();
     __m256i w[16];
@@ -53,7 +52,7 @@ inline void half_pass(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, in
       const __m256i start = _mm256_set1_epi32(dot_start<QT>(xn[i]));
       const __m256i p = Isa::template block_dot<QT>(w, xb + (m1 + m) * 32, start);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i])), acc[m]);
-      if (QT == kQ4_1p) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i]), acc[m]);
+      if (QT == kQ4_1) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i]), acc[m]);
     }
   }
 }
@@ -62,7 +61,7 @@ inline void half_pass(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, in
 template <class Isa, int MT>
 inline void half_pass_q6(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, int64_t mt, int64_t m1,
                          const float* xd, const int32_t* ha, const int32_t* hb, __m256 acc[MT]) {
-  constexpr int64_t GB = packed_record_bytes(kQ6_Sp);
+  constexpr int64_t GB = packed_record_bytes(kQ6_S);
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   for (int64_t blk = 0; blk < nb; ++blk) {
@@ -74,7 +73,8 @@ inline void half_pass_q6(const uint8_t* wg, int64_t nb, int h, const int8_t* xq,
     __m256i w[8];
     sparkserve::int8::unpack_q6<__m256i>(
         [&](int i) {
-          return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + packed_quants_at(kQ6_Sp) + 64 * i + 32 * h));
+          return _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(rec + packed_quants_at(kQ6_S) + 64 * i + 32 * h));
         },
         [&](__m256i v) { return _mm256_and_si256(v, lo4); },
         [&](__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4); },
@@ -100,7 +100,7 @@ void store_pass(const QuantX& q, const uint8_t* wp, int64_t n, int h, int64_t m0
   const int64_t nb = q.K / 32, row0 = n + kHalf * h;
   const uint8_t* wg = wp + n / kGroupRows * nb * GB;
   __m256 acc[MT];
-  if constexpr (QT == kQ6_Sp)
+  if constexpr (QT == kQ6_S)
     half_pass_q6<Isa, MT>(wg, nb, h, q.qs + m0 * q.K, mt, m1, q.d + m0 * nb, q.ha + m0 * nb, q.hb + m0 * nb, acc);
   else
     half_pass<Isa, QT, MT>(wg, nb, h, q.qs + m0 * q.K, mt, m1, q.d + m0 * nb, q.s + m0 * nb, q.xn + m0 * nb, acc);
@@ -133,10 +133,8 @@ void packed_rows_typed(const QuantX& q, const uint8_t* wp, int64_t n0, int64_t n
 template <class Isa>
 void packed_rows(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1, const float* bias,
                  float* y, int64_t N) {
-  if (qtype == kQ4_0) packed_rows_typed<Isa, kQ4_0>(q, wp, n0, n1, bias, y, N);
-  else if (qtype == kQ4_1p) packed_rows_typed<Isa, kQ4_1p>(q, wp, n0, n1, bias, y, N);
-  else if (qtype == kQ6_Sp) packed_rows_typed<Isa, kQ6_Sp>(q, wp, n0, n1, bias, y, N);
-  else packed_rows_typed<Isa, 8>(q, wp, n0, n1, bias, y, N);
+  sparkserve::int8::with_int8_type(
+      qtype, [&](auto qt) { packed_rows_typed<Isa, decltype(qt)::value>(q, wp, n0, n1, bias, y, N); });
 }
 
 }  // namespace

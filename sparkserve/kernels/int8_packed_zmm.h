@@ -15,16 +15,14 @@ namespace {
 
 using sparkserve::int8::dot_start;
 using sparkserve::int8::kGroupRows;
-using sparkserve::int8::kQ4_0;
 using sparkserve::int8::kQ4_1;
+using sparkserve::int8::kQ6_S;
 using sparkserve::int8::kTile;
 using sparkserve::int8::packed_m_at;
 using sparkserve::int8::packed_quants_at;
 using sparkserve::int8::packed_record_bytes;
-using sparkserve::int8::kQ6_S;
 using sparkserve::int8::packed_sc_at;
 using sparkserve::int8::QuantX;
-
 
 inline __m512 halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -85,9 +83,9 @@ inline void group_tile_q6(const uint8_t* wg, int64_t nb, const int8_t* xq, const
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* rec = wg + blk * GB;
     const __m512 dw = halves(rec);
-    const __m512i sca = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + packed_sc_at)));
-    const __m512i scb =
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + packed_sc_at + 16)));
+    const auto* sc = reinterpret_cast<const __m128i*>(rec + packed_sc_at);   // sc_a, then sc_b
+    const __m512i sca = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc));
+    const __m512i scb = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc + 1));
     __m512i w[8];
     sparkserve::int8::unpack_q6<__m512i>(
         [&](int i) { return _mm512_loadu_si512(rec + packed_quants_at(kQ6_S) + 64 * i); },
@@ -146,10 +144,8 @@ void packed_rows_typed(const QuantX& q, const uint8_t* wp, int64_t n0, int64_t n
 template <class Isa>
 void packed_rows(const QuantX& q, const uint8_t* wp, int qtype, int64_t n0, int64_t n1, const float* bias,
                  float* y, int64_t N) {
-  if (qtype == kQ4_0) packed_rows_typed<Isa, kQ4_0>(q, wp, n0, n1, bias, y, N);
-  else if (qtype == kQ4_1) packed_rows_typed<Isa, kQ4_1>(q, wp, n0, n1, bias, y, N);
-  else if (qtype == kQ6_S) packed_rows_typed<Isa, kQ6_S>(q, wp, n0, n1, bias, y, N);
-  else packed_rows_typed<Isa, 8>(q, wp, n0, n1, bias, y, N);
+  sparkserve::int8::with_int8_type(
+      qtype, [&](auto qt) { packed_rows_typed<Isa, decltype(qt)::value>(q, wp, n0, n1, bias, y, N); });
 }
 
 }  // namespace

@@ -1,9 +1,9 @@
 """GGUF quant types the int8 kernels do not read, held in ones they do.
 
-Most GGUF files people download are not Q4_0 / Q4_1 / Q8_0 throughout: a "Q4_K_M" file holds Q4_K
-and Q6_K tensors, a "Q4_0" one Q4_0 layers beside a Q6_K or Q8_0 embedding. Dequantized to fp32
-those would take 5-7x their bytes and run on fp32 GEMV. Served with int8 activations they are instead
-turned into blocks the int8 kernels read, once, at load:
+Most GGUF files people download are not Q4_0 / Q4_1 / Q8_0 throughout: a "Q4_K_M" file holds
+Q4_K and Q6_K tensors, a "Q4_0" one Q4_0 layers beside a Q6_K or Q8_0 embedding. Dequantized to
+fp32 those would take 5-7x their bytes and run on fp32 GEMV. Served with int8 activations they are
+instead turned into blocks the int8 kernels read, once, at load:
 - Q4_0 stays Q4_0, which they read too (and -> Q4_1, exactly, the same nibbles with m = -8 d,
   beside Q4_1 tensors in a fused projection).
 - Q4_K -> Q4_1 per sub-block of 32: the same nibbles, d = d_K * scale and m = -dmin * min rounded

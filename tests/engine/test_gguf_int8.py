@@ -204,11 +204,10 @@ def mixed_gguf(smollm2_path, tmp_path_factory) -> str:
 @torch.no_grad()
 def test_mixed_gguf_runs_on_the_int8_kernels(mixed_gguf):
     """Served with int8 activations, every projection of the mixed file is held as packed blocks of
-    a type the int8 kernels read (no fp32 weight), of the form its types give; layer 1's Q4_0 weights, layer
-    3's Q6_K ones and the Q5_0 embedding are the file's values exactly, layer 2's Q4_K ones within
-    fp16's rounding of their
-    scales; and the model's logits stay within the int8 tolerance of the same file's exact fp32
-    weights (int8_fixtures)."""
+    a type the int8 kernels read (no fp32 weight), of the form its types give; layer 1's Q4_0
+    weights, layer 3's Q6_K ones and the Q5_0 embedding are the file's values exactly, layer 2's
+    Q4_K ones within fp16's rounding of their scales; and the model's logits stay within the int8
+    tolerance of the same file's exact fp32 weights (int8_fixtures)."""
     from sparkserve.frontend.tokenizer import load_tokenizer
     from sparkserve.models.registry import load_model
     i8 = load_model(mixed_gguf, activation_quant="int8")
