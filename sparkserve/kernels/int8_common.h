@@ -4,6 +4,8 @@
 // templates, so no inline function compiled for a wider ISA can be picked by the linker for the
 // baseline code. int8_dispatch.cpp picks one at run time.
 #pragma once
+#include <xmmintrin.h>
+
 #include <cstdint>
 
 namespace sparkserve::int8 {
@@ -80,6 +82,15 @@ inline void with_int8_type(int qtype, F&& f) {
     case kQ6_S: f(TypeTag<kQ6_S>{}); break;
     default: f(TypeTag<kQ8_0>{}); break;
   }
+}
+
+// A kernel prefetches each record's successor in the next group of rows (nb records on) only for
+// calls of at least this many x rows: a group's records then serve a whole tile of rows, time for
+// the lines to arrive; at fewer rows the hardware prefetchers do better alone (docs/kernel-notes.md).
+constexpr int64_t kPrefetchMinRows = kTile;
+
+inline void prefetch_record(const uint8_t* rec, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + o), _MM_HINT_T0);
 }
 
 // Where a block dot of type QT starts, to cancel its weights' offset: -128 * sum(q_x) for Q8_0's

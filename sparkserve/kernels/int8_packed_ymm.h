@@ -30,13 +30,14 @@ inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(*reinterpret_c
 // Rows [8h, 8h + 8) of one group against x rows [m1, m1 + MT) of one tile of mt rows.
 template <class Isa, int QT, int MT>
 inline void half_pass(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, int64_t mt, int64_t m1,
-                      const float* xd, const float* xs, const int32_t* xn, __m256 acc[MT]) {
+                      const float* xd, const float* xs, const int32_t* xn, bool prefetch, __m256 acc[MT]) {
   constexpr int64_t GB = packed_record_bytes(QT);
   constexpr int QOFF = packed_quants_at(QT);
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi8(0x0F);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* rec = wg + blk * GB;
+    if (prefetch && h == 0 && m1 == 0) sparkserve::int8::prefetch_record(rec + nb * GB, GB);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
     const __m256 mw = QT == kQ4_1
         ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + packed_m_at + 16 * h)))
@@ -60,12 +61,13 @@ inline void half_pass(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, in
 // As half_pass for Q6_S (int8_packed_zmm.h's group_tile_q6, 8 rows at a time).
 template <class Isa, int MT>
 inline void half_pass_q6(const uint8_t* wg, int64_t nb, int h, const int8_t* xq, int64_t mt, int64_t m1,
-                         const float* xd, const int32_t* ha, const int32_t* hb, __m256 acc[MT]) {
+                         const float* xd, const int32_t* ha, const int32_t* hb, bool prefetch, __m256 acc[MT]) {
   constexpr int64_t GB = packed_record_bytes(kQ6_S);
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* rec = wg + blk * GB;
+    if (prefetch && h == 0 && m1 == 0) sparkserve::int8::prefetch_record(rec + nb * GB, GB);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
     const uint8_t* sc = rec + sparkserve::int8::packed_sc_at + kHalf * h;
     const __m256i sca = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
@@ -100,10 +102,12 @@ void store_pass(const QuantX& q, const uint8_t* wp, int64_t n, int h, int64_t m0
   const int64_t nb = q.K / 32, row0 = n + kHalf * h;
   const uint8_t* wg = wp + n / kGroupRows * nb * GB;
   __m256 acc[MT];
+  const bool prefetch = q.M >= sparkserve::int8::kPrefetchMinRows;
+  const int8_t* xq = q.qs + m0 * q.K;
   if constexpr (QT == kQ6_S)
-    half_pass_q6<Isa, MT>(wg, nb, h, q.qs + m0 * q.K, mt, m1, q.d + m0 * nb, q.ha + m0 * nb, q.hb + m0 * nb, acc);
+    half_pass_q6<Isa, MT>(wg, nb, h, xq, mt, m1, q.d + m0 * nb, q.ha + m0 * nb, q.hb + m0 * nb, prefetch, acc);
   else
-    half_pass<Isa, QT, MT>(wg, nb, h, q.qs + m0 * q.K, mt, m1, q.d + m0 * nb, q.s + m0 * nb, q.xn + m0 * nb, acc);
+    half_pass<Isa, QT, MT>(wg, nb, h, xq, mt, m1, q.d + m0 * nb, q.s + m0 * nb, q.xn + m0 * nb, prefetch, acc);
   const int64_t valid = N - row0 < kHalf ? N - row0 : kHalf;
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)),
                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));

@@ -49,13 +49,14 @@ inline void store_tile(const __m512 acc[MT], int64_t m0, int64_t n, const float*
 // One group of 16 output rows against the MT rows of one x tile: acc[m] lane r = y[m][row r].
 template <class Isa, int QT, int MT>
 inline void group_tile(const uint8_t* wg, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-                       const int32_t* xn, __m512 acc[MT]) {
+                       const int32_t* xn, bool prefetch, __m512 acc[MT]) {
   constexpr int64_t GB = packed_record_bytes(QT);
   constexpr int QOFF = packed_quants_at(QT);
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* rec = wg + blk * GB;
+    if (prefetch) sparkserve::int8::prefetch_record(rec + nb * GB, GB);
     const __m512 dw = halves(rec);
     const __m512 mw = QT == kQ4_1 ? halves(rec + packed_m_at) : _mm512_setzero_ps();
     __m512i w[16];
@@ -76,12 +77,13 @@ inline void group_tile(const uint8_t* wg, int64_t nb, const int8_t* xq, const fl
 // (`Isa::dot16`), and the halves' int8 scales join them, still in int32.
 template <class Isa, int MT>
 inline void group_tile_q6(const uint8_t* wg, int64_t nb, const int8_t* xq, const float* xd, const int32_t* ha,
-                          const int32_t* hb, __m512 acc[MT]) {
+                          const int32_t* hb, bool prefetch, __m512 acc[MT]) {
   constexpr int64_t GB = packed_record_bytes(kQ6_S);
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i lo4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* rec = wg + blk * GB;
+    if (prefetch) sparkserve::int8::prefetch_record(rec + nb * GB, GB);
     const __m512 dw = halves(rec);
     const auto* sc = reinterpret_cast<const __m128i*>(rec + packed_sc_at);   // sc_a, then sc_b
     const __m512i sca = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc));
@@ -114,10 +116,12 @@ void tile_rows(const QuantX& q, int64_t m0, const uint8_t* wp, int64_t n, const 
   const uint8_t* wg = wp + n / kGroupRows * nb * GB;
   __m512 acc[MT];
   // m0 is a multiple of kTile: the tile's scales start at m0 * nb
+  const bool prefetch = q.M >= sparkserve::int8::kPrefetchMinRows;
+  const int8_t* xq = q.qs + m0 * q.K;
   if constexpr (QT == kQ6_S)
-    group_tile_q6<Isa, MT>(wg, nb, q.qs + m0 * q.K, q.d + m0 * nb, q.ha + m0 * nb, q.hb + m0 * nb, acc);
+    group_tile_q6<Isa, MT>(wg, nb, xq, q.d + m0 * nb, q.ha + m0 * nb, q.hb + m0 * nb, prefetch, acc);
   else
-    group_tile<Isa, QT, MT>(wg, nb, q.qs + m0 * q.K, q.d + m0 * nb, q.s + m0 * nb, q.xn + m0 * nb, acc);
+    group_tile<Isa, QT, MT>(wg, nb, xq, q.d + m0 * nb, q.s + m0 * nb, q.xn + m0 * nb, prefetch, acc);
   store_tile<MT>(acc, m0, n, bias, y, N);
 }
 
