@@ -167,7 +167,7 @@ void block_linear_int8(const float* x, int64_t M, int64_t K, const at::Tensor& w
 
 }  // namespace sparkserve
 
-// As quant_linear (quant_gemv.cpp), with x quantized to int8 per block of 32 for Q4_1 / Q8_0 / Q6_S.
+// As quant_linear (quant_gemv.cpp), with x quantized to int8 per block of 32 for the types int8_reads.
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias);
 
 // `variant`: "" for the dispatcher's choice, or a variant by name, "amx_emulated" included (tests;
