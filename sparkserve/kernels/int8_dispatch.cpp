@@ -140,9 +140,11 @@ void linear_int8_on(const Variant& v, const float* x, int64_t M, int64_t K, cons
   if (M == 0 || N == 0) return;
   std::vector<int8_t> qs(M * K);
   const int64_t ns = int8::quantx_scales(M, K);
-  std::vector<float> ds(ns), ss(ns);
-  std::vector<int32_t> xn(ns), ha(ns), hb(ns);
-  const int8::QuantX q{qs.data(), ds.data(), ss.data(), xn.data(), ha.data(), hb.data(), M, K};
+  std::vector<float> scales(2 * ns);       // d, s
+  std::vector<int32_t> sums(3 * ns);       // xn, ha, hb
+  float* d = scales.data();
+  int32_t* xs = sums.data();
+  const int8::QuantX q{qs.data(), d, d + ns, xs, xs + ns, xs + 2 * ns, M, K};
   const int64_t tiles = (M + int8::kTile - 1) / int8::kTile;
   // Quantizing x is cheap next to the product: threads only from a few tiles of wide rows on.
   const int64_t qgrain = std::max<int64_t>(1, (64 << 10) / (int8::kTile * K));
