@@ -89,11 +89,15 @@ inline void qk_tile(const float* const* q, const T* const* k, int64_t D, float* 
 }
 
 // s[r][j] = q_r . k_j for the R rows and the n keys at rows[0..n) (offsets into kp), keys in
-// groups of four (the last group padded with its last key, whose extra scores are dropped).
+// groups of four (the last group padded with its last key, whose extra scores are dropped). The
+// V rows at the same offsets in vp are fetched too, for the P V pass after the softmax: it reads
+// each V row once per column tile, and would otherwise wait on memory in the first.
 template <typename T>
-void scores(const float* const* q, int64_t R, const int64_t* rows, int64_t n, const T* kp, int64_t D, float* s) {
+void scores(const float* const* q, int64_t R, const int64_t* rows, int64_t n, const T* kp, const T* vp, int64_t D,
+            float* s) {
   for (int64_t j = 0; j < n; j += 4) {
     prefetch_rows(kp, rows, j + kPrefetchKeys, std::min(n, j + kPrefetchKeys + 4), D);
+    prefetch_rows(vp, rows, j + kPrefetchKeys, std::min(n, j + kPrefetchKeys + 4), D);
     const int64_t nk = std::min<int64_t>(4, n - j);
     const T* k[4];
     for (int64_t x = 0; x < 4; ++x) k[x] = kp + rows[j + std::min(x, nk - 1)];
@@ -273,7 +277,7 @@ void attend(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, con
           q[k] = qp + t * qs0 + head * qs1;
           o[k] = one_chunk(r, i) ? op + t * H * D + head * D : entry(r, i, head, c);
         }
-      scores(q.data(), R, rows.data(), n, kp, D, s.data());
+      scores(q.data(), R, rows.data(), n, kp, vp, D, s.data());
       for (int64_t i = it.i0; i < it.i1; ++i) {
         const int64_t e = last_key(r, i), lo = std::max(first(e), k0) - k0, hi = std::min(e, k1) - k0;
         for (int64_t k = (i - it.i0) * G; k < (i - it.i0 + 1) * G; ++k) {
