@@ -6,6 +6,7 @@
 #include <tuple>
 #include <vector>
 
+#include "native_draft.h"
 #include "native_llama.h"
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias);
@@ -95,4 +96,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &sparkserve::NativeLlama::add_layer)
       .def("set_pool", &sparkserve::NativeLlama::set_pool)
       .def("forward", &sparkserve::NativeLlama::forward);
+  py::class_<sparkserve::NativeDraft, sparkserve::NativeLlama>(
+      m, "NativeDraft", "a DSpark draft's block pass (forward) and context injection, each one call")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor,
+                    at::Tensor, int64_t, std::optional<at::Tensor>, at::Tensor>())
+      .def("inject", &sparkserve::NativeDraft::inject);
 }

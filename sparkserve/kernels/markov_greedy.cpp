@@ -3,7 +3,7 @@
 // Slot k's logits are base[b, k] + W2 W1[prev], prev being the anchor for slot 0 and slot k-1's
 // argmax after it. Each slot waits for the previous one's token, so from Python the loop is G
 // rounds of five small torch calls, which cost more than the arithmetic (a rank-r product over
-// a few thousand logits). Requests are independent and split over the threads.
+// a few thousand logits).
 #include <torch/extension.h>
 
 #include <immintrin.h>
@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "thread_pool.h"
@@ -19,12 +20,14 @@ namespace {
 
 constexpr int64_t kTile = 64;     // logits per tile: 8 ymm accumulators, enough to keep two FMA ports busy
 
-// logits = base + W2 emb over tiles of kTile vocab rows; W2 packed as [tiles][r][kTile] (zero
-// rows past V), so a tile streams one contiguous panel. Returns the first maximum, as torch.argmax.
-int64_t slot_argmax(const float* base, const float* emb, const float* packed, int64_t r, int64_t V,
-                    float* logits) {
-  const int64_t tiles = (V + kTile - 1) / kTile;
-  for (int64_t t = 0; t < tiles; ++t) {
+// Tiles [t0, t1) of logits = base + W2 emb, W2 packed as [tiles][r][kTile] (zero rows past V),
+// so a tile streams one contiguous panel. Returns the first maximum over them (as torch.argmax)
+// and its value.
+std::pair<int64_t, float> tiles_argmax(const float* base, const float* emb, const float* packed, int64_t r,
+                                       int64_t V, int64_t t0, int64_t t1) {
+  int64_t best = -1;
+  float top = 0.0f;
+  for (int64_t t = t0; t < t1; ++t) {
     const float* w = packed + t * r * kTile;
     __m256 acc[kTile / 8];
     for (int i = 0; i < kTile / 8; ++i) acc[i] = _mm256_setzero_ps();
@@ -32,16 +35,30 @@ int64_t slot_argmax(const float* base, const float* emb, const float* packed, in
       const __m256 e = _mm256_set1_ps(emb[j]);
       for (int i = 0; i < kTile / 8; ++i) acc[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(w + 8 * i), acc[i]);
     }
-    float* out = logits + t * kTile;
-    for (int i = 0; i < kTile / 8; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+    alignas(32) float logits[kTile];
+    for (int i = 0; i < kTile / 8; ++i) _mm256_store_ps(logits + 8 * i, acc[i]);
+    const int64_t n = std::min(kTile, V - t * kTile);
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = base[t * kTile + i] + logits[i];
+      if (best < 0 || x > top) top = x, best = t * kTile + i;
+    }
   }
-  int64_t best = 0;
-  float top = base[0] + logits[0];
-  for (int64_t v = 1; v < V; ++v) {
-    const float x = base[v] + logits[v];
-    if (x > top) top = x, best = v;
-  }
-  return best;
+  return {best, top};
+}
+
+// One slot's argmax: with `split`, its tiles go over the thread pool (one request in flight, so
+// the threads share W2's stream) and the chunks' maxima join in vocab order.
+int64_t slot_argmax(const float* base, const float* emb, const float* packed, int64_t r, int64_t V, bool split) {
+  const int64_t tiles = (V + kTile - 1) / kTile;
+  if (!split) return tiles_argmax(base, emb, packed, r, V, 0, tiles).first;
+  std::vector<std::pair<int64_t, float>> part(tiles, {-1, 0.0f});
+  sparkserve::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    part[t0] = tiles_argmax(base, emb, packed, r, V, t0, t1);
+  });
+  std::pair<int64_t, float> best{-1, 0.0f};
+  for (const auto& p : part)
+    if (p.first >= 0 && (best.first < 0 || p.second > best.second)) best = p;
+  return best.first;
 }
 
 }  // namespace
@@ -83,18 +100,24 @@ std::tuple<at::Tensor, at::Tensor> markov_greedy(at::Tensor base, at::Tensor w1,
   float* pe = embs.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(pa[b] >= 0 && pa[b] < vocab, "anchor ", pa[b], " is outside the vocab of ", vocab);
-  sparkserve::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> logits((V + kTile - 1) / kTile * kTile);
-    for (int64_t b = b0; b < b1; ++b) {
-      int64_t prev = pa[b];
-      for (int64_t k = 0; k < G; ++k) {
-        float* emb = pe + (b * G + k) * r;
-        std::copy(pw1 + prev * r, pw1 + (prev + 1) * r, emb);
-        const int64_t best = slot_argmax(pb + (b * G + k) * V, emb, pw2, r, V, logits.data());
-        prev = pm ? best + pm[best] : best;
-        pt[b * G + k] = prev;
-      }
+  const auto greedy_block = [&](int64_t b, bool split) {
+    int64_t prev = pa[b];
+    for (int64_t k = 0; k < G; ++k) {
+      float* emb = pe + (b * G + k) * r;
+      std::copy(pw1 + prev * r, pw1 + (prev + 1) * r, emb);
+      const int64_t best = slot_argmax(pb + (b * G + k) * V, emb, pw2, r, V, split);
+      prev = pm ? best + pm[best] : best;
+      pt[b * G + k] = prev;
     }
-  });
+  };
+  // Requests split over the threads; fewer requests than threads split each slot's vocab instead.
+  const sparkserve::SpinScope spinning;
+  if (B < at::get_num_threads()) {
+    for (int64_t b = 0; b < B; ++b) greedy_block(b, true);
+  } else {
+    sparkserve::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) greedy_block(b, false);
+    });
+  }
   return {tokens, embs};
 }

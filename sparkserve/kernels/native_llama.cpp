@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "block_linear.h"
+#include "int8_common.h"
 #include "paged_attention.h"
 #include "rms_norm.h"
 #include "simd.h"
@@ -23,31 +24,6 @@
 namespace sparkserve {
 namespace {
 
-BlockProj proj(at::Tensor blocks, int64_t qtype, std::optional<at::Tensor> bias, int64_t k) {
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "native step: weight blocks must be contiguous 2-D uint8");
-  TORCH_CHECK(k % 32 == 0 && blocks.size(1) == k / 32 * block_bytes_of(static_cast<int>(qtype)),
-              "native step: weight blocks do not hold ", k, " inputs of type ", qtype);
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == blocks.size(0), "native step: bad bias");
-  }
-  return {blocks, static_cast<int>(qtype), b, blocks.size(0), k};
-}
-
-void run(const BlockProj& p, const float* x, int64_t rows, float* y, bool int8) {
-  const float* bias = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
-  if (int8) block_linear_int8(x, rows, p.k, p.blocks, p.n, p.qtype, bias, y);
-  else block_linear(x, rows, p.k, p.blocks.data_ptr<uint8_t>(), p.n, p.qtype, bias, y);
-}
-
-at::Tensor norm_weight(const at::Tensor& w, int64_t dim) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == dim && w.is_contiguous(),
-              "native step: norm weight must be float32 [", dim, "]");
-  return w;
-}
-
 // Rotary (neox layout) on one head in place; `sin` has rotate_half's sign folded in
 // (layers/rotary.py): x' = x * cos + roll(x, D/2) * sin.
 void rotate(float* x, const float* cos, const float* sin, int64_t D, float* tmp) {
@@ -55,6 +31,16 @@ void rotate(float* x, const float* cos, const float* sin, int64_t D, float* tmp)
   const int64_t half = D / 2;   // two loops, not an index modulo D: they vectorize
   for (int64_t i = 0; i < half; ++i) x[i] = tmp[i] * cos[i] + tmp[i + half] * sin[i];
   for (int64_t i = half; i < D; ++i) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
+}
+
+// n heads [n, D] of one row in place: RMS norm by `norm` (when the model has one), then rotary.
+void norm_rotate(float* heads, int64_t n, const at::Tensor& norm, const float* c, const float* sn, int64_t D,
+                 float eps, float* tmp) {
+  for (int64_t hd = 0; hd < n; ++hd) {
+    float* x = heads + hd * D;
+    if (norm.defined()) rms_row(x, norm.data_ptr<float>(), x, D, eps);
+    rotate(x, c, sn, D, tmp);
+  }
 }
 
 // out = silu(g) * u over n floats; sigmoid from exp(-|g|) so the exp argument stays <= 0.
@@ -78,12 +64,6 @@ void add_into(float* acc, const float* x, int64_t n) {
   for (; i < n; ++i) acc[i] += x[i];
 }
 
-const int64_t* long_ptr(const at::Tensor& t, int64_t n, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == n, "native step: ", what,
-              " must be a contiguous int64 tensor of ", n, " values");
-  return t.data_ptr<int64_t>();
-}
-
 // n fp32 values into a pool buffer of element type `type` at element offset `at`, rounded to
 // nearest even as torch's .to() rounds them (the layer path's store), so both paths hold the same K/V.
 void store_kv(void* buf, int64_t at, const float* x, int64_t n, KVType type) {
@@ -102,6 +82,37 @@ void store_kv(void* buf, int64_t at, const float* x, int64_t n, KVType type) {
 
 }  // namespace
 
+BlockProj block_proj(at::Tensor blocks, int64_t qtype, std::optional<at::Tensor> bias, int64_t k) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "native step: weight blocks must be contiguous 2-D uint8");
+  TORCH_CHECK(k % 32 == 0 && blocks.size(1) == k / 32 * block_bytes_of(static_cast<int>(qtype)),
+              "native step: weight blocks do not hold ", k, " inputs of type ", qtype);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == blocks.size(0), "native step: bad bias");
+  }
+  return {blocks, static_cast<int>(qtype), b, blocks.size(0), k};
+}
+
+void run_proj(const BlockProj& p, const float* x, int64_t rows, float* y, bool int8) {
+  const float* bias = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+  if (int8) block_linear_int8(x, rows, p.k, p.blocks, p.n, p.qtype, bias, y);
+  else block_linear(x, rows, p.k, p.blocks.data_ptr<uint8_t>(), p.n, p.qtype, bias, y);
+}
+
+at::Tensor norm_weight(const at::Tensor& w, int64_t dim) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == dim && w.is_contiguous(),
+              "native step: norm weight must be float32 [", dim, "]");
+  return w;
+}
+
+const int64_t* long_ptr(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == n, "native step: ", what,
+              " must be a contiguous int64 tensor of ", n, " values");
+  return t.data_ptr<int64_t>();
+}
+
 NativeLlama::NativeLlama(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
                          int64_t intermediate, double eps, at::Tensor cos, at::Tensor sin, at::Tensor final_norm)
     : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
@@ -119,8 +130,9 @@ void NativeLlama::add_layer(at::Tensor qkv, int64_t qkv_type, std::optional<at::
                             int64_t down_type, at::Tensor input_norm, at::Tensor post_norm,
                             std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, int64_t window) {
   const int64_t D = head_dim_, I = intermediate_;
-  NativeLayer l{proj(qkv, qkv_type, qkv_bias, hidden_), proj(o, o_type, std::nullopt, heads_ * D),
-                proj(gate_up, gate_up_type, std::nullopt, hidden_), proj(down, down_type, std::nullopt, I),
+  NativeLayer l{block_proj(qkv, qkv_type, qkv_bias, hidden_), block_proj(o, o_type, std::nullopt, heads_ * D),
+                block_proj(gate_up, gate_up_type, std::nullopt, hidden_),
+                block_proj(down, down_type, std::nullopt, I),
                 norm_weight(input_norm, hidden_), norm_weight(post_norm, hidden_), at::Tensor(), at::Tensor(),
                 window};
   TORCH_CHECK(l.qkv.n == (heads_ + 2 * kv_heads_) * D && l.o.n == hidden_ && l.gate_up.n == 2 * I &&
@@ -151,6 +163,47 @@ void NativeLlama::set_pool(std::vector<at::Tensor> k, std::vector<at::Tensor> v,
   v_ = std::move(v);
 }
 
+void NativeLlama::check_positions(const int64_t* pos, int64_t T) const {
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_.size(0), "native step: position ", pos[t], " beyond the rotary table");
+}
+
+void NativeLlama::store_kv_of(const float* x, int64_t T, const int64_t* pos, const int64_t* slots, bool int8) {
+  TORCH_CHECK(k_.size() == layers_.size(), "native step: set_pool first");
+  check_positions(pos, T);
+  const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, KV = 2 * Hkv * D;
+  if (kv_.size() != layers_.size()) {
+    // The k|v rows of q|k|v as a projection of their own: a slice of the blocks' rows, which
+    // keeps a packed type's groups whole when the q rows fill whole groups.
+    for (const NativeLayer& L : layers_) {
+      TORCH_CHECK(!int8::is_packed_type(L.qkv.qtype) || H * D % int8::kGroupRows == 0,
+                  "native step: the q rows of a packed q|k|v must fill whole groups of ", int8::kGroupRows);
+      std::optional<at::Tensor> bias;
+      if (L.qkv.bias.defined()) bias = L.qkv.bias.narrow(0, H * D, KV);
+      kv_.push_back(block_proj(L.qkv.blocks.narrow(0, H * D, KV), L.qkv.qtype, bias, hidden_));
+    }
+  }
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    TORCH_CHECK(!own_slots_[l], "native step: context rows go to a pool without windowed layers");
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < k_[l].size(0), "native step: slot ", slots[t], " out of range");
+  }
+  const SpinScope spinning;
+  at::Tensor kv = at::empty({T, KV}, at::kFloat);
+  float* kvp = kv.data_ptr<float>();
+  std::vector<float> rot(D);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    run_proj(kv_[l], x, T, kvp, int8);
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = kvp + t * KV;
+      norm_rotate(row, Hkv, layers_[l].k_norm, cos_.data_ptr<float>() + pos[t] * D,
+                  sin_.data_ptr<float>() + pos[t] * D, D, eps_, rot.data());
+      store_kv(k_[l].data_ptr(), slots[t] * Hkv * D, row, Hkv * D, kv_type_);
+      store_kv(v_[l].data_ptr(), slots[t] * Hkv * D, row + Hkv * D, Hkv * D, kv_type_);
+    }
+  }
+}
+
 std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions, at::Tensor out_loc,
                                              at::Tensor kv_indices, int64_t kv_start,
                                              std::optional<at::Tensor> swa_out_loc,
@@ -167,8 +220,7 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
   const auto q_off = query_offsets(seq_lens, q_lens, kv_start, kv_indices.size(1));
   TORCH_CHECK(q_off[B] == T, "native step: x must have sum(q_lens) rows");
   const int64_t* pos = long_ptr(positions, T, "positions");
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_.size(0), "native step: position ", pos[t], " beyond the rotary table");
+  check_positions(pos, T);
 
   // The two slot spaces (all layers', and a split pool's windowed layers'): where the new rows go
   // and how attention finds the keys.
@@ -211,33 +263,29 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
     const Slots& s = own_slots_[l] ? swa : full;
     const float* in_w = L.input_norm.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) rms_row(rp + t * hidden_, in_w, hp + t * hidden_, hidden_, eps_);
-    run(L.qkv, hp, T, qp, int8);
+    run_proj(L.qkv, hp, T, qp, int8);
     void* kb = k_[l].data_ptr();
     void* vb = v_[l].data_ptr();
     for (int64_t t = 0; t < T; ++t) {
       float* row = qp + t * W;
-      if (L.q_norm.defined()) {
-        for (int64_t hd = 0; hd < H; ++hd) rms_row(row + hd * D, L.q_norm.data_ptr<float>(), row + hd * D, D, eps_);
-        for (int64_t hd = H; hd < H + Hkv; ++hd)
-          rms_row(row + hd * D, L.k_norm.data_ptr<float>(), row + hd * D, D, eps_);
-      }
       const float *c = cosp + pos[t] * D, *sn = sinp + pos[t] * D;
-      for (int64_t hd = 0; hd < H + Hkv; ++hd) rotate(row + hd * D, c, sn, D, rot.data());
+      norm_rotate(row, H, L.q_norm, c, sn, D, eps_, rot.data());
+      norm_rotate(row + H * D, Hkv, L.k_norm, c, sn, D, eps_, rot.data());
       store_kv(kb, s.loc[t] * Hkv * D, row + H * D, Hkv * D, kv_type_);
       store_kv(vb, s.loc[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D, kv_type_);
     }
     const PagedKV kv{kb, vb, k_[l].size(0), Hkv, s.idx.data_ptr<int64_t>(), s.idx.stride(0), s.start, L.window,
                      causal, kv_type_};
     paged_attention(qp, W, D, H, D, kv, seq_lens.data(), s.q_off.data(), B, scale, ap);
-    run(L.o, ap, T, tp, int8);
+    run_proj(L.o, ap, T, tp, int8);
     const float* post_w = L.post_norm.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       add_into(rp + t * hidden_, tp + t * hidden_, hidden_);
       rms_row(rp + t * hidden_, post_w, hp + t * hidden_, hidden_, eps_);
     }
-    run(L.gate_up, hp, T, gp, int8);
+    run_proj(L.gate_up, hp, T, gp, int8);
     for (int64_t t = 0; t < T; ++t) silu_mul(gp + t * 2 * I, gp + t * 2 * I + I, cp + t * I, I);
-    run(L.down, cp, T, tp, int8);
+    run_proj(L.down, cp, T, tp, int8);
     add_into(rp, tp, T * hidden_);
     if (std::find(aux_layers.begin(), aux_layers.end(), static_cast<int64_t>(l)) != aux_layers.end())
       out.push_back(res.clone());

@@ -24,6 +24,12 @@ struct BlockProj {
   int64_t n, k;
 };
 
+// The pieces the native draft (native_draft.cpp) shares with the step (native_llama.cpp).
+BlockProj block_proj(at::Tensor blocks, int64_t qtype, std::optional<at::Tensor> bias, int64_t k);
+void run_proj(const BlockProj& p, const float* x, int64_t rows, float* y, bool int8);
+at::Tensor norm_weight(const at::Tensor& w, int64_t dim);
+const int64_t* long_ptr(const at::Tensor& t, int64_t n, const char* what);
+
 struct NativeLayer {
   BlockProj qkv, o, gate_up, down;
   at::Tensor input_norm, post_norm, q_norm, k_norm;   // q/k norm undefined unless the model has them
@@ -57,7 +63,12 @@ class NativeLlama {
                                   std::vector<int64_t> seq_lens, std::vector<int64_t> q_lens,
                                   std::vector<int64_t> aux_layers, bool int8, bool causal);
 
- private:
+ protected:
+  // Every layer's K and V of the hidden rows x [T, hidden] (already the layers' input: no input
+  // norm) at positions `pos`, stored at `slots`: the k|v part of the q|k|v projection, k norm, rotary.
+  void store_kv_of(const float* x, int64_t T, const int64_t* pos, const int64_t* slots, bool int8);
+  void check_positions(const int64_t* pos, int64_t T) const;
+
   int64_t hidden_, heads_, kv_heads_, head_dim_, intermediate_;
   float eps_;
   at::Tensor cos_, sin_, final_norm_;
@@ -65,6 +76,7 @@ class NativeLlama {
   std::vector<at::Tensor> k_, v_;
   KVType kv_type_ = KVType::kFloat;   // what the pool buffers hold
   std::vector<bool> own_slots_;   // per layer: reads and writes the windowed slot space
+  std::vector<BlockProj> kv_;     // per layer: the k|v rows of q|k|v (store_kv_of; made on first use)
 };
 
 }  // namespace sparkserve

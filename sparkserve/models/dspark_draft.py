@@ -233,6 +233,9 @@ class DSparkDraft(nn.Module):
     def inject(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
                pool: KVPool) -> None:
         """Write the context K/V of target tokens at `positions` into `pool` at `slots`."""
+        if self.native is not None and taps[0].dtype == torch.float32 and self.native.ready(self):
+            self.native.inject(torch.cat(taps, dim=-1), positions, slots, pool)
+            return
         ctx = self.context_hidden(taps)
         cos_sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):

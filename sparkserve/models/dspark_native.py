@@ -1,13 +1,14 @@
-"""The DSpark draft's block pass as one native call (kernels/native_llama.cpp, non-causal).
+"""The DSpark draft's block pass and its context injection, each as one native call
+(kernels/native_draft.cpp; the block pass is NativeLlama's non-causal forward).
 
 At batch 1 the draft's backbone runs once per speculative cycle, beside a target step that is
-already native, so its ~15 small torch calls per layer weigh on every cycle. The native step runs
-the same layers: the block rows' own K/V go to `block_slots` (rows of the draft pool past the
-allocator's slots, so no request's context is touched) and each block attends to its injected
-context and to all of its own rows. The Python path (DSparkDraft.block_hidden) stays the
-reference and the fallback: a draft without half-precision / GGUF block weights, context with
-gaps (slots a sliding-window target gave up, which the Python path masks), more block rows than
-`block_slots`, or autograd."""
+already native, so its ~15 small torch calls per layer weigh on every cycle, as do the ~10 of
+injecting the cycle's committed rows. The native step runs the same layers: the block rows' own
+K/V go to `block_slots` (rows of the draft pool past the allocator's slots, so no request's
+context is touched) and each block attends to its injected context and to all of its own rows.
+The Python path (DSparkDraft.block_hidden / inject) stays the reference and the fallback: a draft
+without half-precision / GGUF block weights, context with gaps (slots a sliding-window target gave
+up, which the Python path masks), more block rows than `block_slots`, or autograd."""
 from __future__ import annotations
 
 import logging
@@ -34,13 +35,10 @@ class NativeDraftStep:
         self._w2: tuple[torch.Tensor, torch.Tensor] | None = None     # (W2, packed for the kernel)
         self._int8 = False          # the activation mode the step was built under
 
-    def applies(self, draft: DSparkDraft, kv_indices: torch.Tensor, ctx_lens: list[int],
-                block_slots: torch.Tensor | None) -> bool:
-        B, G = kv_indices.shape[0], draft.block_size
-        if block_slots is None or block_slots.numel() < B * G or torch.is_grad_enabled():
-            return False
-        live = torch.arange(kv_indices.shape[1])[None, :] < torch.tensor(ctx_lens)[:, None]
-        if bool((kv_indices[live] == 0).any()):          # gaps in the context: the Python path masks them
+    def ready(self, draft: DSparkDraft) -> bool:
+        """Whether this draft runs natively (building the step on first use, and again after a
+        change of its rotary table or activation mode)."""
+        if torch.is_grad_enabled():
             return False
         int8 = _int8(draft)         # a switch changes the blocks' form: rebuild
         if self._unsupported is None and (self._step is None or self._cos is not draft.rotary.cos
@@ -52,18 +50,42 @@ class NativeDraftStep:
                 log.info("native draft step off: %s (the draft runs from Python)", self._unsupported)
         return self._unsupported is None
 
+    def applies(self, draft: DSparkDraft, kv_indices: torch.Tensor, ctx_lens: list[int],
+                block_slots: torch.Tensor | None) -> bool:
+        """Whether this block pass runs natively."""
+        B, G = kv_indices.shape[0], draft.block_size
+        if block_slots is None or block_slots.numel() < B * G:
+            return False
+        if min(ctx_lens) == kv_indices.shape[1]:         # every row is context
+            gaps = bool((kv_indices == 0).any())
+        else:
+            live = torch.arange(kv_indices.shape[1])[None, :] < torch.tensor(ctx_lens)[:, None]
+            gaps = bool((kv_indices[live] == 0).any())
+        return not gaps and self.ready(draft)           # gaps: the Python path masks them
+
+    def _use_pool(self, pool: KVPool) -> None:
+        if pool is not self._pool:
+            self._step.set_pool(pool.k, pool.v, [])
+            self._pool = pool
+
+    def inject(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool) -> None:
+        """taps [T, taps * hidden] side by side; after ready()."""
+        self._use_pool(pool)
+        self._step.inject(taps, positions.contiguous(), slots.contiguous(), self._int8)
+
     def block_hidden(self, draft: DSparkDraft, x: torch.Tensor, positions: torch.Tensor,
                      kv_indices: torch.Tensor, ctx_lens: list[int], pool: KVPool,
                      block_slots: torch.Tensor) -> torch.Tensor:
         """x [B*G, d] block embeddings at `positions`; returns the normed hidden rows [B*G, d]."""
-        if pool is not self._pool:
-            self._step.set_pool(pool.k, pool.v, [])
-            self._pool = pool
+        self._use_pool(pool)
         B, G = kv_indices.shape[0], draft.block_size
         own = block_slots[:B * G].view(B, G)
         # request b's keys: its context, then its block rows' slots
-        table = torch.cat([kv_indices, torch.zeros(B, G, dtype=torch.long)], 1)
-        table.scatter_(1, torch.tensor(ctx_lens)[:, None] + torch.arange(G)[None, :], own)
+        if min(ctx_lens) == kv_indices.shape[1]:
+            table = torch.cat([kv_indices, own], 1)
+        else:
+            table = torch.cat([kv_indices, torch.zeros(B, G, dtype=torch.long)], 1)
+            table.scatter_(1, torch.tensor(ctx_lens)[:, None] + torch.arange(G)[None, :], own)
         return self._step.forward(x, positions, own.reshape(-1), table, 0, None, None, 0,
                                   [n + G for n in ctx_lens], [G] * B, [], self._int8, False)[0]
 
@@ -90,6 +112,8 @@ def unsupported(draft: DSparkDraft) -> str | None:
     """Why this draft's backbone cannot run natively, or None."""
     if load_extension() is None:
         return "the C++ kernels are unavailable"
+    if draft.fc.inference_blocks() is None:
+        return "the fc projection has no block weights (an fp32 checkpoint)"
     for layer in draft.layers:
         attn = layer.self_attn
         if any(lin.inference_blocks() is None
@@ -102,9 +126,12 @@ def unsupported(draft: DSparkDraft) -> str | None:
 
 def build(draft: DSparkDraft):
     c = draft.config
-    step = load_extension().NativeLlama(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+    fc = draft.fc.inference_blocks()
+    step = load_extension().NativeDraft(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                                         c.head_dim, c.intermediate_size, c.rms_norm_eps, draft.rotary.cos,
-                                        draft.rotary.sin, draft.norm.weight.detach())
+                                        draft.rotary.sin, draft.norm.weight.detach(), fc.blocks, fc.qtype,
+                                        None if draft.fc.bias is None else draft.fc.bias.detach(),
+                                        draft.hidden_norm.weight.detach())
     for layer in draft.layers:
         attn = layer.self_attn
         qkv = BlockWeight.cat([attn.q_proj.inference_blocks(), attn.kv_proj.inference_blocks()])

@@ -389,12 +389,45 @@ def test_int8_draft_runs_q8_0_blocks(target_dir, target_cfg, tmp_path, monkeypat
         assert 0 < err < 0.1, (b, err)
 
 
+@pytest.mark.parametrize("quant", ["none", "int8"])
+@torch.inference_mode()
+def test_native_inject_equals_python_inject(target_dir, target_cfg, tmp_path, monkeypatch, quant):
+    """Committed rows injected as draft context in one native call (fc, hidden norm, each layer's
+    k|v rows of q|k|v with k norm and rotary) write the Python path's K/V at
+    scattered slots and positions, and no other slot; an fp32 checkpoint injects from Python."""
+    from sparkserve.models.dspark_draft import load_dspark_draft
+    write_checkpoint(str(tmp_path), target_cfg, dtype=torch.float16, **CASES["vanilla_shared"])
+    draft = load_dspark_draft(str(tmp_path), target_model(target_dir), activation_quant=quant)
+    calls = native_calls(monkeypatch, "inject")
+    g = torch.Generator().manual_seed(7)
+    taps = [torch.randn(5, target_cfg["hidden_size"], generator=g) for _ in TAPS]
+    positions, slots = torch.tensor([0, 3, 4, 11, 40]), torch.tensor([9, 2, 33, 17, 60])
+    pools = []
+    for native in (False, True):
+        draft.enable_native_step(native)
+        pools.append(draft.new_kv_pool(64))
+        draft.inject(taps, positions, slots, pools[-1])
+    assert calls == [1]
+    untouched = torch.ones(65, dtype=torch.bool)
+    untouched[slots] = False
+    for python, native in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v):
+        assert (native[slots] != 0).all() and (native[untouched] == 0).all()
+        assert torch.allclose(native, python, atol=1e-5), (native - python).abs().max()
+    write_checkpoint(str(tmp_path), target_cfg, **CASES["vanilla_shared"])
+    fp32 = load_dspark_draft(str(tmp_path), target_model(target_dir))
+    fp32.enable_native_step(True)
+    fp32.inject(taps, positions, slots, fp32.new_kv_pool(64))
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("draft_vocab", [None, 100])
 @torch.inference_mode()
-def test_native_markov_loop_equals_python_loop(target_dir, draft_vocab, monkeypatch):
+def test_native_markov_loop_equals_python_loop(target_dir, draft_vocab, threads, monkeypatch):
     """Greedy requests' Markov loop in one native call (kernels/markov_greedy.cpp) picks the Python
     loop's tokens and returns its previous-token codes, for three requests at once, over the
-    target's vocab and over a reduced one of 100 ids (not a whole number of the kernel's tiles)."""
+    target's vocab and over a reduced one of 100 ids (not a whole number of the kernel's tiles);
+    with more threads than requests, each slot's vocab split over the threads."""
     from sparkserve.core.req import Req
     from sparkserve.core.sampling_state import RequestSamplingState
     from sparkserve.models.dspark_draft import dspark_config_dict, init_dspark_draft
@@ -418,7 +451,11 @@ def test_native_markov_loop_equals_python_loop(target_dir, draft_vocab, monkeypa
     tokens, embs, q = worker._markov_loop(reqs, anchors, hidden, base)
     calls = native_calls(monkeypatch, "markov_greedy")
     draft.enable_native_step(True)
-    native_tokens, native_embs, native_q = worker._markov_loop(reqs, anchors, hidden, base)
+    torch.set_num_threads(threads)
+    try:
+        native_tokens, native_embs, native_q = worker._markov_loop(reqs, anchors, hidden, base)
+    finally:
+        torch.set_num_threads(1)
     assert calls == [1] and native_tokens.shape == (3, GAMMA) and native_q == q == [None] * 3
     assert torch.equal(native_tokens, tokens) and torch.equal(native_embs, embs)
     assert len(set(tokens.flatten().tolist())) > GAMMA          # the slots did not all pick one id
