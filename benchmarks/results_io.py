@@ -97,11 +97,12 @@ def machine_line(info: dict | None = None) -> str:
 def sparkserve_kernels() -> str:
     """Which sparkserve kernels ran: the int8 variant this CPU picked (the benchmarks run the
     default --activation-quant int8, as llama.cpp quantizes its activations), the native step and the
-    prefill attention's variant, or that the C++ kernels are unavailable; and the KV pool's dtype
+    decode / prefill attention's variants, or that the C++ kernels are unavailable; and the KV pool's dtype
     (the GGUF default float16, llama.cpp's own default cache type). Shared by decode.py and serving.py."""
     from sparkserve import kernels
     if not kernels.available():
         return "unavailable (torch fallback)"
-    prefill = kernels.load_extension().prefill_attention_variant() or "none (SDPA)"
-    return (f"C++, int8 activations on {kernels.variant()}, native decode step, prefill attention on "
-            f"{prefill}, float16 KV pool")
+    ext = kernels.load_extension()
+    prefill = ext.prefill_attention_variant() or "none (SDPA)"
+    return (f"C++, int8 activations on {kernels.variant()}, native decode step, decode attention on "
+            f"{ext.decode_attention_variants()[0]}, prefill attention on {prefill}, float16 KV pool")

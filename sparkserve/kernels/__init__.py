@@ -6,7 +6,8 @@ Q8_0, Q6_S, BF16, F16), reading the blocks once for all rows of x (quant_gemv.cp
 for Q4_0 / Q4_1 / Q8_0 / Q6_S (int8_*.cpp), on the CPU variant `variant()` names (chosen at load by the CPU's
 flags; SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches variants off).
 The extension also has `rms_norm` and `add_rms_norm` (rms_norm.cpp; used by layers/norm.py) and
-`decode_attention` (decode_attention.cpp: paged attention without the K/V gather; layers/attention.py),
+`decode_attention` (decode_attention.cpp: paged attention without the K/V gather, in zmm or ymm;
+layers/attention.py),
 `prefill_attention` (prefill_attention.cpp: the same for prefill chunks, in zmm or ymm tiles)
 and `argmax_rows` / `sample_rows` / `logprob_rows` (argmax.cpp, sample.cpp: the sampler's draws
 and logprobs on CPU).

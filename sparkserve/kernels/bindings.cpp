@@ -19,7 +19,8 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor r, at::Tensor w, double eps);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                             std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
-                            std::vector<int64_t> q_lens);
+                            std::vector<int64_t> q_lens, const std::string& variant);
+std::vector<std::string> decode_attention_variants();
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                              std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
                              std::vector<int64_t> q_lens, const std::string& variant);
@@ -72,7 +73,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged causal attention of q_lens[b] (default 1) query tokens per request (GQA, fp32)",
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indices"), py::arg("seq_lens"),
         py::arg("kv_start"), py::arg("window"), py::arg("scale"),
-        py::arg("q_lens") = std::vector<int64_t>());
+        py::arg("q_lens") = std::vector<int64_t>(), py::arg("variant") = "");
+  m.def("decode_attention_variants", &decode_attention_variants,
+        "the decode_attention variants this CPU runs, best first (avx512, avx2)");
   m.def("prefill_attention", &prefill_attention,
         "decode_attention for prefill chunks, in tiles of query rows (GQA, fp32); variant: avx512 / avx2",
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indices"), py::arg("seq_lens"),

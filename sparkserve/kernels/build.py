@@ -14,8 +14,9 @@ rejects is left out (the AVX2 one is required; the AMX ones call the AVX-512 VNN
 and need it). int8_dispatch.cpp picks one at run time by the CPU's flags;
 SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches variants off (see `variant()`).
 "amx_emulated" is the AMX kernel on software tiles, which tests run on CPUs without AMX. Other
-kernels for one ISA beyond the baseline (ISA_UNITS: the AVX-512 prefill attention tile) are
-compiled and left out the same way; their callers check the CPU at run time."""
+kernels for one ISA beyond the baseline (ISA_UNITS: the AVX-512 prefill attention tile and decode
+attention chunk kernels) are compiled and left out the same way; their callers check the CPU at run
+time."""
 from __future__ import annotations
 
 import contextlib
@@ -38,12 +39,13 @@ SOURCES = [os.path.join(_DIR, f)
            for f in ("quant_gemv.cpp", "int8_dispatch.cpp", "int8_packed.cpp", "rms_norm.cpp",
                      "decode_attention.cpp", "native_llama.cpp", "native_draft.cpp", "markov_greedy.cpp",
                      "argmax.cpp", "sample.cpp", "prefill_attention.cpp", "prefill_attention_avx2.cpp",
-                     "thread_pool.cpp", "bindings.cpp")]
+                     "decode_attention_avx2.cpp", "thread_pool.cpp", "bindings.cpp")]
 HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h", "int8_common.h", "int8_packed.h",
                                            "int8_packed_ymm.h", "int8_packed_zmm.h", "int8_amx_body.h",
                                            "amx_tiles.h", "paged_attention.h", "prefill_attention.h",
                                            "prefill_tile.h", "rms_norm.h", "native_llama.h", "native_draft.h",
-                                           "thread_pool.h")]
+                                           "thread_pool.h", "vec_ymm.h", "vec_zmm.h", "decode_chunk.h",
+                                           "decode_tile.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 # int8 kernel variants, each after the one it calls: name -> extra ISA flags (on top of the AVX2
 # baseline). The dispatcher's order is int8_dispatch.cpp's.
@@ -60,7 +62,8 @@ VARIANT_NEEDS = {"amx": "avx512vnni", "amx_emulated": "avx512vnni"}
 VARIANT_SOURCES = [os.path.join(_DIR, f"int8_{name}.cpp") for name in VARIANTS]
 # Other kernels for one ISA beyond the baseline, compiled and left out as the variants are:
 # name -> (source, flags); the extension sees SPARKSERVE_HAS_<NAME> for each one built.
-ISA_UNITS = {"prefill_avx512": ("prefill_attention_avx512.cpp", VARIANTS["avx512"])}
+ISA_UNITS = {"prefill_avx512": ("prefill_attention_avx512.cpp", VARIANTS["avx512"]),
+             "decode_avx512": ("decode_attention_avx512.cpp", VARIANTS["avx512"])}
 UNIT_SOURCES = [os.path.join(_DIR, src) for src, _ in ISA_UNITS.values()]
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -174,7 +177,8 @@ def load_extension() -> ModuleType | None:
             if why is not None:
                 log.warning("sparkserve quantized kernels unavailable (%s); using the fp32 path", why)
             else:
-                log.info("sparkserve int8 kernel variant: %s, prefill attention: %s",
-                         ext.int8_variant(), ext.prefill_attention_variant() or "SDPA")  # type: ignore[union-attr]
+                log.info("sparkserve int8 kernel variant: %s, decode attention: %s, prefill attention: %s",
+                         ext.int8_variant(), ext.decode_attention_variants()[0],  # type: ignore[union-attr]
+                         ext.prefill_attention_variant() or "SDPA")  # type: ignore[union-attr]
             _state["ext"] = ext
         return _state["ext"]  # type: ignore[return-value]

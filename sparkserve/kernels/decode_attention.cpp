@@ -10,166 +10,28 @@
 // throughout: results differ from SDPA only by summation order and exp rounding (~1e-7
 // relative). A row's result depends only on its query and keys, not on the block or the threads
 // it runs with: a VERIFY row equals the decode step at its position bit for bit.
+// The arithmetic of a chunk is decode_tile.h's, on zmm registers where the CPU has AVX-512 and
+// the head dim is a multiple of 16 (decode_attention_avx512.cpp), else on ymm; one variant per
+// head dim, so decode and VERIFY rows stay equal.
 //
 // Built with -mavx2 -mfma by sparkserve/kernels/build.py, which checks the CPU first.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
+#include <string>
 #include <vector>
 
+#include "block_linear.h"
+#include "decode_chunk.h"
 #include "paged_attention.h"
-#include "simd.h"
 #include "thread_pool.h"
 
 namespace {
-
-using sparkserve::exp256;
-using sparkserve::hsum;
-
-// Eight K/V elements as fp32 (exactly: every float16 and bfloat16 value is a float32 one).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-// How far ahead of the key in use its K and V rows are fetched. An item's keys are one KV head's
-// D values per slot: every Hkv * D values at best (consecutive slots), anywhere in the pool once
-// pages are recycled. The hardware prefetchers keep too little of that in flight, so at contexts
-// past the L3 the loops would wait on memory (docs/kernel-notes.md has the figures).
-constexpr int64_t kPrefetchKeys = 32;
-
-template <typename T>
-inline void prefetch_rows(const T* base, const int64_t* rows, int64_t j0, int64_t j1, int64_t D) {
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(base + rows[j]) + b, _MM_HINT_T0);
-}
-
-// Scores of NR query rows against four keys: 2 x 4 accumulators fit the 16 ymm registers with the
-// key vectors. Each (row, key) pair is reduced by the same lane order and hadd tree wherever it
-// sits, so a score's bits depend only on its query and key, never on the tile or the block size.
-template <int NR, typename T>
-inline void qk_tile(const float* const* q, const T* const* k, int64_t D, float* s, int64_t ss, int64_t nk) {
-  __m256 a[NR][4];
-  for (int r = 0; r < NR; ++r)
-    for (int x = 0; x < 4; ++x) a[r][x] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < D; c += 8) {
-    const __m256 k0 = load8(k[0] + c), k1 = load8(k[1] + c), k2 = load8(k[2] + c), k3 = load8(k[3] + c);
-    for (int r = 0; r < NR; ++r) {
-      const __m256 qv = _mm256_loadu_ps(q[r] + c);
-      a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);
-      a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
-      a[r][2] = _mm256_fmadd_ps(qv, k2, a[r][2]);
-      a[r][3] = _mm256_fmadd_ps(qv, k3, a[r][3]);
-    }
-  }
-  for (int r = 0; r < NR; ++r) {
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
-    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    if (nk == 4) {
-      _mm_storeu_ps(s + r * ss, v);
-    } else {
-      alignas(16) float tmp[4];
-      _mm_store_ps(tmp, v);
-      for (int64_t x = 0; x < nk; ++x) s[r * ss + x] = tmp[x];
-    }
-  }
-}
-
-// s[r][j] = q_r . k_j for the R rows and the n keys at rows[0..n) (offsets into kp), keys in
-// groups of four (the last group padded with its last key, whose extra scores are dropped). The
-// V rows at the same offsets in vp are fetched too, for the P V pass after the softmax: it reads
-// each V row once per column tile, and would otherwise wait on memory in the first.
-template <typename T>
-void scores(const float* const* q, int64_t R, const int64_t* rows, int64_t n, const T* kp, const T* vp, int64_t D,
-            float* s) {
-  for (int64_t j = 0; j < n; j += 4) {
-    prefetch_rows(kp, rows, j + kPrefetchKeys, std::min(n, j + kPrefetchKeys + 4), D);
-    prefetch_rows(vp, rows, j + kPrefetchKeys, std::min(n, j + kPrefetchKeys + 4), D);
-    const int64_t nk = std::min<int64_t>(4, n - j);
-    const T* k[4];
-    for (int64_t x = 0; x < 4; ++x) k[x] = kp + rows[j + std::min(x, nk - 1)];
-    int64_t r = 0;
-    // a half pool's keys cost a conversion per load: 3-row tiles load them once for 3 rows (GQA's
-    // 3 heads per KV head), which pays despite the 17th register; float32 keys stay in 2-row tiles
-    if (!std::is_same<T, float>::value)
-      for (; r + 3 <= R; r += 3) qk_tile<3>(q + r, k, D, s + r * n + j, n, nk);
-    for (; r + 2 <= R; r += 2) qk_tile<2>(q + r, k, D, s + r * n + j, n, nk);
-    if (r < R) qk_tile<1>(q + r, k, D, s + r * n + j, n, nk);
-  }
-}
-
-// exp(scale * s - max) over the row's visible keys [lo, hi) of its chunk, zero elsewhere (so the
-// P V sum may run over all the item's keys and still add the same terms in the same order as over
-// the row's own); returns the scaled max and writes the sum of the exps.
-float softmax_partial(float* row, int64_t n, int64_t lo, int64_t hi, float sc, float* sum_out) {
-  float* sg = row + lo;
-  const int64_t m_n = hi - lo;
-  float m = sg[0];
-  for (int64_t i = 1; i < m_n; ++i) m = std::max(m, sg[i]);
-  const __m256 scv = _mm256_set1_ps(sc), ms = _mm256_set1_ps(m * sc);
-  __m256 sum8 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= m_n; i += 8) {
-    const __m256 e = exp256(_mm256_fmsub_ps(_mm256_loadu_ps(sg + i), scv, ms));
-    _mm256_storeu_ps(sg + i, e);
-    sum8 = _mm256_add_ps(sum8, e);
-  }
-  float sum = hsum(sum8);
-  for (; i < m_n; ++i) {
-    alignas(32) float t[8] = {sg[i] * sc - m * sc};
-    _mm256_store_ps(t, exp256(_mm256_load_ps(t)));
-    sum += (sg[i] = t[0]);
-  }
-  std::fill(row, row + lo, 0.f);
-  std::fill(row + hi, row + n, 0.f);
-  *sum_out = sum;
-  return m * sc;
-}
-
-// o_r[c0 .. c0 + 8 NV) = sum_j p[r][j] V[j][c0 ..] for NR rows sharing the V rows, the
-// accumulators in registers.
-template <int NR, int NV, typename T>
-void pv_tile(const float* p, int64_t n, const T* vp, const int64_t* rows, int64_t c0, float* const* o) {
-  __m256 acc[NR][NV];
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < NV; ++i) acc[r][i] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    if (j + kPrefetchKeys < n)       // this tile's columns of a row ahead
-      for (int64_t b = 0; b < 8 * NV * static_cast<int64_t>(sizeof(T)); b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(vp + rows[j + kPrefetchKeys] + c0) + b, _MM_HINT_T0);
-    const T* vr = vp + rows[j] + c0;
-    __m256 v[NV];
-    for (int i = 0; i < NV; ++i) v[i] = load8(vr + 8 * i);
-    for (int r = 0; r < NR; ++r) {
-      const __m256 pr = _mm256_broadcast_ss(p + r * n + j);
-      for (int i = 0; i < NV; ++i) acc[r][i] = _mm256_fmadd_ps(pr, v[i], acc[r][i]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o[r] + c0 + 8 * i, acc[r][i]);
-}
-
-template <int NR, typename T>
-void pv(const float* p, int64_t n, const T* vp, const int64_t* rows, float* const* o, int64_t D) {
-  int64_t c = 0;
-  if (NR == 3)
-    for (; c + 16 <= D; c += 16) pv_tile<NR, 2>(p, n, vp, rows, c, o);
-  for (; c + 32 <= D; c += 32) pv_tile<NR, 4>(p, n, vp, rows, c, o);
-  for (; c < D; c += 8) pv_tile<NR, 1>(p, n, vp, rows, c, o);
-}
 
 // Keys are cut at fixed gathered indices, every kKeyChunk. Each chunk of a row's keys gives a
 // partial result (max, sum of exps, unnormalized P V), and a row's partials merge in order. The
@@ -190,10 +52,10 @@ struct Request {
 
 using sparkserve::PagedKV;
 
-// paged_attention over K/V buffers of element type T.
-template <typename T>
-void attend(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, const PagedKV& kv, const T* kp,
-            const T* vp, const int64_t* seq_lens, const int64_t* q_off, int64_t B, float sc, float* op) {
+// paged_attention with the chunk kernels K (decode_tile.h) over K/V buffers of kind kv_type.
+void attend(const sparkserve::decode::ChunkKernels& K, const float* qp, int64_t qs0, int64_t qs1, int64_t H,
+            int64_t D, const PagedKV& kv, int kv_type, const int64_t* seq_lens, const int64_t* q_off, int64_t B,
+            float sc, float* op) {
   const int64_t Hkv = kv.Hkv, G = H / Hkv, window = kv.window, kv_start = kv.kv_start, C = kKeyChunk;
   TORCH_CHECK(kv.causal || window <= 0, "paged attention: a window needs causal attention");
   // first gathered index a query at relative position e - 1 (e keys up to it) sees
@@ -277,7 +139,7 @@ void attend(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, con
           q[k] = qp + t * qs0 + head * qs1;
           o[k] = one_chunk(r, i) ? op + t * H * D + head * D : entry(r, i, head, c);
         }
-      scores(q.data(), R, rows.data(), n, kp, vp, D, s.data());
+      K.scores(q.data(), R, rows.data(), n, kv.k, kv.v, kv_type, D, s.data());
       for (int64_t i = it.i0; i < it.i1; ++i) {
         const int64_t e = last_key(r, i), lo = std::max(first(e), k0) - k0, hi = std::min(e, k1) - k0;
         for (int64_t k = (i - it.i0) * G; k < (i - it.i0 + 1) * G; ++k) {
@@ -287,15 +149,11 @@ void attend(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, con
             o[k] = unused.data(), sum[k] = 0.f;
             continue;
           }
-          const float m = softmax_partial(row, n, lo, hi, sc, &sum[k]);
+          const float m = K.softmax(row, n, lo, hi, sc, &sum[k]);
           if (!one_chunk(r, i)) o[k][D] = m, o[k][D + 1] = sum[k];
         }
       }
-      int64_t k = 0;
-      if (!std::is_same<T, float>::value)        // as in scores()
-        for (; k + 3 <= R; k += 3) pv<3>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
-      for (; k + 2 <= R; k += 2) pv<2>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
-      if (k < R) pv<1>(s.data() + k * n, n, vp, rows.data(), o.data() + k, D);
+      K.pv(s.data(), R, n, kv.v, kv_type, rows.data(), o.data(), D);
       for (int64_t i = it.i0; i < it.i1; ++i) {
         if (!one_chunk(r, i)) continue;
         for (int64_t x = (i - it.i0) * G; x < (i - it.i0 + 1) * G; ++x) {
@@ -341,26 +199,43 @@ void attend(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, con
   });
 }
 
+struct Variant {
+  const char* name;
+  sparkserve::decode::ChunkKernels kernels;
+};
+
+// The chunk kernels this CPU runs, best first ("avx2" is always built); read once.
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> v = [] {
+    std::vector<Variant> out;
+#ifdef SPARKSERVE_HAS_DECODE_AVX512
+    if (sparkserve::isa_usable("avx512")) out.push_back({"avx512", sparkserve::decode::kernels_avx512()});
+#endif
+    out.push_back({"avx2", sparkserve::decode::kernels_avx2()});
+    return out;
+  }();
+  return v;
+}
+
+// The best variant for head dim D (its vector width must divide D), or the one named.
+const Variant& variant_for(int64_t D, const std::string& name = "") {
+  for (const Variant& v : variants())
+    if ((name.empty() || name == v.name) && D % v.kernels.width == 0) return v;
+  TORCH_CHECK(false, "decode attention: no variant ", name, " for head dim ", D, " runs here");
+}
+
+int kv_kind(sparkserve::KVType t) {
+  using sparkserve::KVType;
+  return t == KVType::kFloat ? 0 : t == KVType::kHalf ? 1 : 2;
+}
+
 }  // namespace
 
 namespace sparkserve {
 
 void paged_attention(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, const PagedKV& kv,
                      const int64_t* seq_lens, const int64_t* q_off, int64_t B, float sc, float* op) {
-  switch (kv.type) {
-    case KVType::kFloat:
-      attend(qp, qs0, qs1, H, D, kv, static_cast<const float*>(kv.k), static_cast<const float*>(kv.v), seq_lens,
-             q_off, B, sc, op);
-      break;
-    case KVType::kHalf:
-      attend(qp, qs0, qs1, H, D, kv, static_cast<const c10::Half*>(kv.k), static_cast<const c10::Half*>(kv.v),
-             seq_lens, q_off, B, sc, op);
-      break;
-    case KVType::kBFloat16:
-      attend(qp, qs0, qs1, H, D, kv, static_cast<const c10::BFloat16*>(kv.k),
-             static_cast<const c10::BFloat16*>(kv.v), seq_lens, q_off, B, sc, op);
-      break;
-  }
+  attend(variant_for(D).kernels, qp, qs0, qs1, H, D, kv, kv_kind(kv.type), seq_lens, q_off, B, sc, op);
 }
 
 KVType kv_type_of(const at::Tensor& t) {
@@ -393,10 +268,11 @@ std::vector<int64_t> query_offsets(const std::vector<int64_t>& seq_lens, const s
 // q_lens is empty: decode), at positions seq_len - q_lens[b] .. seq_len - 1; the query at position p
 // sees positions max(kv_start, p - window + 1) .. p (causal; window <= 0: no window). The new K/V
 // of all of them are already in the pool, so VERIFY blocks and small extends need no gather either.
-// Returns [T, H * D].
+// Returns [T, H * D]. `variant`: "" for the best one this CPU runs at this head dim, or one by name
+// (decode_attention_variants()), for tests and benchmarks.
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                             std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
-                            std::vector<int64_t> q_lens) {
+                            std::vector<int64_t> q_lens, const std::string& variant) {
   TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: q must be float32");
   TORCH_CHECK(v_buf.scalar_type() == k_buf.scalar_type(), "decode_attention: K and V buffers of one dtype");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "decode_attention: q must be [T, H, D], last dim contiguous");
@@ -415,7 +291,14 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at
   const sparkserve::PagedKV kv{k_buf.data_ptr(), v_buf.data_ptr(), k_buf.size(0), Hkv,
                                kv_indices.data_ptr<int64_t>(), kv_indices.stride(0), kv_start, window,
                                true, sparkserve::kv_type_of(k_buf)};
-  sparkserve::paged_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), H, D, kv, seq_lens.data(),
-                              q_off.data(), B, static_cast<float>(scale), out.data_ptr<float>());
+  attend(variant_for(D, variant).kernels, q.data_ptr<float>(), q.stride(0), q.stride(1), H, D, kv,
+         kv_kind(kv.type), seq_lens.data(), q_off.data(), B, static_cast<float>(scale), out.data_ptr<float>());
   return out;
+}
+
+// The decode attention variants this CPU runs, best first.
+std::vector<std::string> decode_attention_variants() {
+  std::vector<std::string> names;
+  for (const Variant& v : variants()) names.push_back(v.name);
+  return names;
 }

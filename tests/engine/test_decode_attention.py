@@ -33,6 +33,16 @@ def ext():
     return kernels.load_extension()
 
 
+VARIANTS = ["avx512", "avx2"]
+
+
+def runs(ext, variant: str) -> str:
+    """`variant` where this CPU runs it (the AVX-512 chunk kernels need AVX-512), else a skip."""
+    if variant not in ext.decode_attention_variants():
+        pytest.skip(f"this CPU does not run the {variant} decode attention")
+    return variant
+
+
 def random_case(g: torch.Generator, B: int, H: int, Hkv: int, D: int, kv_start: int):
     """A random pool, q as the model slices it (non-contiguous rows), per-request lengths
     (1 and the maximum always among them) and distinct random slot ids padded with 0."""
@@ -66,15 +76,18 @@ def sdpa_reference(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window):
     return out.reshape(B, H * D)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("ratio", [1, 3])
 @pytest.mark.parametrize("D", [64, 16])
 @pytest.mark.parametrize("kv_start,window", [(0, None), (0, 5), (6, 9)])
-def test_kernel_matches_sdpa(ext, ratio, D, kv_start, window):
+def test_kernel_matches_sdpa(ext, variant, ratio, D, kv_start, window):
+    variant = runs(ext, variant)
     g = torch.Generator().manual_seed(ratio * 100 + D + kv_start)
     for B in (1, 2, 5, 8):
         Hkv = 1 if B == 1 else 3
         q, k_buf, v_buf, kv_indices, seq_lens = random_case(g, B, Hkv * ratio, Hkv, D, kv_start)
-        out = ext.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window or 0, D ** -0.5)
+        out = ext.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window or 0, D ** -0.5,
+                                   [], variant)
         ref = sdpa_reference(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window)
         err = (out - ref).abs().max().item()
         assert err <= 1e-5, f"B={B} lens={seq_lens}: max |diff| {err:.3g}"
@@ -127,11 +140,13 @@ def causal_reference(q, k_buf, v_buf, kv_indices, seq_lens, q_lens, kv_start, wi
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("ratio", [1, 3])
 @pytest.mark.parametrize("kv_start,window", [(0, None), (0, 5), (6, 9), (3, 1)])
-def test_multi_query_kernel_matches_causal_sdpa(ext, ratio, kv_start, window):
+def test_multi_query_kernel_matches_causal_sdpa(ext, variant, ratio, kv_start, window):
     """Several query tokens per request (1..12, varied, a whole sequence among them when
     kv_start is 0), causal, GQA 1 and 3, windows narrower and wider than the query block."""
+    variant = runs(ext, variant)
     g = torch.Generator().manual_seed(ratio * 10 + kv_start + (window or 0))
     D = 64
     for B in (1, 3, 6):
@@ -150,7 +165,7 @@ def test_multi_query_kernel_matches_causal_sdpa(ext, ratio, kv_start, window):
         kv_indices = torch.where(valid, perm, torch.zeros((), dtype=torch.long))
         q = torch.randn(sum(q_lens), H + Hkv, D, generator=g)[:, :H]   # strided rows, as the model slices q
         out = ext.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, kv_start, window or 0, D ** -0.5,
-                                   q_lens)
+                                   q_lens, variant)
         ref = causal_reference(q, k_buf, v_buf, kv_indices, seq_lens, q_lens, kv_start, window)
         err = (out - ref).abs().max().item()
         assert err <= 1e-5, f"B={B} q_lens={q_lens} seq_lens={seq_lens}: max |diff| {err:.3g}"
@@ -246,13 +261,15 @@ def test_engine_greedy_same_with_kernels_disabled(ext, smollm2_engine, monkeypat
     assert res["ids"] == ours
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("window", [None, 6, 200])
-def test_block_rows_equal_one_query_calls_bit_for_bit(ext, window):
+def test_block_rows_equal_one_query_calls_bit_for_bit(ext, variant, window):
     """Each query row of a multi-query call (a VERIFY block, a small extend) is bit-identical to a
     one-query call at its position, whatever the block's size and the thread count: speculative
     verify must score exactly what plain decoding would, or greedy outputs could part on near-ties.
     Contexts past the kernel's 256-key chunks and blocks straddling a chunk edge included, and
     each block equals SDPA."""
+    variant = runs(ext, variant)
     g = torch.Generator().manual_seed(5 + (window or 0))
     H, Hkv, D, L = 9, 3, 64, 600
     k_buf, v_buf = torch.randn(L + 1, Hkv, D, generator=g), torch.randn(L + 1, Hkv, D, generator=g)
@@ -264,22 +281,24 @@ def test_block_rows_equal_one_query_calls_bit_for_bit(ext, window):
             torch.set_num_threads(threads)
             for seq, n in ((L, 16), (262, 8), (258, 3), (513, 9), (70, 5), (9, 9)):
                 block = ext.decode_attention(q[:n], k_buf, v_buf, kv_indices, [seq], 0, window or 0,
-                                             D ** -0.5, [n])
+                                             D ** -0.5, [n], variant)
                 ref = causal_reference(q[:n], k_buf, v_buf, kv_indices[:, :seq], [seq], [n], 0, window)
                 assert (block - ref).abs().max() <= 1e-5, f"seq {seq} block {n}"
                 for i in range(n):
                     one = ext.decode_attention(q[i:i + 1], k_buf, v_buf, kv_indices, [seq - n + 1 + i], 0,
-                                               window or 0, D ** -0.5)
+                                               window or 0, D ** -0.5, [], variant)
                     assert torch.equal(block[i], one[0]), f"seq {seq} block {n} row {i} (threads {threads})"
     finally:
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_pool_reads_as_its_float32_values(ext, dtype):
+def test_half_precision_pool_reads_as_its_float32_values(ext, variant, dtype):
     """A float16 / bfloat16 pool (--kv-cache-dtype) is read by converting each value exactly, so
     the kernel gives, bit for bit, what it gives on the same values held as float32: decode,
     causal blocks, windows, contexts past a key chunk. Another dtype is refused by name."""
+    variant = runs(ext, variant)
     g = torch.Generator().manual_seed(3)
     H, Hkv, D, L = 9, 3, 64, 600
     k16 = torch.randn(L + 1, Hkv, D, generator=g).to(dtype)
@@ -287,9 +306,31 @@ def test_half_precision_pool_reads_as_its_float32_values(ext, dtype):
     kv_indices = (1 + torch.randperm(L, generator=g))[None]
     q = torch.randn(16, H, D, generator=g)
     for seq, n, window in ((L, 1, 0), (L, 16, 0), (300, 8, 0), (40, 5, 7), (L, 3, 200)):
-        args = (kv_indices, [seq], 0, window, D ** -0.5, [n])
+        args = (kv_indices, [seq], 0, window, D ** -0.5, [n], variant)
         half = ext.decode_attention(q[:n], k16, v16, *args)
         full = ext.decode_attention(q[:n], k16.float(), v16.float(), *args)
         assert torch.equal(half, full), (seq, n, window)
     with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
         ext.decode_attention(q[:1], k16.double(), v16.double(), kv_indices, [L], 0, 0, D ** -0.5)
+
+
+def test_variants_by_head_dim(ext):
+    """The AVX-512 chunk kernels take head dims that are multiples of 16; others run on ymm (what
+    decode_attention picks unasked), and naming avx512 for them is refused; both variants agree
+    with each other to summation order."""
+    g = torch.Generator().manual_seed(9)
+    assert ext.decode_attention_variants()[-1] == "avx2"
+    for D in (24, 64):
+        q, k_buf, v_buf, kv_indices, seq_lens = random_case(g, 3, 6, 2, D, 0)
+        args = (q, k_buf, v_buf, kv_indices, seq_lens, 0, 0, D ** -0.5, [])
+        best = ext.decode_attention(*args)
+        expected = "avx2" if D % 16 else ext.decode_attention_variants()[0]
+        assert torch.equal(best, ext.decode_attention(*args, expected))
+        if "avx512" not in ext.decode_attention_variants():
+            continue
+        if D % 16:
+            with pytest.raises(RuntimeError, match="no variant avx512 for head dim 24"):
+                ext.decode_attention(*args, "avx512")
+        else:
+            zmm, ymm = ext.decode_attention(*args, "avx512"), ext.decode_attention(*args, "avx2")
+            assert (zmm - ymm).abs().max() < 1e-5

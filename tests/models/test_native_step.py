@@ -94,18 +94,20 @@ def test_native_step_equals_python_path_and_transformers(arch, bf16_dirs, monkey
         assert d.cache.allocator.free_slots == d.cache.num_slots
 
 
-@pytest.mark.parametrize("kv_dtype,rel", [(torch.float16, 1e-2), (torch.bfloat16, 3e-2)])
-def test_half_precision_kv_pool(kv_dtype, rel, bf16_dirs, monkeypatch):
+@pytest.mark.parametrize("kv_dtype,paths,rel", [(torch.float16, 2e-4, 1e-2), (torch.bfloat16, 2e-3, 3e-2)])
+def test_half_precision_kv_pool(kv_dtype, paths, rel, bf16_dirs, monkeypatch):
     """--kv-cache-dtype float16 / bfloat16: the native step writes its K/V rounded as the layer
-    path's store does and reads them back through the same kernel, so the two paths agree as
-    closely as with a float32 pool; against transformers the logits move by what one rounding of
-    each K/V value costs (bfloat16 keeps 3 fewer mantissa bits than float16)."""
+    path's store does and reads them back through the same kernel. The two paths differ by fp32
+    rounding (rotary, SiLU, the prefill vs decode attention kernels), which can flip the rounding
+    of a stored K/V value by one unit of the pool's type that later tokens read, so they agree to
+    a few of those units' effect (`paths`; bfloat16's unit is 8x float16's); against transformers
+    the logits move by what one rounding of each K/V value costs."""
     from conftest import load_hf_reference
     count = Counter(monkeypatch)
     native, python = run_both(bf16_dirs["llama"], [13, 1, 23, 6], decode_steps=6, kv_dtype=kv_dtype)
     assert count.calls
     assert native.runner.kv_pool.k[0].dtype == kv_dtype
-    assert_close(logits_of(native), logits_of(python), 1e-4)
+    assert_close(logits_of(native), logits_of(python), paths)
     check_against_hf(native, load_hf_reference(bf16_dirs["llama"]), rel)
 
 

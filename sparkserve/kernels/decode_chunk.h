@@ -1,0 +1,28 @@
+// One key chunk of a decode-attention work item (decode_attention.cpp), in plain types: the
+// AVX-512 unit that computes it (decode_attention_avx512.cpp) is compiled with its own ISA flags
+// and must not share inline library code with the rest of the extension. decode_tile.h has the
+// computation, once over a vector type.
+#pragma once
+#include <cstdint>
+
+namespace sparkserve::decode {
+
+// K/V rows are at offsets rows[0..n) (elements) of the buffers k and v, of kv_type 0 float32,
+// 1 float16, 2 bfloat16; D is a multiple of the unit's vector width.
+struct ChunkKernels {
+  // s[r][j] = q_r . k_j for the R query rows q[0..R) and the n keys.
+  void (*scores)(const float* const* q, int64_t R, const int64_t* rows, int64_t n, const void* k, const void* v,
+                 int kv_type, int64_t D, float* s);
+  // exp(sc * s - max) over row[lo, hi), zero elsewhere in row[0, n); returns the scaled max and
+  // writes the sum of the exps.
+  float (*softmax)(float* row, int64_t n, int64_t lo, int64_t hi, float sc, float* sum);
+  // o[r][0..D) = sum_j p[r][j] V[j] for the R rows of p (each n long).
+  void (*pv)(const float* p, int64_t R, int64_t n, const void* v, int kv_type, const int64_t* rows,
+             float* const* o, int64_t D);
+  int64_t width;   // D must be a multiple of it
+};
+
+ChunkKernels kernels_avx2();
+ChunkKernels kernels_avx512();
+
+}  // namespace sparkserve::decode
