@@ -16,6 +16,12 @@ def _doublings(top: int) -> list[int]:
     return sizes
 
 
+# Forwards below this many tokens are the ones a batch-1 plan weighs against each other (a block
+# of drafts): they are cheap, so they are timed over more rounds, taking turns.
+SMALL_TOKENS = 32
+SMALL_ROUNDS = 9
+
+
 def _timed(runner: ModelRunner, batches: dict[int, list[ScheduledReq]], reps: int,
            floor: float = 0.0) -> list[float]:
     """Median seconds of each batch's forward, in the dict's key order, made non-decreasing from
@@ -23,21 +29,33 @@ def _timed(runner: ModelRunner, batches: dict[int, list[ScheduledReq]], reps: in
     Small forwards run slower right after other work (start-up, a large forward on torch's OpenMP
     threads, whose workers go on spinning), and a cost(1) above cost(2) made drafting look cheaper
     than plain decoding: so the batches run from the largest down, each once untimed first, as a
-    decode step follows decode steps. A forward over more never costs less."""
+    decode step follows decode steps. The small ones then take turns over SMALL_ROUNDS rounds, so
+    that the machine's drift between them (a shared CPU's load comes and goes) does not decide
+    what one more verified row seems to cost. A forward over more never costs less."""
+    def once(key: int) -> float:
+        fb = runner.build_batch(ForwardMode.VERIFY, batches[key])
+        t = time.perf_counter()
+        runner.forward(fb)
+        runner.synchronize()
+        return time.perf_counter() - t
+
     median = {}
+    small = [key for key in reversed(list(batches)) if _tokens(batches[key]) < SMALL_TOKENS]
     for key in reversed(list(batches)):
-        times = []
-        for _ in range(reps + 1):
-            fb = runner.build_batch(ForwardMode.VERIFY, batches[key])
-            t = time.perf_counter()
-            runner.forward(fb)
-            runner.synchronize()
-            times.append(time.perf_counter() - t)
-        median[key] = sorted(times[1:])[reps // 2]       # the first one warms up
+        if key not in small:
+            times = [once(key) for _ in range(reps + 1)]
+            median[key] = sorted(times[1:])[reps // 2]       # the first one warms up
+    rounds = [[once(key) for key in small] for _ in range(max(reps, SMALL_ROUNDS) + 1)][1:]
+    for i, key in enumerate(small):
+        median[key] = sorted(r[i] for r in rounds)[len(rounds) // 2]
     out: list[float] = []
     for key in batches:
         out.append(max(median[key], out[-1] if out else floor))
     return out
+
+
+def _tokens(reqs: list[ScheduledReq]) -> int:
+    return sum(len(r.tokens) for r in reqs)
 
 
 def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: int, context: int = 64,

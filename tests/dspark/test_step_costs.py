@@ -74,3 +74,32 @@ def test_table_file_round_trip_and_refusal(tmp_path):
         StepCostTable.load(path)
     old = StepCostTable([1, 2, 8], [0.01, 0.012, 0.02])
     assert old.batch_cost(4, 4) == old.cost(4)
+
+
+class DriftingRunner(WarmingRunner):
+    """As WarmingRunner from the start, but a third of the forwards, in runs of four, take 8 ms
+    more: another process takes the core now and then, whatever size is being timed."""
+
+    def __init__(self):
+        super().__init__()
+        self.busy_until = 0.0
+        self.calls = 0
+
+    def forward(self, batch):
+        slow = (self.calls // 4) % 3 == 0
+        self.calls += 1
+        super().forward(batch)
+        end = time.perf_counter() + (8 * MS if slow else 0)
+        while time.perf_counter() < end:
+            pass
+
+
+def test_small_sizes_take_turns_so_drift_does_not_price_a_row():
+    """The sizes a batch-1 plan compares (one request's forward over 1..16 tokens) are timed in
+    turns: a run of slow forwards lands on every size alike, so one more row costs what it does
+    (0.5 ms here), not a spell of load that fell on one size's repetitions."""
+    cache = KVCacheManager(1024, 1, 4, 1024, disable_radix_cache=True)
+    table = measure_step_costs(DriftingRunner(), cache, max_tokens=16, reps=3)
+    assert table.tokens == [1, 2, 4, 8, 16]
+    for n, s in zip(table.tokens, table.seconds):
+        assert abs(s - (10 + 0.5 * n) * MS) < 2 * MS, (n, s)
