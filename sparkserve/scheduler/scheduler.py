@@ -358,8 +358,8 @@ class Scheduler(PromptHandover):
                 self.spec.defer(req, [a[i] for a in fb.aux_hidden], fb.positions[i], fb.out_cache_loc[i])
             else:
                 now.extend(rows)
-        if now:
-            i = torch.as_tensor(now)
+        if now:     # consecutive rows (one request's, or a whole batch's) as views
+            i = slice(now[0], now[-1] + 1) if now[-1] - now[0] == len(now) - 1 else torch.as_tensor(now)
             self.spec.inject([a[i] for a in fb.aux_hidden], fb.positions[i], fb.out_cache_loc[i])
 
     def _release(self, req: Req) -> None:

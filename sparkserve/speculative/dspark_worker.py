@@ -88,7 +88,8 @@ class DSparkWorker:
     @torch.inference_mode()
     def propose(self, reqs: list[Req], plain_tokens: int = 0) -> list[Proposal]:
         ctx_lens = [r.kv_len for r in reqs]
-        kv_indices = self.req_to_token[torch.tensor([r.row for r in reqs]), :max(ctx_lens)].to(self.device)
+        rows = slice(reqs[0].row, reqs[0].row + 1) if len(reqs) == 1 else torch.tensor([r.row for r in reqs])
+        kv_indices = self.req_to_token[rows, :max(ctx_lens)].to(self.device)
         with on_device(self.device):
             return self._propose(reqs, ctx_lens, kv_indices, plain_tokens)
 
