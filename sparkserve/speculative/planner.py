@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import bisect
 import json
+import operator
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -142,7 +144,7 @@ class VerifyPlanner:
         return self._adaptive(confidences, caps, plain_tokens)
 
     def _adaptive(self, confidences, caps, plain_tokens) -> list[int]:
-        survival = [torch.cumprod(c[:cap].double(), 0).tolist() for c, cap in zip(confidences, caps)]
+        survival = [list(accumulate(c[:cap].tolist(), operator.mul)) for c, cap in zip(confidences, caps)]
         ranked = sorted(((a, r, j) for r, s in enumerate(survival) for j, a in enumerate(s)),
                         key=lambda x: (-x[0], x[2]))
         lens = [0] * len(caps)

@@ -72,7 +72,13 @@ def first_rows(confidence: torch.Tensor | None, num_drafts: int) -> int:
     gives at least UP_FRONT_SURVIVAL odds of passing; all of them without a confidence head."""
     if confidence is None:
         return num_drafts + 1
-    return 1 + int((torch.cumprod(confidence[:num_drafts].double(), 0) >= UP_FRONT_SURVIVAL).sum())
+    rows, survival = 1, 1.0
+    for c in confidence[:num_drafts].tolist():      # a few slots: plain floats beat torch calls
+        survival *= c
+        if survival < UP_FRONT_SURVIVAL:
+            break
+        rows += 1
+    return rows
 
 
 def accept_batch(items: dict[int, tuple], logits: VerifyLogits,
