@@ -16,8 +16,8 @@ def _doublings(top: int) -> list[int]:
     return sizes
 
 
-# Forwards below this many tokens are the ones a batch-1 plan weighs against each other (a block
-# of drafts): they are cheap, so they are timed over more rounds, taking turns.
+# Forwards of fewer tokens are cheap, and they are what the plans weigh against each other (a
+# block of drafts, a few requests' decode step): timed over more rounds, taking turns.
 SMALL_TOKENS = 32
 SMALL_ROUNDS = 9
 
