@@ -334,3 +334,30 @@ def test_variants_by_head_dim(ext):
         else:
             zmm, ymm = ext.decode_attention(*args, "avx512"), ext.decode_attention(*args, "avx2")
             assert (zmm - ymm).abs().max() < 1e-5
+
+
+_SWITCHED_OFF = r"""
+import json
+import torch
+from sparkserve.kernels import load_extension
+ext = load_extension()
+q, kv = torch.randn(1, 2, 64), torch.randn(5, 2, 64)
+try:
+    ext.decode_attention(q, kv, kv, torch.arange(1, 5)[None], [4], 0, 0, 0.125, [], "avx512")
+    refused = ""
+except RuntimeError as e:
+    refused = str(e)
+print(json.dumps({"variants": ext.decode_attention_variants(), "refused": refused}))
+"""
+
+
+def test_avx512_switched_off_steps_down_to_ymm(ext):
+    """SPARKSERVE_KERNEL_VARIANTS_OFF=avx512 (read at load, a fresh process) leaves the ymm form,
+    the baseline every CPU the kernels build for runs, and naming the zmm form is refused."""
+    env = {**os.environ, "SPARKSERVE_KERNEL_VARIANTS_OFF": "avx512", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", _SWITCHED_OFF], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["variants"] == ["avx2"]
+    assert "no variant avx512 for head dim 64" in got["refused"]
