@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from sparkserve.args import ParallelConfig
+from sparkserve.distributed.world import init_world
 
 # Waiting for the driver's next command may last as long as a server is idle; a collective
 # inside a forward may not (a hung rank must fail requests, not hang them).
@@ -92,8 +93,8 @@ def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: 
     one tp group of the MLP."""
     if dist.is_initialized():
         raise ValueError(_BUSY)
-    dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=cfg.world_size,
-                            timeout=CONTROL_TIMEOUT)
+    init_world("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=cfg.world_size,
+                 timeout=CONTROL_TIMEOUT)
     timeout = datetime.timedelta(seconds=timeout_s)
     def mine(groups: list[list[int]], t: datetime.timedelta) -> Group:
         return [g for ranks in groups if (g := _group(ranks, rank, t))][0]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sparkserve.distributed.world import init_world
 from sparkserve.training.config import DEVICES
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -103,9 +104,9 @@ def init_ranks(device: torch.device = torch.device("cpu")) -> Ranks:
         return Ranks(device=device)
     if not dist.is_initialized():
         if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+            init_world("nccl", device_id=device)
         else:
-            dist.init_process_group("gloo")
+            init_world("gloo")
     ranks = Ranks(dist.get_rank(), dist.get_world_size(), device, group=True)
     if ranks.is_main:
         print(f"train-draft: {ranks.world} rank(s), process group over {dist.get_backend()}, "
@@ -114,9 +115,8 @@ def init_ranks(device: torch.device = torch.device("cpu")) -> Ranks:
 
 
 def close_ranks(ranks: Ranks, finished: bool) -> None:
-    """A finished run waits for every rank before the group goes: gloo torn down under a peer
-    still talking to it aborts that peer ("terminate called without an active exception"). A
-    failed one does not wait (its peers may never come)."""
+    """A finished run waits for every rank before the group goes, so none leaves while a peer is
+    still in a collective with it. A failed one does not wait (its peers may never come)."""
     if ranks.group and dist.is_initialized():
         if finished:
             dist.barrier()
