@@ -44,8 +44,8 @@ HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h", "int8_com
                                            "int8_packed_ymm.h", "int8_packed_zmm.h", "int8_amx_body.h",
                                            "amx_tiles.h", "paged_attention.h", "prefill_attention.h",
                                            "prefill_tile.h", "rms_norm.h", "native_llama.h", "native_draft.h",
-                                           "thread_pool.h", "vec_ymm.h", "vec_zmm.h", "decode_chunk.h",
-                                           "decode_tile.h")]
+                                           "markov_greedy.h", "thread_pool.h", "vec_ymm.h", "vec_zmm.h",
+                                           "decode_chunk.h", "decode_tile.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 # int8 kernel variants, each after the one it calls: name -> extra ISA flags (on top of the AVX2
 # baseline). The dispatcher's order is int8_dispatch.cpp's.

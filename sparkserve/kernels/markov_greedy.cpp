@@ -14,11 +14,12 @@
 #include <utility>
 #include <vector>
 
+#include "markov_greedy.h"
 #include "thread_pool.h"
 
 namespace {
 
-constexpr int64_t kTile = 64;     // logits per tile: 8 ymm accumulators, enough to keep two FMA ports busy
+constexpr int64_t kTile = sparkserve::kMarkovTile;   // 8 ymm accumulators: enough to keep two FMA ports busy
 
 // Tiles [t0, t1) of logits = base + W2 emb, W2 packed as [tiles][r][kTile] (zero rows past V),
 // so a tile streams one contiguous panel. Returns the first maximum over them (as torch.argmax)
@@ -72,6 +73,36 @@ at::Tensor markov_pack(at::Tensor w2) {
   return padded.view({tiles, kTile, r}).transpose(1, 2).contiguous();
 }
 
+namespace sparkserve {
+
+void markov_greedy_into(const float* base, int64_t B, int64_t G, int64_t V, const float* w1, int64_t vocab,
+                        int64_t r, const float* w2p, const int64_t* d2t, const int64_t* anchors, int64_t* tokens,
+                        float* embs) {
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(anchors[b] >= 0 && anchors[b] < vocab, "anchor ", anchors[b], " is outside the vocab of ", vocab);
+  const auto greedy_block = [&](int64_t b, bool split) {
+    int64_t prev = anchors[b];
+    for (int64_t k = 0; k < G; ++k) {
+      float* emb = embs + (b * G + k) * r;
+      std::copy(w1 + prev * r, w1 + (prev + 1) * r, emb);
+      const int64_t best = slot_argmax(base + (b * G + k) * V, emb, w2p, r, V, split);
+      prev = d2t ? best + d2t[best] : best;
+      tokens[b * G + k] = prev;
+    }
+  };
+  // Requests split over the threads; fewer requests than threads split each slot's vocab instead.
+  const SpinScope spinning;
+  if (B < at::get_num_threads()) {
+    for (int64_t b = 0; b < B; ++b) greedy_block(b, true);
+  } else {
+    parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) greedy_block(b, false);
+    });
+  }
+}
+
+}  // namespace sparkserve
+
 // base [B, G, V] fp32; w1 [target vocab, r] fp32 (the previous token's code); w2p: W2 by
 // markov_pack; d2t [V] int64: draft id i is target id i + d2t[i] (None: same vocab);
 // anchors [B] int64 target ids. Returns (tokens [B, G] target ids, embs [B, G, r]: the code of
@@ -80,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor> markov_greedy(at::Tensor base, at::Tensor w1,
                                                  std::optional<at::Tensor> d2t, at::Tensor anchors) {
   TORCH_CHECK(base.dim() == 3 && base.scalar_type() == at::kFloat, "base must be float32 [B, G, V]");
   TORCH_CHECK(w1.dim() == 2 && w1.scalar_type() == at::kFloat, "w1 must be float32 [vocab, r]");
-  const int64_t B = base.size(0), G = base.size(1), V = base.size(2), r = w1.size(1), vocab = w1.size(0);
+  const int64_t B = base.size(0), G = base.size(1), V = base.size(2), r = w1.size(1);
   TORCH_CHECK(w2p.scalar_type() == at::kFloat && w2p.is_contiguous() &&
                   w2p.numel() == (V + kTile - 1) / kTile * kTile * r, "w2p must be markov_pack(W2 [V, r])");
   TORCH_CHECK(anchors.dim() == 1 && anchors.size(0) == B && anchors.scalar_type() == at::kLong,
@@ -93,31 +124,8 @@ std::tuple<at::Tensor, at::Tensor> markov_greedy(at::Tensor base, at::Tensor w1,
   at::Tensor map = d2t ? d2t->contiguous() : at::Tensor();
   at::Tensor tokens = at::empty({B, G}, at::kLong);
   at::Tensor embs = at::empty({B, G, r}, at::kFloat);
-  const float *pb = base.data_ptr<float>(), *pw1 = w1.data_ptr<float>(), *pw2 = w2p.data_ptr<float>();
-  const int64_t* pa = anchors.data_ptr<int64_t>();
-  const int64_t* pm = d2t ? map.data_ptr<int64_t>() : nullptr;
-  int64_t* pt = tokens.data_ptr<int64_t>();
-  float* pe = embs.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(pa[b] >= 0 && pa[b] < vocab, "anchor ", pa[b], " is outside the vocab of ", vocab);
-  const auto greedy_block = [&](int64_t b, bool split) {
-    int64_t prev = pa[b];
-    for (int64_t k = 0; k < G; ++k) {
-      float* emb = pe + (b * G + k) * r;
-      std::copy(pw1 + prev * r, pw1 + (prev + 1) * r, emb);
-      const int64_t best = slot_argmax(pb + (b * G + k) * V, emb, pw2, r, V, split);
-      prev = pm ? best + pm[best] : best;
-      pt[b * G + k] = prev;
-    }
-  };
-  // Requests split over the threads; fewer requests than threads split each slot's vocab instead.
-  const sparkserve::SpinScope spinning;
-  if (B < at::get_num_threads()) {
-    for (int64_t b = 0; b < B; ++b) greedy_block(b, true);
-  } else {
-    sparkserve::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) greedy_block(b, false);
-    });
-  }
+  sparkserve::markov_greedy_into(base.data_ptr<float>(), B, G, V, w1.data_ptr<float>(), w1.size(0), r,
+                                 w2p.data_ptr<float>(), d2t ? map.data_ptr<int64_t>() : nullptr,
+                                 anchors.data_ptr<int64_t>(), tokens.data_ptr<int64_t>(), embs.data_ptr<float>());
   return {tokens, embs};
 }

@@ -46,6 +46,13 @@ class RotaryEmbedding(nn.Module):
         self.cos = torch.cat([freqs, freqs], dim=-1).cos()
         self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
 
+    def cover(self, positions: int) -> None:
+        """Grow the tables to hold positions 0..positions-1 (a DSpark block's mask slots may run
+        past the model's context end: never verified, but they shape the block)."""
+        if positions > self.max_positions:
+            self.max_positions = positions
+            self.build()
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

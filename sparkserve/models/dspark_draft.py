@@ -285,9 +285,7 @@ class DSparkDraft(nn.Module):
         ids[:, 0] = anchors
         x = self.embed_tokens(ids).view(B * G, -1)
         pos = (anchor_pos[:, None] + torch.arange(G)[None, :]).view(-1)
-        if int(pos.max()) >= self.rotary.max_positions:   # mask slots past the context end (never
-            self.rotary.max_positions = int(pos.max()) + 1  # verified, but they shape the block)
-            self.rotary.build()
+        self.rotary.cover(int(anchor_pos.max()) + G)
         if self.native is not None and self.native.applies(self, kv_indices, ctx_lens, block_slots):
             out = self.native.block_hidden(self, x, pos, kv_indices, ctx_lens, pool, block_slots)
             return out.view(B, G, -1)

@@ -1,9 +1,10 @@
-"""The DSpark draft's block pass and its context injection, each as one native call
-(kernels/native_draft.cpp; the block pass is NativeLlama's non-causal forward).
+"""The DSpark draft's block pass, its context injection and its whole greedy draft pass, each as
+one native call (kernels/native_draft.cpp; the block pass is NativeLlama's non-causal forward).
 
 At batch 1 the draft's backbone runs once per speculative cycle, beside a target step that is
 already native, so its ~15 small torch calls per layer weigh on every cycle, as do the ~10 of
-injecting the cycle's committed rows. The native step runs the same layers: the block rows' own
+injecting the cycle's committed rows, as do the LM head, Markov loop and confidence head after the
+block pass. The native step runs the same layers: the block rows' own
 K/V go to `block_slots` (rows of the draft pool past the allocator's slots, so no request's
 context is touched) and each block attends to its injected context and to all of its own rows.
 The Python path (DSparkDraft.block_hidden / inject) stays the reference and the fallback: a draft
@@ -34,6 +35,7 @@ class NativeDraftStep:
         self._unsupported: str | None = None
         self._w2: tuple[torch.Tensor, torch.Tensor] | None = None     # (W2, packed for the kernel)
         self._int8 = False          # the activation mode the step was built under
+        self._heads_of = None       # the step whose heads are set (propose_greedy)
 
     def ready(self, draft: DSparkDraft) -> bool:
         """Whether this draft runs natively (building the step on first use, and again after a
@@ -89,6 +91,47 @@ class NativeDraftStep:
         return self._step.forward(x, positions, own.reshape(-1), table, 0, None, None, 0,
                                   [n + G for n in ctx_lens], [G] * B, [], self._int8, False)[0]
 
+    def propose_greedy(self, draft: DSparkDraft, anchors: torch.Tensor, kv_indices: torch.Tensor,
+                       ctx_lens: list[int], pool: KVPool,
+                       block_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A greedy draft pass in one call: the block at positions ctx_lens, the LM head over the
+        drafts' rows, the Markov loop, the confidence head. Returns (target ids [B, G], P(slot
+        accepted | prefix accepted) [B, G] or None without a confidence head); None where it does
+        not apply (the Python path runs the pieces then)."""
+        draft.rotary.cover(max(ctx_lens) + draft.block_size)
+        if not self.applies(draft, kv_indices, ctx_lens, block_slots) or not self._set_heads(draft):
+            return None
+        self._use_pool(pool)
+        emb = draft.embed_tokens(anchors).float().contiguous()
+        tokens, conf = self._step.propose(anchors, emb, kv_indices, ctx_lens, block_slots, self._int8)
+        return tokens, conf if draft.confidence_head is not None else None
+
+    def _set_heads(self, draft: DSparkDraft) -> bool:
+        """Hand the heads to the step (once per step built); False where the step cannot run
+        them: a gated Markov head (its gate reads the hidden state) or an LM head without block
+        weights (an fp32 checkpoint's, or the target's whole vocab under activations in fp32)."""
+        head, lm = draft.markov_head, draft.lm_head.inference_blocks()
+        if head.gate_proj is not None or lm is None:
+            return False
+        if self._heads_of is not self._step:
+            c, conf = draft.config, draft.confidence_head
+            mask = draft.embed_tokens(torch.tensor([c.mask_token_id]))[0].float().contiguous()
+            conf_w = conf_b = None
+            if conf is not None:
+                conf_w, conf_b = conf.proj.weight.detach().reshape(-1).contiguous(), float(conf.proj.bias)
+            bias = None if draft.lm_head.bias is None else draft.lm_head.bias.detach()
+            self._step.set_heads(mask, lm.blocks, lm.qtype, bias, head.markov_w1.weight.detach().contiguous(),
+                                 self._packed_w2(draft), draft.d2t, conf_w, conf_b or 0.0, c.block_size,
+                                 1 if c.sample_from_anchor else 0)
+            self._heads_of = self._step
+        return True
+
+    def _packed_w2(self, draft: DSparkDraft) -> torch.Tensor:
+        w2 = draft.markov_head.markov_w2.weight
+        if self._w2 is None or self._w2[0] is not w2:
+            self._w2 = (w2, load_extension().markov_pack(w2.detach()))
+        return self._w2[1]
+
     def markov_greedy(self, draft: DSparkDraft, base: torch.Tensor,
                       anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The Markov loop of greedy requests in one call (kernels/markov_greedy.cpp): target ids
@@ -97,10 +140,8 @@ class NativeDraftStep:
         head, ext = draft.markov_head, load_extension()
         if head.gate_proj is not None or ext is None or torch.is_grad_enabled():
             return None
-        w2 = head.markov_w2.weight
-        if self._w2 is None or self._w2[0] is not w2:
-            self._w2 = (w2, ext.markov_pack(w2.detach()))
-        return ext.markov_greedy(base, head.markov_w1.weight.detach(), self._w2[1], draft.d2t, anchors)
+        w1 = head.markov_w1.weight.detach()
+        return ext.markov_greedy(base, w1, self._packed_w2(draft), draft.d2t, anchors)
 
 
 def _int8(draft: DSparkDraft) -> bool:

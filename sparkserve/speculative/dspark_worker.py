@@ -97,19 +97,33 @@ class DSparkWorker:
                  plain_tokens: int) -> list[Proposal]:
         d, B, G = self.draft, len(reqs), self.num_drafts
         anchors = torch.tensor([r.output_ids[-1] for r in reqs])
-        anchor_pos = torch.tensor(ctx_lens)
-        hidden = d.block_hidden(anchors, anchor_pos, kv_indices, ctx_lens, self.pool,
+        fused = None
+        if d.native is not None and all(r.params.is_greedy for r in reqs):
+            fused = d.native.propose_greedy(d, anchors, kv_indices, ctx_lens, self.pool, self.block_slots)
+        if fused is not None:
+            tokens, conf = fused
+            q_probs = [None] * B
+        else:
+            tokens, conf, q_probs = self._draft_pass(reqs, anchors, kv_indices, ctx_lens)
+        caps = [max(0, min(G, r.params.max_new_tokens - len(r.output_ids) - 1)) for r in reqs]
+        confs = [conf[i] if conf is not None else None for i in range(B)]
+        lens = self.planner.plan(confs, caps, plain_tokens)
+        toks = tokens.tolist()
+        return [Proposal(toks[i], confs[i], q_probs[i], lens[i]) for i in range(B)]
+
+    def _draft_pass(self, reqs: list[Req], anchors: torch.Tensor, kv_indices: torch.Tensor,
+                    ctx_lens: list[int]):
+        """The draft pass piece by piece (the reference of the native propose_greedy): tokens
+        [B, G], confidences [B, G] or None, per request the distributions sampled from."""
+        d, B, G = self.draft, len(reqs), self.num_drafts
+        hidden = d.block_hidden(anchors, torch.tensor(ctx_lens), kv_indices, ctx_lens, self.pool,
                                 self.block_slots)[:, self.shift:]
         base = d.lm_head(hidden.reshape(B * G, -1)).float().view(B, G, -1)
         tokens, embs, q_probs = self._markov_loop(reqs, anchors, hidden, base)
         conf = None
         if d.confidence_head is not None:   # not needed by the loop: one call for every slot
             conf = d.confidence_head(hidden.reshape(B * G, -1), embs.view(B * G, -1)).view(B, G)
-        caps = [max(0, min(G, r.params.max_new_tokens - len(r.output_ids) - 1)) for r in reqs]
-        confs = [conf[i] if conf is not None else None for i in range(B)]
-        lens = self.planner.plan(confs, caps, plain_tokens)
-        toks = tokens.tolist()
-        return [Proposal(toks[i], confs[i], q_probs[i], lens[i]) for i in range(B)]
+        return tokens, conf, q_probs
 
     def _markov_loop(self, reqs: list[Req], anchors: torch.Tensor, hidden: torch.Tensor, base: torch.Tensor):
         """Sample the G slots in order, slot k's logits = base + Markov bias of token k-1 (serial in
