@@ -35,7 +35,8 @@ def make_worker(target, *, conf: bool = True, conf_markov: bool = True, shift: b
                              num_layers=2)
     cfg.update(confidence_head_with_markov=conf_markov, sample_from_anchor=shift)
     with torch.inference_mode(False):
-        draft = init_dspark_draft(cfg, target, std=0.3, vocab=torch.randperm(c.vocab_size, generator=g)[:VOCAB])
+        vocab = torch.randperm(c.vocab_size, generator=g)[:VOCAB]
+        draft = init_dspark_draft(cfg, target, std=0.3, vocab=vocab)
         draft.norm.weight.data.fill_(1.0)                      # block logits and Markov biases alike
         if conf:
             draft.confidence_head.proj.bias.data.fill_(0.4)
@@ -63,7 +64,8 @@ def passes(monkeypatch) -> list[str]:
     """Which path each propose took."""
     from sparkserve.speculative.dspark_worker import DSparkWorker
     taken, real = [], DSparkWorker._draft_pass
-    monkeypatch.setattr(DSparkWorker, "_draft_pass", lambda self, *a: taken.append("pieces") or real(self, *a))
+    monkeypatch.setattr(DSparkWorker, "_draft_pass",
+                        lambda self, *a: taken.append("pieces") or real(self, *a))
     return taken
 
 

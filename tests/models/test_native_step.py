@@ -197,21 +197,21 @@ def test_engine_greedy_tokens_equal(arch, bf16_dirs, monkeypatch):
 
 def test_dspark_verify_runs_natively(monkeypatch):
     """DSpark on SmolLM2 with its shipped draft (an fp16 checkpoint, so F16 blocks): VERIFY
-    forwards of anchor + drafts and the draft's block passes run natively, and the greedy tokens
+    forwards of anchor + drafts and the draft's greedy passes run natively, and the greedy tokens
     equal plain decoding's."""
     from sparkserve.models.dspark_native import NativeDraftStep
     count = Counter(monkeypatch)
     blocks = []
-    native_pass = NativeDraftStep.block_hidden
-    monkeypatch.setattr(NativeDraftStep, "block_hidden",
-                        lambda self, *a: blocks.append(1) or native_pass(self, *a))
+    native_pass = NativeDraftStep.propose_greedy
+    monkeypatch.setattr(NativeDraftStep, "propose_greedy",
+                        lambda self, *a: blocks.append(out := native_pass(self, *a)) or out)
     msgs = [[{"role": "user", "content": "Write a Python function that adds two numbers."}]]
     params = dict(GREEDY, max_new_tokens=40)
     with Engine(max_total_tokens=2048, speculative_algorithm="DSPARK") as spec:
         got = spec.generate(messages=msgs, sampling_params=params)[0]["output_ids"]
         assert_no_kv_leak(spec.scheduler.cache)
     verifies = sum(m == ForwardMode.VERIFY for m, _ in count.calls)
-    assert verifies and len(blocks) == verifies
+    assert verifies and len(blocks) == verifies and None not in blocks
     with Engine(max_total_tokens=2048) as plain:
         want = plain.generate(messages=msgs, sampling_params=params)[0]["output_ids"]
     assert got == want
