@@ -100,7 +100,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_pool", &sparkserve::NativeLlama::set_pool)
       .def("forward", &sparkserve::NativeLlama::forward);
   py::class_<sparkserve::NativeDraft, sparkserve::NativeLlama>(
-      m, "NativeDraft", "a DSpark draft's block pass (forward), context injection and greedy draft pass, each one call")
+      m, "NativeDraft",
+      "a DSpark draft's block pass (forward), context injection and greedy draft pass, each one call")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor,
                     at::Tensor, int64_t, std::optional<at::Tensor>, at::Tensor>())
       .def("inject", &sparkserve::NativeDraft::inject)

@@ -1,5 +1,5 @@
 // The DSpark draft's context injection and greedy draft pass in C++ (native_draft.h): the Python
-// path's ops (DSparkDraft.inject, DSparkWorker._propose) on the same kernels, so the two differ by
+// path's ops (DSparkDraft.inject, DSparkWorker._draft_pass) on the same kernels, so the two differ by
 // fp32 rounding only.
 #include "native_draft.h"
 

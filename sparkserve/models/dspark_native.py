@@ -1,15 +1,16 @@
 """The DSpark draft's block pass, its context injection and its whole greedy draft pass, each as
 one native call (kernels/native_draft.cpp; the block pass is NativeLlama's non-causal forward).
 
-At batch 1 the draft's backbone runs once per speculative cycle, beside a target step that is
-already native, so its ~15 small torch calls per layer weigh on every cycle, as do the ~10 of
-injecting the cycle's committed rows, as do the LM head, Markov loop and confidence head after the
-block pass. The native step runs the same layers: the block rows' own
-K/V go to `block_slots` (rows of the draft pool past the allocator's slots, so no request's
-context is touched) and each block attends to its injected context and to all of its own rows.
-The Python path (DSparkDraft.block_hidden / inject) stays the reference and the fallback: a draft
-without half-precision / GGUF block weights, context with gaps (slots a sliding-window target gave
-up, which the Python path masks), more block rows than `block_slots`, or autograd."""
+At batch 1 the draft runs once per speculative cycle, beside a target step that is already
+native, so its small torch calls weigh on every cycle: ~15 per layer in the block pass, ~10 to
+inject the cycle's committed rows, and those of the LM head, Markov loop and confidence head after
+the block pass. The native step runs the same layers: the block rows' own K/V go to `block_slots`
+(rows of the draft pool past the allocator's slots, so no request's context is touched) and each
+block attends to its injected context and to all of its own rows. The Python path
+(DSparkDraft.block_hidden / inject, DSparkWorker._draft_pass) stays the reference and the
+fallback: a draft without half-precision / GGUF block weights, context with gaps (slots a
+sliding-window target gave up, which the Python path masks), more block rows than `block_slots`,
+or autograd."""
 from __future__ import annotations
 
 import logging
