@@ -100,6 +100,7 @@ std::tuple<at::Tensor, at::Tensor> NativeDraft::propose(at::Tensor anchors, at::
     const int64_t n = ctx_lens[b];
     TORCH_CHECK(n >= 0 && n <= L, "native draft: ctx_lens[", b, "] = ", n, " is outside kv_indices' ", L);
     const int64_t* kv = kv_indices.data_ptr<int64_t>() + b * kv_indices.stride(0);
+    if (std::find(kv, kv + n, 0) != kv + n) return {};     // a gap: before any pool write
     std::copy(kv, kv + n, tp + b * (L + G));
     for (int64_t j = 0; j < G; ++j) {
       const float* src = j == 0 ? anchor_emb.data_ptr<float>() + b * d : mask_emb_.data_ptr<float>();

@@ -99,12 +99,16 @@ class NativeDraftStep:
         drafts' rows, the Markov loop, the confidence head. Returns (target ids [B, G], P(slot
         accepted | prefix accepted) [B, G] or None without a confidence head); None where it does
         not apply (the Python path runs the pieces then)."""
-        draft.rotary.cover(max(ctx_lens) + draft.block_size)
-        if not self.applies(draft, kv_indices, ctx_lens, block_slots) or not self._set_heads(draft):
+        G = draft.block_size
+        draft.rotary.cover(max(ctx_lens) + G)
+        if (block_slots is None or block_slots.numel() < len(ctx_lens) * G or not self.ready(draft)
+                or not self._set_heads(draft)):
             return None
         self._use_pool(pool)
         emb = draft.embed_tokens(anchors).float().contiguous()
         tokens, conf = self._step.propose(anchors, emb, kv_indices, ctx_lens, block_slots, self._int8)
+        if tokens is None:                      # a gap in a context (the call checks it)
+            return None
         return tokens, conf if draft.confidence_head is not None else None
 
     def _set_heads(self, draft: DSparkDraft) -> bool:

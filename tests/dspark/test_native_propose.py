@@ -104,3 +104,12 @@ def test_batches_the_native_pass_cannot_run_take_the_pieces(target, monkeypatch)
     taken = passes(monkeypatch)
     assert worker.propose(reqs)[1].q_probs is not None
     assert taken == ["pieces"]
+    worker, reqs = make_worker(target)
+    worker.draft.enable_native_step(True)
+    worker.req_to_token[reqs[1].row, 4] = 0            # a slot a sliding-window target gave up
+    blocks = [k[worker.block_slots].clone() for k in worker.pool.k]
+    taken = passes(monkeypatch)
+    worker.propose(reqs)
+    assert taken == ["pieces"]
+    for k, before in zip(worker.pool.k, blocks):       # the native call stopped before its pool writes
+        assert torch.equal(k[worker.block_slots], before)
