@@ -13,7 +13,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # Fresh process: torch.distributed.nn is imported at most once per process.
 SCRIPT = """
-import os, socket, sys
+import os, socket, sys, time
+import torch
 import torch.distributed as dist
 from sparkserve.distributed.world import init_world
 
@@ -25,6 +26,11 @@ with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 init_world("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+dist.all_reduce(torch.ones(1))
+# A thread names itself once it runs, so its name can lag its start.
+deadline = time.monotonic() + 30
+while not gloo_threads() and time.monotonic() < deadline:
+    time.sleep(0.01)
 assert gloo_threads(), "gloo runs threads of its own"
 import torch.distributed._shard.sharded_tensor  # noqa: F401  (how torch reaches torch.distributed.nn)
 dist.destroy_process_group()
