@@ -111,7 +111,8 @@ def int8_beats_gemm() -> bool:
 
 def runnable_variants(test_only: bool = False) -> list[str]:
     """The int8 variants built here that this CPU runs, best first (ignoring the env switch).
-    test_only: instead the ones the dispatcher never picks ("amx_emulated", the AMX kernel on
-    software tiles, for CPUs without AMX), which quant_linear_int8 runs by name."""
+    test_only: instead the ones the dispatcher never picks, which quant_linear_int8 runs by name:
+    "amx_emulated" (the AMX kernel on software tiles, for CPUs without AMX) and "avxvnni_evex" (the
+    AVX-VNNI kernel on AVX-512 VNNI's dpbusd, for CPUs without AVX-VNNI)."""
     ext = load_extension()
     return [] if ext is None else list(ext.int8_variants_runnable(test_only))

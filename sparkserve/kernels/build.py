@@ -13,7 +13,8 @@ here to an object file with its own ISA flags and linked into the extension; a v
 rejects is left out (the AVX2 one is required; the AMX ones call the AVX-512 VNNI one for single rows
 and need it). int8_dispatch.cpp picks one at run time by the CPU's flags;
 SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches variants off (see `variant()`).
-"amx_emulated" is the AMX kernel on software tiles, which tests run on CPUs without AMX. Other
+"amx_emulated" is the AMX kernel on software tiles, which tests run on CPUs without AMX, and
+"avxvnni_evex" the AVX-VNNI kernel on AVX-512 VNNI's dpbusd, for CPUs without AVX-VNNI. Other
 kernels for one ISA beyond the baseline (ISA_UNITS: the AVX-512 prefill attention tile and decode
 attention chunk kernels) are compiled and left out the same way; their callers check the CPU at run
 time."""
@@ -40,12 +41,12 @@ SOURCES = [os.path.join(_DIR, f)
                      "decode_attention.cpp", "native_llama.cpp", "native_draft.cpp", "markov_greedy.cpp",
                      "argmax.cpp", "sample.cpp", "prefill_attention.cpp", "prefill_attention_avx2.cpp",
                      "decode_attention_avx2.cpp", "thread_pool.cpp", "bindings.cpp")]
-HEADERS = [os.path.join(_DIR, f) for f in ("simd.h", "block_linear.h", "int8_common.h", "int8_packed.h",
-                                           "int8_packed_ymm.h", "int8_packed_zmm.h", "int8_amx_body.h",
-                                           "amx_tiles.h", "paged_attention.h", "prefill_attention.h",
-                                           "prefill_tile.h", "rms_norm.h", "native_llama.h", "native_draft.h",
-                                           "markov_greedy.h", "thread_pool.h", "vec_ymm.h", "vec_zmm.h",
-                                           "decode_chunk.h", "decode_tile.h")]
+HEADERS = [os.path.join(_DIR, f)
+           for f in ("simd.h", "block_linear.h", "int8_common.h", "int8_packed.h", "int8_packed_ymm.h",
+                     "int8_packed_zmm.h", "int8_amx_body.h", "int8_avxvnni_body.h", "amx_tiles.h",
+                     "paged_attention.h", "prefill_attention.h", "prefill_tile.h", "rms_norm.h",
+                     "native_llama.h", "native_draft.h", "markov_greedy.h", "thread_pool.h", "vec_ymm.h",
+                     "vec_zmm.h", "decode_chunk.h", "decode_tile.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 # int8 kernel variants, each after the one it calls: name -> extra ISA flags (on top of the AVX2
 # baseline). The dispatcher's order is int8_dispatch.cpp's.
@@ -56,6 +57,7 @@ VARIANTS = {
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
     "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
     "amx_emulated": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],    # tests only
+    "avxvnni_evex": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],    # tests only
 }
 # variants that call another one (the AMX kernels send single rows to AVX-512 VNNI)
 VARIANT_NEEDS = {"amx": "avx512vnni", "amx_emulated": "avx512vnni"}

@@ -144,6 +144,9 @@ void rows_amx_emulated_packed(const QuantX&, const uint8_t*, int, int64_t, int64
 void rows_avx512vnni_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
 void rows_avx512_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
 void rows_avxvnni_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
+// The AVX-VNNI kernel on AVX-512 VNNI's dpbusd, for tests on CPUs without AVX-VNNI (never dispatched).
+void rows_avxvnni_evex_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*,
+                              int64_t);
 void rows_avx2_packed(const QuantX&, const uint8_t*, int, int64_t, int64_t, const float*, float*, int64_t);
 
 }  // namespace sparkserve::int8

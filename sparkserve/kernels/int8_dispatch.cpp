@@ -67,6 +67,7 @@ bool cpu_has(const std::string& name) {
     return cpu_has("avx512vnni") && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
            amx_granted();
   if (name == "amx_emulated") return cpu_has("avx512vnni");   // its scales and one-row path are VNNI
+  if (name == "avxvnni_evex") return cpu_has("avx512vnni");
   if (name == "avx512vnni")
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -102,6 +103,9 @@ const std::vector<Variant>& test_only_variants() {
   static const std::vector<Variant> v = {
 #ifdef SPARKSERVE_HAS_AMX_EMULATED
       {"amx_emulated", sparkserve::int8::rows_amx_emulated_packed},
+#endif
+#ifdef SPARKSERVE_HAS_AVXVNNI_EVEX
+      {"avxvnni_evex", sparkserve::int8::rows_avxvnni_evex_packed},
 #endif
   };
   return v;
@@ -172,7 +176,7 @@ void block_linear_int8(const float* x, int64_t M, int64_t K, const at::Tensor& w
 // As quant_linear (quant_gemv.cpp), with x quantized to int8 per block of 32 for the types int8_reads.
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias);
 
-// `variant`: "" for the dispatcher's choice, or a variant by name, "amx_emulated" included (tests;
+// `variant`: "" for the dispatcher's choice, or a variant by name, the test-only ones included (tests;
 // it must run on this CPU).
 at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias,
                              const std::string& variant_name) {

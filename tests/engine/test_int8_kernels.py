@@ -26,12 +26,14 @@ from sparkserve.layers.linear import Linear
 
 VARIANTS = ("avx2", "avxvnni", "avx512", "amx", "avx512vnni")     # the dispatcher's order is the reverse
 INT8_QTYPES, INT8_IDS = [Q4_0, Q4_1, Q8_0, Q6_S], ["Q4_0", "Q4_1", "Q8_0", "Q6_S"]
-EMULATED = "amx_emulated"       # the AMX kernel on software tiles: tests only, on CPUs with AVX-512 VNNI
+# Tests only, on CPUs with AVX-512 VNNI: the AMX kernel on software tiles, the AVX-VNNI kernel on the
+# EVEX dpbusd.
+EMULATED = ("amx_emulated", "avxvnni_evex")
 # /proc/cpuinfo flags each variant needs
 _VNNI512 = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avxvnni": ("avx_vnni",),
              "avx512": ("avx512f", "avx512bw", "avx512vl"), "avx512vnni": _VNNI512,
-             "amx": (*_VNNI512, "amx_tile", "amx_int8"), EMULATED: _VNNI512}
+             "amx": (*_VNNI512, "amx_tile", "amx_int8"), **{v: _VNNI512 for v in EMULATED}}
 
 
 def cpu_flags() -> set[str]:
@@ -47,7 +49,7 @@ def cpu_runs(variant: str) -> bool:
 
 
 def variants_to_check() -> list[str]:
-    """Every variant this CPU runs: the dispatcher's, then the emulated AMX kernel."""
+    """Every variant this CPU runs: the dispatcher's, then the test-only ones."""
     return kernels.runnable_variants() + kernels.runnable_variants(test_only=True)
 
 
@@ -64,7 +66,7 @@ def test_runnable_variants_follow_the_cpu():
     assert kernels.runnable_variants() == want
 
 
-@pytest.mark.parametrize("variant", [*VARIANTS, EMULATED])
+@pytest.mark.parametrize("variant", [*VARIANTS, *EMULATED])
 @pytest.mark.parametrize("qtype", INT8_QTYPES, ids=INT8_IDS)
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (33, 576), (61, 1536)])
 def test_variant_matches_reference(variant, qtype, n, k):
