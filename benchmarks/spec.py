@@ -2,7 +2,14 @@
 run: batch-1 and batch-8 output tokens/s and the mean accepted length (tokens per verify cycle,
 bonus included). Each measurement runs one engine in a fresh process (fresh_process.py).
 
-    python benchmarks/spec.py [--draft DIR] [--new-tokens 128] [--reps 5] [--modes full,adaptive]
+    python benchmarks/spec.py [--draft DIR] [--new-tokens 128] [--reps 5] [--modes full,adaptive] [--paired]
+
+--paired instead pairs the engines inside each process: a plain engine and a DSpark one, made in
+the order that alternates from process to process, take turns prompt batch by prompt batch, and
+each process gives one ratio. The machine's drift (a shared CPU's load comes and goes) then hits
+both sides of a ratio alike, where fresh processes in turns leave ±10% between rounds; the
+alternating order cancels what being made first or second does (docs/benchmarks.md, "Engines in
+one process"). Writes spec_paired.{md,json}.
 
 --draft defaults to the draft shipped for the embedded model. Writes benchmarks/results/spec.{md,json}."""
 from __future__ import annotations
@@ -39,27 +46,73 @@ def run(engine, prompts, new) -> tuple[int, float, int, int]:
             sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs))
 
 
-def worker(kind: str, batch: int, a) -> dict:
-    """One engine (plain, or DSpark in verify mode `kind`) in its own process: output tokens/s and
-    tau over the prompts, `batch` at a time, after a short warm-up."""
+def make_engine(kind: str, a):
+    """A plain engine, or DSpark in verify mode `kind`, warmed up."""
     from sparkserve import Engine
     spec = {} if kind == "plain" else {
         "speculative_algorithm": "DSPARK", "speculative_draft_model_path": a.draft,
         "speculative_dspark_verify_mode": kind,
         "speculative_dspark_confidence_threshold": a.threshold if kind == "threshold" else None}
     engine = Engine(max_total_tokens=16384, activation_quant="int8", **spec)
-    run(engine, QUESTIONS[:batch], 8)
-    tokens, seconds, cycles, accepted = 0, 0.0, 0, 0
-    for i in range(0, len(QUESTIONS), batch):
-        n, dt, c, acc = run(engine, QUESTIONS[i:i + batch], a.new_tokens)
-        tokens, seconds, cycles, accepted = tokens + n, seconds + dt, cycles + c, accepted + acc
-    return {"tok_s": tokens / seconds, "tau": (cycles + accepted) / cycles if cycles else float("nan")}
+    run(engine, QUESTIONS[:1], 8)
+    return engine
+
+
+def measure(engines: list, batch: int, new: int) -> list[dict]:
+    """Output tokens/s and tau of each engine over the prompts, `batch` at a time; with several
+    engines they take turns batch by batch, each batch starting with the next engine."""
+    totals = [[0, 0.0, 0, 0] for _ in engines]
+    for j, i in enumerate(range(0, len(QUESTIONS), batch)):
+        for e in in_turns(list(range(len(engines))), j):
+            for t, x in enumerate(run(engines[e], QUESTIONS[i:i + batch], new)):
+                totals[e][t] += x
+    return [{"tok_s": n / s, "tau": (c + acc) / c if c else float("nan")} for n, s, c, acc in totals]
+
+
+def worker(kind: str, batch: int, a) -> dict:
+    """One engine (plain, or DSpark in verify mode `kind`) in its own process; with --paired, a
+    plain engine and that DSpark one, made plain first if --plain-first: their tok/s and tau."""
+    if not a.paired:
+        return measure([make_engine(kind, a)], batch, a.new_tokens)[0]
+    kinds = ["plain", kind] if a.plain_first else [kind, "plain"]
+    res = dict(zip(kinds, measure([make_engine(k, a) for k in kinds], batch, a.new_tokens)))
+    return {"plain_tok_s": res["plain"]["tok_s"], **res[kind]}
 
 
 def _median_or_nan(xs: list[float]) -> float:
     """tau is nan in a run that verified nothing."""
     xs = [x for x in xs if not math.isnan(x)]
     return statistics.median(xs) if xs else float("nan")
+
+
+def _fresh_row(bs: int, modes: list[str], common: list[str], reps: int) -> dict:
+    """Each engine in a fresh process, the kinds taking turns: speedup = median / median."""
+    runs = {k: [] for k in ("plain", *modes)}
+    for rep in range(reps):
+        for kind in in_turns(list(runs), rep):
+            runs[kind].append(run_json(__file__, ["--worker", kind, "--batch", str(bs), *common]))
+    tp = [r["tok_s"] for r in runs["plain"]]
+    row = {"plain_tok_s": tp}
+    for m in modes:
+        ts = [r["tok_s"] for r in runs[m]]
+        row[m] = {"dspark_tok_s": ts, "tau": [r["tau"] for r in runs[m]],
+                  "speedup": statistics.median(ts) / statistics.median(tp)}
+    return row
+
+
+def _paired_row(bs: int, modes: list[str], common: list[str], reps: int) -> dict:
+    """A plain and a DSpark engine paired in each process: speedup = the median of their ratios."""
+    runs = {m: [] for m in modes}
+    for rep in range(reps):
+        for m in in_turns(modes, rep):
+            runs[m].append(run_json(__file__, ["--worker", m, "--batch", str(bs), "--paired",
+                                               "--plain-first", str(1 - rep % 2), *common]))
+    row = {}
+    for m, rs in runs.items():
+        ratios = [r["tok_s"] / r["plain_tok_s"] for r in rs]
+        row[m] = {"plain_tok_s": [r["plain_tok_s"] for r in rs], "dspark_tok_s": [r["tok_s"] for r in rs],
+                  "tau": [r["tau"] for r in rs], "ratios": ratios, "speedup": statistics.median(ratios)}
+    return row
 
 
 def main() -> int:
@@ -71,7 +124,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--paired", action="store_true", help="plain and DSpark engines paired in each process")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--plain-first", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -82,34 +137,27 @@ def main() -> int:
     common = ["--new-tokens", str(a.new_tokens), "--threads", str(a.threads),
               *(["--draft", a.draft] if a.draft else []),
               *(["--threshold", str(a.threshold)] if a.threshold is not None else [])]
-    rows = {}
-    for bs in (1, 8):
-        runs = {k: [] for k in ("plain", *modes)}
-        for rep in range(a.reps):
-            for kind in in_turns(list(runs), rep):
-                runs[kind].append(run_json(__file__, ["--worker", kind, "--batch", str(bs), *common]))
-        tp = [r["tok_s"] for r in runs["plain"]]
-        rows[bs] = {"plain_tok_s": tp, **{m: {"dspark_tok_s": [r["tok_s"] for r in runs[m]],
-                                             "tau": [r["tau"] for r in runs[m]],
-                                             "speedup": statistics.median(r["tok_s"] for r in runs[m])
-                                             / statistics.median(tp)}
-                                         for m in modes}}
+    rows = {bs: (_paired_row if a.paired else _fresh_row)(bs, modes, common, a.reps) for bs in (1, 8)}
     res = {"draft": a.draft or "shipped", "modes": modes, "threads": a.threads, "new_tokens": a.new_tokens,
-           "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
-           "sparkserve_kernels": sparkserve_kernels()}
+           "paired": a.paired, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"),
+           "machine": machine_info(), "sparkserve_kernels": sparkserve_kernels()}
     lines = [f"# DSpark vs plain decoding, SmolLM2-135M-Instruct, {a.threads} threads ({res['date']})", "",
              f"{machine_line(res['machine'])}; sparkserve kernels: {res['sparkserve_kernels']}", "",
              f"draft: {res['draft']}; {len(QUESTIONS)} chat prompts, batch at a time, {a.new_tokens} new "
-             f"tokens each, greedy, EOS ignored; medians of {a.reps} rounds, each engine in a fresh process, "
-             f"kinds taking turns", "",
+             f"tokens each, greedy, EOS ignored; medians of {a.reps} rounds, " + (
+                 "each a fresh process pairing a plain and a DSpark engine (made in alternating order) "
+                 "that take turns batch by batch; speedup: the median of the processes' ratios (range)"
+                 if a.paired else "each engine in a fresh process, kinds taking turns"), "",
              "| batch | verify mode | plain tok/s | DSpark tok/s | speedup | tokens per cycle (tau) |",
              "|---|---|---|---|---|---|"]
     for bs, r in rows.items():
         for m in modes:
-            lines.append(f"| {bs} | {m} | {statistics.median(r['plain_tok_s']):.1f} | "
-                         f"{statistics.median(r[m]['dspark_tok_s']):.1f} | {r[m]['speedup']:.2f}x | "
+            spread = f" ({min(r[m]['ratios']):.2f}-{max(r[m]['ratios']):.2f})" if a.paired else ""
+            plain = r[m]["plain_tok_s"] if a.paired else r["plain_tok_s"]
+            lines.append(f"| {bs} | {m} | {statistics.median(plain):.1f} | "
+                         f"{statistics.median(r[m]['dspark_tok_s']):.1f} | {r[m]['speedup']:.2f}x{spread} | "
                          f"{_median_or_nan(r[m]['tau']):.2f} |")
-    write_results("spec", res, lines)
+    write_results("spec_paired" if a.paired else "spec", res, lines)
     return 0
 
 
