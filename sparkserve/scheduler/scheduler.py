@@ -284,6 +284,8 @@ class Scheduler(PromptHandover):
         speculating = self._ensure_decode_memory({r for r in self.running if self._speculates(r)})
         spec_reqs = [r for r in self.running if r in speculating]
         props = {}
+        if spec_reqs and not self.spec.may_pay(spec_reqs, len(self.running) - len(spec_reqs)):
+            spec_reqs = []      # no draft pass: in this batch even drafts sure to pass would not pay
         if spec_reqs:
             self.spec.flush(spec_reqs)      # context kept back: owed whether or not drafting pays
             t0 = time.perf_counter()

@@ -85,6 +85,14 @@ class DSparkWorker:
         step costs beyond its forward, which a cycle's cost is measured against."""
         self.planner.observe_plain(seconds, requests)
 
+    def caps(self, reqs: list[Req]) -> list[int]:
+        """Most drafts each request may verify: one token of its budget is the bonus."""
+        return [max(0, min(self.num_drafts, r.params.max_new_tokens - len(r.output_ids) - 1)) for r in reqs]
+
+    def may_pay(self, reqs: list[Req], plain_tokens: int = 0) -> bool:
+        """Whether drafting for `reqs` (beside `plain_tokens` plain rows) can pay at all now."""
+        return self.planner.may_pay(self.caps(reqs), plain_tokens)
+
     @torch.inference_mode()
     def propose(self, reqs: list[Req], plain_tokens: int = 0) -> list[Proposal]:
         ctx_lens = [r.kv_len for r in reqs]
@@ -95,7 +103,7 @@ class DSparkWorker:
 
     def _propose(self, reqs: list[Req], ctx_lens: list[int], kv_indices: torch.Tensor,
                  plain_tokens: int) -> list[Proposal]:
-        d, B, G = self.draft, len(reqs), self.num_drafts
+        d, B = self.draft, len(reqs)
         anchors = torch.tensor([r.output_ids[-1] for r in reqs])
         fused = None
         if d.native is not None and all(r.params.is_greedy for r in reqs):
@@ -105,7 +113,7 @@ class DSparkWorker:
             q_probs = [None] * B
         else:
             tokens, conf, q_probs = self._draft_pass(reqs, anchors, kv_indices, ctx_lens)
-        caps = [max(0, min(G, r.params.max_new_tokens - len(r.output_ids) - 1)) for r in reqs]
+        caps = self.caps(reqs)
         confs = [conf[i] if conf is not None else None for i in range(B)]
         lens = self.planner.plan(confs, caps, plain_tokens)
         toks = tokens.tolist()

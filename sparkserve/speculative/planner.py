@@ -9,7 +9,8 @@ forward, `step` what a step of R requests costs beyond its forward (sampling, co
 measured on plain steps) and `draft` what drafting adds: the draft pass, the LM head rows acceptance
 reads (the table's draft_seconds, or the scheduler's measurements if larger). When even the best
 plan yields fewer tokens per second than plain decoding (R / (step + cost(R, R))), it verifies
-nothing, so the scheduler backs the requests off drafting for a while."""
+nothing, so the scheduler backs the requests off drafting for a while; and where that would be so
+with drafts sure to pass (`may_pay`), the scheduler does not run the draft pass at all."""
 from __future__ import annotations
 
 import bisect
@@ -142,6 +143,16 @@ class VerifyPlanner:
                 out.append(int(below[0]) if len(below) else cap)
             return out
         return self._adaptive(confidences, caps, plain_tokens)
+
+    def may_pay(self, caps: list[int], plain_tokens: int = 0) -> bool:
+        """Whether a draft pass for requests with these caps can pay at all (adaptive mode): the
+        plan it would make were every draft sure to pass beats plain decoding. Where even that
+        plan verifies nothing (a large batch, whose forward is bound by the arithmetic of its rows),
+        the pass would cost its time and come to nothing, and the scheduler skips it. The batch, not
+        the draft, decides this, so it does not back the requests off drafting."""
+        if self.mode != "adaptive":
+            return True
+        return any(self._adaptive([torch.ones(cap) for cap in caps], caps, plain_tokens))
 
     def _adaptive(self, confidences, caps, plain_tokens) -> list[int]:
         survival = [list(accumulate(c[:cap].tolist(), operator.mul)) for c, cap in zip(confidences, caps)]

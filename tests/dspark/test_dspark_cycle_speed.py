@@ -175,3 +175,23 @@ def test_adaptive_plan_counts_the_draft_and_backs_off():
     assert planner.draft_seconds(4) == pytest.approx(0.024)      # a pass per request
     assert planner.plan(weak, [7]) == [0]          # (1 + .28) / (6 + 6 + 21) ms < 1 / 24 ms
     assert planner.plan(strong, [7]) == [7]
+
+def test_adaptive_runs_no_draft_pass_that_cannot_pay():
+    """Where a forward's rows cost so much beside a batch's decode step that even drafts sure to
+    pass would not pay (here from 4 requests up: a request's decode step adds 0.05 s, a verified
+    row 0.3 s), `may_pay` says so, and no plan of any confidences verifies there; the other modes
+    always draft."""
+    from sparkserve.speculative.planner import StepCostTable, VerifyPlanner
+    costs = StepCostTable([1, 64], [1.0, 1.0 + 63 * 0.3], requests=[1, 6], request_seconds=[1.0, 1.25])
+    planner = VerifyPlanner("adaptive", costs=costs)
+    assert [planner.may_pay([7] * r) for r in range(1, 7)] == [True] * 3 + [False] * 3
+    assert not planner.may_pay([7], plain_tokens=3)       # plain rows of the batch count
+    assert not planner.may_pay([0])                        # no draft allowed: nothing to pay for
+    g = torch.Generator().manual_seed(3)
+    for r in range(1, 7):
+        for _ in range(20):
+            confs = [torch.rand(7, generator=g) ** 0.2 for _ in range(r)]
+            if any(planner.plan(confs, [7] * r)):
+                assert planner.may_pay([7] * r)
+    for mode in ("full", "threshold"):
+        assert VerifyPlanner(mode, 0.5).may_pay([7] * 6)

@@ -325,3 +325,29 @@ def test_backed_off_requests_keep_their_draft_context_back(setups, monkeypatch):
     assert deferred, "no request kept its rows back"
     assert max(flushed) > 1, "no flush carried several steps' rows"
     assert all(not r.draft_backlog for r in eng.scheduler.running)
+
+
+def test_no_draft_pass_where_the_batch_cannot_pay(setups, tmp_path):
+    """Adaptive verify with a step-cost table where a verified row costs 0.3 of a step and a
+    batch's decode step little more than one request's: from 4 requests in a forward up, even
+    drafts sure to pass would not pay, so those steps run no draft pass, and ask again at every
+    step (a batch too large is no reason to back off); as requests finish the rest draft again.
+    Tokens as plain."""
+    s = setups["llama"]
+    table = tmp_path / "sps.json"
+    table.write_text(json.dumps({"tokens": [1, 64], "seconds": [1.0, 1.0 + 63 * 0.3],
+                                 "requests": [1, 6], "request_seconds": [1.0, 1.25]}))
+    params = [dict(p, max_new_tokens=m) for p, m in zip(s.params, (60, 1, 2, 25, 16, 40))]
+    ref = generate_ids(s.plain, s.prompts, params)
+    eng = spec_engine(s, "fitted", "adaptive", speculative_dspark_sps_table_path=str(table))
+    sched, spec = eng.scheduler, eng.scheduler.spec
+    passes, skipped, large_steps = [], [], []
+    propose, may_pay, run_decode = spec.propose, spec.may_pay, sched._run_decode
+    spec.propose = lambda reqs, plain=0: passes.append(len(reqs) + plain) or propose(reqs, plain)
+    spec.may_pay = lambda reqs, plain=0: may_pay(reqs, plain) or skipped.append(len(reqs) + plain)
+    sched._run_decode = lambda: (len(sched.running) >= 4 and large_steps.append(1)) or run_decode()
+    check_run(s, eng, params=params, ref=ref)
+    assert passes and max(passes) <= 3, passes
+    assert skipped and min(skipped) >= 4, skipped
+    # (the penalty request never drafts, and the others each have a token left to draft for)
+    assert len(skipped) == len(large_steps), (skipped, len(large_steps))
