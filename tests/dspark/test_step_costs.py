@@ -2,35 +2,52 @@
 sizes as serving sees them, or the planner drafts where plain decoding is faster."""
 from __future__ import annotations
 
-import time
+import pytest
 
 from sparkserve.mem.cache_manager import KVCacheManager
+from sparkserve.speculative import profile
 from sparkserve.speculative.profile import measure_step_costs
 
 MS = 1e-3
+
+
+class Clock:
+    """The time the measurement reads, moved only by the runners' forwards: what a loaded test
+    machine's scheduler does to a busy loop cannot move the table."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+CLOCK = Clock()
+
+
+@pytest.fixture(autouse=True)
+def virtual_clock(monkeypatch):
+    monkeypatch.setattr(profile, "time", CLOCK)
 
 
 class WarmingRunner:
     """A forward of n tokens takes 10 ms + 0.5 ms per token + 5 ms per request after the first,
     and 20 ms more within 60 ms of the runner's start or of the end of a large forward (>= 32
     tokens: torch's OpenMP workers go on spinning beside the small forward's threads): the
-    behaviour a CPU showed, scaled up so that a busy test machine's scheduling noise stays small
-    beside it."""
+    behaviour a CPU showed."""
 
     def __init__(self):
-        self.busy_until = time.perf_counter() + 60 * MS
+        self.busy_until = CLOCK.now + 60 * MS
 
     def build_batch(self, mode, reqs):
         return sum(len(r.tokens) for r in reqs), len(reqs)
 
     def forward(self, batch):
         n, requests = batch
-        slow = time.perf_counter() < self.busy_until
-        end = time.perf_counter() + (10 + 0.5 * n + 5 * (requests - 1) + (20 if slow else 0)) * MS
-        while time.perf_counter() < end:
-            pass
+        slow = CLOCK.now < self.busy_until
+        CLOCK.now += (10 + 0.5 * n + 5 * (requests - 1) + (20 if slow else 0)) * MS
         if n >= 32:
-            self.busy_until = end + 60 * MS
+            self.busy_until = CLOCK.now + 60 * MS
 
     def synchronize(self):
         pass
@@ -58,8 +75,6 @@ def test_table_file_round_trip_and_refusal(tmp_path):
     different lengths are refused, naming them; a table without them (an older file) takes R
     requests' decode step as one request's R tokens."""
     import json
-
-    import pytest
 
     from sparkserve.speculative.planner import StepCostTable
     table = StepCostTable([1, 2, 8], [0.01, 0.012, 0.02], 0.001, [1, 4], [0.01, 0.03])
@@ -89,9 +104,7 @@ class DriftingRunner(WarmingRunner):
         slow = (self.calls // 4) % 3 == 0
         self.calls += 1
         super().forward(batch)
-        end = time.perf_counter() + (8 * MS if slow else 0)
-        while time.perf_counter() < end:
-            pass
+        CLOCK.now += 8 * MS if slow else 0
 
 
 def test_small_sizes_take_turns_so_drift_does_not_price_a_row():
