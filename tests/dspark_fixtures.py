@@ -232,8 +232,12 @@ def check_draft_context(eng, hf_model, atol: float = 2e-4) -> int:
         cos_sin = draft.rotary.cos_sin(torch.arange(n, device=dev))
         slots = table[req.row, :n].to(dev)
         kept = {}                                  # position -> (K, V) of the kept-back taps
-        for kept_taps, positions, kept_slots in req.draft_backlog:
-            assert torch.equal(kept_slots, slots[positions]), "kept-back rows name other slots"
+        for kept_taps, positions, kept_slots in sched.spec.backlog:
+            mine = torch.isin(kept_slots, slots)   # (the backlog holds every request's rows)
+            if not mine.any():
+                continue
+            positions, kept_taps = positions[mine], [t[mine] for t in kept_taps]
+            assert torch.equal(kept_slots[mine], slots[positions]), "kept-back rows name other slots"
             kc = draft.rotary.cos_sin(positions)
             for i, layer in enumerate(draft.layers):
                 k, v = layer.self_attn.kv(draft.context_hidden(kept_taps), kc)

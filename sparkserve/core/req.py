@@ -46,9 +46,6 @@ class Req:
     spec_accept_token_num: int = 0
     spec_idle: int = 0               # consecutive proposals whose verify budget came out 0
     spec_resume_at: int = 0          # draft again once len(output_ids) reaches this (back-off)
-    # draft context not yet injected while the request did not draft: (taps rows, positions, slots)
-    draft_backlog: list = field(default_factory=list)
-    draft_backlog_rows: int = 0
     # return_hidden_states: (positions, final normed hidden, concatenated aux taps) of every
     # forward that computed rows of this request; a recomputed position (retraction) comes again.
     hidden_parts: list[HiddenPart] | None = None

@@ -287,7 +287,7 @@ class Scheduler(PromptHandover):
         if spec_reqs and not self.spec.may_pay(spec_reqs, len(self.running) - len(spec_reqs)):
             spec_reqs = []      # no draft pass: in this batch even drafts sure to pass would not pay
         if spec_reqs:
-            self.spec.flush(spec_reqs)      # context kept back: owed whether or not drafting pays
+            self.spec.flush()               # context kept back: owed whether or not drafting pays
             t0 = time.perf_counter()
             proposals = self.spec.propose(spec_reqs, len(self.running) - len(spec_reqs))
             self.spec.observe_draft(time.perf_counter() - t0, len(spec_reqs))
@@ -346,29 +346,26 @@ class Scheduler(PromptHandover):
             req.spec_resume_at = len(req.output_ids) + min(2 ** (req.spec_idle - 1), DRAFT_BACKOFF_MAX)
 
     def _inject_rows(self, fb, groups: Iterable[tuple[Req, range | list[int]]], drafted) -> None:
-        """Each request's committed rows of this forward become draft context: now for those that
-        drafted in it; the others keep theirs back until they draft again or leave (a backed-off
-        request then pays one batched projection instead of one per step). Not under a sliding
+        """The committed rows of this forward become draft context: at once where a request drafted
+        in it (with every row kept back so far, in one projection); else they are kept back until
+        some request drafts or leaves, so that steps in which none drafts (backed off, or a batch
+        too large to pay) cost one batched projection instead of one each. Not under a sliding
         window, which may free the rows' pages meanwhile."""
         if self.spec is None:
             return
         later = self.cache.window is None and not self.cache.split
-        now: list[int] = []
-        for req, rows in groups:
-            if later and req not in drafted:      # (rows are consecutive: views, not copies)
-                i = slice(rows[0], rows[-1] + 1)
-                self.spec.defer(req, [a[i] for a in fb.aux_hidden], fb.positions[i], fb.out_cache_loc[i])
-            else:
-                now.extend(rows)
-        if now:     # consecutive rows (one request's, or a whole batch's) as views
-            i = slice(now[0], now[-1] + 1) if now[-1] - now[0] == len(now) - 1 else torch.as_tensor(now)
-            self.spec.inject([a[i] for a in fb.aux_hidden], fb.positions[i], fb.out_cache_loc[i])
+        rows = [i for _, r in groups for i in r]
+        if rows:    # consecutive rows (one request's, or a whole batch's) as views
+            i = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else torch.as_tensor(rows)
+            self.spec.defer([a[i] for a in fb.aux_hidden], fb.positions[i], fb.out_cache_loc[i])
+        if not later or any(req in drafted for req, _ in groups):
+            self.spec.flush()
 
     def _release(self, req: Req) -> None:
         """A running request leaves (finished, aborted, retracted): its KV goes to the prefix
-        cache, so the draft context of its rows is written first."""
+        cache, so the draft context kept back (its rows among them) is written first."""
         if self.spec is not None:
-            self.spec.flush([req])
+            self.spec.flush()
         self.cache.release(req)
 
     @staticmethod

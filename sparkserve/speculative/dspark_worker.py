@@ -14,9 +14,9 @@ from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.dspark_draft import DSparkDraft
 from sparkserve.speculative.planner import VerifyPlanner
 
-# Most rows a request keeps back (defer) before they are injected anyway: bounds the memory of a
-# request that never drafts (penalties) and still batches most of the projections.
-MAX_BACKLOG_ROWS = 64
+# Most rows kept back (defer) before they are injected anyway: bounds the memory of requests that
+# do not draft (penalties, a batch too large to pay) and still batches the projections.
+MAX_BACKLOG_ROWS = 256
 
 
 @dataclass
@@ -41,6 +41,9 @@ class DSparkWorker:
         self.req_to_token = req_to_token
         self.shift = 1 if draft.config.sample_from_anchor else 0   # speculators: slot j -> anchor+j
         self.num_drafts = draft.block_size - self.shift
+        # draft context not injected yet (defer): (taps rows, positions, slots) of several steps
+        self.backlog: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]] = []
+        self.backlog_rows = 0
 
     def describe(self) -> dict:
         """What /server_info reports of the drafter."""
@@ -54,22 +57,24 @@ class DSparkWorker:
             with on_device(self.device):
                 self.draft.inject(taps, positions, slots, self.pool)
 
-    def defer(self, req: Req, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """Keep a request's rows back while it does not draft: one projection of all of them when
-        it drafts again or leaves (flush) costs a fraction of one per decode step."""
-        req.draft_backlog.append((taps, positions, slots))
-        req.draft_backlog_rows += len(positions)
-        if req.draft_backlog_rows >= MAX_BACKLOG_ROWS:
-            self.flush([req])
+    def defer(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Keep committed rows back from the draft context: one projection of every row kept back,
+        whichever requests' they are, when a request drafts or leaves (flush) costs a fraction of
+        one per step in which none drafts."""
+        self.backlog.append((taps, positions, slots))
+        self.backlog_rows += len(positions)
+        if self.backlog_rows >= MAX_BACKLOG_ROWS:
+            self.flush()
 
-    def flush(self, reqs: list[Req]) -> None:
-        """Inject the rows these requests kept back."""
-        parts = [part for r in reqs for part in r.draft_backlog]
-        if parts:
+    def flush(self) -> None:
+        """Inject every row kept back."""
+        if len(self.backlog) == 1:
+            self.inject(*self.backlog[0])
+        elif self.backlog:
+            parts = self.backlog
             taps = [torch.cat([p[0][i] for p in parts]) for i in range(len(parts[0][0]))]
             self.inject(taps, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
-        for r in reqs:
-            r.draft_backlog, r.draft_backlog_rows = [], 0
+        self.backlog, self.backlog_rows = [], 0
 
     def observe_draft(self, seconds: float, requests: int) -> None:
         """A draft pass (propose) for `requests` requests took `seconds`."""

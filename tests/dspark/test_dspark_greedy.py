@@ -301,30 +301,30 @@ def test_drafting_backs_off_when_nothing_is_verified(setups):
 
 
 def test_backed_off_requests_keep_their_draft_context_back(setups, monkeypatch):
-    """A request that does not draft in a step (backed off: its adaptive budget came out 0) keeps
-    that step's rows back and injects them in one batch when it drafts again or leaves: the same
-    context as a fresh prefill at every step (the installed check also reads the kept rows), and
-    the plain-decoding tokens."""
+    """Steps in which no request drafts (all backed off: a threshold no confidence reaches) keep
+    their rows back, and every row kept back is injected in one batch when some request drafts or
+    leaves: the same context as a fresh prefill at every step (the installed check also reads the
+    kept rows), and the plain-decoding tokens."""
     from sparkserve.speculative.dspark_worker import DSparkWorker
     s = setups["llama"]
-    eng = spec_engine(s, "random", "adaptive")
+    eng = spec_engine(s, "random", "threshold", speculative_dspark_confidence_threshold=1.0)
     deferred, flushed = [], []
     defer, flush, propose = DSparkWorker.defer, DSparkWorker.flush, DSparkWorker.propose
 
     def checked_propose(self, reqs, *a):
-        assert not any(r.draft_backlog for r in reqs), "a request drafts with rows still kept back"
+        assert not self.backlog, "a request drafts with rows still kept back"
         return propose(self, reqs, *a)
 
-    def counting_flush(self, reqs):
-        flushed.append(sum(len(p) for r in reqs for _, p, _ in r.draft_backlog))
-        flush(self, reqs)
+    def counting_flush(self):
+        flushed.append(self.backlog_rows)
+        flush(self)
     monkeypatch.setattr(DSparkWorker, "defer", lambda self, *a: deferred.append(1) or defer(self, *a))
     monkeypatch.setattr(DSparkWorker, "flush", counting_flush)
     monkeypatch.setattr(DSparkWorker, "propose", checked_propose)
     check_run(s, eng)
     assert deferred, "no request kept its rows back"
-    assert max(flushed) > 1, "no flush carried several steps' rows"
-    assert all(not r.draft_backlog for r in eng.scheduler.running)
+    assert max(flushed) > len(s.prompts), flushed
+    assert not eng.scheduler.spec.backlog
 
 
 def test_no_draft_pass_where_the_batch_cannot_pay(setups, tmp_path):
