@@ -46,15 +46,15 @@ def run(engine, prompts, new) -> tuple[int, float, int, int]:
             sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs))
 
 
-def make_engine(kind: str, a):
-    """A plain engine, or DSpark in verify mode `kind`, warmed up."""
+def make_engine(kind: str, batch: int, a):
+    """A plain engine, or DSpark in verify mode `kind`, warmed up on a batch of `batch`."""
     from sparkserve import Engine
     spec = {} if kind == "plain" else {
         "speculative_algorithm": "DSPARK", "speculative_draft_model_path": a.draft,
         "speculative_dspark_verify_mode": kind,
         "speculative_dspark_confidence_threshold": a.threshold if kind == "threshold" else None}
     engine = Engine(max_total_tokens=16384, activation_quant="int8", **spec)
-    run(engine, QUESTIONS[:1], 8)
+    run(engine, QUESTIONS[:batch], 8)
     return engine
 
 
@@ -73,9 +73,9 @@ def worker(kind: str, batch: int, a) -> dict:
     """One engine (plain, or DSpark in verify mode `kind`) in its own process; with --paired, a
     plain engine and that DSpark one, made plain first if --plain-first: their tok/s and tau."""
     if not a.paired:
-        return measure([make_engine(kind, a)], batch, a.new_tokens)[0]
+        return measure([make_engine(kind, batch, a)], batch, a.new_tokens)[0]
     kinds = ["plain", kind] if a.plain_first else [kind, "plain"]
-    res = dict(zip(kinds, measure([make_engine(k, a) for k in kinds], batch, a.new_tokens)))
+    res = dict(zip(kinds, measure([make_engine(k, batch, a) for k in kinds], batch, a.new_tokens)))
     return {"plain_tok_s": res["plain"]["tok_s"], **res[kind]}
 
 
