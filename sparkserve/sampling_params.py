@@ -14,6 +14,7 @@ from typing import Any
 GREEDY_EPS = 1e-6
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0      # OpenAI's range for a logit_bias value
 _ALIASES = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob")
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num")
@@ -47,6 +48,8 @@ class SamplingParams:
     no_stop_trim: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # token id -> added to its logit before sampling (OpenAI's; JSON keys arrive as strings)
+    logit_bias: dict[int, float] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -120,7 +123,28 @@ class SamplingParams:
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**63):
             raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
         self._validate_stop(vocab_size)
+        self._validate_logit_bias(vocab_size)
         return self
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        """Checks logit_bias and makes its keys ints (token ids as JSON object keys are strings)."""
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be an object of token id -> bias, got {type(bias).__name__}")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            tid = key if _is_int(key) else int(key) if isinstance(key, str) and key.isdigit() else None
+            if tid is None or tid < 0 or (vocab_size is not None and tid >= vocab_size):
+                bound = f" in [0, {vocab_size})" if vocab_size is not None else ""
+                raise ValueError(f"logit_bias keys must be token ids{bound}, got {key!r}")
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                    or abs(value) > MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {key!r}")
+            out[tid] = float(value)
+        self.logit_bias = out or None
 
     def _validate_stop(self, vocab_size: int | None) -> None:
         stop = self.stop

@@ -59,12 +59,15 @@ class RequestSamplingState:
         self.uses_repetition = params.repetition_penalty != 1.0
         self.uses_counts = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         self.has_penalty = self.uses_repetition or self.uses_counts
+        self.has_bias = params.logit_bias is not None
         # min_new_tokens bans every id that would end the request: eos and the request's stop ids.
         self.min_tokens_ban = sorted(set(eos_token_ids) | set(params.stop_token_ids or []))
-        self._static_fast = params.is_greedy and not self.has_penalty and not params.return_logprob
+        self._static_fast = (params.is_greedy and not self.has_penalty and not self.has_bias
+                             and not params.return_logprob)
         self.seen = IdCounts(prompt_token_ids if self.uses_repetition else ())   # repetition: prompt + output
         self.generated = IdCounts()                                              # frequency / presence
         self._ban_ids: Tensor | None = None
+        self._bias: tuple[Tensor, Tensor] | None = None
 
     @property
     def min_tokens_active(self) -> bool:
@@ -109,3 +112,11 @@ class RequestSamplingState:
         if self._ban_ids is None or self._ban_ids.device != device:
             self._ban_ids = torch.tensor(self.min_tokens_ban, dtype=torch.long, device=device)
         return self._ban_ids
+
+    def bias(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """logit_bias as (token ids, values) on `device`."""
+        if self._bias is None or self._bias[0].device != device:
+            bias = self.params.logit_bias or {}
+            self._bias = (torch.tensor(list(bias), dtype=torch.long, device=device),
+                          torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+        return self._bias

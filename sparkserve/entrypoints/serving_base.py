@@ -22,7 +22,8 @@ _OPENAI_TO_SP = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
                  "repetition_penalty": "repetition_penalty", "frequency_penalty": "frequency_penalty",
                  "presence_penalty": "presence_penalty", "seed": "seed", "n": "n",
                  "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
-                 "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim"}
+                 "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
+                 "logit_bias": "logit_bias"}
 _SP_TO_OPENAI = {v: k for k, v in _OPENAI_TO_SP.items()}
 
 
@@ -99,8 +100,6 @@ class ServingBase:
                       names: dict[str, str]) -> SamplingParams:
         """SamplingParams from an OpenAI request, checked against the model; errors name
         the OpenAI field (max_tokens, not max_new_tokens; `names` adds endpoint-specific ones)."""
-        if req.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", "logit_bias")
         values = {sp: getattr(req, k) for k, sp in _OPENAI_TO_SP.items()
                   if k != "max_tokens" and getattr(req, k) is not None}
         if max_tokens is None:

@@ -139,7 +139,7 @@ def _invert(weights: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def apply_penalties(logits: Tensor, states: Sequence[RequestSamplingState]) -> Tensor:
-    """Repetition (HF), frequency/presence (OpenAI) and min_new_tokens masking.
+    """Repetition (HF), frequency/presence (OpenAI), logit_bias (OpenAI) and min_new_tokens masking.
 
     Returns `logits` itself when no row needs them, else a new float32 tensor (the raw logits are
     kept intact for logprobs).
@@ -147,7 +147,8 @@ def apply_penalties(logits: Tensor, states: Sequence[RequestSamplingState]) -> T
     rep_rows = [i for i, s in enumerate(states) if s.uses_repetition]
     cnt_rows = [i for i, s in enumerate(states) if s.uses_counts]
     ban_rows = [i for i, s in enumerate(states) if s.min_tokens_active]
-    if not (rep_rows or cnt_rows or ban_rows):
+    bias_rows = [i for i, s in enumerate(states) if s.has_bias]
+    if not (rep_rows or cnt_rows or ban_rows or bias_rows):
         return logits
     x = logits.float().clone()
     vocab, dev = x.shape[-1], x.device
@@ -161,6 +162,9 @@ def apply_penalties(logits: Tensor, states: Sequence[RequestSamplingState]) -> T
             [(i, states[i].generated, (states[i].params.frequency_penalty, states[i].params.presence_penalty))
              for i in cnt_rows], vocab, dev)
         x[r, c] -= freq * n + pres
+    for i in bias_rows:             # after the penalties, as vLLM and SGLang apply it
+        ids, values = states[i].bias(dev)
+        x[i, ids] += values
     for i in ban_rows:
         ids = states[i].ban_ids(dev)
         x[i, ids[ids < vocab]] = float("-inf")

@@ -324,9 +324,9 @@ class Scheduler(PromptHandover):
         return reqs
 
     def _speculates(self, req: Req) -> bool:
-        # Penalties change the target distribution with every drafted token, and min_new_tokens
-        # bans stop/EOS ids that verify (raw target logits) would accept: plain decode.
-        return (self.spec is not None and not req.sampling.has_penalty
+        # Penalties change the target distribution with every drafted token, logit_bias and
+        # min_new_tokens move logits that verify (raw target logits) would not: plain decode.
+        return (self.spec is not None and not req.sampling.has_penalty and not req.sampling.has_bias
                 and not req.sampling.min_tokens_active
                 and len(req.output_ids) + 1 < req.params.max_new_tokens
                 and len(req.output_ids) >= req.spec_resume_at)

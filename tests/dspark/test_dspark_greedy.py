@@ -351,3 +351,21 @@ def test_no_draft_pass_where_the_batch_cannot_pay(setups, tmp_path):
     assert skipped and min(skipped) >= 4, skipped
     # (the penalty request never drafts, and the others each have a token left to draft for)
     assert len(skipped) == len(large_steps), (skipped, len(large_steps))
+
+
+def test_logit_bias_requests_decode_plainly(setups):
+    """A request with logit_bias (which verify's raw target logits would not see) decodes without
+    drafts inside the speculating batch: every request's tokens as plain decoding gives them."""
+    s = setups["llama"]
+    params = [dict(p) for p in s.params]
+    params[0]["logit_bias"] = {str(s.ref[0][3]): -100, "7": 5.0}    # bans a token plain decoding takes
+    ref = generate_ids(s.plain, s.prompts, params)
+    assert ref[0] != s.ref[0] and ref[1:] == s.ref[1:]
+    eng = spec_engine(s, "fitted", "full")
+    spec = eng.scheduler.spec
+    biased = []
+    propose = spec.propose
+    spec.propose = lambda reqs, plain=0: biased.extend(r.params.logit_bias is not None for r in reqs) or \
+        propose(reqs, plain)
+    check_run(s, eng, params=params, ref=ref)
+    assert biased and not any(biased)

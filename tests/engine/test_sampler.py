@@ -69,6 +69,13 @@ def _states(params: list[SamplingParams], **kw: Any) -> list[RequestSamplingStat
         ("skip_special_tokens", "yes"),
         ("no_stop_trim", None),
         ("return_logprob", 0),
+        ("logit_bias", [1, 2]),
+        ("logit_bias", {"x": 1.0}),
+        ("logit_bias", {"-1": 1.0}),
+        ("logit_bias", {str(V): 1.0}),
+        ("logit_bias", {"3": 100.5}),
+        ("logit_bias", {"3": float("inf")}),
+        ("logit_bias", {"3": "up"}),
     ],
 )
 def test_bad_value_names_param(key: str, value: Any) -> None:
@@ -233,6 +240,29 @@ def test_penalties_reach_only_their_own_rows() -> None:
     for t, n in ((10, 2), (5, 1)):
         want[2, t] -= 0.7 * n + 0.2
     torch.testing.assert_close(apply_penalties(logits, states), want)
+
+
+def test_logit_bias_reaches_only_its_rows() -> None:
+    """OpenAI's logit_bias (keys as JSON gives them, strings) is added to its own row's logits,
+    after the penalties: +100 makes a greedy row's token certain; logprobs stay the raw ones."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={"5": 100, "7": -3.5},
+                                                            return_logprob=True),
+              SamplingParams(repetition_penalty=2.0, logit_bias={9: 2})]
+    for p in params:
+        p.validate(vocab_size=V)
+    assert params[1].logit_bias == {5: 100.0, 7: -3.5}
+    states = _states(params, prompt_token_ids=[9])
+    want = logits.clone()
+    want[1, 5] += 100
+    want[1, 7] -= 3.5
+    want[2, 9] = (want[2, 9] * 2 if want[2, 9] < 0 else want[2, 9] / 2) + 2
+    torch.testing.assert_close(apply_penalties(logits, states), want)
+    out = Sampler().sample(logits, states)
+    assert out.next_token_ids[:2] == [int(logits[0].argmax()), 5]
+    assert out.logprobs[1] == pytest.approx(torch.log_softmax(logits[1], -1)[5].item(), abs=1e-5)
+    alone = _states([SamplingParams(temperature=0, logit_bias={5: 100.0})])   # no other row to go slow for
+    assert Sampler().sample(logits[:1], alone).next_token_ids == [5]
 
 
 def test_min_new_tokens_masks_eos_and_stop_ids() -> None:

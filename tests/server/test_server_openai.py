@@ -260,6 +260,22 @@ def test_max_completion_tokens_ignore_eos_and_extra_params(client, model_name):
     assert again.choices[0].message.content == r.choices[0].message.content   # seeded: reproducible
 
 
+def test_logit_bias_equals_engine(client, engine, model_name):
+    """OpenAI's logit_bias: -100 bans the greedy answer's first token, +100 makes a token certain
+    even when sampling; the server answers as the engine does with the same bias."""
+    first = engine.run(messages=CHATS[0], sampling_params=greedy(1))["output_ids"][0]
+    refs = []
+    for bias, temperature in (({str(first): -100}, 0.0), ({"284": 100}, 0.7)):
+        sp = {"max_new_tokens": 5, "temperature": temperature, "seed": 3, "ignore_eos": True,
+              "logit_bias": bias}
+        refs.append(engine.run(messages=CHATS[0], sampling_params=sp))
+        r = client.chat.completions.create(model=model_name, messages=CHATS[0], max_tokens=5,
+                                           temperature=temperature, seed=3, logit_bias=bias,
+                                           extra_body={"ignore_eos": True})
+        assert r.choices[0].message.content == refs[-1]["text"]
+    assert refs[0]["output_ids"][0] != first and refs[1]["output_ids"] == [284] * 5
+
+
 def test_models_and_unknown_model(client, model_name, server):
     assert model_name in [m.id for m in client.models.list().data]
     with pytest.raises(openai.NotFoundError) as e:
