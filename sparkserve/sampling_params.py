@@ -135,7 +135,8 @@ class SamplingParams:
             raise ValueError(f"logit_bias must be an object of token id -> bias, got {type(bias).__name__}")
         out: dict[int, float] = {}
         for key, value in bias.items():
-            tid = key if _is_int(key) else int(key) if isinstance(key, str) and key.isdigit() else None
+            digits = isinstance(key, str) and key.isascii() and key.isdigit()
+            tid = key if _is_int(key) else int(key) if digits else None
             if tid is None or tid < 0 or (vocab_size is not None and tid >= vocab_size):
                 bound = f" in [0, {vocab_size})" if vocab_size is not None else ""
                 raise ValueError(f"logit_bias keys must be token ids{bound}, got {key!r}")

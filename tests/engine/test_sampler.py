@@ -71,6 +71,7 @@ def _states(params: list[SamplingParams], **kw: Any) -> list[RequestSamplingStat
         ("return_logprob", 0),
         ("logit_bias", [1, 2]),
         ("logit_bias", {"x": 1.0}),
+        ("logit_bias", {"\u00b2": 1.0}),
         ("logit_bias", {"-1": 1.0}),
         ("logit_bias", {str(V): 1.0}),
         ("logit_bias", {"3": 100.5}),
