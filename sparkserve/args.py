@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparkserve.addresses import is_loopback
 from sparkserve.dataclass_cli import add_dataclass_args, dataclass_from_args
 from sparkserve.embedded import EMBEDDED_NAME, default_model_path, is_embedded, shipped_draft_path
 
@@ -16,6 +17,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "nixl", "mooncake")
+MIN_SECRET_BYTES = 16        # a PD auth secret shorter than this is guessed too easily
 ACTIVATION_QUANTS = ("int8", "none")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -202,6 +204,17 @@ class ServerArgs:
     disaggregation_bootstrap_timeout: float = field(default=60.0, metadata=_opt(
         "seconds one side waits for the other (the decode side's reservation, the prefill side's "
         "state) before the request fails", server_only=True))
+    disaggregation_bootstrap_host: str | None = field(default=None, metadata=_opt(
+        "address a prefill server's bootstrap service listens on (default: --host); an address other "
+        "machines reach needs --disaggregation-auth-key-file", server_only=True))
+    disaggregation_auth_key_file: str | None = field(default=None, metadata=_opt(
+        "file holding a secret every prefill and decode server of the deployment shares (for example "
+        "`openssl rand -hex 32`): their control channel is then authenticated and encrypted (CurveZMQ)",
+        server_only=True))
+    disaggregation_auth_key: str | None = field(default=None, metadata=_opt(
+        "that secret itself (other users of the machine can read a process's flags: prefer "
+        "--disaggregation-auth-key-file)", server_only=True))
+
 
     def __post_init__(self) -> None:
         if self.model_path is None:
@@ -210,6 +223,31 @@ class ServerArgs:
             self.tokenizer_path = self.model_path
         if self.served_model_name is None:
             self.served_model_name = EMBEDDED_NAME if is_embedded(self.model_path) else self.model_path
+
+    @property
+    def bootstrap_host(self) -> str:
+        """Where a prefill server's bootstrap service listens: its flag, else the HTTP host."""
+        return self.disaggregation_bootstrap_host or self.host
+
+    def disaggregation_secret(self) -> bytes | None:
+        """The secret PD peers share, from --disaggregation-auth-key-file or --disaggregation-auth-key
+        (None: none given); a start-up error when it cannot be read or is short enough to guess."""
+        if self.disaggregation_auth_key_file is not None:
+            flag = "--disaggregation-auth-key-file"
+            try:
+                with open(self.disaggregation_auth_key_file, "rb") as f:
+                    raw = f.read().strip()
+            except OSError as e:
+                raise ValueError(f"{flag} {self.disaggregation_auth_key_file}: cannot read it "
+                                 f"({e.strerror})") from None
+        elif self.disaggregation_auth_key is not None:
+            flag, raw = "--disaggregation-auth-key", self.disaggregation_auth_key.encode()
+        else:
+            return None
+        if len(raw) < MIN_SECRET_BYTES:
+            raise ValueError(f"{flag}: give a secret of at least {MIN_SECRET_BYTES} characters (for example "
+                             "`openssl rand -hex 32`), the same on every prefill and decode server")
+        return raw
 
     @property
     def verify_mode(self) -> str:
@@ -292,8 +330,17 @@ class ServerArgs:
         need(self.disaggregation_bootstrap_timeout > 0,
              f"--disaggregation-bootstrap-timeout must be positive, got "
              f"{self.disaggregation_bootstrap_timeout}")
+        need(self.disaggregation_auth_key is None or self.disaggregation_auth_key_file is None,
+             "--disaggregation-auth-key with --disaggregation-auth-key-file: give one of the two")
         if mode == "null":
             return
+        self.disaggregation_secret()
+        host = self.bootstrap_host
+        need(mode != "prefill" or self.disaggregation_auth_key is not None
+             or self.disaggregation_auth_key_file is not None or is_loopback(host),
+             f"--disaggregation-bootstrap-host {host}: decode servers on other machines could reach this "
+             "prefill server's bootstrap port, so its peers must prove a shared secret: give every prefill "
+             "and decode server the same --disaggregation-auth-key-file (or listen on 127.0.0.1)")
         need(not self.enable_dp_attention and self.attn_cp_size == 1,
              f"--disaggregation-mode {mode} with --enable-dp-attention or --attn-cp-size: not supported yet; "
              "use --tp-size / --pp-size (the two sides may differ)")

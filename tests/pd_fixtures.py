@@ -3,6 +3,7 @@
 router (sglang-router's PD mode or `sparkserve router`) in front of a prefill and a decode server."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -15,6 +16,16 @@ from sparkserve import Engine
 from sparkserve.core.req import Req
 from sparkserve.core.sampling_state import RequestSamplingState
 from sparkserve.frontend.prepare import params_list
+
+
+class Exploit:
+    """What an attacker sends a server that unpickles: unpickling it runs `touch marker`."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
 
 
 def disaggregated(prefill: Engine, decode: Engine, ids: list[int], sp: dict) -> dict:

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from sparkserve.disaggregation.auth import PeerAuth
 from sparkserve.mem.transfer import RequestRows, Shapes
 from sparkserve.messages import Bootstrap
 
@@ -26,7 +27,7 @@ class PeerGone(RuntimeError):
 class Reservation:
     """Prefill side: a decode server holds room for `room` and lacks positions start..; `shapes`
     is its whole layout (checked against this side's before anything is sent); `dst`: where its
-    rows go there (a registered-memory backend's destination rows, else None)."""
+    rows go there (a registered-memory backend's destination RequestPages, else None)."""
     room: int
     start: int
     peer: Any
@@ -126,25 +127,27 @@ def _check_backend(name: str) -> None:
                          f"but does not load: {e}{hint}") from None
 
 
-def prefill_transfer(backend: str, port: int) -> PrefillTransfer:
+def prefill_transfer(backend: str, port: int, host: str = "127.0.0.1",
+                     auth: PeerAuth | None = None) -> PrefillTransfer:
+    """The prefill side's backend, listening on host:port (peers must hold `auth`'s secret)."""
     _check_backend(backend)
     if backend == "nixl":
         from sparkserve.disaggregation.nixl import NixlPrefillTransfer
-        return NixlPrefillTransfer(port)
+        return NixlPrefillTransfer(port, host, auth)
     if backend == "mooncake":
         from sparkserve.disaggregation.mooncake import MooncakePrefillTransfer
-        return MooncakePrefillTransfer(port)
+        return MooncakePrefillTransfer(port, host, auth)
     from sparkserve.disaggregation.tcp import TcpPrefillTransfer
-    return TcpPrefillTransfer(port)
+    return TcpPrefillTransfer(port, host, auth)
 
 
-def decode_transfer(backend: str) -> DecodeTransfer:
+def decode_transfer(backend: str, auth: PeerAuth | None = None) -> DecodeTransfer:
     _check_backend(backend)
     if backend == "nixl":
         from sparkserve.disaggregation.nixl import NixlDecodeTransfer
-        return NixlDecodeTransfer()
+        return NixlDecodeTransfer(auth)
     if backend == "mooncake":
         from sparkserve.disaggregation.mooncake import MooncakeDecodeTransfer
-        return MooncakeDecodeTransfer()
+        return MooncakeDecodeTransfer(auth)
     from sparkserve.disaggregation.tcp import TcpDecodeTransfer
-    return TcpDecodeTransfer()
+    return TcpDecodeTransfer(auth)

@@ -36,13 +36,13 @@ class _Engine:
             raise RuntimeError(f"the mooncake transfer engine did not start on {host}")
         self.engine, self.session = engine, f"{host}:{engine.get_rpc_port()}"
 
-    def _register(self, regs: Regions, toward: str) -> Any:
+    def _register(self, regs: Regions, toward: str) -> bytes:
         self._start(toward)
         for ptr, n in regs:
             if self.engine.register_memory(ptr, n) != 0:
                 raise RuntimeError(f"mooncake could not register {n} bytes at {ptr:#x}")
         self.regs = regs
-        return self.session
+        return self.session.encode()
 
     def _deregister(self) -> None:
         for ptr, _ in self.regs:
@@ -54,7 +54,7 @@ class MooncakePrefillTransfer(_Engine, RegisteredPrefill):
     backend = "mooncake"
 
     def _connect(self, peer: Peer) -> Any:
-        return peer.meta            # the session "host:port": the engine handshakes on first use
+        return peer.meta.decode()   # the session "host:port": the engine handshakes on first use
 
     def _disconnect(self, handle: Any) -> None:
         pass

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from sparkserve.disaggregation.auth import PeerAuth
 from sparkserve.disaggregation.registered import Peer, Plan, Regions, RegisteredDecode, RegisteredPrefill
 
 WRITE_TIMEOUT_S = 60.0
@@ -42,9 +43,9 @@ class _Registering:
 class NixlPrefillTransfer(_Registering, RegisteredPrefill):
     backend = "nixl"
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, host: str = "127.0.0.1", auth: PeerAuth | None = None):
         self.agent = _agent("prefill")
-        super().__init__(port)
+        super().__init__(port, host, auth)
 
     def _register(self, regs: Regions, toward: str) -> None:
         self._register_regions(regs)
@@ -80,10 +81,10 @@ class NixlPrefillTransfer(_Registering, RegisteredPrefill):
 class NixlDecodeTransfer(_Registering, RegisteredDecode):
     backend = "nixl"
 
-    def __init__(self) -> None:
+    def __init__(self, auth: PeerAuth | None = None) -> None:
         self.agent = _agent("decode")
-        super().__init__()
+        super().__init__(auth)
 
-    def _register(self, regs: Regions, toward: str) -> Any:
+    def _register(self, regs: Regions, toward: str) -> bytes:
         self._register_regions(regs)
         return self.agent.get_agent_metadata()

@@ -25,10 +25,11 @@ import torch
 import zmq
 
 from sparkserve.core.pool import Pool
+from sparkserve.disaggregation import protocol as p
 from sparkserve.disaggregation.backend import Cancelled, Heard, PeerGone, Reservation
 from sparkserve.disaggregation.control import ControlDecode, ControlPrefill, DecodeEvent
-from sparkserve.disaggregation.wire import pack
-from sparkserve.mem.transfer import RequestPages, RequestRows, Rows, shapes
+from sparkserve.disaggregation.wire import Tensors, pack
+from sparkserve.mem.transfer import RequestPages, RequestRows, shapes
 from sparkserve.messages import Bootstrap
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ def local_ip(toward: str) -> str:
 @dataclass
 class Peer:
     """A decode server as the prefill side knows it (from its hello)."""
-    meta: Any              # the engine's address of the decode side
+    meta: bytes            # the engine's address of the decode side
     host: str
     layout: Layout
     whole: bool            # its pools hold every layer and whole items (one rank)
@@ -178,8 +179,8 @@ class Peer:
 class RegisteredPrefill(ControlPrefill):
     """The prefill side of a registered-memory backend; an engine adds the hooks below."""
 
-    def __init__(self, port: int):
-        super().__init__(port)
+    def __init__(self, port: int, host: str = "127.0.0.1", auth=None):
+        super().__init__(port, host, auth)
         self.peers: dict[bytes, Peer] = {}
         self.registered: Regions | None = None
         self.refused: set[int] = set()
@@ -202,18 +203,34 @@ class RegisteredPrefill(ControlPrefill):
     def _write(self, handle: Any, p: Plan) -> None:
         """Write every descriptor of `p` and wait for it; raises RuntimeError on failure."""
 
-    def _on_message(self, peer: bytes, msg: dict[str, Any], rows: Rows | None) -> None:
-        if msg["kind"] != "hello":
-            return super()._on_message(peer, msg, rows)
+    def _on_message(self, peer: bytes, msg: Any, tensors: Tensors) -> None:
+        if not isinstance(msg, p.Hello):
+            return super()._on_message(peer, msg, tensors)
+        meta = tensors.get(("meta",))
+        if meta is None or meta.dtype != torch.uint8 or meta.dim() != 1 or len(tensors) != 1:
+            log.warning("PD bootstrap: dropped a hello without its engine metadata")
+            return
         self._forget(peer)
-        self.peers[peer] = Peer(msg["meta"], msg["host"], [[Buffer(*b) for b in p] for p in msg["layout"]],
-                                msg["whole"])
+        self.peers[peer] = Peer(meta.numpy().tobytes(), msg.host,
+                                [[Buffer(**b.model_dump()) for b in pool] for pool in msg.layout],
+                                msg.whole)
+
+    def _destination(self, msg: p.Reserve, tensors: Tensors) -> RequestPages:
+        """The decode side's slots for the reservation (plan() checks them against its buffers)."""
+        slots, swa = tensors.get(("slots",)), tensors.get(("swa_slots",))
+        if (msg.dst is None or slots is None or (swa is None) == msg.dst.split
+                or len(tensors) != 1 + msg.dst.split):
+            raise ValueError("a reservation without its destination slots")
+        for t in (slots, swa):
+            if t is not None and (t.dtype != torch.int64 or t.dim() != 1 or len(t) != len(slots)):
+                raise ValueError(f"destination slots of {t.dtype}{list(t.shape)}, not int64[{len(slots)}]")
+        return RequestPages(slots.clone(), None if swa is None else swa.clone(), msg.dst.row)
 
     def _on_reserve(self, res: Reservation) -> bool:
         if res.peer in self.peers:
             return True
         # this server restarted since the decode server said hello: ask again, the room goes on
-        self._send(res, pack({"kind": "rehello", "room": res.room}))
+        self._send(res, pack(p.Rehello(room=res.room)))
         return False
 
     def _on_bye(self, peer: bytes) -> None:
@@ -254,11 +271,8 @@ class RegisteredPrefill(ControlPrefill):
         problem = mismatch(mine, peer.layout)
         if problem is not None:
             return problem
-        d = res.dst
-        swa = None if d["swa_slots"] is None else torch.from_numpy(d["swa_slots"])
-        dst_pages = RequestPages(torch.from_numpy(d["slots"]), swa, d["row"])
-        p = plan(mine, peer.layout, src.pages, dst_pages, first, len(src.pages.slots), last)
-        return p if p.problem is None else p.problem
+        writes = plan(mine, peer.layout, src.pages, res.dst, first, len(src.pages.slots), last)
+        return writes if writes.problem is None else writes.problem
 
     def send_rows(self, res: Reservation, src: RequestRows, lo: int, last: bool) -> None:
         first, hi = max(lo, res.start), len(src.pages.slots)
@@ -266,27 +280,27 @@ class RegisteredPrefill(ControlPrefill):
             return
         if res.peer in self.closed:
             raise PeerGone(f"the decode server of room {res.room} closed")
-        p = self._plan(res, src, first, last)
-        if isinstance(p, str):
-            return self._refused(res, p)
+        writes = self._plan(res, src, first, last)
+        if isinstance(writes, str):
+            return self._refused(res, writes)
         peer = self.peers[res.peer]
-        if len(p.length):
+        if len(writes.length):
             try:
                 if peer.handle is None:
                     peer.handle = self._connect(peer)
-                self._write(peer.handle, p)
+                self._write(peer.handle, writes)
             except Exception as e:          # noqa: BLE001  (the engines raise their own kinds)
                 self._forget(res.peer)
                 self.send_failure(res, f"transfer error: the write into the decode server failed: {e}")
                 raise PeerGone(f"the write into the decode server of room {res.room} failed: {e}") from None
-        self._send(res, pack({"kind": "rows", "room": res.room, "lo": first, "hi": hi}))
+        self._send(res, pack(p.RowsSent(room=res.room, lo=first, hi=hi)))
 
     def _refused(self, res: Reservation, problem: str) -> None:
         """Nothing is written for `room`: the decode side fails it, and so does this side."""
         log.error("room %d: %s", res.room, problem)
         self.refused.add(res.room)
         self.given_up.append(Cancelled(res.room, f"transfer error: {problem}"))
-        self._send(res, pack({"kind": "refused", "room": res.room, "message": problem}))
+        self._send(res, pack(p.Refused(room=res.room, message=problem[:p.MAX_TEXT])))
 
     def send_result(self, res: Reservation, result: dict[str, Any]) -> None:
         if res.room in self.refused:
@@ -309,14 +323,14 @@ class RegisteredPrefill(ControlPrefill):
 class RegisteredDecode(ControlDecode):
     """The decode side of a registered-memory backend; an engine adds the hooks below."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, auth=None) -> None:
+        super().__init__(auth)
         self.registered: Regions | None = None
-        self.meta: Any = None
+        self.meta: bytes = b""
         self.told: dict[tuple[str, int], Layout] = {}     # prefill server -> the layout it has
 
     @abstractmethod
-    def _register(self, regs: Regions, toward: str) -> Any:
+    def _register(self, regs: Regions, toward: str) -> bytes:
         """Register `regs`; returns what the prefill side needs to reach this memory."""
 
     @abstractmethod
@@ -333,27 +347,32 @@ class RegisteredDecode(ControlDecode):
             self.told.clear()
         key, lay = (boot.host, boot.port), layout(pools)
         if self.told.get(key) != lay:
-            sock.send_multipart(pack({"kind": "hello", "meta": self.meta, "host": local_ip(boot.host),
-                                      "layout": [[tuple(b) for b in p] for p in lay],
-                                      "whole": shapes(pools) == dst.shapes}))
+            hello = p.Hello(host=local_ip(boot.host), whole=shapes(pools) == dst.shapes,
+                            layout=[[p.Buffer(**b._asdict()) for b in pool] for pool in lay])
+            meta = torch.frombuffer(bytearray(self.meta), dtype=torch.uint8)
+            sock.send_multipart(pack(hello, {("meta",): meta}))
             self.told[key] = lay
 
-    def _reserve_extra(self, dst: RequestRows) -> Any:
-        pages = dst.pages
-        return {"slots": pages.slots.numpy().copy(),
-                "swa_slots": None if pages.swa_slots is None else pages.swa_slots.numpy().copy(),
-                "row": int(pages.row)}
+    def _reserve_extra(self, dst: RequestRows) -> p.Destination:
+        return p.Destination(row=int(dst.pages.row), split=dst.pages.swa_slots is not None)
 
-    def _on_rows(self, room: int, msg: dict[str, Any], rows: Rows | None) -> list[DecodeEvent]:
+    def _reserve_tensors(self, dst: RequestRows) -> Tensors:
+        pages = dst.pages
+        out = {("slots",): pages.slots.to(torch.int64)}
+        if pages.swa_slots is not None:
+            out[("swa_slots",)] = pages.swa_slots.to(torch.int64)
+        return out
+
+    def _on_rows(self, room: int, msg: p.RowsSent, tensors: Tensors) -> list[DecodeEvent]:
         return [Heard(room)]            # the rows are in this side's memory already
 
-    def _on_message(self, sock: zmq.Socket, msg: dict[str, Any]) -> list[DecodeEvent]:
-        if msg["kind"] != "rehello":
+    def _on_message(self, sock: zmq.Socket, msg: Any) -> list[DecodeEvent]:
+        if not isinstance(msg, p.Rehello) or msg.room not in self.rooms:
             return super()._on_message(sock, msg)
-        for key, s in self.dealers.items():
-            if s is sock:
+        for key, link in self.links.items():
+            if link.sock is sock:
                 self.told.pop(key, None)
-        self._send_reserve(msg["room"])
+        self._send_reserve(msg.room)
         return []
 
     def close(self) -> None:

@@ -82,6 +82,26 @@ def check_shapes(sent: Shapes, held: Shapes) -> None:
                              f"{held.get(key, 'missing')} here: the two sides run different models")
 
 
+def check_rows(rows: Rows, held: Shapes, lo: int, positions: int) -> None:
+    """Rows from the other side fit this side's reservation of `positions` positions before they
+    touch a pool: each buffer's item shape is the one held here (buffers not held here only from
+    pools past the model's, which write_request leaves), token rows within positions lo..,
+    request-row state one row."""
+    for key, x in rows.items():
+        kind, item = held.get(key, (None, None))
+        if kind is None and key[0] == 0:
+            raise ValueError(f"rows sent for {_name(key)}, which this side does not hold: the two sides "
+                             "run different models")
+        if item is not None and tuple(x.shape[1:]) != item:
+            raise ValueError(f"rows of {list(x.shape[1:])} sent for {_name(key)}, which holds {list(item)}: "
+                             "the two sides run different models or layouts")
+        if kind == "request_row" and x.shape[0] != 1:
+            raise ValueError(f"{x.shape[0]} request rows sent for {_name(key)}")
+        if kind != "request_row" and lo + x.shape[0] > positions:
+            raise ValueError(f"rows for positions {lo}..{lo + x.shape[0]} sent for {_name(key)}, where "
+                             f"{positions} are reserved")
+
+
 def read_request(pools: list[Pool], pages: RequestPages, lo: int = 0, state: bool = True) -> Rows:
     """Every buffer's rows of the request for positions lo..len(pages.slots) (copies);
     request_row state only when `state` (it is whole only once the prompt has run: a transfer

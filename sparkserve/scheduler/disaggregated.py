@@ -22,6 +22,7 @@ from collections import deque
 from sparkserve.args import ServerArgs
 from sparkserve.core.finish_reason import FINISH_ABORT, FINISH_LENGTH
 from sparkserve.core.req import Req
+from sparkserve.disaggregation.auth import derive
 from sparkserve.disaggregation.backend import (
     Arrived,
     Cancelled,
@@ -242,6 +243,7 @@ class DecodeScheduler(_Paired):
     def __init__(self, inner: Scheduler, transfer: DecodeTransfer, timeout: float):
         super().__init__(inner, timeout)
         self.transfer = transfer
+        self.vocab_size = inner.runner.model.config.vocab_size
         self.prealloc: deque[tuple[Req, Bootstrap, float]] = deque()   # waiting for memory here
         self.transferring: dict[int, tuple[Req, Bootstrap, float]] = {}
 
@@ -299,8 +301,8 @@ class DecodeScheduler(_Paired):
                 self.transferring[ev.room] = (req, boot, time.monotonic() + self.timeout)
             elif isinstance(ev, Arrived):
                 del self.transferring[ev.room]
-                self._arrive(req, ev.result)
-                arrived.append(req)
+                if self._arrive(req, ev.result):
+                    arrived.append(req)
             elif isinstance(ev, Failed):
                 del self.transferring[ev.room]
                 self.inner.cache.release(req)
@@ -314,7 +316,14 @@ class DecodeScheduler(_Paired):
         self._reserve()
         return arrived + self._step_inner()
 
-    def _arrive(self, req: Req, result: dict) -> None:
+    def _arrive(self, req: Req, result: dict) -> bool:
+        """Start decoding `req` from the prefill side's result; False (the request failed) when the
+        result names tokens this model does not have."""
+        if max(result["output_ids"]) >= self.vocab_size:
+            self.inner.cache.release(req)
+            self._fail(req, f"transfer error: the prefill server sent token ids outside this model's "
+                            f"{self.vocab_size}: the two sides run different models", 502)
+            return False
         req.output_ids = list(result["output_ids"])
         req.output_logprobs = list(result["output_logprobs"])
         req.output_top_logprobs = list(result["output_top_logprobs"])
@@ -324,8 +333,9 @@ class DecodeScheduler(_Paired):
         if req.prefill_only:
             self.inner.cache.release(req)
             req.finished_reason = FINISH_LENGTH(0)
-            return
+            return True
         self.inner.start_prebuilt(req)
+        return True
 
     def load(self) -> SchedulerLoad:
         load = self.inner.load()
@@ -340,9 +350,12 @@ class DecodeScheduler(_Paired):
 def disaggregated(args: ServerArgs, inner: Scheduler) -> Scheduler | PrefillScheduler | DecodeScheduler:
     """The scheduler a server with --disaggregation-mode runs (the plain one in null mode)."""
     mode, timeout = args.disaggregation_mode, args.disaggregation_bootstrap_timeout
+    if mode == "null":
+        return inner
+    secret = args.disaggregation_secret()
+    auth = None if secret is None else derive(secret)
     if mode == "prefill":
-        transfer = prefill_transfer(args.disaggregation_transfer_backend, args.disaggregation_bootstrap_port)
+        transfer = prefill_transfer(args.disaggregation_transfer_backend, args.disaggregation_bootstrap_port,
+                                    args.bootstrap_host, auth)
         return PrefillScheduler(inner, transfer, timeout)
-    if mode == "decode":
-        return DecodeScheduler(inner, decode_transfer(args.disaggregation_transfer_backend), timeout)
-    return inner
+    return DecodeScheduler(inner, decode_transfer(args.disaggregation_transfer_backend, auth), timeout)

@@ -25,7 +25,7 @@ LAYERS = [
     ("mem", "kernels", "distributed"),
     ("args", "messages"),
     ("core",),
-    ("config", "sampling_params", "embedded", "dataclass_cli"),
+    ("config", "sampling_params", "embedded", "dataclass_cli", "addresses"),
 ]
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}
 

@@ -150,7 +150,7 @@ def test_prefill_restart_asks_for_the_memory_description_again(registered, model
         restarted = prefill_transfer(registered, pair.port)
         pair.prefill = PrefillScheduler(pair.prefill_engine.scheduler, restarted, 30.0)
         asked, take = [], pair.decode.transfer._on_message
-        pair.decode.transfer._on_message = lambda sock, msg: asked.append(msg["kind"]) or take(sock, msg)
+        pair.decode.transfer._on_message = lambda sock, msg: asked.append(msg.kind) or take(sock, msg)
         _works_after(pair, models)
         assert asked == ["rehello"]
     finally:
