@@ -1,4 +1,5 @@
-"""Command line: `sparkserve serve | generate | router | train-draft` (also `python -m sparkserve ...`).
+"""Command line: `sparkserve serve | generate | router | train-draft | build-kernels` (also
+`python -m sparkserve ...`).
 Flags follow SGLang's names; every flag comes from a dataclass field (see --help)."""
 from __future__ import annotations
 
@@ -56,7 +57,33 @@ def _parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train-draft", help="train a DSpark draft for a model (self-distillation)")
     add_dataclass_args(tr.add_argument_group("pipeline"), PipelineConfig)
     add_dataclass_args(tr.add_argument_group("training"), TrainConfig)
+    sub.add_parser("build-kernels", help="build the C++ CPU kernels (install step) or name the cached build",
+                   description="Build the C++ CPU kernels into the cache (~/.cache/sparkserve/kernels/, or "
+                               "$XDG_CACHE_HOME's) that every later start loads, or name the build already "
+                               "there; a failed build prints the compiler's message and exits 1.")
     return p
+
+
+def _build_kernels() -> int:
+    import time
+
+    from sparkserve.kernels import build
+    t0 = time.monotonic()
+
+    def announce(path: str) -> None:
+        print(f"sparkserve: building the C++ CPU kernels (about a minute) into {path}", flush=True)
+    try:
+        path, built, what = build.build_kernels(announce)
+    except ValueError as e:          # nothing to build here: serve runs the torch path
+        print(f"sparkserve: the C++ CPU kernels are not used here ({e}); nothing to build")
+        return 0
+    except Exception as e:
+        print(f"sparkserve: error: the C++ CPU kernels failed to build in {build.build_dir()}:\n"
+              f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    state = f"built in {time.monotonic() - t0:.0f} s" if built else "already built"
+    print(f"sparkserve: C++ CPU kernels {state}: {path} ({what})")
+    return 0
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -96,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(ns)
         if ns.command == "train-draft":
             return _train_draft(ns)
+        if ns.command == "build-kernels":
+            return _build_kernels()
         if ns.command == "router":
             from sparkserve.entrypoints.router import run_router
             return run_router(ns.prefill, ns.decode, ns.host, ns.port, ns.health_check_interval, ns.log_level)
