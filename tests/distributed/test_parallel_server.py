@@ -3,6 +3,7 @@ gets the single-process engine's tokens; a killed or hung rank fails the next re
 naming the failure and the server exits non-zero instead of hanging."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -52,5 +53,33 @@ def test_parallel_server_serves_and_fails_cleanly(llama_dir, layout, sig):
             "input_ids": prompts[0], "sampling_params": {"max_new_tokens": 4}})
         assert r.status_code >= 500 and "scheduler" in r.json()["error"]["message"], r.text
         assert server.proc.wait(60) != 0               # the server stops, non-zero, within the timeout
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("layout", [["--tp-size", "2"], DP])
+def test_a_rank_killed_mid_stream_ends_the_stream_with_an_error(llama_dir, layout):
+    """A rank SIGKILLed while a stream is in flight (stopped first, so the stream cannot finish
+    before): the client gets an error event naming the failure, not a stream that stops silently
+    or never ends, and the server exits non-zero. Under DP attention either group's stream ends
+    so: the MLP runs over both groups' ranks."""
+    server = ServerProcess("--model-path", llama_dir, *layout, *FLAGS)
+    try:
+        info = httpx.get(server.url + "/server_info", timeout=10).json()
+        [rank] = server.rank_pids(info["scheduler_pid"])
+        os.kill(rank, signal.SIGSTOP)
+        body = {"input_ids": list(range(3, 9)), "stream": True,
+                "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as s:
+            assert s.status_code == 200
+            time.sleep(0.5)
+            os.kill(rank, signal.SIGKILL)
+            start = time.monotonic()
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert time.monotonic() - start < 30
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+        message = json.loads(events[-2])["error"]["message"]
+        assert "scheduler" in message or "rank" in message, message
+        assert server.proc.wait(60) != 0
     finally:
         server.stop()
