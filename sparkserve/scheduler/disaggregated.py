@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 POLL_IDLE_MS = 10        # wait for the peer this long per loop when there is nothing to run
+MAX_UNCLAIMED_RESERVATIONS = 4096   # a peer cannot make this side hold reservations without bound
 
 
 class _Paired:
@@ -188,6 +189,10 @@ class PrefillScheduler(_Paired):
                     self.transfer.send_failure(ev, "the prefill request was aborted")
                 elif ev.room in self.waiting:
                     self._start(self.waiting.pop(ev.room)[0], ev)
+                elif len(self.reserved) >= MAX_UNCLAIMED_RESERVATIONS and ev.room not in self.reserved:
+                    self.transfer.send_failure(ev, f"transfer error: the prefill server holds "
+                                                   f"{len(self.reserved)} reservations whose requests have "
+                                                   "not come; is the router sending it requests?")
                 else:
                     self.reserved[ev.room] = (ev, now + self.timeout)
                 continue

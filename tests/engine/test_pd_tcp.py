@@ -262,3 +262,19 @@ def test_prefill_server_gone(models):
     finally:
         pair.decode.close()
         pair.prefill.inner.close()
+
+def test_reservations_without_requests_are_bounded(models, monkeypatch):
+    """A peer that reserves room after room with no request behind them (a bug, or someone on the
+    bootstrap port) cannot make the prefill side hold them without bound: past the cap each is
+    refused at once; the ones held still pair with their requests."""
+    monkeypatch.setattr("sparkserve.scheduler.disaggregated.MAX_UNCLAIMED_RESERVATIONS", 2)
+    pair = Pair(models["llama"])
+    try:
+        held = [pair.submit(PROMPTS[0], SP, to_prefill=False)[1] for _ in range(2)]
+        _, extra = pair.submit(PROMPTS[0], SP, to_prefill=False)
+        pair.run([extra], until=10)
+        _aborted(extra, 502, "holds 2 reservations whose requests have not come")
+        assert len(pair.prefill.reserved) == 2
+        assert not any(r.finished for r in held)
+    finally:
+        pair.close()
