@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,8 @@ class ParallelConfig:
     ep_size: int = 1
     dp_size: int = 1           # attention data-parallel groups inside the tp group (DP attention)
     attn_cp_size: int = 1      # ranks of an attention group that split long prefills by tokens
+    socket_ifname: str | None = None   # --dist-socket-ifname: the interface the ranks talk over
+    allow_public_bind: bool = False    # --dist-allow-public-bind
 
     @property
     def world_size(self) -> int:
@@ -62,6 +65,36 @@ class ParallelConfig:
         """Global ranks that run on this node (contiguous, as torchrun places them)."""
         n = self.ranks_per_node
         return list(range(self.node_rank * n, (self.node_rank + 1) * n))
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """--dist-init-addr 'HOST:PORT' or '[V6]:PORT' (as torch's tcp:// rendezvous reads it)."""
+    host, sep, port = addr.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--dist-init-addr {addr}: give HOST:PORT (e.g. 10.0.0.1:29500)")
+    return host, int(port)
+
+
+def check_rendezvous_ip(host: str, ip: str, allow_public: bool) -> None:
+    """Refuse the ranks' rendezvous on `host` (whose address is `ip`; a name not yet resolved
+    passes) when that is a wildcard or globally routable address, unless --dist-allow-public-bind:
+    torch.distributed's store and the control group's pickled messages trust every peer that
+    reaches them. Loopback and private ranges pass."""
+    try:
+        addr = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return
+    why = ("a wildcard address (every interface of the host)" if addr.is_unspecified else
+           "a globally routable address" if addr.is_global else None)
+    if why and not allow_public:
+        shown = host if host == ip else f"{host} ({ip})"
+        raise ValueError(
+            f"--dist-init-addr {shown} is {why}: the ranks' rendezvous (torch.distributed's store, and the "
+            "control messages that carry pickled objects) trusts every peer that reaches it, so anyone who "
+            "can reach that port could run code in the server. Give node 0's address on a private network "
+            "(loopback, 10/8, 172.16/12, 192.168/16, fc00::/7), or pass --dist-allow-public-bind if this "
+            "network is trusted anyway (firewalled to the nodes)")
 
 
 def _opt(help_: str, **meta: Any) -> dict[str, Any]:
@@ -191,7 +224,14 @@ class ServerArgs:
     dist_init_addr: str | None = field(default=None, metadata=_opt(
         "HOST:PORT where the ranks meet (default with one node: a free port on 127.0.0.1)"))
     dist_timeout: float = field(default=300.0, metadata=_opt(
-        "seconds a collective may wait for a rank before the server fails"))
+        "seconds the ranks wait for each other to join, and a collective for a rank, before the server "
+        "fails"))
+    dist_socket_ifname: str | None = field(default=None, metadata=_opt(
+        "network interface the ranks of this node talk over (as GLOO_SOCKET_IFNAME; default: that "
+        "variable, else the interface whose route leads to --dist-init-addr)"))
+    dist_allow_public_bind: bool = field(default=False, metadata=_opt(
+        "allow --dist-init-addr on a wildcard or globally routable address: the ranks' rendezvous trusts "
+        "every peer that reaches it (pickled control messages), so only on a firewalled network"))
     # prefill/decode disaggregation
     disaggregation_mode: str = field(default="null", metadata=_opt(
         "prefill: run prompts and send their state to decode servers; decode: take that state and "
@@ -371,6 +411,9 @@ class ServerArgs:
         need(self.nnodes == 1 or self.dist_init_addr is not None,
              "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, reachable from every node)")
         need(self.dist_timeout > 0, f"--dist-timeout must be positive, got {self.dist_timeout}")
+        if self.dist_init_addr is not None:     # a name is checked once resolved, in init_distributed
+            host, _ = split_host_port(self.dist_init_addr)
+            check_rendezvous_ip(host, host, self.dist_allow_public_bind)
 
     def _validate_dp_attention(self, need) -> None:
         need(self.dp_size >= 1, f"--dp-size must be >= 1, got {self.dp_size}")
@@ -400,7 +443,7 @@ class ServerArgs:
         partition = tuple(self.pp_layer_partition) if self.pp_layer_partition else None
         return ParallelConfig(self.tp_size, self.pp_size, self.nnodes, self.node_rank, partition,
                               self.ep_size, self.dp_size if self.enable_dp_attention else 1,
-                              self.attn_cp_size)
+                              self.attn_cp_size, self.dist_socket_ifname, self.dist_allow_public_bind)
 
     def _validate_dspark(self, need) -> None:
         """DSpark flags, and the draft checked before any model loads (a one-line error, not a

@@ -15,7 +15,6 @@ request-row state goes the same way with the last chunk."""
 from __future__ import annotations
 
 import logging
-import socket
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -29,6 +28,7 @@ from sparkserve.disaggregation import protocol as p
 from sparkserve.disaggregation.backend import Cancelled, Heard, PeerGone, Reservation
 from sparkserve.disaggregation.control import ControlDecode, ControlPrefill, DecodeEvent
 from sparkserve.disaggregation.wire import Tensors, pack
+from sparkserve.distributed.interface import local_ip
 from sparkserve.mem.transfer import RequestPages, RequestRows, shapes
 from sparkserve.messages import Bootstrap
 
@@ -154,16 +154,6 @@ def plan(src_layout: Layout, dst_layout: Layout, src_pages: RequestPages, dst_pa
     if not lens:
         return Plan(*(np.zeros(0, np.uint64),) * 3)
     return Plan(*(np.concatenate(x).astype(np.uint64) for x in (src_a, dst_a, lens)))
-
-
-def local_ip(toward: str) -> str:
-    """This host's address on the route to `toward` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((socket.gethostbyname(toward), 9))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 @dataclass

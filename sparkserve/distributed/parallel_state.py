@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sparkserve.args import ParallelConfig
+from sparkserve.args import ParallelConfig, check_rendezvous_ip, split_host_port
+from sparkserve.distributed import interface, rendezvous
 from sparkserve.distributed.world import init_world
 
 # Waiting for the driver's next command may last as long as a server is idle; a collective
@@ -90,11 +91,22 @@ def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: 
     With DP attention or context parallel (pp 1), rank r is in attention group r // (tp / dp),
     whose first rank drives it (runs its scheduler); its ranks split the attention heads or, with
     --attn-cp-size, the tokens of long prefills (cp group); the attention groups together are the
-    one tp group of the MLP."""
+    one tp group of the MLP. The ranks meet at `init_addr` (refused on a wildcard or public address
+    unless cfg.allow_public_bind) and talk over the interface `interface.gloo_interface` picks."""
     if dist.is_initialized():
         raise ValueError(_BUSY)
-    init_world("gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=cfg.world_size,
-                 timeout=CONTROL_TIMEOUT)
+    host, port = split_host_port(init_addr)
+    with contextlib.suppress(OSError):         # a name that does not resolve: the store says so
+        check_rendezvous_ip(host, interface.resolve(host), cfg.allow_public_bind)
+    choice = interface.gloo_interface(host, cfg.socket_ifname)
+    with rendezvous.env(interface.IFNAME_ENV, choice.ifname):
+        store = rendezvous.join(cfg, rank, host, port, timeout_s, choice)
+        init_world("gloo", store=store, rank=rank, world_size=cfg.world_size, timeout=CONTROL_TIMEOUT)
+        _build_groups(cfg, rank, timeout_s)
+
+
+def _build_groups(cfg: ParallelConfig, rank: int, timeout_s: float) -> None:
+    """Every group, in the same order on every rank."""
     timeout = datetime.timedelta(seconds=timeout_s)
     def mine(groups: list[list[int]], t: datetime.timedelta) -> Group:
         return [g for ranks in groups if (g := _group(ranks, rank, t))][0]
