@@ -10,7 +10,9 @@ loopback and its hostname resolving to 127.0.1.1 as on a stock Debian / Ubuntu m
 - a mesh that cannot connect (loopback forced by GLOO_SOCKET_IFNAME / --dist-socket-ifname)
   fails both nodes at once, naming the address and the settings;
 - --dist-init-addr on a wildcard or public address is refused unless --dist-allow-public-bind;
-- the interface finder, inside the namespaces and out.
+- the interface finder, inside the namespaces and out;
+- PD: a prefill server on one host, a decode server and `sparkserve router` on the other, give
+  the prefill server's own greedy answers.
 
 Skipped only where the `ip` tool (iproute2) is missing or network namespaces are not permitted."""
 from __future__ import annotations
@@ -237,6 +239,67 @@ def test_interface_finder_in_namespaces(hosts):
         assert got["choice"][0] == veth and f"leaves through {veth} ({mine})" in got["choice"][1], got
         assert got["local"] == mine and got["of"] == veth and got["advertised"] == [mine]
         assert got["default"] == ["127.0.1.1"] and got["loop"][0] is None
+
+
+PD_CLIENT = """
+import json, sys, time, httpx
+prefill, decode, router = sys.argv[1:4]
+end = time.monotonic() + 120
+for url, path in ((prefill, "/health"), (decode, "/health"), (router, "/v1/models")):
+    while True:
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < end, f"{url} never came up"
+        time.sleep(0.25)
+out = []
+for body in json.loads(sys.argv[4]):
+    want = httpx.post(prefill + "/generate", json=body, timeout=60).json()      # colocated there
+    got = httpx.post(router + "/generate", json=body, timeout=60)
+    out.append([want, got.status_code, got.json()])
+print(json.dumps(out))
+"""
+
+
+def test_pd_prefill_and_decode_on_two_hosts_equal_colocated(hosts, tmp_path):
+    """`--disaggregation-mode prefill` on one host, decode on the other, `sparkserve router` beside
+    the decode server: each request's prompt runs on the first host and its decode on the second
+    (whose log shows no prefill batch), with the greedy answers of the prefill server alone."""
+    from tiny_chat_fixtures import make_tiny_chat_checkpoint
+    model = make_tiny_chat_checkpoint(str(tmp_path / "chat"))
+    key = "netns-test-secret-0123456789abcdef"
+    common = ("--model-path", model, "--max-total-tokens", "2048", "--num-threads", "1", "--log-level",
+              "info", "--port", "30000", "--disaggregation-auth-key", key,
+              "--disaggregation-bootstrap-timeout", "20")
+    prefill_url, decode_url, router_url = (f"http://{NODE0_IP}:30000", f"http://{NODE1_IP}:30000",
+                                           "http://127.0.0.1:30001")
+    bodies = [{"text": "Once upon a time", "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+              {"text": ["The sky", "Rain is"], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}]
+    serve = (sys.executable, "-m", "sparkserve", "serve")
+    procs = [hosts.run(hosts.a, *serve, *common, "--host", NODE0_IP, "--disaggregation-mode", "prefill",
+                       "--disaggregation-bootstrap-port", "8998"),
+             hosts.run(hosts.b, *serve, *common, "--host", NODE1_IP, "--disaggregation-mode", "decode"),
+             hosts.run(hosts.b, sys.executable, "-m", "sparkserve", "router", "--prefill", prefill_url,
+                       "8998", "--decode", decode_url, "--host", "127.0.0.1", "--port", "30001",
+                       "--log-level", "warning")]
+    try:
+        client = hosts.run(hosts.b, sys.executable, "-c", PD_CLIENT, prefill_url, decode_url, router_url,
+                           json.dumps(bodies))
+        code, out = _finish(client, 150)
+    finally:
+        logs = []
+        for p in procs:
+            p.terminate()
+            logs.append(_finish(p, 20)[1])
+    assert code == 0, f"{out[-2000:]}\n--- prefill:\n{logs[0][-3000:]}\n--- decode:\n{logs[1][-3000:]}"
+    for want, status, got in json.loads(out.splitlines()[-1]):
+        assert status == 200, got
+        pairs = zip(want if isinstance(want, list) else [want], got if isinstance(got, list) else [got],
+                    strict=True)
+        assert all((a["text"], a["output_ids"]) == (b["text"], b["output_ids"]) for a, b in pairs)
+    assert logs[0].count("Prefill batch") > 0 and logs[1].count("Prefill batch") == 0, logs[1][-3000:]
 
 
 # ---- node 0, run by the tests above inside its namespace --------------------------------------
