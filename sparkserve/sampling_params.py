@@ -12,9 +12,28 @@ from typing import Any
 
 # Below this temperature the distribution is numerically a one-hot; SGLang treats it as greedy too.
 GREEDY_EPS = 1e-6
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0      # OpenAI's range for a logit_bias value
+
+# ---- size limits of one request ------------------------------------------------------------------
+# A request is untrusted input: nothing in it may make the server hold or scan without bound. Each
+# limit is far above real use and bounds what one request costs; going over it is a 400 naming the
+# field. Bounded elsewhere: the body (http_io.MAX_BODY_BYTES, 32 MiB), n per prompt
+# (frontend/prepare.MAX_N, 128 as OpenAI's), and each sequence's prompt + max_tokens (the context
+# length and the KV pool), so that n x max_tokens of one request is at most MAX_SEQUENCES x the
+# context length, and those tokens are made (and held) only as fast as the model generates them.
+# Every choice is its own request in the scheduler, with its own copy of the prompt and of the
+# sampling parameters below: the per-sequence limits count n times.
+MAX_STOP_STRINGS = 16       # each is searched for in the decoded text after every token
+MAX_STOP_CHARS = 1024       # per stop string: a stream holds back that much text (a stop's possible start)
+MAX_STOP_TOKEN_IDS = 1024   # every generated token is looked up in the list
+MAX_LOGIT_BIAS_ENTRIES = 1024  # each becomes a (token, bias) pair on the device, per sequence
+MAX_TOP_LOGPROBS = 20       # OpenAI's: every token of the answer carries that many alternatives
+MAX_PROMPTS = 2048          # prompts of a batch (/generate, /v1/completions): as OpenAI's embeddings inputs
+MAX_SEQUENCES = 2048        # prompts x n of one request: each is a request in the scheduler
+MAX_MESSAGES = 16384        # messages of one chat: the template renders each before the context is checked
+MAX_RID_CHARS = 256         # a rid (each choice's is the request's + "-i"); generated ones are <= 41
+MAX_HOST_CHARS = 253        # bootstrap_host: a DNS name is at most 253 characters (RFC 1035)
+
 _ALIASES = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob")
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num")
@@ -24,6 +43,16 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequen
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite(v: Any) -> bool:
+    """A finite int or float (not a bool); an int too large for a float is not one."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 @dataclass
@@ -80,7 +109,8 @@ class SamplingParams:
         return self.temperature <= GREEDY_EPS or self.top_k == 1
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
-        """Raise ValueError on any bad value; normalises top_k=0 to -1. Returns self for chaining."""
+        """Raise ValueError on any bad value; normalises top_k=0 (and, given the vocabulary, a top_k
+        of all of it or more) to -1. Returns self for chaining."""
         for name in _BOOL_FIELDS:
             v = getattr(self, name)
             if not isinstance(v, bool):
@@ -91,14 +121,14 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an int, got {v!r}")
         for name in _FLOAT_FIELDS:
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool)) or not math.isfinite(v):
+            if not _is_finite(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0:
-            self.top_k = -1
+        if self.top_k == 0 or (vocab_size is not None and self.top_k >= vocab_size):
+            self.top_k = -1         # off; k of the whole vocabulary (or more) keeps every token
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
@@ -133,15 +163,18 @@ class SamplingParams:
             return
         if not isinstance(bias, dict):
             raise ValueError(f"logit_bias must be an object of token id -> bias, got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got "
+                             f"{len(bias)}")
         out: dict[int, float] = {}
         for key, value in bias.items():
-            digits = isinstance(key, str) and key.isascii() and key.isdigit()
+            # (a token id has at most 10 digits; int() of a longer string only costs time)
+            digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10
             tid = key if _is_int(key) else int(key) if digits else None
             if tid is None or tid < 0 or (vocab_size is not None and tid >= vocab_size):
                 bound = f" in [0, {vocab_size})" if vocab_size is not None else ""
                 raise ValueError(f"logit_bias keys must be token ids{bound}, got {key!r}")
-            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
-                    or abs(value) > MAX_LOGIT_BIAS):
+            if not _is_finite(value) or abs(value) > MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
                                  f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {key!r}")
             out[tid] = float(value)
@@ -157,11 +190,16 @@ class SamplingParams:
         for s in strings:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of "
+                                 f"{len(s)}")
         ids = self.stop_token_ids
         if ids is None:
             return
         if not isinstance(ids, list):
             raise ValueError(f"stop_token_ids must be a list of ints, got {type(ids).__name__}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries, got {len(ids)}")
         for t in ids:
             if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"

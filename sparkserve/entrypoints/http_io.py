@@ -56,10 +56,24 @@ def error_response(e: ApiError) -> Response:
     return JSON(e.body(), e.status, headers=e.headers)
 
 
+async def read_body(request: Request) -> bytes:
+    """The body, read up to MAX_BODY_BYTES: a longer one is a 413 as soon as its Content-Length,
+    or its bytes so far, say so (never read whole into memory first)."""
+    too_big = ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def parse(request: Request, model):
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+    body = await read_body(request)
     try:
         return model.model_validate_json(body)
     except ValidationError as e:

@@ -3,15 +3,34 @@
 Strict: a number sent as a string, a bool sent as a number, a float where an int belongs are 400s
 naming the field, never silently converted. Unknown fields are ignored (clients send vendor
 extras), except the ones whose silent omission would change the output (`ApiError` in serving).
-Value ranges are checked once, by SamplingParams.validate, not here."""
+Value ranges are checked once, by SamplingParams.validate, not here.
+
+Every list stops at its first bad item (`Ints`, `Strs`, ...: pydantic's fail_fast): a body of a
+million wrong items must cost one error, not a million (pydantic collects them all by default, and
+ApiError turning them into Python took minutes and gigabytes for a few MiB)."""
 from __future__ import annotations
 
 import re
-from typing import Any
+import reprlib
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 Number = float          # strict mode: accepts int and float, refuses str and bool
+_FAIL_FAST = Field(fail_fast=True)
+Ints = Annotated[list[int], _FAIL_FAST]
+Strs = Annotated[list[str], _FAIL_FAST]
+Bools = Annotated[list[bool], _FAIL_FAST]
+Objects = Annotated[list[dict[str, Any]], _FAIL_FAST]
+IntLists = Annotated[list[Ints], _FAIL_FAST]
+Ports = Annotated[list[int | None], _FAIL_FAST]
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 3, 3, 60, 60
+
+
+def short_repr(value: Any) -> str:
+    """repr of a client's value for an error message, cut short whatever its size (in time too)."""
+    return _SHORT.repr(value)
 
 
 class ApiError(Exception):
@@ -45,18 +64,20 @@ class ApiError(Exception):
 
     @classmethod
     def from_validation(cls, e: ValidationError) -> "ApiError":
-        err = e.errors()[0]
+        errors = e.errors(include_url=False, include_context=False)
+        err = errors[0]
         loc = _field_path(err.get("loc", ()))
         if err.get("type") == "json_invalid":
             return cls(400, f"the request body is not valid JSON: {err.get('msg')}")
         if not loc:
             return cls(400, f"the request body must be a JSON object: {err.get('msg')}")
         field = loc.split(".")[0]
-        tags = _union_tags(e.errors(), field)
+        tags = _union_tags(errors, field)
         if len(tags) > 1:                   # a union field matched none of its forms
-            got = repr(err.get("input")) if loc == field else f"at {loc}: {err.get('input')!r}"
+            got = short_repr(err.get("input"))
+            got = got if loc == field else f"at {loc}: {got}"
             return cls(400, f"{field}: invalid value ({got[:80]}); accepted: {' | '.join(tags)}", field)
-        more = f" (and {len(e.errors()) - 1} more errors)" if len(e.errors()) > 1 else ""
+        more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
         return cls(400, f"{loc}: {err.get('msg')}{more}", field)
 
 
@@ -95,7 +116,7 @@ class OpenAISampling(_Request):
     model: str | None = None
     max_tokens: int | None = None
     n: int = 1
-    stop: str | list[str] | None = None
+    stop: str | Strs | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: Number | None = None
@@ -111,7 +132,7 @@ class OpenAISampling(_Request):
     repetition_penalty: Number | None = None
     min_tokens: int | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Ints | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: str | None = None
@@ -121,24 +142,24 @@ class OpenAISampling(_Request):
     # SGLang: the DP-attention group to run every choice on (None: the server's load balancing)
     routed_dp_rank: int | None = None
     # PD disaggregation, added by a PD router (see ServingBase.bootstraps)
-    bootstrap_host: str | list[str] | None = None
-    bootstrap_port: int | list[int | None] | None = None
-    bootstrap_room: int | list[int] | None = None
+    bootstrap_host: str | Strs | None = None
+    bootstrap_port: int | Ports | None = None
+    bootstrap_room: int | Ints | None = None
 
 
 class ChatCompletionRequest(OpenAISampling):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: Objects = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Objects | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | Strs | Ints | IntLists
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -147,27 +168,27 @@ class CompletionRequest(OpenAISampling):
 
 class GenerateRequest(_Request):
     """SGLang's /generate (GenerateReqInput): one prompt or a batch, text or token ids."""
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    rid: str | list[str] | None = None
+    text: str | Strs | None = None
+    input_ids: Ints | IntLists | None = None
+    sampling_params: dict[str, Any] | Objects | None = None
+    rid: str | Strs | None = None
     stream: bool = False
-    return_logprob: bool | list[bool] = False
-    top_logprobs_num: int | list[int] = 0
-    logprob_start_len: int | list[int] = -1
+    return_logprob: bool | Bools = False
+    top_logprobs_num: int | Ints = 0
+    logprob_start_len: int | Ints = -1
     return_text_in_logprobs: bool = False
     # final normed hidden state of every position run (prompt, output but the last token) in
     # meta_info "hidden_states", with the tapped aux layers in "aux_hidden_states"; needs
     # --enable-return-hidden-states. max_new_tokens 0 runs the prompt only.
-    return_hidden_states: bool | list[bool] = False
+    return_hidden_states: bool | Bools = False
     # the DP-attention group to run the whole request on (None: load balancing); data_parallel_rank
     # is SGLang's older name for it
     routed_dp_rank: int | None = None
     data_parallel_rank: int | None = None
     # PD disaggregation, added by a PD router: one value, or one per prompt (ServingBase.bootstraps)
-    bootstrap_host: str | list[str] | None = None
-    bootstrap_port: int | list[int | None] | None = None
-    bootstrap_room: int | list[int] | None = None
+    bootstrap_host: str | Strs | None = None
+    bootstrap_port: int | Ports | None = None
+    bootstrap_room: int | Ints | None = None
 
 
 class AbortRequest(_Request):

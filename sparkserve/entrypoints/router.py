@@ -28,9 +28,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 import sparkserve
-from sparkserve.entrypoints.http_io import EventStream, disconnected, error_response
+from sparkserve.entrypoints.http_io import EventStream, disconnected, error_response, read_body
 from sparkserve.entrypoints.openai_protocol import ApiError
 from sparkserve.entrypoints.router_pool import DEFAULT_BOOTSTRAP_PORT, Server, ServerPool
+from sparkserve.sampling_params import MAX_PROMPTS
 
 log = logging.getLogger("sparkserve.router")
 
@@ -152,9 +153,15 @@ class Router:
         self.client = client
 
     async def generate(self, request: Request, path: str) -> Response:
-        payload = _json_object(await request.body())
+        payload = _json_object(await read_body(request))
+        count = prompt_count(path, payload)
+        if count is not None and count > MAX_PROMPTS:     # before a room is drawn for each
+            name = "text" if isinstance(payload.get("text"), list) else \
+                "input_ids" if path == "/generate" else "prompt"
+            raise ApiError(400, f"{name}: a batch of {count} prompts; one request may carry at most "
+                                f"{MAX_PROMPTS}", name)
         prefill, decode = self.pool.pair()
-        payload.update(bootstrap_fields(prefill, prompt_count(path, payload)))
+        payload.update(bootstrap_fields(prefill, count))
         data = json.dumps(payload).encode()
         headers = {"content-type": "application/json", **_auth(request)}
         calls = tuple(Call(self.client, server, path, data, headers) for server in (prefill, decode))
@@ -217,8 +224,8 @@ def _auth(request: Request) -> dict[str, str]:
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
         payload = json.loads(body)
-    except ValueError as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:   # RecursionError: nested deeper than the parser goes
+        raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
     if not isinstance(payload, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return payload
@@ -264,6 +271,11 @@ def create_router_app(pool: ServerPool) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
         return error_response(ApiError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
     return app
 
 

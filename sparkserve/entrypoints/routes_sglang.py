@@ -16,7 +16,7 @@ from sparkserve.entrypoints.metrics import CONTENT_TYPE
 from sparkserve.entrypoints.openai_protocol import AbortRequest, ApiError, GenerateRequest
 from sparkserve.entrypoints.tokenizer_manager import Unavailable
 from sparkserve.messages import GenerateReq
-from sparkserve.sampling_params import SamplingParams
+from sparkserve.sampling_params import MAX_RID_CHARS, SamplingParams
 
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -123,5 +123,7 @@ async def abort_request(request: Request) -> Response:
     req = await parse(request, AbortRequest)
     if not req.abort_all and not req.rid:
         raise ApiError(400, "rid: give the rid to abort, or abort_all: true", "rid")
+    if len(req.rid) > MAX_RID_CHARS:         # no request has such a rid (and each lookup would copy it)
+        raise ApiError(400, f"rid: at most {MAX_RID_CHARS} characters, got {len(req.rid)}", "rid")
     n = tm.abort_all() if req.abort_all else tm.abort(req.rid)
     return JSON({"aborted": n})

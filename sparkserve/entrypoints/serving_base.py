@@ -14,7 +14,13 @@ from sparkserve.entrypoints.tokenizer_manager import SeqOut, Submission, Tokeniz
 from sparkserve.frontend.prepare import as_batch, check_prompt, fan_out, room_left
 from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.messages import Bootstrap, GenerateReq
-from sparkserve.sampling_params import SamplingParams
+from sparkserve.sampling_params import (
+    MAX_HOST_CHARS,
+    MAX_PROMPTS,
+    MAX_RID_CHARS,
+    MAX_SEQUENCES,
+    SamplingParams,
+)
 
 # OpenAI field name -> SamplingParams field name (for building params and renaming errors back).
 _OPENAI_TO_SP = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "stop": "stop",
@@ -153,9 +159,9 @@ class ServingBase:
         out: list[Bootstrap | None] = []
         for p, (h, pt, r) in enumerate(zip(hosts, ports, rooms)):
             pt = args.disaggregation_bootstrap_port if pt is None else pt
-            if not h:
-                raise ApiError(400, "bootstrap_host: must be a non-empty host name or address",
-                               "bootstrap_host")
+            if not h or len(h) > MAX_HOST_CHARS:
+                raise ApiError(400, f"bootstrap_host: must be a host name or address of 1 to "
+                                    f"{MAX_HOST_CHARS} characters, got {len(h)}", "bootstrap_host")
             if not 0 < pt <= 65535:
                 raise ApiError(400, f"bootstrap_port must be in [1, 65535], got {pt}", "bootstrap_port")
             if not 0 <= r < ROOMS:
@@ -173,20 +179,27 @@ class ServingBase:
         hidden = hidden if isinstance(hidden, list) else [hidden] * len(prompts)
         boots = boots or [None] * len(prompts)
         self.check_hidden_states(any(hidden))
+        count = sum(params.n for _, params in prompts)
+        if count > MAX_SEQUENCES:
+            per = f"{len(prompts)} prompts x n" if len(prompts) > 1 else "n"
+            raise ApiError(400, f"n: {per} = {count} sequences; one request may ask for at most "
+                                f"{MAX_SEQUENCES}", "n")
+        try:
+            self.tm.check_capacity(count)
+        except ValueError as e:
+            raise ApiError.bad_request(e) from None
+        for r in rids or [rid]:
+            if not isinstance(r, str) or not r or len(r) > MAX_RID_CHARS:
+                got = f", got {len(r)} characters" if isinstance(r, str) and r else ""
+                raise ApiError(400, f"rid: must be a string of 1 to {MAX_RID_CHARS} characters{got}", "rid")
         seqs: list[GenerateReq] = []
         for p, (ids, params) in enumerate(prompts):
             base = rids[p] if rids else (rid if len(prompts) == 1 else f"{rid}-{p}")
-            if not isinstance(base, str) or not base:
-                raise ApiError(400, "rid: must be a non-empty string", "rid")
             if boots[p] is not None and params.n > 1:
                 raise ApiError(400, f"n: {params.n} choices of a PD request (bootstrap_room): each sequence "
                                     "needs a room of its own; send n = 1 (or one request per choice)", "n")
             for r, sp in fan_out(base, params):
                 seqs.append(GenerateReq(r, ids, sp, bool(hidden[p]), len(seqs), p, dp_rank, boots[p]))
-        try:
-            self.tm.check_capacity(len(seqs))
-        except ValueError as e:
-            raise ApiError.bad_request(e) from None
         return seqs
 
     def prompts(self, value: Any, name: str, kinds: tuple[str, ...]) -> tuple[list[list[int]], bool]:
@@ -195,9 +208,23 @@ class ServingBase:
             items, single = as_batch(value, name, kinds)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), name) from None
-        ids = [self.tokenize(x, name if single else f"{name}[{i}]") if isinstance(x, str) else list(x)
-               for i, x in enumerate(items)]
+        if len(items) > MAX_PROMPTS:
+            raise ApiError(400, f"{name}: a batch of {len(items)} prompts; one request may carry at most "
+                                f"{MAX_PROMPTS}", name)
+        ids = []
+        for i, x in enumerate(items):
+            where = name if single else f"{name}[{i}]"
+            ids.append(self.tokenize(x, where) if isinstance(x, str) else list(x))
+            self.check_length(ids[-1], where, name)
         return ids, single
+
+    def check_length(self, ids: list[int], where: str, param: str) -> None:
+        """A prompt longer than the context is refused as such (as vLLM does), before max_tokens
+        is looked at: the message says the context length."""
+        context = self.tm.limits.context_length
+        if len(ids) > context:
+            raise ApiError(400, f"{where}: the prompt is {len(ids)} tokens, over this model's context length "
+                                f"of {context} tokens", param)
 
     def tokenize(self, text: str, param: str) -> list[int]:
         try:

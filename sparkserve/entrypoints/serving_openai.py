@@ -17,6 +17,7 @@ from sparkserve.entrypoints.serving_base import ServingBase, finish_reason, sse,
 from sparkserve.entrypoints.tokenizer_manager import SeqOut, Submission
 from sparkserve.frontend.prepare import room_left
 from sparkserve.messages import GenerateReq
+from sparkserve.sampling_params import MAX_MESSAGES
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -83,6 +84,9 @@ class ServingChat(OpenAIServing):
             raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
+        if len(req.messages) > MAX_MESSAGES:
+            raise ApiError(400, f"messages: {len(req.messages)} messages; one chat may have at most "
+                                f"{MAX_MESSAGES}", "messages")
         for i, m in enumerate(req.messages):
             if m.get("role") not in CHAT_ROLES:
                 raise ApiError(400,
@@ -98,6 +102,7 @@ class ServingChat(OpenAIServing):
         except Exception as e:
             raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
         ids = self.tokenize(text, "messages")
+        self.check_length(ids, "messages", "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         names = {"top_logprobs_num": "top_logprobs"}
