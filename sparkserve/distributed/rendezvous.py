@@ -1,6 +1,7 @@
 """How the ranks meet before torch.distributed forms their world: what torch's tcp:// rendezvous
-does (rank 0 hosts a TCPStore at --dist-init-addr, the others join it), plus two checks that
-turn its silent waits into errors within --dist-timeout:
+does (rank 0 hosts a TCPStore at --dist-init-addr, the others join it; listening at that address
+only, where torch's would listen on every interface), plus two checks that turn its silent waits
+into errors within --dist-timeout:
 
 - every rank writes its entry; a rank missing at the deadline is named, with its node (torch's
   store would wait out its timeout, a year for the world's, then say only how many joined);
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import os
 import socket
@@ -83,9 +85,10 @@ def join(cfg: ParallelConfig, rank: int, host: str, port: int, timeout_s: float,
 
 def _open(cfg: ParallelConfig, rank: int, host: str, port: int, timeout_s: float) -> dist.Store:
     where = f"{host}:{port}"
+    fd = _bound(host, port) if rank == 0 else None
     try:
         return dist.TCPStore(host, port, cfg.world_size, rank == 0, datetime.timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
+                             wait_for_workers=False, master_listen_fd=fd)
     except dist.DistError as e:
         if rank == 0:
             raise RuntimeError(f"rank 0 cannot host the ranks' rendezvous at --dist-init-addr {where}: {e}. "
@@ -95,6 +98,28 @@ def _open(cfg: ParallelConfig, rank: int, host: str, port: int, timeout_s: float
             f"{where} within --dist-timeout {timeout_s:g}s: start node 0 (--node-rank 0) with the same "
             f"--dist-init-addr, and check that {host} is node 0's address as this node reaches it "
             f"({e})") from None
+
+
+def _bound(host: str, port: int) -> int | None:
+    """A socket listening at --dist-init-addr's address only, for rank 0's store (which would
+    otherwise listen on every interface of the host), handed over as its fd; None where that
+    address is none of this host's (a NAT'd or forwarded one): the store then listens on all."""
+    try:
+        ip = interface.resolve(host)
+    except OSError:
+        return None
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRNOTAVAIL:
+            return None
+        raise RuntimeError(f"rank 0 cannot host the ranks' rendezvous at --dist-init-addr {host}:{port}: "
+                           f"{e.strerror}. Give a free port on an address of this host") from None
+    return sock.detach()                  # the store owns it now
 
 
 def _listen(ip: str) -> socket.socket:

@@ -220,6 +220,25 @@ def test_interface_finder_outside_namespaces(monkeypatch):
     assert split_host_port("node0:29500") == ("node0", 29500)
 
 
+def test_rendezvous_store_listens_at_the_init_address_only():
+    """torch's TCPStore would listen on every interface of node 0 whatever --dist-init-addr says;
+    rank 0's store takes a socket bound to that address (a port in use is named at once)."""
+    from server_harness import free_port
+
+    from sparkserve.args import ParallelConfig
+    from sparkserve.distributed import rendezvous
+    cfg, port = ParallelConfig(tp_size=2), free_port()
+    store = rendezvous._open(cfg, 0, "127.0.0.1", port, 5)
+    client = rendezvous._open(cfg, 1, "127.0.0.1", port, 5)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()   # loopback, another address
+    with pytest.raises(RuntimeError, match=rf"cannot host .* 127.0.0.1:{port}: Address already in use"):
+        rendezvous._open(cfg, 0, "127.0.0.1", port, 5)
+    del client, store
+
+
 FINDER = """
 import json, socket
 from sparkserve.distributed import interface as i
