@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import pickle
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,22 @@ def check_free() -> None:
         raise ValueError(_BUSY)
 
 
+# Set while the process that started the other ranks watches them (entrypoints/ranks.py): rank 0's
+# rendezvous store goes through it, so a rank that dies while the world forms fails the start at once.
+_watch: Callable[[dist.Store], dist.Store] | None = None
+
+
+@contextlib.contextmanager
+def watch_rendezvous(wrap: Callable[[dist.Store], dist.Store]) -> Iterator[None]:
+    """Inside: rank 0 forms the world on `wrap(store)` instead of its rendezvous store itself."""
+    global _watch
+    _watch, saved = wrap, _watch
+    try:
+        yield
+    finally:
+        _watch = saved
+
+
 def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: float) -> None:
     """Join the world as `rank` and build every group (each rank builds all of them, in order).
     With DP attention or context parallel (pp 1), rank r is in attention group r // (tp / dp),
@@ -100,7 +117,8 @@ def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: 
         check_rendezvous_ip(host, interface.resolve(host), cfg.allow_public_bind)
     choice = interface.gloo_interface(host, cfg.socket_ifname)
     with rendezvous.env(interface.IFNAME_ENV, choice.ifname):
-        store = rendezvous.join(cfg, rank, host, port, timeout_s, choice)
+        store = rendezvous.join(cfg, rank, host, port, timeout_s, choice,
+                                _watch if rank == 0 else None)
         init_world("gloo", store=store, rank=rank, world_size=cfg.world_size, timeout=CONTROL_TIMEOUT)
         _build_groups(cfg, rank, timeout_s)
 

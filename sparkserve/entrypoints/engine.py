@@ -12,7 +12,7 @@ from sparkserve.args import ServerArgs
 from sparkserve.core.req import Req
 from sparkserve.core.sampling_state import RequestSamplingState
 from sparkserve.distributed import parallel_state as ps
-from sparkserve.entrypoints.ranks import start_worker_ranks, stop_worker_ranks
+from sparkserve.entrypoints.ranks import start_worker_ranks
 from sparkserve.frontend.output_stream import OutputStream
 from sparkserve.frontend.prepare import (
     Limits,
@@ -36,7 +36,8 @@ ARG_FOR = {kind: arg for arg, kind in PROMPT_ARGS.items()}
 
 class Engine:
     """`Engine(...)`, or `with Engine(...) as engine:`; with --tp-size > 1 this process is the
-    driver (rank 0) and the other ranks run in processes it starts; `shutdown()` stops them."""
+    driver (rank 0) and the other ranks run in processes it starts; `shutdown()` stops them. A rank
+    that exits while the engine starts raises RankDiedError (entrypoints/ranks.py) naming it."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any):
         self.args = ServerArgs(model_path=model_path, **kwargs).validate()
@@ -46,9 +47,10 @@ class Engine:
         self.tokenizer = load_tokenizer_for(self.args)
         self._ranks = start_worker_ranks(self.args)
         try:
-            self.scheduler, self.model_config = build_driver_scheduler(self.args, self.tokenizer)
+            with self._ranks.watch_startup():      # a rank that dies meanwhile fails this at once
+                self.scheduler, self.model_config = build_driver_scheduler(self.args, self.tokenizer)
         except BaseException:
-            stop_worker_ranks(self._ranks, timeout=0)
+            self._ranks.stop(timeout=0)
             raise
         self.context_length = context_length(self.args, self.model_config)
         self.limits = Limits(self.model_config.vocab_size, self.context_length,
@@ -145,8 +147,7 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the other ranks (tensor parallel); the engine cannot generate afterwards."""
         self.scheduler.close()
-        stop_worker_ranks(self._ranks)
-        self._ranks = []
+        self._ranks.stop()
 
     def __enter__(self) -> "Engine":
         return self

@@ -1,7 +1,9 @@
 """`sparkserve serve`: start the scheduler process (model + scheduler), wait until it is ready,
 serve the HTTP app in this process (tokenizer, no model), and stop both cleanly. The processes
 talk over ZMQ on ipc:// sockets. SIGTERM/SIGINT end in-flight requests with an error, stop the
-scheduler and exit 0; a scheduler that dies fails in-flight requests (500) and the server exits 1."""
+scheduler and exit 0; a scheduler that dies fails in-flight requests (500) and the server exits 1.
+A worker rank (tensor / pipeline parallel) that exits during start-up ends the start at once, exit
+1, with a message naming the rank and its last error (entrypoints/ranks.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +26,7 @@ import sparkserve
 from sparkserve.args import ServerArgs
 from sparkserve.entrypoints.http_server import create_app
 from sparkserve.entrypoints.metrics import Metrics
-from sparkserve.entrypoints.ranks import serve_worker_node, start_worker_ranks, stop_worker_ranks
+from sparkserve.entrypoints.ranks import EXIT_GRACE_S, WorkerRanks, serve_worker_node, start_worker_ranks
 from sparkserve.entrypoints.tokenizer_manager import TokenizerManager
 from sparkserve.frontend.hf_export import served_tokenizer_path
 from sparkserve.frontend.tokenizer import load_tokenizer_for
@@ -98,8 +100,10 @@ class SchedulerProcess:
                                                           os.getpid()), daemon=True)
         self.proc.start()
 
-    async def wait_ready(self, stop: asyncio.Event) -> SchedulerReady | None:
-        """The scheduler's facts once its model is loaded; None when signalled meanwhile."""
+    async def wait_ready(self, stop: asyncio.Event, workers: WorkerRanks) -> SchedulerReady | None:
+        """The scheduler's facts once its model is loaded; None when signalled meanwhile.
+        StartupFailed when the scheduler fails, or a worker rank exits (the scheduler, rank 0,
+        would wait for it in the rendezvous or a collective)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if stop.is_set():
@@ -109,16 +113,37 @@ class SchedulerProcess:
                 if isinstance(msg, SchedulerReady):
                     return msg
                 if isinstance(msg, SchedulerFailed):
-                    raise StartupFailed(f"the scheduler failed to start: {msg.message}")
+                    raise StartupFailed(await self._failed(msg, workers))
                 log.warning("unexpected message before ready: %r", type(msg).__name__)
             elif not self.proc.is_alive():
                 raise StartupFailed(f"the scheduler process exited during start-up (code "
                                     f"{self.proc.exitcode})")
+            elif (why := workers.failure()) is not None:
+                raise StartupFailed(await self._worker_died(why))
         raise StartupFailed(f"the scheduler was not ready after {STARTUP_TIMEOUT_S:.0f}s")
 
-    def stop(self) -> None:
+    @staticmethod
+    async def _failed(msg: SchedulerFailed, workers: WorkerRanks) -> str:
+        """The scheduler's start-up error; when a worker rank has died, that first (the cause of
+        the scheduler's gloo error), unless the scheduler's is a start-up check of the flags."""
+        failed = f"the scheduler failed to start: {msg.message}"
+        if msg.message.startswith("ValueError"):
+            return failed
+        why = await asyncio.to_thread(workers.wait_failure, EXIT_GRACE_S)
+        return failed if why is None else f"{why} (then {failed})"
+
+    async def _worker_died(self, why: str) -> str:
+        """A worker rank's death, unless the scheduler reports a start-up check of the flags
+        (which every rank makes: a worker that fails it may exit first)."""
+        if await self.recv.poll(int(EXIT_GRACE_S * 1000)):
+            msg = await self.recv.recv_pyobj()
+            if isinstance(msg, SchedulerFailed) and msg.message.startswith("ValueError"):
+                return f"the scheduler failed to start: {msg.message}"
+        return why
+
+    def stop(self, timeout: float = 10.0) -> None:
         """Wait for the process to exit (after ShutdownReq), then terminate or kill it."""
-        self.proc.join(10)
+        self.proc.join(timeout)
         if self.proc.is_alive():
             log.warning("scheduler did not stop; terminating it")
             self.proc.terminate()
@@ -149,7 +174,7 @@ async def serve(args: ServerArgs) -> int:
     sched = SchedulerProcess(args)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    state: dict[str, Any] = {"code": 0, "server": None, "tm": None}
+    state: dict[str, Any] = {"code": 0, "server": None, "tm": None, "failed": False}
 
     def on_signal(sig: int) -> None:
         log.info("received %s: shutting down", signal.Signals(sig).name)
@@ -166,7 +191,11 @@ async def serve(args: ServerArgs) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
     tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_frontend_tokenizer, args))
     try:
-        ready = await sched.wait_ready(stop)
+        try:
+            ready = await sched.wait_ready(stop, workers)
+        except StartupFailed:
+            state["failed"] = True      # nothing to wait for: the processes may be stuck in the rendezvous
+            raise
         if ready is None:                           # signalled during start-up
             return 0
         try:
@@ -188,8 +217,9 @@ async def serve(args: ServerArgs) -> int:
         else:
             with contextlib.suppress(zmq.ZMQError):
                 sched.send.send_pyobj(ShutdownReq(), zmq.NOBLOCK)
-        await asyncio.to_thread(sched.stop)
-        await asyncio.to_thread(stop_worker_ranks, workers)
+        grace = 0.0 if state["failed"] else 10.0
+        await asyncio.to_thread(sched.stop, grace)
+        await asyncio.to_thread(workers.stop, grace)
         sock.close()
         sched.close()
 
