@@ -255,7 +255,6 @@ class ServerArgs:
         "that secret itself (other users of the machine can read a process's flags: prefer "
         "--disaggregation-auth-key-file)", server_only=True))
 
-
     def __post_init__(self) -> None:
         if self.model_path is None:
             self.model_path = default_model_path()
