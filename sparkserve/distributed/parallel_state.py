@@ -15,7 +15,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from sparkserve.args import ParallelConfig, check_rendezvous_ip, split_host_port
+from sparkserve.addresses import check_rendezvous_ip, split_host_port
+from sparkserve.args import ParallelConfig
 from sparkserve.distributed import interface, rendezvous
 from sparkserve.distributed.world import init_world
 

@@ -12,7 +12,7 @@ into errors within --dist-timeout:
   change it, instead of gloo's mesh retrying or waiting on its own.
 
 The store and the groups formed on it trust every peer that reaches them (the control group
-carries pickled objects): --dist-init-addr is refused on a public or wildcard address (args.py,
+carries pickled objects): --dist-init-addr is refused on a public or wildcard address (addresses.py
 `check_rendezvous_ip`) unless --dist-allow-public-bind."""
 from __future__ import annotations
 

@@ -198,7 +198,7 @@ def test_public_or_wildcard_rendezvous_is_refused(monkeypatch):
 
 
 def test_interface_finder_outside_namespaces(monkeypatch):
-    from sparkserve.args import split_host_port
+    from sparkserve.addresses import split_host_port
     from sparkserve.disaggregation import registered
     from sparkserve.distributed import interface
 
