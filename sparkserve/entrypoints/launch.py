@@ -204,7 +204,7 @@ async def serve(args: ServerArgs) -> int:
             raise StartupFailed(f"cannot load the tokenizer from {args.tokenizer_path}: "
                                 f"{type(e).__name__}: {e}") from None
         tm = TokenizerManager(args, tokenizer, ready, sched.send, sched.recv, Metrics(args.served_model_name),
-                              sched.proc.is_alive, lambda: sched.proc.exitcode)
+                              lambda: _process_failure(sched, workers))
         state["tm"] = tm
         return await _run_http(args, tm, tokenizer_dir, sock, stop, state)
     finally:
@@ -222,6 +222,15 @@ async def serve(args: ServerArgs) -> int:
         await asyncio.to_thread(workers.stop, grace)
         sock.close()
         sched.close()
+
+
+def _process_failure(sched: SchedulerProcess, workers: WorkerRanks) -> str | None:
+    """Why the server cannot serve any more: its scheduler process or one of its ranks has ended
+    (an idle server notices too, instead of answering /health until the next request fails)."""
+    if not sched.proc.is_alive():
+        return f"scheduler process exited (code {sched.proc.exitcode})"
+    why = workers.failure("while serving")
+    return None if why is None else f"the scheduler lost a rank: {why}"
 
 
 async def _run_http(args: ServerArgs, tm: TokenizerManager, tokenizer_dir: str | None, sock: socket.socket,

@@ -29,6 +29,7 @@ from sparkserve.args import ServerArgs
 log = logging.getLogger("sparkserve.server")
 
 STDERR_TAIL_BYTES = 16384
+STARTING = "while the engine was starting"
 EXIT_GRACE_S = 2.0        # how long an error that a rank's death may have caused waits for its exit
 POLL_S = 0.02             # the driver's rendezvous waits look at the ranks this often
 # What multiprocessing's spawn says when a rank re-imports a script that starts an Engine at import.
@@ -162,13 +163,13 @@ def _short(text: str, limit: int) -> str:
     return (cut[:end + 1] if end > limit // 3 else cut) + " ..."
 
 
-def describe_exit(rank: int, pid: int | None, exitcode: int, stderr: str) -> str:
-    """What to tell the user about a rank that ended during start-up, and what to do about it."""
+def describe_exit(rank: int, pid: int | None, exitcode: int, stderr: str, when: str = STARTING) -> str:
+    """What to tell the user about a rank that ended `when`, and what to do about it."""
     if exitcode < 0:
         how = f"was killed by {_signal_name(-exitcode)} (signal {-exitcode})"
     else:
         how = f"exited with code {exitcode}"
-    msg = f"rank {rank} (pid {pid}) {how} while the engine was starting"
+    msg = f"rank {rank} (pid {pid}) {how} {when}"
     error = last_error(stderr)
     msg += f"; its last error: {error}" if error else "; it printed no error"
     if BOOTSTRAP_ERROR in " ".join(stderr.split()):
@@ -192,13 +193,13 @@ class RankProcess:
     proc: mp.Process
     stderr: StderrTail | None
 
-    def failure(self) -> str | None:
+    def failure(self, when: str = STARTING) -> str | None:
         """How the process ended, once it has (waits a moment for its last stderr)."""
         code = self.proc.exitcode
         if code is None:
             return None
         text = self.stderr.text(wait=1.0) if self.stderr else ""
-        return describe_exit(self.rank, self.proc.pid, code, text)
+        return describe_exit(self.rank, self.proc.pid, code, text, when)
 
 
 class WorkerRanks:
@@ -209,9 +210,9 @@ class WorkerRanks:
         self.ranks = ranks
         self._stores: list = []            # the driver's rendezvous stores, alive as long as its groups
 
-    def failure(self) -> str | None:
+    def failure(self, when: str = STARTING) -> str | None:
         """The first rank that has exited, described; None while all run."""
-        return next((why for r in self.ranks if (why := r.failure()) is not None), None)
+        return next((why for r in self.ranks if (why := r.failure(when)) is not None), None)
 
     def wait_failure(self, timeout: float) -> str | None:
         """failure(), waiting up to `timeout` for a rank to exit (one whose death an error in the

@@ -129,7 +129,7 @@ class Submission:
 class TokenizerManager:
     def __init__(self, args: ServerArgs, tokenizer: Tokenizer | None, ready: SchedulerReady,
                  send: zmq.Socket, recv: zmq.asyncio.Socket, metrics: Metrics,
-                 scheduler_alive: Callable[[], bool], scheduler_exitcode: Callable[[], int | None]):
+                 process_failure: Callable[[], str | None]):
         self.args = args
         self.tokenizer = tokenizer
         self.info = ready
@@ -139,8 +139,7 @@ class TokenizerManager:
         self._send_sock = send               # plain (blocking-free: SNDHWM 0) so aborts never await
         self._recv_sock = recv
         self.metrics = metrics
-        self._alive = scheduler_alive
-        self._exitcode = scheduler_exitcode
+        self._failure = process_failure      # why the scheduler process or a rank has ended, or None
         self.states: dict[str, _SeqState] = {}
         self.inflight = 0                    # sequences admitted and not yet returned
         self.capacity = (None if args.max_queued_requests is None
@@ -311,10 +310,11 @@ class TokenizerManager:
     async def _watch_loop(self) -> None:
         while self.dead is None:
             await asyncio.sleep(0.5)
-            if not self._alive() and self.dead is None:
+            why = self._failure()
+            if why is not None and self.dead is None:
                 await asyncio.sleep(0.2)           # let a SchedulerFailed message land first
                 if self.dead is None:
-                    self._on_dead(f"scheduler process exited (code {self._exitcode()})")
+                    self._on_dead(why)
 
     def _on_dead(self, message: str) -> None:
         if self.dead is not None:

@@ -53,7 +53,7 @@ def _app(chat_dir: str, mode: str):
     ready = SchedulerReady(pid=0, vocab_size=320, context_length=256, max_total_num_tokens=1024,
                            max_running_requests=8, eos_token_ids=[257], architecture="LlamaForCausalLM")
     tm = TokenizerManager(args, Tokenizer.from_pretrained(chat_dir), ready, SchedulerSocket(), None,
-                          Metrics("m"), lambda: True, lambda: None)
+                          Metrics("m"), lambda: None)
     return TestClient(create_app(args, tm)), sent, tm
 
 

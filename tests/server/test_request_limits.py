@@ -53,7 +53,7 @@ class App:
                                max_total_num_tokens=4 * CONTEXT, max_running_requests=8, eos_token_ids=[2],
                                architecture="LlamaForCausalLM")
         self.tm = TokenizerManager(self.args, load_tokenizer_for(self.args), ready, self, None, Metrics("m"),
-                                   lambda: True, lambda: None)
+                                   lambda: None)
         self.client = TestClient(create_app(self.args, self.tm), raise_server_exceptions=False)
 
     def send_pyobj(self, msg, *a) -> None:

@@ -529,7 +529,7 @@ def test_exception_in_one_handler_is_a_500_for_that_request_only():
     args = ServerArgs(skip_tokenizer_init=True).validate()
     ready = SchedulerReady(pid=0, vocab_size=100, context_length=64, max_total_num_tokens=128,
                            max_running_requests=4, eos_token_ids=[0], architecture="LlamaForCausalLM")
-    tm = TokenizerManager(args, None, ready, BrokenSocket(), None, Metrics("m"), lambda: True, lambda: None)
+    tm = TokenizerManager(args, None, ready, BrokenSocket(), None, Metrics("m"), lambda: None)
     client = TestClient(create_app(args, tm), raise_server_exceptions=False)
     r = client.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
     err = assert_error_shape(r, 500)
@@ -568,8 +568,7 @@ def test_routed_dp_rank_reaches_every_sent_generate_req():
     args = ServerArgs(skip_tokenizer_init=True, tp_size=2, dp_size=2, enable_dp_attention=True).validate()
     ready = SchedulerReady(pid=0, vocab_size=100, context_length=64, max_total_num_tokens=128,
                            max_running_requests=4, eos_token_ids=[0], architecture="LlamaForCausalLM")
-    tm = TokenizerManager(args, None, ready, SchedulerSocket(), None, Metrics("m"), lambda: True,
-                          lambda: None)
+    tm = TokenizerManager(args, None, ready, SchedulerSocket(), None, Metrics("m"), lambda: None)
     client = TestClient(create_app(args, tm))
 
     def ranks(path: str, **body) -> list[int | None]:
@@ -645,7 +644,7 @@ def test_tokenizer_manager_limit_is_the_sequence_limit():
                 max_running_requests=4, eos_token_ids=[0], architecture="MistralForCausalLM")
     for ready, limit in ((SchedulerReady(**base, max_sequence_tokens=2**62), 4096), (SchedulerReady(**base),
                                                                                      48)):
-        tm = TokenizerManager(args, None, ready, None, None, Metrics("m"), lambda: True, lambda: None)
+        tm = TokenizerManager(args, None, ready, None, None, Metrics("m"), lambda: None)
         assert tm.limits.max_sequence == limit
         assert tm.load.max_total_num_tokens == 48
 
