@@ -13,76 +13,16 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _RustTokenizer
 
 from sparkserve.args import ServerArgs
 from sparkserve.frontend.chat_template import render_chat_template
+from sparkserve.frontend.gguf_tokenizer import build_gguf_tokenizer, bytes_to_unicode
 from sparkserve.loader.gguf_file import gguf_metadata
 
 logger = logging.getLogger(__name__)
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# llama.cpp pre-tokenizer names (`tokenizer.ggml.pre`) -> how the text is split before BPE.
-_GPT2_PRE = ("gpt2", "gpt-2", "default", "mpt", "olmo", "jais")
-_DIGITS_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
-_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "falcon3", "smaug-bpe", "dbrx", "pixtral")
-_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable spelling of every byte (the alphabet byte-level vocabularies are written in)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
-def _byte_level_pre(pre: str | None) -> tuple[pre_tokenizers.PreTokenizer, normalizers.Normalizer | None,
-                                              bool]:
-    """(pre-tokenizer, normalizer, ignore_merges) matching the model's own tokenizer.json for `pre`."""
-    if pre in _DIGITS_PRE:
-        seq = [pre_tokenizers.Digits(individual_digits=True),
-               pre_tokenizers.ByteLevel(add_prefix_space=False)]
-        return pre_tokenizers.Sequence(seq), None, False
-    if pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
-        split = _LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT
-        seq = [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-        norm = normalizers.NFC() if pre in _QWEN2_PRE else None
-        return pre_tokenizers.Sequence(seq), norm, pre in _LLAMA3_PRE
-    if pre not in _GPT2_PRE:
-        logger.warning("unknown GGUF pre-tokenizer %r: falling back to GPT-2 byte-level splitting", pre)
-    return pre_tokenizers.ByteLevel(add_prefix_space=False), None, False
-
-
-def _special_post(tok: _RustTokenizer, bos: int | None, eos: int | None, add_bos: bool,
-                  add_eos: bool) -> None:
-    """Post-processor adding BOS/EOS when the model asks for them (llama.cpp's add_bos/add_eos flags)."""
-    single, specials = "$A:0", []
-    for flag, tid, left in ((add_bos, bos, True), (add_eos, eos, False)):
-        if flag and tid is not None:
-            name = tok.id_to_token(tid)
-            single = f"{name}:0 {single}" if left else f"{single} {name}:0"
-            specials.append((name, tid))
-    if specials:
-        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+_bytes_to_unicode = bytes_to_unicode  # the byte alphabet, read here by the TokenizerManager
 
 
 def _token_content(value: Any) -> str | None:
@@ -151,8 +91,10 @@ class Tokenizer:
         return self.chat_templates.get("default")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids; with add_special_tokens, BOS/EOS only where the model's metadata asks for them."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids; with add_special_tokens, BOS/EOS only where the model's metadata asks for them.
+        (encode_batch lets go of the GIL while it works, so a huge prompt tokenized on a worker
+        thread does not stall the server's event loop; encode holds it.)"""
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]  # type: ignore[list-item]
         return ids
@@ -206,62 +148,10 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) rebuilt from GGUF metadata."""
-        md = gguf_metadata(path)
-        kind = md.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE); "
-                "use the model's Hugging Face directory (tokenizer.json) instead"
-            )
-        tokens: list[str] = md["tokenizer.ggml.tokens"]
-        types: list[int] = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        spelling = _bytes_to_unicode()
-        alphabet = set(spelling.values())
-        spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
-                   for t in tokens]
-        vocab = {t: i for i, t in enumerate(spelled)}
-        merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
-        pre, norm, ignore_merges = _byte_level_pre(md.get("tokenizer.ggml.pre"))
-        bpe = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges)
-        tok = _RustTokenizer(bpe)
-        tok.normalizer = norm
-        tok.pre_tokenizer = pre
-        tok.decoder = decoders.ByteLevel()
-        # Control tokens are special (matched whole, skipped on decode); one spelled outside the byte
-        # alphabet is a llama.cpp mislabel and is left alone (as transformers does).
-        control = [t for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet]
-        user = [t for t, ty in zip(spelled, types) if ty == _USER_DEFINED]
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-
-        def name(key: str) -> str | None:
-            tid = md.get(f"tokenizer.ggml.{key}")
-            return tokens[tid] if isinstance(tid, int) and 0 <= tid < len(tokens) else None
-
-        bos_id, eos_id = md.get("tokenizer.ggml.bos_token_id"), md.get("tokenizer.ggml.eos_token_id")
-        _special_post(
-            tok,
-            bos_id,
-            eos_id,
-            bool(md.get("tokenizer.ggml.add_bos_token", False)),
-            bool(md.get("tokenizer.ggml.add_eos_token", False)),
-        )
-        special = {
-            "bos_token": name("bos_token_id"),
-            "eos_token": name("eos_token_id"),
-            "unk_token": name("unknown_token_id"),
-            "pad_token": name("padding_token_id"),
-        }
-        end_keys = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")  # end of turn / of message
-        eos_ids = [md[k] for k in end_keys if isinstance(md.get(k), int)]
-        templates = {
-            ("default" if k == "tokenizer.chat_template" else k[len("tokenizer.chat_template.") :]): v
-            for k, v in md.items()
-            if (k == "tokenizer.chat_template" or k.startswith("tokenizer.chat_template."))
-            and isinstance(v, str)
-        }
-        return cls(tok, special_tokens=special, eos_token_ids=eos_ids, chat_templates=templates)
+        """Rebuilt from GGUF metadata: SentencePiece or byte-level BPE (frontend/gguf_tokenizer.py)."""
+        parts = build_gguf_tokenizer(gguf_metadata(path))
+        return cls(parts.backend, special_tokens=parts.special_tokens, eos_token_ids=parts.eos_token_ids,
+                   chat_templates=parts.chat_templates)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str]) -> Tokenizer:

@@ -178,13 +178,13 @@ def test_default_model_path_missing_package(monkeypatch: pytest.MonkeyPatch) -> 
 def test_unsupported_gguf_tokenizer_model(tmp_path) -> None:
     out = str(tmp_path / "spm.gguf")
     w = gguf.GGUFWriter(out, "llama")
-    w.add_tokenizer_model("llama")
+    w.add_tokenizer_model("t5")                      # Unigram: not rebuilt (SentencePiece BPE and gpt2 are)
     w.add_token_list(["<unk>", "<s>", "</s>", "\u2581a"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="'llama' is not supported"):
+    with pytest.raises(ValueError, match="'t5' .* is not supported; supported: 'llama'"):
         Tokenizer.from_gguf(out)
 
 
