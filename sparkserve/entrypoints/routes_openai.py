@@ -1,6 +1,7 @@
 """OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -17,7 +18,7 @@ router = APIRouter()
 async def _openai(request: Request, schema, serving: OpenAIServing, id_prefix: str) -> Response:
     req = await parse(request, schema)
     rid = req.rid or new_id(id_prefix)
-    seqs = serving.build(req, rid)
+    seqs = await asyncio.to_thread(serving.build, req, rid)     # tokenizing: off the event loop
     return await respond(request, serving.tm, seqs, req.stream,
                          lambda sub: serving.stream(req, rid, seqs, sub),
                          lambda sub: serving.full(req, rid, seqs, sub))

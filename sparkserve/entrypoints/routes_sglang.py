@@ -26,7 +26,7 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 async def generate(request: Request) -> Response:
     serving = context(request).generate
     req = await parse(request, GenerateRequest)
-    seqs, batch = serving.build(req)
+    seqs, batch = await asyncio.to_thread(serving.build, req)   # tokenizing: off the event loop
     with_text = req.return_text_in_logprobs
     return await respond(request, serving.tm, seqs, req.stream,
                          lambda sub: serving.stream(seqs, sub, batch, with_text),

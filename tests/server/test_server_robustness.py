@@ -5,6 +5,7 @@ SIGTERM exits 0 and ends in-flight streams; a dead scheduler is an error and exi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -377,6 +378,27 @@ def test_unicode_and_lone_surrogates(http):
                        ("/v1/completions", {"prompt": "a\udc00b", "max_tokens": 1})]:
         err = assert_error_shape(_post(http, path, body), 400)
         assert "JSON" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate", "/v1/chat/completions"])
+def test_a_huge_prompt_does_not_stall_the_others(server, http, path):
+    """Tokenizing a prompt of megabytes takes seconds: it runs off the event loop, so /health
+    and the other requests answer meanwhile (then the prompt is refused for its length)."""
+    text = "a few plain words to tokenize, " * 100_000          # 3 MB
+    body = {"/v1/completions": {"prompt": text, "max_tokens": 1}, "/generate": {"text": text},
+            "/v1/chat/completions": chat_body(text, 1)}[path]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        big = pool.submit(http.post, path, json=body)
+        waits = []
+        while not big.done():
+            t = time.monotonic()
+            assert http.get("/health").status_code == 200
+            waits.append(time.monotonic() - t)
+        took = time.monotonic() - start
+    assert big.result().status_code == 400 and "context length" in big.result().text
+    assert took > 1.0 and len(waits) > 1, (took, waits)
+    assert max(waits) < took / 2, (took, waits)
 
 
 def test_unknown_route_and_method(http):
