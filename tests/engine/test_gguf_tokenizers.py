@@ -10,7 +10,9 @@ Each kind is written into a GGUF file with gguf-py's GGUFWriter under the keys l
   convert as llama.cpp runs it: a SentencePiece space prefix after a special token (llama.cpp and the
   legacy HF Llama/Mistral tokenizers put one, transformers' GGUF Llama tokenizer does not; nor before text
   that starts with a space, where SentencePiece's add_dummy_prefix and llama.cpp do), and the pre-tokenizers
-  transformers has no split for (it falls back to GPT-2 splitting: smollm, starcoder, deepseek-*, falcon...).
+  transformers has no split for (it falls back to GPT-2 splitting: smollm, starcoder, deepseek-*, falcon...),
+  and llama.cpp's ignore_merges (Llama 3, Tekken: a piece that is a whole token is that token; the models'
+  own tokenizer.json say so too, transformers' GGUF conversion does not).
 """
 
 from __future__ import annotations
@@ -49,11 +51,12 @@ CORPUS = [
     "text<|eot_id|>more<think>inner</think> end",
     "<s>[INST] What is 2+2? [/INST] four </s>",
     "mixedCaseWords camelCaseHTTPServer XMLHttpRequest iPhone",
+    WHOLE := "a Zyzzyva word: whole only where llama.cpp ignores merges",
     "…。，、।۔، punctuation runs!!! ??? ...",
 ]
 UNSEEN = "characters never trained: 🦀∮ᚠ𝔘 ẞ"   # byte fallback (SentencePiece) / raw bytes (BPE)
 CORPUS.append(UNSEEN)
-_TRAIN = [t for t in CORPUS if t and t != UNSEEN] * 3 + [
+_TRAIN = [t for t in CORPUS if t and t != UNSEEN and "Zyzzyva" not in t] * 3 + [
     "the of and to in is that for it with as was on be by this are at from or an have not but which",
     "return self def class import from print range len if else elif while for try except finally",
     "中文 日本 한국 字符 テキスト", "hello hello world world the the quick quick",
@@ -332,7 +335,8 @@ def bpe_vocab() -> tuple[list[str], list[int], list[str]]:
     tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
     merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|eot_id|>", "<s>", "</s>"]
-    tokens += specials + ["<think>", "</think>"]
+    assert "ĠZyzzyva" not in tokens
+    tokens += ["ĠZyzzyva", *specials, "<think>", "</think>"]    # a token no merge makes (ignore_merges)
     types = [NORMAL] * (len(tokens) - 8) + [CONTROL] * 6 + [USER_DEFINED] * 2
     return tokens, types, merges
 
@@ -393,8 +397,8 @@ def test_sentencepiece_flags(tmp_path, spm_vocab) -> None:
 def test_sentencepiece_gemma_matches_transformers(tmp_path, spm_vocab) -> None:
     """Gemma: no space prefix, merges from the token order, whitespace-run tokens stored as spaces."""
     tokens, types, scores = spm_vocab
-    tokens, types, scores = [*tokens, SPACE * 2, SPACE * 4, SPACE * 3], [*types, NORMAL, NORMAL, NORMAL], \
-        [*scores, -1000.0, -1001.0, -1002.0]
+    tokens, types = [*tokens, SPACE * 2, SPACE * 4, SPACE * 3], [*types, NORMAL, NORMAL, NORMAL]
+    scores = [float(i % 7) for i in range(len(tokens))]      # not the merge order: Gemma's is the token order
     tokens = [t.replace(SPACE, " ") if t and set(t) == {SPACE} else t for t in tokens]   # as Gemma files do
     names = {1: "<bos>", 2: "<eos>", tokens.index("<|im_end|>"): "<end_of_turn>",
              tokens.index("<|im_start|>"): "<start_of_turn>"}
@@ -436,7 +440,7 @@ def test_bpe_pre_tokenizer_matches_llama_cpp(tmp_path, bpe_vocab, pre: str) -> N
     for text in CORPUS:
         ids = ours.encode(text)
         assert ids == cpp.encode(text), (pre, text)
-        if ref is not None:
+        if ref is not None and not (ignore_merges and text == WHOLE):   # transformers ignores no merges
             assert ids == ref.encode(text, add_special_tokens=False), (pre, text)
             assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
     _check_round_trip(ours, CORPUS)
@@ -449,7 +453,10 @@ def test_bpe_special_tokens_bos_and_template(tmp_path, bpe_vocab) -> None:
                      chat_template=template)
     ours, ref = Tokenizer.from_gguf(path), transformers_ref(path)
     for text in CORPUS:
-        assert ours.encode(text, add_special_tokens=True) == ref.encode(text), text
+        assert ours.encode(text, add_special_tokens=True)[0] == tokens.index("<|endoftext|>")
+        if text != WHOLE:
+            assert ours.encode(text, add_special_tokens=True) == ref.encode(text), text
+    assert ours.encode(WHOLE)[1] == tokens.index("ĠZyzzyva")
     assert ours.encode("x<think>y")[1] == tokens.index("<think>")
     assert ours.eos_token_ids == {tokens.index(t) for t in ("<|im_end|>", "<|eot_id|>")}
     msgs = [{"role": "user", "content": "hi"}]
