@@ -23,7 +23,11 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False   # HF's `attention_bias` as written (MLA reads it)
+    # Which attention projections carry a bias, apart: HF Llama's `attention_bias` means all four,
+    # Qwen2 has q/k/v bias without a key for it (FAMILY_TRAITS) and no o bias.
+    qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
     # Per-layer sliding window (None = full attention), length num_hidden_layers.
     layer_windows: list[int | None] = field(default_factory=list)
@@ -43,6 +47,8 @@ class ModelConfig:
         n_layers = d["num_hidden_layers"]
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        bias = bool(d.get("attention_bias", False))
+        traits = FAMILY_TRAITS.get(d.get("model_type") or _model_type_from_arch(arch), {})
         return cls(
             architecture=arch,
             hidden_size=d["hidden_size"],
@@ -57,8 +63,10 @@ class ModelConfig:
             rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
             max_position_embeddings=d.get("max_position_embeddings") or d.get("model_max_length") or 4096,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            qk_norm=arch.startswith("Qwen3"),
+            attention_bias=bias,
+            qkv_bias=traits.get("qkv_bias", bias),
+            o_bias=traits.get("o_bias", bias),
+            qk_norm=traits.get("qk_norm", False),
             layer_windows=_layer_windows(d, n_layers),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -75,19 +83,33 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
+# What a family implies without a config key for it (HF model_type -> ModelConfig fields).
+FAMILY_TRAITS: dict[str, dict[str, Any]] = {
+    "qwen2": {"qkv_bias": True, "o_bias": False},
+    "qwen3": {"qk_norm": True},
+}
+_ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+
+
 def _arch_from_model_type(model_type: str) -> str:
-    return {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mistral": "MistralForCausalLM"}.get(model_type, model_type)
+    return _ARCH_OF_TYPE.get(model_type, model_type)
+
+
+def _model_type_from_arch(arch: str) -> str:
+    return next((t for t, a in _ARCH_OF_TYPE.items() if a == arch), "")
 
 
 def _layer_windows(d: dict[str, Any], n_layers: int) -> list[int | None]:
     """Which layers use a sliding window. Mistral: every layer when `sliding_window` is set;
-    Qwen3/Gemma style: `layer_types` names each layer."""
+    Qwen3/Gemma style: `layer_types` names each layer; Qwen2/Qwen3 without `layer_types`: only when
+    `use_sliding_window`, and then on layers `max_window_layers` and up (as transformers does)."""
     window = d.get("sliding_window")
     layer_types = d.get("layer_types")
     if layer_types:
         use = d.get("use_sliding_window", True)
         return [window if (t == "sliding_attention" and use and window) else None for t in layer_types]
-    if d.get("model_type") == "qwen3" or d.get("use_sliding_window") is False:
-        return [None] * n_layers
+    if "use_sliding_window" in d:
+        first = d.get("max_window_layers", 0) if d["use_sliding_window"] else n_layers
+        return [window if window and i >= first else None for i in range(n_layers)]
     return [window] * n_layers if window else [None] * n_layers

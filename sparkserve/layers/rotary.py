@@ -25,7 +25,12 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
         mid = (1 - smooth) * inv / factor + smooth * inv
         is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+    if kind == "freq_factors":   # per-frequency divisors: a GGUF file's rope_freqs tensor (loader/gguf.py)
+        return inv / torch.tensor(scaling["factors"], dtype=torch.float64)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class RotaryEmbedding(nn.Module):

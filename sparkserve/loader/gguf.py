@@ -1,6 +1,7 @@
 """GGUF checkpoints: config from metadata, tensors under HF names.
-llama.cpp stores llama q/k rows permuted for its rope; we undo that so one model code path
-serves GGUF and HF checkpoints alike.
+llama.cpp stores llama q/k rows permuted for its rope (not qwen2/qwen3's); we undo that so one
+model code path serves GGUF and HF checkpoints alike. Llama 3.1+'s rope scaling comes as the
+`rope_freqs.weight` tensor, read into the config (`_rope_scaling`).
 
 2-D weights in a format the block kernels read (Q4_0, Q4_1, Q8_0, BF16, F16) come as their raw blocks,
 permuted the same way, on an unread (meta) tensor (`loader.weights.with_blocks`): the Linear layers
@@ -10,6 +11,7 @@ as blocks the int8 kernels read (loader/gguf_int8.py). Other tensors (norms, and
 when the activations stay fp32) come dequantized to fp32 by gguf-py."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections import Counter
@@ -27,7 +29,14 @@ from sparkserve.loader.weights import with_blocks
 
 log = logging.getLogger(__name__)
 
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          "mistral": "MistralForCausalLM"}
+# Archs whose q/k rows (weights and biases) llama.cpp's converter permutes for its NORM rope
+# (`LlamaModel.permute`); qwen2/qwen3 use NEOX rope and are stored as HF has them.
+_PERMUTED = {"llama"}
+# Tensors that are not weights: llama.cpp's converter writes Llama 3.1+'s llama3 rope scaling as
+# per-frequency divisors (`rope_freqs.weight`, head_dim / 2 values); gguf_config reads them.
+_ROPE_FREQS = "rope_freqs.weight"
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -54,6 +63,11 @@ def gguf_config(path: str) -> ModelConfig:
     hidden = get("embedding_length")
     vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
     window = get("attention.sliding_window")
+    head_dim = get("attention.key_length", hidden // n_heads)
+    rope_dims = get("rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise ValueError(f"GGUF {arch}.rope.dimension_count = {rope_dims}: partial rotary is not supported "
+                         f"(supported: the whole head, {head_dim})")
     hf: dict[str, Any] = {
         "architectures": [_ARCHS[arch]],
         "model_type": arch,
@@ -62,17 +76,47 @@ def gguf_config(path: str) -> ModelConfig:
         "num_hidden_layers": get("block_count"),
         "num_attention_heads": n_heads,
         "num_key_value_heads": get("attention.head_count_kv", n_heads),
-        "head_dim": get("attention.key_length", hidden // n_heads),
+        "head_dim": head_dim,
         "vocab_size": vocab,
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": get("rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(reader, get, arch, head_dim),
         "max_position_embeddings": get("context_length", 4096),
         "tie_word_embeddings": "output.weight" not in names,
         "sliding_window": window,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
-    return ModelConfig.from_hf_dict(hf)
+    # Which projections carry a bias is what the file holds (as llama.cpp's optional tensors).
+    return dataclasses.replace(ModelConfig.from_hf_dict(hf), qkv_bias="blk.0.attn_q.bias" in names,
+                               o_bias="blk.0.attn_output.bias" in names)
+
+
+def _rope_scaling(reader: GGUFFile, get, arch: str, head_dim: int) -> dict[str, Any] | None:
+    """The rope scaling a GGUF file declares, as an HF-style `rope_scaling` dict (None: plain rope):
+    `{arch}.rope.scaling.*` metadata (linear; older files' `rope.scale_linear`), or the
+    `rope_freqs.weight` divisors (rotary._inv_freq's "freq_factors"). What cannot be honoured
+    is refused, naming the key."""
+    kind = get("rope.scaling.type")
+    factor = get("rope.scaling.factor", get("rope.scale_linear"))
+    if kind is None and factor not in (None, 1.0):
+        kind = "linear"
+    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if kind not in (None, "none", "linear"):
+        raise ValueError(f"GGUF {arch}.rope.scaling.type = {kind!r} is not supported (supported: none, "
+                         f"linear, and llama3 as a {_ROPE_FREQS} tensor)")
+    if kind == "linear" and freqs is not None:
+        raise ValueError(f"GGUF {arch}.rope.scaling.type = 'linear' beside a {_ROPE_FREQS} tensor is not "
+                         "supported (one rope scaling at a time)")
+    if kind == "linear" and factor not in (None, 1.0):
+        return {"rope_type": "linear", "factor": float(factor)}
+    if freqs is None:
+        return None
+    factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
+    if factors.size != head_dim // 2:
+        raise ValueError(f"GGUF {_ROPE_FREQS} has {factors.size} values; expected head_dim / 2 = "
+                         f"{head_dim // 2}")
+    return {"rope_type": "freq_factors", "factors": factors.tolist()}
 
 
 def _unpermute_rows(rows: int, n_head: int) -> np.ndarray:
@@ -88,7 +132,7 @@ def gguf_weights(path: str, cfg: ModelConfig, names: set[str] | None = None, for
     file's reader is dropped from the cache: a process reads its weights once, and the reader
     holds a few times the metadata's memory besides the file's mapping."""
     reader = open_gguf(path)
-    permuted = gguf_metadata(path)["general.architecture"] == "llama"
+    permuted = gguf_metadata(path)["general.architecture"] in _PERMUTED
     forms = _int8_forms(reader) if for_int8 else {}
     if forms and names is None:
         kinds = Counter(f"{type_name(int(t.tensor_type))} -> {type_name(forms[t.name])}"
@@ -127,12 +171,14 @@ def _int8_forms(reader: GGUFFile) -> dict[str, int]:
 def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permuted: bool,
              int8_forms: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
     for t in reader.tensors:
+        if t.name == _ROPE_FREQS:      # read into the config's rope scaling (gguf_config)
+            continue
         name = _hf_name(t.name)
         if names is not None and name not in names:
             continue
         shape = t.shape
-        n_head = (cfg.num_attention_heads if name.endswith("q_proj.weight") else
-                  cfg.num_key_value_heads if name.endswith("k_proj.weight") else None)
+        n_head = (cfg.num_attention_heads if name.endswith(("q_proj.weight", "q_proj.bias")) else
+                  cfg.num_key_value_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
         perm = _unpermute_rows(shape[0], n_head) if permuted and n_head is not None else None
         form = int8_forms.get(t.name)
         if form is not None or BlockWeight.supports(int(t.tensor_type), shape):

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Qwen3 with q/k norm, Mistral with sliding windows, SmolLM2).
+"""Llama-family decoder (Llama, Qwen2 with q/k/v bias, Qwen3 with q/k norm, Mistral with sliding
+windows, SmolLM2). Which projections carry a bias is the config's `qkv_bias` / `o_bias`.
 
 Contract (docs/design.md): `forward(input_ids, positions, batch)` returns final normed hidden states;
 logits come from `compute_logits(hidden)` so callers choose the rows; `set_aux_layers(ids)`
@@ -37,10 +38,10 @@ class LlamaAttention(nn.Module):
         kv_index, kv_parts, self.hkv = kv_heads_shard(cfg.num_key_value_heads)
         self.d = cfg.head_dim
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": self.h * self.d, "k": self.hkv * self.d,
-                                                      "v": self.hkv * self.d}, bias=cfg.attention_bias,
+                                                      "v": self.hkv * self.d}, bias=cfg.qkv_bias,
                                     tp_parts={"q": (q_index, q_parts), "k": (kv_index, kv_parts),
                                               "v": (kv_index, kv_parts)})
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(layer_id, self.h, self.hkv, self.d, cfg.layer_windows[layer_id])

@@ -18,6 +18,7 @@ from sparkserve.models.minimax_m3 import MiniMaxM3ForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,

@@ -1,0 +1,180 @@
+"""Tiny checkpoints of the families of issue #45 — Qwen2 / Qwen2.5 (q/k/v bias, no o bias) and Llama 3.x
+(llama3 rope scaling) — made at test time with transformers' own classes, and the same checkpoints
+as GGUF files.
+
+Every 1-D parameter (norm weights, biases) is moved away from its init value, so a loader that
+drops one shows; every value is rounded to bfloat16 (which float16 and float32 hold exactly), so
+the fp32 directory, its bf16 copy and the F32 / F16 GGUF files hold the same numbers.
+
+`write_gguf` MIRRORS what llama.cpp's convert_hf_to_gguf.py writes for these archs (TextModel /
+LlamaModel / Qwen2Model: metadata keys, tensor names, LlamaModel.permute of q/k rows and biases,
+generate_extra_tensors' llama3 `rope_freqs`, F32 for 1-D tensors under f16); it does not run it
+(the converter ships only in llama-cpp-python's sdist, which the tests may not download)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from conftest import TINY_CONFIGS, TINY_SEED
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_QWEN2 = dict(TINY_CONFIGS["llama"], num_hidden_layers=2, max_window_layers=2, use_sliding_window=False,
+              sliding_window=4096)
+_LLAMA3 = dict(TINY_CONFIGS["llama"], num_hidden_layers=2, max_position_embeddings=16384,
+               rope_parameters=LLAMA3_ROPE)
+# name -> (HF model_type, config); Qwen2.5-0.5B and Llama 3.2 tie the LM head, 7B / 3.1 8B do not.
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2": ("qwen2", dict(_QWEN2, tie_word_embeddings=False)),
+    "qwen2_tied": ("qwen2", dict(_QWEN2, tie_word_embeddings=True)),
+    # As an old-style config (no layer_types): a window of 8 from layer 1 up (max_window_layers).
+    "qwen2_window": ("qwen2", dict(_QWEN2, tie_word_embeddings=True, use_sliding_window=True,
+                                   sliding_window=8, max_window_layers=1)),
+    "llama3": ("llama", dict(_LLAMA3, tie_word_embeddings=False)),
+    "llama3_tied": ("llama", dict(_LLAMA3, tie_word_embeddings=True)),
+}
+
+
+def make_family_checkpoint(name: str, path: str, bf16_copy: str | None = None) -> str:
+    """The fp32 HF directory at `path` (and a bf16 copy of it at `bf16_copy`: BF16 blocks, so the
+    native step runs it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    model_type, kw = FAMILIES[name]
+    torch.manual_seed(TINY_SEED)
+    cfg = AutoConfig.for_model(model_type, **kw)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(TINY_SEED + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 1:      # norms start at 1, biases at 0: move both
+                p.add_(0.3 * torch.randn(p.shape, generator=g) + (0.1 if pname.endswith("bias") else 0.0))
+            p.copy_(p.to(torch.bfloat16).float())
+    model.save_pretrained(path)
+    if bf16_copy:
+        model.to(torch.bfloat16).save_pretrained(bf16_copy)
+    if name == "qwen2_window":    # real Qwen2 configs predate layer_types
+        for d in filter(None, (path, bf16_copy)):
+            _drop_layer_types(d)
+    return path
+
+
+def _drop_layer_types(path: str) -> None:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("layer_types", None)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+# HF name fragments -> GGUF (gguf-py tensor_mapping.py, resolved through the llama / qwen2 tensor lists)
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+
+def _gguf_name(name: str) -> str:
+    if name in _TOP:
+        return _TOP[name]
+    _, _, layer, rest = name.split(".", 3)
+    base, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER[base]}.{kind}"
+
+
+def _permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.permute."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_freqs(hp: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
+    """LlamaModel.generate_extra_tensors: llama3 scaling as per-frequency divisors (note: the
+    converter takes original_max_position_embeddings from the top level, default 8192)."""
+    base = rope.get("rope_theta", hp.get("rope_theta", 10000.0))
+    dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context_len = hp.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_context_len / low, old_context_len / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def write_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
+    """The HF checkpoint at `hf_dir` as convert_hf_to_gguf.py --outtype f32 / f16 writes it."""
+    import gguf
+    from safetensors.torch import load_file
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hp = json.load(f)
+    arch = {"llama": "llama", "qwen2": "qwen2"}[hp["model_type"]]
+    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
+    n_head, n_kv = hp["num_attention_heads"], hp.get("num_key_value_heads")
+    w = gguf.GGUFWriter(out, arch)
+    # TextModel.set_gguf_parameters
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(n_head)
+    if n_kv is not None:
+        w.add_head_count_kv(n_kv)
+    kind = rope.get("rope_type")
+    if kind == "linear" and rope.get("factor") is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif kind == "yarn" and rope.get("factor") is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if (theta := rope.get("rope_theta", hp.get("rope_theta"))) is not None:
+        w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    if hp.get("head_dim") is not None:
+        w.add_key_length(hp["head_dim"])
+        w.add_value_length(hp["head_dim"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if ftype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    if arch == "llama":      # LlamaModel.set_gguf_parameters
+        w.add_vocab_size(hp["vocab_size"])
+        w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // n_head)
+    # a stand-in vocabulary (_set_vocab_gpt2 writes one entry per id up to vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
+    w.add_token_list([f"<t{i}>" for i in range(hp["vocab_size"])])
+    w.add_token_types([gguf.TokenType.NORMAL] * hp["vocab_size"])
+    w.add_token_merges([])
+    # prepare_tensors: generate_extra_tensors first, then the checkpoint's tensors
+    if arch == "llama" and kind == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(hp, rope))
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        t = t.float().numpy()
+        if arch == "llama":      # LlamaModel.modify_tensors (undo_permute)
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                t = _permute(t, n_head, n_head)
+            if name.endswith(("k_proj.weight", "k_proj.bias")):
+                t = _permute(t, n_head, n_kv)
+        gname = _gguf_name(name)
+        if ftype == "f16" and t.ndim > 1 and not gname.endswith("_norm.weight"):
+            t = t.astype(np.float16)
+        w.add_tensor(gname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -1,0 +1,186 @@
+"""The families of issue #45 against transformers: Qwen2 / Qwen2.5 (q/k/v bias without o bias, tied or
+not, sliding-window fields honoured as Qwen2 applies them) and Llama 3.x (llama3 rope scaling; from
+GGUF as llama.cpp writes it, a `rope_freqs` tensor), from HF directories and GGUF files, through the
+Python layer path and the native step. Checkpoints: tests/family_fixtures.py (every 1-D parameter
+moved off its init value; the GGUF files mirror convert_hf_to_gguf.py, not run)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EXACT, assert_no_kv_leak, hf_greedy, load_hf_reference
+from family_fixtures import FAMILIES, LLAMA3_ROPE, make_family_checkpoint, write_gguf
+from test_model_logits import Driver, check_against_hf, make_runner, run_schedule
+from test_native_step import Counter
+
+from sparkserve import Engine
+from sparkserve.config import ModelConfig
+from sparkserve.layers.rotary import _inv_freq
+from sparkserve.loader.gguf import gguf_config
+from sparkserve.models.llama_native import unsupported
+
+# llama.cpp's qwen2 applies no sliding window (its converter writes none): the windowed variant is HF only.
+GGUF_FAMILIES = ["qwen2", "qwen2_tied", "llama3", "llama3_tied"]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict[str, str]:
+    """name -> fp32 directory, name + "_bf16" -> its bf16 copy (block weights: the native step)."""
+    root = tmp_path_factory.mktemp("families")
+    dirs = {}
+    for name in FAMILIES:
+        dirs[name] = make_family_checkpoint(name, str(root / name), str(root / f"{name}_bf16"))
+        dirs[f"{name}_bf16"] = str(root / f"{name}_bf16")
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def family_refs(family_dirs) -> dict:
+    return {name: load_hf_reference(family_dirs[name]) for name in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def family_ggufs(family_dirs, tmp_path_factory) -> dict[tuple[str, str], str]:
+    root = tmp_path_factory.mktemp("family_ggufs")
+    return {(name, ftype): write_gguf(family_dirs[name], str(root / f"{name}.{ftype}.gguf"), ftype)
+            for name in GGUF_FAMILIES for ftype in ("f32", "f16")}
+
+
+def run_checked(path: str, ref, native: bool, monkeypatch) -> int:
+    """The test_model_logits schedule (chunked prefill, batched decode, a mixed extend) on `path`;
+    every logits row vs `ref`. Returns how many forwards ran natively."""
+    count = Counter(monkeypatch)
+    runner, cache = make_runner(path, 1)
+    runner.model.enable_native_step(native)
+    driver = Driver(runner, cache)
+    run_schedule(driver, runner.model.config.vocab_size, [13, 1, 23, 6], decode_steps=6, seed=2)
+    check_against_hf(driver, ref)
+    driver.release()
+    assert cache.allocator.free_slots == cache.num_slots
+    return len(count.calls)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_logits_match_transformers(name, native, family_dirs, family_refs, monkeypatch):
+    """Python path on the fp32 directory; native step (decode and small extends) on its bf16 copy."""
+    path = family_dirs[f"{name}_bf16" if native else name]
+    ran = run_checked(path, family_refs[name], native, monkeypatch)
+    assert (ran >= 6) if native else ran == 0
+
+
+@pytest.mark.parametrize("ftype", ["f32", "f16"])
+@pytest.mark.parametrize("name", GGUF_FAMILIES)
+def test_family_gguf_equals_hf_dir(name, ftype, family_ggufs, family_dirs, family_refs, monkeypatch):
+    """The GGUF file (F32; F16 blocks, which the native step runs) gives the HF directory's logits."""
+    path = family_ggufs[name, ftype]
+    cfg, hf_cfg = gguf_config(path), ModelConfig.from_hf_dir(family_dirs[name])
+    assert (cfg.architecture, cfg.qkv_bias, cfg.o_bias, cfg.tie_word_embeddings) == \
+        (hf_cfg.architecture, hf_cfg.qkv_bias, hf_cfg.o_bias, hf_cfg.tie_word_embeddings)
+    ran = run_checked(path, family_refs[name], True, monkeypatch)
+    assert (ran >= 6) if ftype == "f16" else ran == 0
+
+
+def test_gguf_rope_freqs_equal_llama3_scaling(family_ggufs):
+    """The rope_freqs divisors of a Llama 3.1+ GGUF give HF's llama3 inv_freq."""
+    cfg = gguf_config(family_ggufs["llama3", "f32"])
+    assert cfg.rope_scaling["rope_type"] == "freq_factors" and len(cfg.rope_scaling["factors"]) == 8
+    want = _inv_freq(16, LLAMA3_ROPE["rope_theta"], LLAMA3_ROPE)
+    got = _inv_freq(16, cfg.rope_theta, cfg.rope_scaling)
+    assert not torch.allclose(want, _inv_freq(16, cfg.rope_theta, None), rtol=1e-3)   # it does scale
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_tied", "llama3_tied"])
+def test_family_greedy_tokens_match_transformers(name, family_dirs, family_refs):
+    """Engine generations (native decode on the bf16 copy) equal transformers' greedy tokens."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (4, 19, 11)]
+    sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    with Engine(family_dirs[f"{name}_bf16"], max_total_tokens=1024, **EXACT) as eng:
+        out = eng.generate(input_ids=prompts, sampling_params=sp)
+        assert eng.scheduler.runner.model.native._step is not None, "the native step did not run"
+        assert_no_kv_leak(eng.scheduler.cache)
+    for p, r in zip(prompts, out):
+        assert r["output_ids"] == hf_greedy(family_refs[name], p, 12)
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                vocab_size=320)
+    return ModelConfig.from_hf_dict(dict(base, **kw))
+
+
+def test_family_config_fields():
+    """q/k/v and o bias are apart: HF Llama's attention_bias sets both, Qwen2 implies q/k/v only;
+    Qwen2's sliding window only where transformers applies it (use_sliding_window, from layer
+    max_window_layers up), so Qwen2.5's shipped configs get none."""
+    qwen = _cfg(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+                sliding_window=131072, max_window_layers=28)
+    assert (qwen.qkv_bias, qwen.o_bias, qwen.qk_norm) == (True, False, False)
+    assert qwen.layer_windows == [None] * 4
+    assert _cfg(model_type="qwen2", use_sliding_window=True, sliding_window=8,
+                max_window_layers=3).layer_windows == [None, None, None, 8]
+    llama = _cfg(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=True)
+    assert (llama.qkv_bias, llama.o_bias) == (True, True)
+    assert _cfg(architectures=["Qwen3ForCausalLM"], model_type="qwen3").qk_norm
+    assert _cfg(model_type="mistral", sliding_window=8).layer_windows == [8] * 4
+
+
+def test_o_bias_runs_in_python_not_natively(tmp_path):
+    """A Llama with attention_bias (q/k/v and o bias) equals transformers; the native step, which
+    has no o bias, refuses it rather than dropping the bias."""
+    from family_fixtures import _LLAMA3
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("llama", **dict(_LLAMA3, attention_bias=True))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn(p.shape))
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    runner, cache = make_runner(str(tmp_path), 1)
+    assert "other than q|k|v has a bias" in unsupported(runner.model)
+    d = Driver(runner, cache)
+    run_schedule(d, 320, [7, 12], decode_steps=3, seed=4)
+    ref = load_hf_reference(str(tmp_path))
+    check_against_hf(d, ref)
+    # and from a GGUF, whose q/k biases llama.cpp permutes as it does the rows
+    path = write_gguf(str(tmp_path), str(tmp_path / "bias.gguf"))
+    runner, cache = make_runner(path, 1)
+    d = Driver(runner, cache)
+    run_schedule(d, 320, [7, 12], decode_steps=3, seed=4)
+    check_against_hf(d, ref)
+
+
+def test_unsupported_rope_or_architecture_fails_at_start_up(tmp_path, family_dirs):
+    """A rope scaling the loader cannot honour (yarn: from config.json, or as the converter writes
+    it into GGUF metadata), partial rotary and an unknown GGUF architecture are refused when the
+    model loads, naming the key and what is supported; never served with plain rope."""
+    import json
+    import shutil
+
+    import gguf
+
+    from sparkserve.models.registry import load_config, load_model
+    yarn = tmp_path / "yarn"
+    shutil.copytree(family_dirs["qwen2"], yarn)
+    cfg = json.loads((yarn / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 64}
+    (yarn / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"'yarn' is not supported \(supported: default, linear, llama3\)"):
+        load_model(str(yarn))
+    path = write_gguf(str(yarn), str(tmp_path / "yarn.gguf"))
+    with pytest.raises(ValueError, match=r"qwen2\.rope\.scaling\.type = 'yarn' is not supported"):
+        load_config(path)
+    for arch, key, value in (("gemma2", None, None), ("llama", "llama.rope.dimension_count", 8)):
+        path = str(tmp_path / f"{arch}.gguf")
+        w = gguf.GGUFWriter(path, arch)
+        w.add_head_count(4), w.add_embedding_length(64), w.add_vocab_size(320)
+        if key:
+            w.add_uint32(key, value)
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+        w.close()
+        with pytest.raises(ValueError, match=key or r"'gemma2' is not supported.*'qwen2'"):
+            load_config(path)
