@@ -48,6 +48,21 @@ def test_ranks_equal_one(arch, tp, tiny_dirs, mqa_dir, tmp_path):
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_tied"])
+def test_qwen2_ranks_equal_one(name, tmp_path):
+    """Qwen2 (q/k/v biases split with their heads, every 1-D parameter off its init value; tied:
+    the vocab-split LM head is the embedding) on two ranks equals one process."""
+    from family_fixtures import make_family_checkpoint
+    path = make_family_checkpoint(name, str(tmp_path / name))
+    want = run_mixed(Engine(path, **COMMON))
+    with Engine(path, tp_size=2, **COMMON) as eng:
+        attn = eng.scheduler.runner.model.model.layers[0].self_attn
+        assert attn.qkv_proj.bias.shape == (2 * 16 + 16 + 16,) and attn.o_proj.bias is None  # q 2, k 1, v 1
+        got = run_mixed(eng)
+        assert_no_kv_leak(eng.scheduler.cache)
+    assert_same(got, want)
+
+
 def test_retraction_and_hidden_states_under_tp(llama_dir):
     kw = dict(COMMON, max_total_tokens=96, max_running_requests=4, disable_radix_cache=True,
               enable_return_hidden_states=True)
