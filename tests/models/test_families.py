@@ -171,6 +171,8 @@ def test_unsupported_rope_or_architecture_fails_at_start_up(tmp_path, family_dir
     (yarn / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"'yarn' is not supported \(supported: default, linear, llama3\)"):
         load_model(str(yarn))
+    with pytest.raises(ValueError, match="'yarn' is not supported"):
+        Engine(str(yarn), max_total_tokens=64)
     path = write_gguf(str(yarn), str(tmp_path / "yarn.gguf"))
     with pytest.raises(ValueError, match=r"qwen2\.rope\.scaling\.type = 'yarn' is not supported"):
         load_config(path)
