@@ -449,7 +449,7 @@ def test_bpe_pre_tokenizer_matches_llama_cpp(tmp_path, bpe_vocab, pre: str) -> N
 def test_bpe_special_tokens_bos_and_template(tmp_path, bpe_vocab) -> None:
     tokens, types, merges = bpe_vocab
     template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    path = _bpe_gguf(tmp_path, bpe_vocab, "llama-bpe", add_bos=True, eot=tokens.index("<|eot_id|>"),
+    path = _bpe_gguf(tmp_path, bpe_vocab, "llama-bpe", add_bos=True, eot=tokens.index("</s>"),
                      chat_template=template)
     ours, ref = Tokenizer.from_gguf(path), transformers_ref(path)
     for text in CORPUS:
@@ -458,11 +458,28 @@ def test_bpe_special_tokens_bos_and_template(tmp_path, bpe_vocab) -> None:
             assert ours.encode(text, add_special_tokens=True) == ref.encode(text), text
     assert ours.encode(WHOLE)[1] == tokens.index("ĠZyzzyva")
     assert ours.encode("x<think>y")[1] == tokens.index("<think>")
-    assert ours.eos_token_ids == {tokens.index(t) for t in ("<|im_end|>", "<|eot_id|>")}
+    # eos, the file's eot id, and an end-of-turn token the file does not name
+    assert ours.eos_token_ids == {tokens.index(t) for t in ("<|im_end|>", "</s>", "<|eot_id|>")}
     msgs = [{"role": "user", "content": "hi"}]
     assert ours.apply_chat_template(msgs, add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
-    base = Tokenizer.from_gguf(_bpe_gguf(tmp_path, bpe_vocab, "qwen2"))
+    base = Tokenizer.from_gguf(_bpe_gguf(tmp_path, bpe_vocab, "qwen2"))    # a base model: completions only
     assert base.chat_template is None
+    with pytest.raises(ValueError, match="no chat template; send a plain prompt"):  # serving_openai: a 400
+        base.apply_chat_template(msgs)
+
+
+def test_exported_hf_tokenizer_matches(tmp_path, spm_vocab, bpe_vocab) -> None:
+    """hf_export's directory (save_pretrained) of a SentencePiece and a Llama 3 GGUF tokenizes the same in
+    transformers, BOS included."""
+    import transformers
+    for i, path in enumerate((_spm_gguf(tmp_path, spm_vocab), _bpe_gguf(tmp_path, bpe_vocab, "llama-bpe",
+                                                                         add_bos=True))):
+        ours = Tokenizer.from_gguf(path)
+        ours.save_pretrained(str(tmp_path / f"hf{i}"))
+        hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / f"hf{i}"))
+        for text in CORPUS:
+            assert hf.encode(text) == ours.encode(text, add_special_tokens=True), (path, text)
+            assert hf.encode(text, add_special_tokens=False) == ours.encode(text), (path, text)
 
 
 def test_unknown_pre_tokenizer_fails_naming_it(tmp_path, bpe_vocab) -> None:
