@@ -1,7 +1,7 @@
 """Text <-> token ids for the frontend process, on the Rust `tokenizers` library only.
 
-Two sources: a GGUF file (vocabulary, merges and special tokens live in its metadata; rebuilt here the
-way llama.cpp and transformers read them) or a Hugging Face directory (tokenizer.json + configs).
+Two sources: a GGUF file (vocabulary, scores or merges and special tokens live in its metadata; rebuilt
+in gguf_tokenizer.py as llama.cpp runs them) or a Hugging Face directory (tokenizer.json + configs).
 Transformers is deliberately not a runtime dependency: the frontend holds no model and must start fast.
 """
 
