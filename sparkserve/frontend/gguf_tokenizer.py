@@ -253,7 +253,9 @@ def build_gguf_tokenizer(md: dict[str, Any]) -> GGUFTokenizerParts:
     special = {"bos_token": name("bos_token_id"), "eos_token": name("eos_token_id"),
                "unk_token": name("unknown_token_id"), "pad_token": name("padding_token_id")}
     stops = [i for i in (eos, ident("eot_token_id"), ident("eom_token_id")) if i is not None]
-    stops += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in END_OF_TURN]
+    # by name, as llama.cpp finds them (some converters type them user-defined)
+    stops += [i for i, (t, ty) in enumerate(zip(tokens, types))
+              if ty in (CONTROL, USER_DEFINED) and t in END_OF_TURN]
     templates = {
         ("default" if k == "tokenizer.chat_template" else k[len("tokenizer.chat_template."):]): v
         for k, v in md.items()
