@@ -36,6 +36,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                    sliding_window=8, max_window_layers=1)),
     "llama3": ("llama", dict(_LLAMA3, tie_word_embeddings=False)),
     "llama3_tied": ("llama", dict(_LLAMA3, tie_word_embeddings=True)),
+    # linear scaling: GGUF metadata llama.rope.scaling.type / .factor
+    "llama_linear": ("llama", dict(TINY_CONFIGS["llama"], num_hidden_layers=2, rope_parameters={
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
 }
 
 

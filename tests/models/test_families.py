@@ -19,7 +19,7 @@ from sparkserve.loader.gguf import gguf_config
 from sparkserve.models.llama_native import unsupported
 
 # llama.cpp's qwen2 applies no sliding window (its converter writes none): the windowed variant is HF only.
-GGUF_FAMILIES = ["qwen2", "qwen2_tied", "llama3", "llama3_tied"]
+GGUF_FAMILIES = ["qwen2", "qwen2_tied", "llama3", "llama3_tied", "llama_linear"]
 
 
 @pytest.fixture(scope="module")
