@@ -91,12 +91,17 @@ class Tokenizer:
         return self.chat_templates.get("default")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids; with add_special_tokens, BOS/EOS only where the model's metadata asks for them.
+        """Token ids; with add_special_tokens, BOS/EOS only where the model's metadata asks for them, and
+        no second BOS before text that starts with one.
         (encode_batch lets go of the GIL while it works, so a huge prompt tokenized on a worker
         thread does not stall the server's event loop; encode holds it.)"""
         ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        if add_special_tokens and self._prepend_bos and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]  # type: ignore[list-item]
+        bos = self.bos_token_id
+        if add_special_tokens and self._prepend_bos and (not ids or ids[0] != bos):
+            ids = [bos, *ids]  # type: ignore[list-item]
+        if add_special_tokens and bos is not None and ids[:2] == [bos, bos] and text.startswith(
+                self._tok.id_to_token(bos) or "\0"):
+            ids = ids[1:]  # the text writes its own BOS (chat templates do): one, as llama.cpp's server
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
