@@ -497,9 +497,24 @@ def test_exported_hf_tokenizer_matches(tmp_path, spm_vocab, bpe_vocab) -> None:
 
 
 def test_unknown_pre_tokenizer_fails_naming_it(tmp_path, bpe_vocab) -> None:
+    """At start-up (the HTTP process's tokenizer load, which `serve` reports as StartupFailed)."""
+    from sparkserve.args import ServerArgs
+    from sparkserve.entrypoints.launch import _load_frontend_tokenizer
     path = _bpe_gguf(tmp_path, bpe_vocab, "no-such-pre")
     with pytest.raises(ValueError, match=r"'no-such-pre'.*not supported; supported: .*llama-bpe.*qwen2"):
-        Tokenizer.from_gguf(path)
+        _load_frontend_tokenizer(ServerArgs(model_path=path, tokenizer_path=path))
+
+
+def test_sentencepiece_streaming_detokenizer(tmp_path, spm_vocab) -> None:
+    """Byte-fallback characters split over stream chunks come out whole; deltas add up to the full decode."""
+    from sparkserve.frontend.detokenizer import IncrementalDetokenizer
+    ours = Tokenizer.from_gguf(_spm_gguf(tmp_path, spm_vocab))
+    ids = ours.encode("Hello " + UNSEEN + " world 中文 done")
+    assert any(ours.decode([i]) == "\ufffd" for i in ids)
+    for step in (1, 2):
+        det = IncrementalDetokenizer(ours)
+        deltas = [det.add(ids[i:i + step]) for i in range(0, len(ids), step)] + [det.flush()]
+        assert "".join(deltas) == ours.decode(ids) and not any("\ufffd" in d for d in deltas)
 
 
 def test_every_supported_pre_tokenizer_builds(tmp_path, bpe_vocab) -> None:
