@@ -385,6 +385,21 @@ def test_sentencepiece_llama_matches_transformers_and_llama_cpp(tmp_path, spm_vo
     assert ours.eos_token_ids == {2, tokens.index("<|eot_id|>"), tokens.index("<|im_end|>")}
 
 
+def test_sentencepiece_phi3_matches_transformers(tmp_path, spm_vocab) -> None:
+    """Phi-3: transformers builds its space prefix as llama.cpp does (after special tokens too), so there it
+    is the reference for every text."""
+    tokens, types, scores = spm_vocab
+    path = _spm_gguf(tmp_path, spm_vocab, arch="phi3")
+    ours, ref, cpp = Tokenizer.from_gguf(path), transformers_ref(path), LlamaCpp(tokens, types, scores)
+    for text in CORPUS:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False) == cpp.encode(text), text
+        if not text.startswith("<s>"):
+            assert ours.encode(text, add_special_tokens=True) == ref.encode(text), text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+
+
 def test_sentencepiece_flags(tmp_path, spm_vocab) -> None:
     """add_bos_token false, add_eos_token true, add_space_prefix false, each as llama.cpp reads them."""
     tokens, types, scores = spm_vocab
