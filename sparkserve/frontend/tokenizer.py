@@ -71,6 +71,10 @@ class Tokenizer:
         self.eos_token_ids: set[int] = ids
         self.chat_templates: dict[str, str] = dict(chat_templates or {})
         self._prepend_bos = prepend_bos and self.bos_token_id is not None
+        # whether encoding with special tokens adds a BOS (the flag, or the backend's post-processor)
+        self._adds_bos = self._prepend_bos or (
+            self.bos_token_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [
+                self.bos_token_id])
         self.all_special_ids: list[int] = sorted(
             tid for tid, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
@@ -99,7 +103,7 @@ class Tokenizer:
         bos = self.bos_token_id
         if add_special_tokens and self._prepend_bos and (not ids or ids[0] != bos):
             ids = [bos, *ids]  # type: ignore[list-item]
-        if add_special_tokens and bos is not None and ids[:2] == [bos, bos] and text.startswith(
+        if add_special_tokens and self._adds_bos and ids[:2] == [bos, bos] and text.startswith(
                 self._tok.id_to_token(bos) or "\0"):
             ids = ids[1:]  # the text writes its own BOS (chat templates do): one, as llama.cpp's server
         return ids

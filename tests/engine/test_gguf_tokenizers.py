@@ -485,6 +485,8 @@ def test_bpe_special_tokens_bos_and_template(tmp_path, bpe_vocab) -> None:
         if text != WHOLE:
             assert ours.encode(text, add_special_tokens=True) == ref.encode(text), text
     assert ours.encode(WHOLE)[1] == tokens.index("ĠZyzzyva")
+    bos = tokens.index("<|endoftext|>")
+    assert ours.encode("<|endoftext|>x", add_special_tokens=True)[:2] == [bos, tokens.index("x")]   # one BOS
     assert ours.encode("x<think>y")[1] == tokens.index("<think>")
     # eos, the file's eot id, and an end-of-turn token the file does not name
     assert ours.eos_token_ids == {tokens.index(t) for t in ("<|im_end|>", "</s>", "<|eot_id|>")}
@@ -492,6 +494,7 @@ def test_bpe_special_tokens_bos_and_template(tmp_path, bpe_vocab) -> None:
     assert ours.apply_chat_template(msgs, add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
     base = Tokenizer.from_gguf(_bpe_gguf(tmp_path, bpe_vocab, "qwen2"))    # a base model: completions only
     assert base.chat_template is None
+    assert base.encode("<|endoftext|><|endoftext|>x", add_special_tokens=True)[:2] == [bos, bos]  # none added
     with pytest.raises(ValueError, match="no chat template; send a plain prompt"):  # serving_openai: a 400
         base.apply_chat_template(msgs)
 
