@@ -187,8 +187,9 @@ def _spm_merges(tokens: list[str], rank: list[float]) -> list[tuple[str, str]]:
 def _sentencepiece(md: dict[str, Any], tokens: list[str], types: list[int]) -> RustTokenizer:
     arch = str(md.get("general.architecture", ""))
     gemma = arch.startswith("gemma")
-    if gemma:  # Gemma files store tokens of several spaces as spaces; its text has them as `▁`
-        tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+    if gemma:  # a space-run token not user-defined (those match raw text whole, below) is spelled `▁` (as HF)
+        tokens = [SPACE * len(t) if ty != USER_DEFINED and t and not t.strip(" ") else t
+                  for t, ty in zip(tokens, types)]
     scores = md.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     # Gemma's scores do not follow its merge order, the token order does (transformers and llama.cpp agree).
     rank = [-float(i) for i in range(len(tokens))] if gemma else [float(s) for s in scores]
@@ -204,6 +205,8 @@ def _sentencepiece(md: dict[str, Any], tokens: list[str], types: list[int]) -> R
     chain = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence([*chain, decoders.Strip(content=" ", left=1)] if prefix else chain)
     special = [t for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN)]
+    # User-defined tokens match the raw text whole before any merge (SentencePiece's user_defined_symbols;
+    # llama.cpp's converter writes their `▁` as spaces, so Gemma's space runs "  ", "   ", ... are such).
     user = [t for t, ty in zip(tokens, types) if ty == USER_DEFINED]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])

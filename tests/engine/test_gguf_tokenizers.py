@@ -445,6 +445,24 @@ def test_sentencepiece_gemma_matches_transformers(tmp_path, spm_vocab) -> None:
     assert ids == list(getattr(want, "input_ids", want)) and ids.count(1) == 1     # one <bos>
 
 
+def test_sentencepiece_gemma_user_defined_space_runs(tmp_path, spm_vocab) -> None:
+    """Gemma's space runs are user-defined tokens spelled with spaces (llama.cpp's converter writes a
+    user-defined token's `▁` as a space): matched whole in the raw text, as llama.cpp and SentencePiece do
+    (transformers respells them `▁` and merges instead)."""
+    tokens, types, _ = spm_vocab
+    runs = [" " * n for n in (2, 3, 4, 8)]
+    tokens, types = [*tokens, *runs], [*types, *[USER_DEFINED] * len(runs)]
+    scores = [float(i % 7) for i in range(len(tokens))]      # Gemma merges by token order, not score
+    path = _spm_gguf(tmp_path, (tokens, types, scores), arch="gemma", add_space_prefix=False)
+    ours = Tokenizer.from_gguf(path)
+    cpp = LlamaCpp(tokens, types, [-float(i) for i in range(len(tokens))], add_space_prefix=False)
+    texts = [*CORPUS, "a" + " " * 21 + "b", "x  \n   y\t    z"]
+    for text in texts:
+        assert ours.encode(text) == cpp.encode(text), text
+    assert tokens.index(" " * 8) in ours.encode("a" + " " * 21 + "b")
+    _check_round_trip(ours, texts)
+
+
 # ---- byte-level BPE pre-tokenizers ------------------------------------------------------------------------
 
 
