@@ -29,6 +29,13 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    # Mixture of experts (num_experts 0: none): `moe_router` names the routing rule (layers/moe.py
+    # ROUTERS), `moe_layers[i]` whether layer i's MLP is the MoE (the others are dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_router: str = ""
+    moe_layers: list[bool] = field(default_factory=list)
     # Per-layer sliding window (None = full attention), length num_hidden_layers.
     layer_windows: list[int | None] = field(default_factory=list)
     bos_token_id: int | None = None
@@ -49,6 +56,8 @@ class ModelConfig:
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         bias = bool(d.get("attention_bias", False))
         traits = FAMILY_TRAITS.get(d.get("model_type") or _model_type_from_arch(arch), {})
+        router = _moe_router(d, traits)
+        n_experts = (d.get("num_experts") or d.get("num_local_experts") or 0) if router else 0
         return cls(
             architecture=arch,
             hidden_size=d["hidden_size"],
@@ -67,6 +76,11 @@ class ModelConfig:
             qkv_bias=traits.get("qkv_bias", bias),
             o_bias=traits.get("o_bias", bias),
             qk_norm=traits.get("qk_norm", False),
+            num_experts=n_experts,
+            num_experts_per_tok=d.get("num_experts_per_tok", 0) if n_experts else 0,
+            moe_intermediate_size=d.get("moe_intermediate_size", d["intermediate_size"]) if n_experts else 0,
+            moe_router=router if n_experts else "",
+            moe_layers=_moe_layers(d, n_layers) if n_experts else [False] * n_layers,
             layer_windows=_layer_windows(d, n_layers),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -83,13 +97,31 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
-# What a family implies without a config key for it (HF model_type -> ModelConfig fields).
+# What a family implies without a config key for it (HF model_type -> ModelConfig fields). A MoE
+# family's router rule is here too: Mixtral always renormalises its top-k, Qwen3-MoE when `norm_topk_prob`.
 FAMILY_TRAITS: dict[str, dict[str, Any]] = {
     "qwen2": {"qkv_bias": True, "o_bias": False},
     "qwen3": {"qk_norm": True},
+    "qwen3_moe": {"qk_norm": True, "moe_router": "softmax_topk"},
+    "mixtral": {"moe_router": "softmax_topk_renorm"},
 }
 _ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
+
+
+def _moe_router(d: dict[str, Any], traits: dict[str, Any]) -> str:
+    """The family's routing rule ('' without experts); `norm_topk_prob` turns on renormalisation
+    where the family reads it (softmax_topk -> softmax_topk_renorm)."""
+    rule = traits.get("moe_router", "")
+    return rule + "_renorm" if rule == "softmax_topk" and d.get("norm_topk_prob", False) else rule
+
+
+def _moe_layers(d: dict[str, Any], n_layers: int) -> list[bool]:
+    """Which layers' MLP is the MoE: all but `mlp_only_layers`, every `decoder_sparse_step`-th
+    (Qwen3-MoE, as transformers decides; Mixtral has neither key: every layer)."""
+    dense, step = set(d.get("mlp_only_layers") or ()), d.get("decoder_sparse_step") or 1
+    return [i not in dense and (i + 1) % step == 0 for i in range(n_layers)]
 
 
 def _arch_from_model_type(model_type: str) -> str:

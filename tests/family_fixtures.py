@@ -1,20 +1,23 @@
-"""Tiny checkpoints of the families of issue #45 — Qwen2 / Qwen2.5 (q/k/v bias, no o bias) and Llama 3.x
-(llama3 rope scaling) — made at test time with transformers' own classes, and the same checkpoints
-as GGUF files.
+"""Tiny checkpoints of the families of issue #45 — Qwen2 / Qwen2.5 (q/k/v bias, no o bias), Llama 3.x
+(llama3 rope scaling), Qwen3-MoE and Mixtral (4 experts, top-2) — made at test time with transformers'
+own classes, and the same checkpoints as GGUF files.
 
 Every 1-D parameter (norm weights, biases) is moved away from its init value, so a loader that
 drops one shows; every value is rounded to bfloat16 (which float16 and float32 hold exactly), so
 the fp32 directory, its bf16 copy and the F32 / F16 GGUF files hold the same numbers.
 
 `write_gguf` MIRRORS what llama.cpp's convert_hf_to_gguf.py writes for these archs (TextModel /
-LlamaModel / Qwen2Model: metadata keys, tensor names, LlamaModel.permute of q/k rows and biases,
-generate_extra_tensors' llama3 `rope_freqs`, F32 for 1-D tensors under f16); it does not run it
+LlamaModel / Qwen2Model / Qwen2MoeModel: metadata keys, tensor names, LlamaModel.permute of q/k rows
+and biases, generate_extra_tensors' llama3 `rope_freqs`, per-expert tensors stacked into `ffn_*_exps`,
+F32 for 1-D tensors and the router under f16; Qwen3-MoE's dense layer (`mlp_only_layers`, which
+llama.cpp's qwen3moe does not build) is written as a dense layer's ffn_gate/up/down); it does not run it
 (the converter ships only in llama-cpp-python's sdist, which the tests may not download)."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -27,6 +30,7 @@ _QWEN2 = dict(TINY_CONFIGS["llama"], num_hidden_layers=2, max_window_layers=2, u
               sliding_window=4096)
 _LLAMA3 = dict(TINY_CONFIGS["llama"], num_hidden_layers=2, max_position_embeddings=16384,
                rope_parameters=LLAMA3_ROPE)
+_MOE = dict(TINY_CONFIGS["llama"], num_experts_per_tok=2)
 # name -> (HF model_type, config); Qwen2.5-0.5B and Llama 3.2 tie the LM head, 7B / 3.1 8B do not.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", dict(_QWEN2, tie_word_embeddings=False)),
@@ -39,7 +43,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # linear scaling: GGUF metadata llama.rope.scaling.type / .factor
     "llama_linear": ("llama", dict(TINY_CONFIGS["llama"], num_hidden_layers=2, rope_parameters={
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
+    # MoE: softmax top-2 of 4 experts, renormalised; Qwen3-MoE's layer 1 dense (mlp_only_layers)
+    "qwen3_moe": ("qwen3_moe", dict(_MOE, num_hidden_layers=3, num_experts=4, moe_intermediate_size=32,
+                                    mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=False)),
+    # norm_topk_prob false: top-2 softmax weights as they are (the router rule softmax_topk)
+    "qwen3_moe_raw": ("qwen3_moe", dict(_MOE, num_hidden_layers=2, num_experts=4, moe_intermediate_size=32,
+                                        norm_topk_prob=False, tie_word_embeddings=True)),
+    "mixtral": ("mixtral", dict(_MOE, num_hidden_layers=2, num_local_experts=4, sliding_window=None,
+                                tie_word_embeddings=False)),
 }
+MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral"}
 
 
 def make_family_checkpoint(name: str, path: str, bf16_copy: str | None = None) -> str:
@@ -76,8 +89,13 @@ def _drop_layer_types(path: str) -> None:
 # HF name fragments -> GGUF (gguf-py tensor_mapping.py, resolved through the llama / qwen2 tensor lists)
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+# per-expert tensors (Qwen2MoeModel / LlamaModel.modify_tensors stack them) -> the stacked GGUF name
+_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+            "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
@@ -126,7 +144,7 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
     from safetensors.torch import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
         hp = json.load(f)
-    arch = {"llama": "llama", "qwen2": "qwen2"}[hp["model_type"]]
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[hp["model_type"]]
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
     n_head, n_kv = hp["num_attention_heads"], hp.get("num_key_value_heads")
     w = gguf.GGUFWriter(out, arch)
@@ -152,28 +170,44 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
     if hp.get("head_dim") is not None:
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
+    if (n_experts := hp.get("num_local_experts", hp.get("num_experts"))) is not None:
+        w.add_expert_count(n_experts)
+    if (n_used := hp.get("num_experts_per_tok")) is not None:
+        w.add_expert_used_count(n_used)
+    if arch == "qwen3moe":      # Qwen2MoeModel.set_gguf_parameters
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if ftype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
     if arch == "llama":      # LlamaModel.set_gguf_parameters
         w.add_vocab_size(hp["vocab_size"])
         w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // n_head)
     # a stand-in vocabulary (_set_vocab_gpt2 writes one entry per id up to vocab_size)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
+    w.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3moe") else "llama-bpe")
     w.add_token_list([f"<t{i}>" for i in range(hp["vocab_size"])])
     w.add_token_types([gguf.TokenType.NORMAL] * hp["vocab_size"])
     w.add_token_merges([])
     # prepare_tensors: generate_extra_tensors first, then the checkpoint's tensors
     if arch == "llama" and kind == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(hp, rope))
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
         t = t.float().numpy()
+        m = re.fullmatch(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight", name)
+        if m:       # stacked once every expert is in, as the converter does
+            group = experts.setdefault((m[1], _EXPERTS[m[3]]), {})
+            group[int(m[2])] = t
+            if len(group) == n_experts:
+                stacked = np.stack([group[e] for e in range(n_experts)])
+                w.add_tensor(f"blk.{m[1]}.{_EXPERTS[m[3]]}.weight",
+                             stacked.astype(np.float16) if ftype == "f16" else stacked)
+            continue
         if arch == "llama":      # LlamaModel.modify_tensors (undo_permute)
             if name.endswith(("q_proj.weight", "q_proj.bias")):
                 t = _permute(t, n_head, n_head)
             if name.endswith(("k_proj.weight", "k_proj.bias")):
                 t = _permute(t, n_head, n_kv)
         gname = _gguf_name(name)
-        if ftype == "f16" and t.ndim > 1 and not gname.endswith("_norm.weight"):
+        if ftype == "f16" and t.ndim > 1 and not gname.endswith(("_norm.weight", "ffn_gate_inp.weight")):
             t = t.astype(np.float16)
         w.add_tensor(gname, t)
     w.write_header_to_file()

@@ -1,6 +1,7 @@
 """Mixture of experts: the expert computation (`fused_experts`, shared by every MoE model), the
-sigmoid + grouped top-k router of DeepSeek-V3 / Kimi (`grouped_topk`), and a MoE block with
-shared experts (`SharedExpertMoE`).
+routers by rule (ROUTERS: the sigmoid + grouped top-k of DeepSeek-V3 / Kimi, `grouped_topk`; the
+softmax top-k of Mixtral and Qwen3-MoE, `softmax_topk`), and a MoE block with optional shared
+experts (`SharedExpertMoE`).
 
 Expert weights are stacked 3-D tensors, as transformers 5 keeps them: `gate_up_w[E, 2I, d]` (gate
 rows first, then up) and `down_w[E, d, I]`. Tokens are grouped per expert so each expert runs one
@@ -70,6 +71,20 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, bias: torch.Tensor | N
     return weights * scaling, ids
 
 
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral / Qwen3-MoE routing: softmax over every expert, the top_k best, their weights
+    renormalised to sum 1 when `renormalize`. Returns (weights [T, k], ids [T, k])."""
+    weights, ids = router_logits.float().softmax(-1).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+# The routing rules a config may name (ModelConfig.moe_router; Kimi / MiniMax-M3 build theirs directly).
+ROUTERS = ("sigmoid_grouped", "softmax_topk", "softmax_topk_renorm")
+
+
 class GatedMLP(nn.Module):
     """Dense SwiGLU MLP with a fused gate|up projection (dense layers and shared experts), its
     width split over the tensor-parallel ranks like LlamaMLP. `reduce=False` (shared experts)
@@ -88,18 +103,26 @@ class GatedMLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Router weights in fp32 (as the reference keeps them) and the grouped top-k settings."""
+    """Router weights in fp32 (as the reference keeps them) and the rule's settings: `rule` one of
+    ROUTERS (the grouped top-k settings and the score-correction bias are sigmoid_grouped's)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, num_groups: int = 1,
-                 topk_groups: int = 1, renormalize: bool = True, scaling: float = 1.0):
+                 topk_groups: int = 1, renormalize: bool = True, scaling: float = 1.0,
+                 rule: str = "sigmoid_grouped"):
         super().__init__()
+        if rule not in ROUTERS:
+            raise ValueError(f"MoE router {rule!r} is not supported (supported: {', '.join(ROUTERS)})")
+        self.rule = rule
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        if rule == "sigmoid_grouped":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
         self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
         self.renormalize, self.scaling = renormalize, scaling
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        if self.rule != "sigmoid_grouped":
+            return softmax_topk(logits, self.top_k, self.rule == "softmax_topk_renorm")
         return grouped_topk(logits, self.top_k, self.e_score_correction_bias, self.num_groups,
                             self.topk_groups, self.renormalize, self.scaling)
 
@@ -128,20 +151,37 @@ class Experts(Sharded):
         """This rank's experts of a stacked [num_experts, ...] checkpoint tensor."""
         return tensor[self.first:self.first + self.local], None
 
+    def load_part(self, part: str, tensor: torch.Tensor, expert: int | None = None) -> list[int]:
+        """Fill `part` (gate | up | down) of global expert `expert` from its 2-D checkpoint tensor,
+        or of every expert from a stacked [num_experts, ...] one (GGUF's `*_exps`); experts other
+        ranks keep are skipped. Returns the local indices filled."""
+        I = self.down_proj.shape[2]
+        if expert is None:
+            pairs = [(i, t) for i, t in enumerate(self.local_shard(tensor)[0])]
+        else:
+            pairs = [] if (i := self.local_index(expert)) is None else [(i, tensor)]
+        for i, t in pairs:
+            if part == "down":
+                self.down_proj.data[i].copy_(t)
+            else:
+                self.gate_up_proj.data[i, (0 if part == "gate" else I):][:I].copy_(t)
+        return [i for i, _ in pairs]
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return fused_experts(x, weights, ids - self.first, self.gate_up_proj, self.down_proj, self.activation)
 
 
 class SharedExpertMoE(nn.Module):
-    """Routed experts plus always-on shared experts (one wide SwiGLU MLP), summed: both are
+    """Routed experts plus always-on shared experts (one wide SwiGLU MLP; none when num_shared is 0,
+    as Mixtral and Qwen3-MoE), summed: both are
     partial sums under tensor parallelism (experts split, shared width split), added on each rank
     and summed over the group by one all-reduce."""
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, top_k: int,
                  num_shared: int, num_groups: int = 1, topk_groups: int = 1,
-                 renormalize: bool = True, scaling: float = 1.0):
+                 renormalize: bool = True, scaling: float = 1.0, router: str = "sigmoid_grouped"):
         super().__init__()
-        self.gate = Router(hidden, num_experts, top_k, num_groups, topk_groups, renormalize, scaling)
+        self.gate = Router(hidden, num_experts, top_k, num_groups, topk_groups, renormalize, scaling, router)
         self.experts = Experts(num_experts, hidden, intermediate)
         self.shared_experts = (GatedMLP(hidden, intermediate * num_shared, reduce=False) if num_shared
                                else None)

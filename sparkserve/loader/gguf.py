@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 import torch
 
-from sparkserve.config import ModelConfig
+from sparkserve.config import ModelConfig, _arch_from_model_type
 from sparkserve.kernels.blocks import BlockWeight
 from sparkserve.loader.gguf_file import GGUFFile, close_gguf, gguf_metadata, open_gguf
 from sparkserve.loader.gguf_int8 import group_form, int8_blocks, int8_form, type_name
@@ -30,7 +30,9 @@ from sparkserve.loader.weights import with_blocks
 log = logging.getLogger(__name__)
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-          "mistral": "MistralForCausalLM"}
+          "mistral": "MistralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# GGUF arch -> HF model_type where they differ; llama.cpp writes Mixtral as arch llama with experts.
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
 # Archs whose q/k rows (weights and biases) llama.cpp's converter permutes for its NORM rope
 # (`LlamaModel.permute`); qwen2/qwen3 use NEOX rope and are stored as HF has them.
 _PERMUTED = {"llama"}
@@ -44,6 +46,9 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # MoE: the router and the experts stacked [n_expert, rows, cols] (Mixtral, Qwen3-MoE)
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -68,12 +73,14 @@ def gguf_config(path: str) -> ModelConfig:
     if rope_dims != head_dim:
         raise ValueError(f"GGUF {arch}.rope.dimension_count = {rope_dims}: partial rotary is not supported "
                          f"(supported: the whole head, {head_dim})")
+    n_layers, n_experts = get("block_count"), get("expert_count", 0)
+    model_type = "mixtral" if arch == "llama" and n_experts else _MODEL_TYPES.get(arch, arch)
     hf: dict[str, Any] = {
-        "architectures": [_ARCHS[arch]],
-        "model_type": arch,
+        "architectures": [_arch_from_model_type(model_type)],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),
-        "num_hidden_layers": get("block_count"),
+        "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
         "num_key_value_heads": get("attention.head_count_kv", n_heads),
         "head_dim": head_dim,
@@ -87,6 +94,11 @@ def gguf_config(path: str) -> ModelConfig:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    if n_experts:       # llama.cpp renormalises the top-k of both (norm_w) unless the file says not
+        hf.update(num_experts=n_experts, num_experts_per_tok=get("expert_used_count"),
+                  moe_intermediate_size=get("expert_feed_forward_length", get("feed_forward_length")),
+                  norm_topk_prob=get("expert_weights_norm", True),
+                  mlp_only_layers=[i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names])
     # Which projections carry a bias is what the file holds (as llama.cpp's optional tensors).
     return dataclasses.replace(ModelConfig.from_hf_dict(hf), qkv_bias="blk.0.attn_q.bias" in names,
                                o_bias="blk.0.attn_output.bias" in names)

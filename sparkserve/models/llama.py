@@ -1,11 +1,14 @@
 """Llama-family decoder (Llama, Qwen2 with q/k/v bias, Qwen3 with q/k norm, Mistral with sliding
-windows, SmolLM2). Which projections carry a bias is the config's `qkv_bias` / `o_bias`.
+windows, SmolLM2; Mixtral and Qwen3-MoE with MoE layers). Which projections carry a bias is the
+config's `qkv_bias` / `o_bias`; which layers are MoE and their router rule, `moe_layers` / `moe_router`
+(layers/moe.py SharedExpertMoE without shared experts).
 
 Contract (docs/design.md): `forward(input_ids, positions, batch)` returns final normed hidden states;
 logits come from `compute_logits(hidden)` so callers choose the rows; `set_aux_layers(ids)`
 makes the forward record the output of those decoder layers into `batch.aux_hidden`."""
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import torch
@@ -19,6 +22,7 @@ from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.linear import FusedLinear, RowParallelLinear
+from sparkserve.layers.moe import SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
@@ -79,7 +83,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         with ps.mlp_scope():
-            self.mlp = LlamaMLP(cfg)
+            if cfg.moe_layers and cfg.moe_layers[layer_id]:
+                self.mlp = SharedExpertMoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                                           cfg.num_experts_per_tok, 0, router=cfg.moe_router)
+            else:
+                self.mlp = LlamaMLP(cfg)
 
     def forward(self, x, cos_sin, batch):
         x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), cos_sin,
@@ -122,8 +130,12 @@ class LlamaForCausalLM(CausalLM):
     def tp_dims(cfg: ModelConfig) -> list[Dim]:
         """What splits over the tensor-parallel ranks (distributed/sharding.py checks them)."""
         h = cfg.num_attention_heads
-        return [Dim("attention heads", h), Dim("KV heads", cfg.num_key_value_heads, serves=h),
-                Dim("MLP channels", cfg.intermediate_size, mlp=True)]
+        dims = [Dim("attention heads", h), Dim("KV heads", cfg.num_key_value_heads, serves=h)]
+        if any(cfg.moe_layers):
+            dims.insert(0, Dim("experts", cfg.num_experts, flag="--ep-size", mlp=True))
+        if not all(cfg.moe_layers):
+            dims.append(Dim("MLP channels", cfg.intermediate_size, mlp=True))
+        return dims
 
     # Pool contract (docs/design.md, contract 3): every model builds the pools its layers read, and says what
     # one token and one request row cost so the runtime can size them. Hybrid models add
@@ -160,12 +172,37 @@ class LlamaForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.native.reset()
         loader = WeightLoader(self, self.stacked_params)
+        modules, filled = dict(self.named_modules()), {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            name = name.replace(".block_sparse_moe.", ".mlp.")      # Mixtral
+            m = _EXPERT_TENSOR.fullmatch(name)
+            if m:
+                self._load_expert(modules[m[1]], m[1], _EXPERT_PART[m[3]], tensor,
+                                  None if m[2] is None else int(m[2]), filled, loader)
+                continue
             loader.load(name, tensor)
         if self.config.tie_word_embeddings:
             loader.mark_loaded("lm_head.weight", tied_to="model.embed_tokens.weight")
         loader.check_complete()
+
+    @staticmethod
+    def _load_expert(experts, prefix: str, part: str, tensor: torch.Tensor, expert: int | None,
+                     filled: dict[str, set], loader: WeightLoader) -> None:
+        """One expert's gate / up / down (HF per-expert names), or every expert's (a stacked GGUF
+        `ffn_*_exps`); a stacked parameter counts as loaded once every local expert has its parts."""
+        param = "down_proj" if part == "down" else "gate_up_proj"
+        got = filled.setdefault(f"{prefix}.{param}", set())
+        got.update((i, part) for i in experts.load_part(part, tensor, expert))
+        if len(got) == experts.local * (1 if part == "down" else 2):
+            loader.mark_loaded(f"{prefix}.{param}")
+
+
+# Per-expert (`experts.N.w1`, `experts.N.gate_proj.weight`) or stacked (GGUF `experts.gate_proj.weight`)
+# expert tensors; transformers 5's stacked `experts.gate_up_proj` / `down_proj` load as parameters.
+_EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(?:(\d+)\.)?(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_PART = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
+                "down_proj": "down"}

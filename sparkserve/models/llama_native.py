@@ -19,6 +19,7 @@ from sparkserve.distributed import parallel_state as ps
 from sparkserve.kernels.build import load_extension
 from sparkserve.layers.attention import KERNEL_MAX_Q
 from sparkserve.layers.linear import Linear
+from sparkserve.layers.moe import SharedExpertMoE
 from sparkserve.mem.kv_pool import KVPool
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ def unsupported(model: LlamaForCausalLM) -> str | None:
     if model.model.rotary is None or model.model.rotary.cos.device.type != "cpu":
         return "no CPU rotary table"
     for layer in model.model.layers:
+        if isinstance(layer.mlp, SharedExpertMoE):
+            return "a layer's MLP is a mixture of experts"
         projs = _projections(layer)
         if any(lin.inference_blocks() is None for lin in projs):
             return "a projection has no block weights"

@@ -21,6 +21,8 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
 }
