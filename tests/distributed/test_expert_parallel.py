@@ -1,10 +1,10 @@
-"""MoE models under tensor parallelism (--tp-size 2 --ep-size 2, gloo, 1 torch thread per rank):
-Kimi-Linear and MiniMax-M3 split their attention heads (MLA, KDA, full and block-sparse attention,
-the lightning indexer's heads; KV and index heads replicated when fewer than the ranks), dense MLP
-and shared-expert widths, and routed experts over the ranks, and give the single-process engine's
-tokens and logprobs, under pipeline stages too, and with DSpark (KDA state committed per rank).
-Each rank holds only its slice of the checkpoint (module and pool shapes, rank 1's weights);
-layouts that do not split are refused at start-up naming the flags."""
+"""MoE models under tensor parallelism (--tp-size 2 --ep-size 2, gloo, 1 torch thread per rank): Kimi-Linear,
+MiniMax-M3, Qwen3-MoE and Mixtral split their attention heads (MLA, KDA, full and block-sparse attention,
+the lightning indexer's heads; KV and index heads replicated when fewer than the ranks), dense MLP and
+shared-expert widths, and routed experts over the ranks, and give the single-process engine's tokens and
+logprobs, under pipeline stages too, and with DSpark (KDA state committed per rank). Each rank holds only
+its slice of the checkpoint (module and pool shapes, rank 1's weights); layouts that do not split are
+refused at start-up naming the flags."""
 from __future__ import annotations
 
 import json
@@ -14,6 +14,7 @@ import shutil
 import pytest
 import torch
 from dspark_fixtures import make_oracle_draft
+from family_fixtures import make_family_checkpoint, write_gguf
 from kimi_fixtures import VOCAB as KIMI_VOCAB
 from kimi_fixtures import make_kimi
 from minimax_fixtures import make_minimax, with_index_value
@@ -143,6 +144,41 @@ def test_rank1_keeps_its_slices_minimax(moe_dirs, monkeypatch):
     torch.testing.assert_close(attn.qkv_proj.weight[32:48], ck[c + "k_proj.weight"], rtol=0, atol=0)
     torch.testing.assert_close(idx.o_proj.weight, ck[c + "indexer.o_proj.weight"], rtol=0, atol=0)
     assert not idx.adds_value           # rank 0 adds the one index head's value output
+
+
+@pytest.fixture(scope="module")
+def family_moe_dirs(tmp_path_factory):
+    """Qwen3-MoE's HF directory (per-expert tensors) and Mixtral's GGUF file (stacked ffn_*_exps)."""
+    root = tmp_path_factory.mktemp("family_moe")
+    mixtral = make_family_checkpoint("mixtral", str(root / "mixtral"))
+    return {"qwen3_moe": make_family_checkpoint("qwen3_moe", str(root / "qwen3_moe")),
+            "mixtral": write_gguf(mixtral, str(root / "mixtral.gguf"))}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_llama_moe_split_ranks_equal_one_process(family_moe_dirs, name):
+    """Qwen3-MoE / Mixtral (the Llama model with MoE layers; Qwen3-MoE's layer 1 dense) on --tp-size 2
+    --ep-size 2: heads and the dense MLP split, 2 of the 4 experts (whole width) on each rank."""
+    path, common = family_moe_dirs[name], dict(COMMON, activation_quant="none", kv_cache_dtype="float32")
+    want = run_mixed(Engine(path, **common))
+    with Engine(path, **TP2, **common) as eng:
+        layers = eng.scheduler.runner.model.model.layers
+        held = [(l.self_attn.h, l.self_attn.hkv, l.mlp.experts.local if hasattr(l.mlp, "experts") else
+                 l.mlp.down_proj.in_features) for l in layers]
+        got = run_mixed(eng)
+    assert held == ([(2, 1, 2), (2, 1, 64), (2, 1, 2)] if name == "qwen3_moe" else [(2, 1, 2)] * 2)
+    assert_same(got, want)
+
+
+def test_rank1_keeps_its_experts_qwen3_moe(family_moe_dirs, monkeypatch):
+    m, ck = _rank1(monkeypatch, family_moe_dirs["qwen3_moe"])
+    ex, c = m.model.layers[2].mlp.experts, "model.layers.2.mlp.experts."
+    assert (ex.first, ex.local) == (2, 2)
+    torch.testing.assert_close(ex.gate_up_proj[0], torch.cat([ck[c + "2.gate_proj.weight"],
+                                                              ck[c + "2.up_proj.weight"]]), rtol=0, atol=0)
+    torch.testing.assert_close(ex.down_proj[1], ck[c + "3.down_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(m.model.layers[2].mlp.gate.weight, ck["model.layers.2.mlp.gate.weight"],
+                               rtol=0, atol=0)
 
 
 def test_dspark_kimi_under_tp(moe_dirs, tmp_path):
