@@ -214,3 +214,18 @@ def test_moe_never_runs_natively(family_dirs):
     """The native step has no MoE: unsupported() names it, so a MoE model runs the Python path."""
     runner, _ = make_runner(family_dirs["mixtral_bf16"], 1)
     assert unsupported(runner.model) == "a layer's MLP is a mixture of experts"
+
+
+def test_moe_stacked_experts_checkpoint(family_dirs, family_refs, tmp_path, monkeypatch):
+    """A checkpoint in transformers 5's runtime names (experts stacked: `experts.gate_up_proj` [E, 2I, d],
+    gate rows first, and `experts.down_proj` [E, d, I]) gives the per-expert checkpoint's logits."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    src = family_dirs["qwen3_moe"]
+    state = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).state_dict()
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    shutil.copy(f"{src}/config.json", tmp_path)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    assert run_checked(str(tmp_path), family_refs["qwen3_moe"], False, monkeypatch) == 0
