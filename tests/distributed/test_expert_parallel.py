@@ -170,6 +170,12 @@ def test_llama_moe_split_ranks_equal_one_process(family_moe_dirs, name):
     assert_same(got, want)
 
 
+def test_llama_moe_needs_expert_parallel(family_moe_dirs):
+    """Without --ep-size every rank would hold all experts and the all-reduce would count each twice."""
+    with pytest.raises(ValueError, match="--tp-size 2: Qwen3MoeForCausalLM splits its experts .* --ep-size"):
+        Engine(family_moe_dirs["qwen3_moe"], tp_size=2, **COMMON)
+
+
 def test_rank1_keeps_its_experts_qwen3_moe(family_moe_dirs, monkeypatch):
     m, ck = _rank1(monkeypatch, family_moe_dirs["qwen3_moe"])
     ex, c = m.model.layers[2].mlp.experts, "model.layers.2.mlp.experts."
