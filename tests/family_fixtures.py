@@ -139,7 +139,7 @@ def _llama3_rope_freqs(hp: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
 
 
 def write_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
-    """The HF checkpoint at `hf_dir` as convert_hf_to_gguf.py --outtype f32 / f16 writes it."""
+    """The HF checkpoint at `hf_dir` as convert_hf_to_gguf.py --outtype f32 / f16 / q8_0 writes it."""
     import gguf
     from safetensors.torch import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -176,7 +176,18 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
         w.add_expert_used_count(n_used)
     if arch == "qwen3moe":      # Qwen2MoeModel.set_gguf_parameters
         w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if ftype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[ftype])
+
+    def add(gname: str, t: np.ndarray) -> None:
+        """F32 norms and router (and 1-D tensors) whatever the outtype; the other weights in it."""
+        if ftype == "f32" or t.ndim == 1 or gname.endswith(("_norm.weight", "ffn_gate_inp.weight")):
+            w.add_tensor(gname, t)
+        elif ftype == "f16":
+            w.add_tensor(gname, t.astype(np.float16))
+        else:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(gname, gguf.quants.quantize(t, q8), raw_dtype=q8)
     if arch == "llama":      # LlamaModel.set_gguf_parameters
         w.add_vocab_size(hp["vocab_size"])
         w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // n_head)
@@ -197,19 +208,14 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
             group = experts.setdefault((m[1], _EXPERTS[m[3]]), {})
             group[int(m[2])] = t
             if len(group) == n_experts:
-                stacked = np.stack([group[e] for e in range(n_experts)])
-                w.add_tensor(f"blk.{m[1]}.{_EXPERTS[m[3]]}.weight",
-                             stacked.astype(np.float16) if ftype == "f16" else stacked)
+                add(f"blk.{m[1]}.{_EXPERTS[m[3]]}.weight", np.stack([group[e] for e in range(n_experts)]))
             continue
         if arch == "llama":      # LlamaModel.modify_tensors (undo_permute)
             if name.endswith(("q_proj.weight", "q_proj.bias")):
                 t = _permute(t, n_head, n_head)
             if name.endswith(("k_proj.weight", "k_proj.bias")):
                 t = _permute(t, n_head, n_kv)
-        gname = _gguf_name(name)
-        if ftype == "f16" and t.ndim > 1 and not gname.endswith(("_norm.weight", "ffn_gate_inp.weight")):
-            t = t.astype(np.float16)
-        w.add_tensor(gname, t)
+        add(_gguf_name(name), t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

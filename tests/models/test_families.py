@@ -229,3 +229,28 @@ def test_moe_stacked_experts_checkpoint(family_dirs, family_refs, tmp_path, monk
     shutil.copy(f"{src}/config.json", tmp_path)
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     assert run_checked(str(tmp_path), family_refs["qwen3_moe"], False, monkeypatch) == 0
+
+
+def test_moe_gguf_quantized_experts(family_dirs, tmp_path):
+    """A Q8_0 Mixtral GGUF (experts stacked and quantized, as --outtype q8_0 writes them): every
+    expert holds its Q8_0 values (dequantized: experts are fp32 parameters) and the engine serves it."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from sparkserve.models.registry import load_model
+    path = write_gguf(family_dirs["mixtral"], str(tmp_path / "q8.gguf"), "q8_0")
+    model = load_model(path, activation_quant="none", pack=False)
+    ck, q8 = load_file(f"{family_dirs['mixtral']}/model.safetensors"), gguf.GGMLQuantizationType.Q8_0
+
+    def q8_values(t: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), q8), q8))
+    for layer in (0, 1):
+        ex, c = model.model.layers[layer].mlp.experts, f"model.layers.{layer}.block_sparse_moe.experts."
+        for e in range(4):
+            want = torch.cat([q8_values(ck[f"{c}{e}.w1.weight"]), q8_values(ck[f"{c}{e}.w3.weight"])])
+            torch.testing.assert_close(ex.gate_up_proj[e], want, rtol=0, atol=0)
+            torch.testing.assert_close(ex.down_proj[e], q8_values(ck[f"{c}{e}.w2.weight"]), rtol=0, atol=0)
+    with Engine(path, max_total_tokens=256) as eng:
+        out = eng.generate(input_ids=[[3, 4, 5, 6]], sampling_params={"max_new_tokens": 4,
+                                                                      "ignore_eos": True})
+    assert len(out[0]["output_ids"]) == 4
