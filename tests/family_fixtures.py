@@ -138,8 +138,9 @@ def _llama3_rope_freqs(hp: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
-def write_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
-    """The HF checkpoint at `hf_dir` as convert_hf_to_gguf.py --outtype f32 / f16 / q8_0 writes it."""
+def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = False) -> str:
+    """The HF checkpoint at `hf_dir` as convert_hf_to_gguf.py --outtype f32 / f16 / q8_0 writes it;
+    `per_expert`: experts as older converters wrote Mixtral, one `blk.N.ffn_gate.E.weight` each."""
     import gguf
     from safetensors.torch import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -204,6 +205,9 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
     for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
         t = t.float().numpy()
         m = re.fullmatch(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight", name)
+        if m and per_expert:
+            add(f"blk.{m[1]}.{_EXPERTS[m[3]].removesuffix('_exps')}.{m[2]}.weight", t)
+            continue
         if m:       # stacked once every expert is in, as the converter does
             group = experts.setdefault((m[1], _EXPERTS[m[3]]), {})
             group[int(m[2])] = t

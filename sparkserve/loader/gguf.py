@@ -208,6 +208,9 @@ def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permute
 
 
 def _hf_name(name: str) -> str:
+    m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight", name)
+    if m:       # older Mixtral GGUFs: one tensor per expert
+        return f"model.layers.{m[1]}.mlp.experts.{m[3]}.{m[2]}_proj.weight"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m:
         layer, part, kind = m.groups()

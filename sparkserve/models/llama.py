@@ -26,7 +26,7 @@ from sparkserve.layers.moe import SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
-from sparkserve.loader.weights import WeightLoader
+from sparkserve.loader.weights import WeightLoader, values_of
 from sparkserve.mem.kv_pool import KVPool, split_windows, uniform_window
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
 from sparkserve.models.llama_native import NativeStep
@@ -194,14 +194,17 @@ class LlamaForCausalLM(CausalLM):
                      filled: dict[str, set], loader: WeightLoader) -> None:
         """One expert's gate / up / down (HF per-expert names), or every expert's (a stacked GGUF
         `ffn_*_exps`); a stacked parameter counts as loaded once every local expert has its parts."""
+        if expert is not None and experts.local_index(expert) is None:
+            return          # another expert-parallel rank's: not read
         param = "down_proj" if part == "down" else "gate_up_proj"
         got = filled.setdefault(f"{prefix}.{param}", set())
-        got.update((i, part) for i in experts.load_part(part, tensor, expert))
+        got.update((i, part) for i in experts.load_part(part, values_of(tensor), expert))
         if len(got) == experts.local * (1 if part == "down" else 2):
             loader.mark_loaded(f"{prefix}.{param}")
 
 
-# Per-expert (`experts.N.w1`, `experts.N.gate_proj.weight`) or stacked (GGUF `experts.gate_proj.weight`)
+# Per-expert (`experts.N.w1`, `experts.N.gate_proj.weight`; older GGUFs' `blk.N.ffn_gate.E`) or stacked
+# (GGUF `ffn_gate_exps` as `experts.gate_proj.weight`)
 # expert tensors; transformers 5's stacked `experts.gate_up_proj` / `down_proj` load as parameters.
 _EXPERT_TENSOR = re.compile(r"(.*\.mlp\.experts)\.(?:(\d+)\.)?(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 _EXPERT_PART = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",

@@ -84,6 +84,13 @@ def test_family_gguf_equals_hf_dir(name, ftype, family_ggufs, family_dirs, famil
     assert (ran >= 6) if ftype == "f16" and name not in MOE_FAMILIES else ran == 0
 
 
+@pytest.mark.parametrize("ftype", ["f32", "f16"])
+def test_mixtral_gguf_per_expert_tensors(ftype, family_dirs, family_refs, tmp_path, monkeypatch):
+    """An older Mixtral GGUF, one tensor per expert (blk.N.ffn_gate.E; F16 ones as blocks), equals HF."""
+    path = write_gguf(family_dirs["mixtral"], str(tmp_path / "old.gguf"), ftype, per_expert=True)
+    assert run_checked(path, family_refs["mixtral"], True, monkeypatch) == 0
+
+
 def test_gguf_rope_freqs_equal_llama3_scaling(family_ggufs):
     """The rope_freqs divisors of a Llama 3.1+ GGUF give HF's llama3 inv_freq."""
     cfg = gguf_config(family_ggufs["llama3", "f32"])
