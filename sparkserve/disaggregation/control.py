@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_MS = 1000        # ZMQ-level pings: a peer behind a dead link is dropped within seconds
 HEARTBEAT_TIMEOUT_MS = 5000
 BYE_LINGER_MS = 100        # how long a closing decode side tries to get its goodbye out
+HANDSHAKE_FAILURES = 3     # in a row: the two sides' keys do not match
 MAX_CONTROL_BYTES = 64 << 20   # the largest message a prefill server takes (reservations, hellos)
 MAX_RESULT_MARGIN = 256 << 20  # a decode server takes its pools' bytes plus this (rows, hidden rows)
 
@@ -224,6 +225,7 @@ class _Link:
         if auth is not None:
             connect_securely(self.sock, auth)
         self.monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.failures = 0                   # handshakes failed in a row
         try:
             self.sock.connect(endpoint(boot.host, boot.port))
         except zmq.ZMQError as e:
@@ -232,12 +234,16 @@ class _Link:
         self.secure = auth is not None
 
     def handshake_failed(self) -> bool:
-        """Whether the handshake failed since the last look (and never succeeded since)."""
-        failed = False
+        """Whether the handshake has failed HANDSHAKE_FAILURES times in a row: keys that do not
+        match fail every retry, while a peer that dies mid-handshake fails it once (then its port
+        refuses, and the room times out as for any dead peer)."""
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
-            failed = bool(event & _HANDSHAKE_FAILED)
-        return failed
+            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:     # one side has a key, the other none
+                self.failures = HANDSHAKE_FAILURES
+            else:
+                self.failures = self.failures + 1 if event & _HANDSHAKE_FAILED else 0
+        return self.failures >= HANDSHAKE_FAILURES
 
     def close(self, linger: int) -> None:
         self.sock.disable_monitor()
