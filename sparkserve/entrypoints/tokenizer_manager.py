@@ -22,7 +22,7 @@ from sparkserve.core.finish_reason import FINISH_ABORT, FINISH_MATCHED_STR, Base
 from sparkserve.entrypoints.metrics import Metrics
 from sparkserve.frontend.output_stream import OutputStream
 from sparkserve.frontend.prepare import Limits
-from sparkserve.frontend.tokenizer import Tokenizer, _bytes_to_unicode
+from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.messages import (
     AbortReq,
     BatchOut,
@@ -154,7 +154,6 @@ class TokenizerManager:
         self._cids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._token_cache: dict[int, tuple[str, bytes]] = {}
-        self._byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -258,13 +257,7 @@ class TokenizerManager:
         """(text, raw bytes) of one token as OpenAI's logprobs show it."""
         hit = self._token_cache.get(tid)
         if hit is None:
-            tok = self.need_tokenizer()
-            spelled = tok.id_to_token(tid) if 0 <= tid < tok.vocab_size else None
-            plain = spelled is not None and all(c in self._byte_decoder for c in spelled)
-            if plain and tid not in tok.all_special_ids:
-                raw = bytes(self._byte_decoder[c] for c in spelled)
-            else:
-                raw = tok.decode([tid], skip_special_tokens=False).encode("utf-8")
+            raw = self.need_tokenizer().token_bytes(tid)
             hit = (raw.decode("utf-8", errors="replace"), raw)
             if len(self._token_cache) < 1 << 16:
                 self._token_cache[tid] = hit

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer as _RustTokenizer
+from tokenizers import models as _models
 
 from sparkserve.args import ServerArgs
 from sparkserve.frontend.chat_template import render_chat_template
@@ -22,7 +24,8 @@ from sparkserve.loader.gguf_file import gguf_metadata
 
 logger = logging.getLogger(__name__)
 
-_bytes_to_unicode = bytes_to_unicode  # the byte alphabet, read here by the TokenizerManager
+_BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}    # byte-level BPE's spelling of each byte
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")                  # SentencePiece's byte-fallback tokens
 
 
 def _token_content(value: Any) -> str | None:
@@ -78,6 +81,10 @@ class Tokenizer:
         self.all_special_ids: list[int] = sorted(
             tid for tid, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
+        self._added_ids = set(backend.get_added_tokens_decoder())
+        # SentencePiece vocabularies (GGUF `llama` model, HF Llama 2 / Mistral / Gemma) spell a space `▁`
+        # and fall back to byte tokens; byte-level BPE spells every byte as a character
+        self._sentencepiece = isinstance(backend.model, _models.BPE) and bool(backend.model.byte_fallback)
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -107,6 +114,20 @@ class Tokenizer:
                 self._tok.id_to_token(bos) or "\0"):
             ids = ids[1:]  # the text writes its own BOS (chat templates do): one, as llama.cpp's server
         return ids
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes token `tid` stands for on its own (OpenAI logprobs' `bytes`; its text is their
+        UTF-8 decode): a byte-level spelling mapped back to its bytes, SentencePiece's `▁` as a space
+        and its `<0xNN>` tokens as that byte; added and special tokens as their text."""
+        spelled = self._tok.id_to_token(tid) if 0 <= tid < self.vocab_size else None
+        if spelled is None or tid in self._added_ids:
+            return self._tok.decode([tid], skip_special_tokens=False).encode("utf-8")
+        if self._sentencepiece:
+            byte = _BYTE_TOKEN.fullmatch(spelled)
+            return bytes([int(byte.group(1), 16)]) if byte else spelled.replace("\u2581", " ").encode("utf-8")
+        if all(c in _BYTE_DECODER for c in spelled):
+            return bytes(_BYTE_DECODER[c] for c in spelled)
+        return self._tok.decode([tid], skip_special_tokens=False).encode("utf-8")
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -559,3 +559,20 @@ def test_every_supported_pre_tokenizer_builds(tmp_path, bpe_vocab) -> None:
     for pre in SUPPORTED_PRE:
         ours = Tokenizer.from_gguf(_bpe_gguf(tmp_path, bpe_vocab, pre))
         _check_round_trip(ours, rng.sample(CORPUS, 6))
+
+
+def test_token_bytes_add_up_to_the_text(tmp_path, spm_vocab, bpe_vocab) -> None:
+    """Logprobs show each token's own bytes: for SentencePiece `▁` is a space and a `<0xNN>` token its
+    byte (a character split over byte tokens comes out whole only once they are joined); for byte-level
+    BPE each spelled character maps back to its byte. Joined, they are the text that was encoded (with
+    SentencePiece's one space in front)."""
+    spm = Tokenizer.from_gguf(_spm_gguf(tmp_path, spm_vocab))
+    bpe = Tokenizer.from_gguf(_bpe_gguf(tmp_path, bpe_vocab, "llama-bpe"))
+    for text in [t for t in CORPUS if t and "<" not in t] + ["Hello " + UNSEEN + " 中文"]:
+        ids = spm.encode(text)
+        assert b"".join(spm.token_bytes(i) for i in ids) == (" " + text).encode(), text
+        assert any(len(spm.token_bytes(i)) == 1 and spm.token_bytes(i)[0] >= 0x80 for i in spm.encode(UNSEEN))
+        ids = bpe.encode(text)
+        assert b"".join(bpe.token_bytes(i) for i in ids) == text.encode(), text
+    eos = spm.eos_token_id
+    assert spm.token_bytes(eos) == spm.decode([eos], skip_special_tokens=False).encode()
