@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from results_io import (
     sparkserve_kernels,
     write_results,
 )
+from servers import free_port, wait_ready
 
 TOPICS = ["the ocean", "a city at night", "learning to code", "the moon", "autumn leaves", "trains",
           "friendship", "coffee", "mountains", "a thunderstorm", "libraries", "gardening", "robots",
@@ -80,12 +80,6 @@ def prompts_for(n_req: int, words: int, first: int = 0) -> list[str]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(engine: str, port: int, threads: int, isa: str) -> subprocess.Popen:
     from sparkserve.embedded import default_model_path
     model = default_model_path()
@@ -110,29 +104,6 @@ def _start(engine: str, port: int, threads: int, isa: str) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     proc.log_path = log.name
     return proc
-
-
-def _log_tail(proc: subprocess.Popen, n: int = 30) -> str:
-    try:
-        with open(proc.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
-
-
-def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    end = time.time() + timeout
-    while time.time() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; "
-                               f"log {proc.log_path}:\n{_log_tail(proc)}")
-        try:
-            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"server did not come up; log {proc.log_path}:\n{_log_tail(proc)}")
 
 
 async def _one(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int, ignore_eos: bool,
@@ -258,11 +229,11 @@ def main() -> int:
     raw: dict[str, dict[int, list[dict]]] = {e: {c: [] for c in levels} for e in engines}
     try:
         for engine in engines:            # one at a time: a starting server (or a build) needs the cores
-            port = _free_port()
+            port = free_port()
             base = f"http://127.0.0.1:{port}"
             proc = _start(engine, port, a.threads, a.isa)
             servers[engine] = (base, proc)
-            _wait_ready(base, proc)
+            wait_ready(base, proc)
             asyncio.run(_level(base, 1, 2, 8, IGNORE_EOS[engine]))          # warm-up
         for rep in range(a.reps):
             for c in levels:

@@ -33,7 +33,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from results_io import RESULTS, machine_info, machine_line, write_results
+from servers import free_port, wait_ready
 
 # the test extra has the openai client, the bench extra not: httpx alone then
 try:
@@ -381,20 +381,6 @@ def start_server(port: int) -> subprocess.Popen:
     return proc
 
 
-def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; log {proc.log_path}")
-        try:
-            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"server did not come up in {timeout:.0f} s; log {proc.log_path}")
-
-
 def stop_server(proc: subprocess.Popen) -> int | None:
     """SIGTERM, then SIGKILL to its whole process group; never returns with one of them alive."""
     if proc.poll() is None:
@@ -637,12 +623,6 @@ def report(st: State, a: argparse.Namespace, proc: subprocess.Popen, exit_code: 
     return all(goals.values())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sigterm(*_):
     raise KeyboardInterrupt
 
@@ -658,7 +638,7 @@ def main() -> int:
     ap.add_argument("--sample-every", type=float, default=10, help="seconds between samples")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, _sigterm)
-    port = a.port or _free_port()
+    port = a.port or free_port()
     base = f"http://127.0.0.1:{port}"
     st, interrupted = State(), False
     proc = start_server(port)
