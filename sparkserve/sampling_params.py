@@ -17,12 +17,12 @@ MAX_LOGIT_BIAS = 100.0      # OpenAI's range for a logit_bias value
 # ---- size limits of one request ------------------------------------------------------------------
 # A request is untrusted input: nothing in it may make the server hold or scan without bound. Each
 # limit is far above real use and bounds what one request costs; going over it is a 400 naming the
-# field. Bounded elsewhere: the body (http_io.MAX_BODY_BYTES, 32 MiB), n per prompt
-# (frontend/prepare.MAX_N, 128 as OpenAI's), and each sequence's prompt + max_tokens (the context
-# length and the KV pool), so that n x max_tokens of one request is at most MAX_SEQUENCES x the
-# context length, and those tokens are made (and held) only as fast as the model generates them.
+# field. Bounded elsewhere: the body (http_io.MAX_BODY_BYTES, 32 MiB) and each sequence's prompt +
+# max_tokens (the context length and the KV pool), so that n x max_tokens of one request is at most
+# MAX_SEQUENCES x the context length, made (and held) only as fast as the model generates them.
 # Every choice is its own request in the scheduler, with its own copy of the prompt and of the
 # sampling parameters below: the per-sequence limits count n times.
+MAX_N = 128                 # choices per prompt, as OpenAI: more is a client bug, not a workload
 MAX_STOP_STRINGS = 16       # each is searched for in the decoded text after every token
 MAX_STOP_CHARS = 1024       # per stop string: a stream holds back that much text (a stop's possible start)
 MAX_STOP_TOKEN_IDS = 1024   # every generated token is looked up in the list

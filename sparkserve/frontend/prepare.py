@@ -12,9 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from sparkserve.core.finish_reason import BaseFinishReason
-from sparkserve.sampling_params import SamplingParams
-
-MAX_N = 128          # as OpenAI: more completions per prompt is a client bug, not a workload
+from sparkserve.sampling_params import MAX_N, SamplingParams
 
 
 @dataclass(frozen=True)

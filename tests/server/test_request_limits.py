@@ -23,12 +23,12 @@ from sparkserve.entrypoints.http_io import MAX_BODY_BYTES
 from sparkserve.entrypoints.http_server import create_app
 from sparkserve.entrypoints.metrics import Metrics
 from sparkserve.entrypoints.tokenizer_manager import TokenizerManager
-from sparkserve.frontend.prepare import MAX_N
 from sparkserve.frontend.tokenizer import load_tokenizer_for
 from sparkserve.messages import BatchOut, GenerateReq, LoadReq, ReqOutput, SchedulerLoad, SchedulerReady
 from sparkserve.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_MESSAGES,
+    MAX_N,
     MAX_PROMPTS,
     MAX_RID_CHARS,
     MAX_SEQUENCES,
