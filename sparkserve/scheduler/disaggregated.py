@@ -70,6 +70,16 @@ class _Paired:
         req.finished_reason = FINISH_ABORT(message, status)
         self.failed.append(req)
 
+    def _abort_failed(self, rid: str) -> bool:
+        """Abort a request that failed here outside a step and waits in `failed` for the next
+        one: the abort's output is then its last, and the step must not hand it out again (the
+        scheduler loop, which dropped it at the abort, would not know it)."""
+        for req in self.failed:
+            if req.rid == rid:
+                self.failed.remove(req)
+                return True
+        return False
+
     def _poll_ms(self) -> int:
         return 0 if self.inner.has_work() or self.failed else POLL_IDLE_MS
 
@@ -126,6 +136,8 @@ class PrefillScheduler(_Paired):
             self.gone.append(req)
 
     def abort(self, rid: str) -> bool:
+        if self._abort_failed(rid):
+            return True
         for room, (req, _) in self.waiting.items():
             if req.rid == rid:
                 del self.waiting[room]
@@ -276,6 +288,8 @@ class DecodeScheduler(_Paired):
             self.transferring[boot.room] = (req, boot, time.monotonic() + self.timeout)
 
     def abort(self, rid: str) -> bool:
+        if self._abort_failed(rid):
+            return True
         for item in list(self.prealloc):
             if item[0].rid == rid:
                 self.prealloc.remove(item)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,8 +56,12 @@ def _idle(server: ServerProcess) -> None:
 
 
 def _stop_all(*servers: ServerProcess) -> None:
+    """Stop the servers; their logs go to the test's captured output when the test has failed."""
+    failing = sys.exc_info()[0] is not None
     for s in servers:
         s.stop()
+        if failing:
+            print(f"---- log of the server on port {s.port} ----\n{s.log_tail(6000)}")
         s.remove_log()
 
 
@@ -117,8 +123,6 @@ def test_no_decode_server_reserves(llama_dir):
 def test_client_leaves_during_the_transfer(llama_dir):
     """Through `sparkserve router`: the client gives up while the prefill server holds the
     request; the router cancels both halves and both servers free everything."""
-    import subprocess
-    import sys
     prefill, decode, port = _pair(llama_dir)
     pid = _scheduler_pid(prefill)
     router_port = free_port()
