@@ -21,6 +21,9 @@ MIN_SECRET_BYTES = 16        # a PD auth secret shorter than this is guessed too
 ACTIVATION_QUANTS = ("int8", "none")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+# names of frontend/tool_parsers and frontend/reasoning_parser (test_tool_parsers checks they agree)
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral")
+REASONING_PARSERS = ("deepseek-r1", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,16 @@ class ServerArgs:
         "no tokenizer: requests must give input_ids", server_only=True))
     context_length: int | None = field(default=None, metadata=_opt(
         "max prompt + output tokens (default: the model's)"))
+    # chat API
+    chat_template: str | None = field(default=None, metadata=_opt(
+        "chat template for /v1/chat/completions: a Jinja file, or the template itself (default: the "
+        "tokenizer's)", server_only=True))
+    tool_call_parser: str | None = field(default=None, metadata=_opt(
+        "format of the model's tool calls: parse them into message.tool_calls (needed for tools with "
+        "tool_choice auto)", choices=TOOL_CALL_PARSERS, server_only=True))
+    reasoning_parser: str | None = field(default=None, metadata=_opt(
+        "format of the model's thinking: <think>...</think> goes to message.reasoning_content",
+        choices=REASONING_PARSERS, server_only=True))
     # memory
     max_total_tokens: int | None = field(default=None, metadata=_opt(
         "KV pool size in tokens (overrides --mem-fraction-static)"))
@@ -287,6 +300,7 @@ class ServerArgs:
         need(self.log_level.lower() in LOG_LEVELS,
              f"--log-level {self.log_level}: use one of {', '.join(LOG_LEVELS)}")
         need(os.path.exists(self.model_path), f"--model-path {self.model_path} does not exist")
+        self._validate_chat(need)
         if self.speculative_algorithm is not None:
             self._validate_dspark(need)
         else:
@@ -382,6 +396,15 @@ class ServerArgs:
         if self.dist_init_addr is not None:     # a name is checked once resolved, in init_distributed
             host, _ = split_host_port(self.dist_init_addr)
             check_rendezvous_ip(host, host, self.dist_allow_public_bind)
+
+    def _validate_chat(self, need) -> None:
+        need(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
+             f"--tool-call-parser {self.tool_call_parser}: use one of {', '.join(TOOL_CALL_PARSERS)}")
+        need(self.reasoning_parser in (None, *REASONING_PARSERS),
+             f"--reasoning-parser {self.reasoning_parser}: use one of {', '.join(REASONING_PARSERS)}")
+        t = self.chat_template
+        need(t is None or "{" in t or os.path.isfile(t),
+             f"--chat-template {t}: no such file (give a Jinja file or the template itself)")
 
     def _validate_dp_attention(self, need) -> None:
         need(self.dp_size >= 1, f"--dp-size must be >= 1, got {self.dp_size}")

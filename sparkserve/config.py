@@ -29,6 +29,19 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    # Gemma's departures from the Llama block, as data (FAMILY_TRAITS / _gemma_fields):
+    # the embedding times embed_scale; attention scale (None: head_dim ** -0.5) and logit soft-cap;
+    # a soft-cap on the final logits; "sandwich" norms (each branch normed before and after);
+    # the GLU activation; norm weights stored as w - norm_offset (Gemma's 1 + w, added at load);
+    # the rope base of sliding-window layers where it differs from rope_theta (no scaling there).
+    embed_scale: float = 1.0
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sandwich_norms: bool = False
+    activation: str = "silu"
+    norm_offset: float = 0.0
+    local_rope_theta: float | None = None
     # Mixture of experts (num_experts 0: none): `moe_router` names the routing rule (layers/moe.py
     # ROUTERS), `moe_layers[i]` whether layer i's MLP is the MoE (the others are dense).
     num_experts: int = 0
@@ -46,16 +59,22 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
         arch = archs[0] if archs else _arch_from_model_type(d.get("model_type", ""))
+        if isinstance(d.get("text_config"), dict):     # a multimodal checkpoint (Gemma 3 4B+): its text model
+            d = dict(d["text_config"], architectures=[arch])
+        d = {**_DEFAULTS.get(d.get("model_type", ""), {}), **d}
         n_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope, local_rope = _rope_parameters(d)
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         n_layers = d["num_hidden_layers"]
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         bias = bool(d.get("attention_bias", False))
-        traits = FAMILY_TRAITS.get(d.get("model_type") or _model_type_from_arch(arch), {})
+        model_type = d.get("model_type") or _model_type_from_arch(arch)
+        traits = dict(FAMILY_TRAITS.get(model_type, {}))
+        if model_type in _GEMMA_TYPES:
+            traits.update(_gemma_fields(d, model_type, local_rope))
         router = _moe_router(d, traits)
         n_experts = (d.get("num_experts") or d.get("num_local_experts") or 0) if router else 0
         return cls(
@@ -71,17 +90,25 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
             max_position_embeddings=d.get("max_position_embeddings") or d.get("model_max_length") or 4096,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", traits.get("tie_word_embeddings", False))),
             attention_bias=bias,
             qkv_bias=traits.get("qkv_bias", bias),
             o_bias=traits.get("o_bias", bias),
             qk_norm=traits.get("qk_norm", False),
+            embed_scale=traits.get("embed_scale", 1.0),
+            attn_scale=traits.get("attn_scale"),
+            attn_softcap=traits.get("attn_softcap"),
+            final_softcap=traits.get("final_softcap"),
+            sandwich_norms=traits.get("sandwich_norms", False),
+            activation=traits.get("activation", "silu"),
+            norm_offset=traits.get("norm_offset", 0.0),
+            local_rope_theta=traits.get("local_rope_theta"),
             num_experts=n_experts,
             num_experts_per_tok=d.get("num_experts_per_tok", 0) if n_experts else 0,
             moe_intermediate_size=d.get("moe_intermediate_size", d["intermediate_size"]) if n_experts else 0,
             moe_router=router if n_experts else "",
             moe_layers=_moe_layers(d, n_layers) if n_experts else [False] * n_layers,
-            layer_windows=_layer_windows(d, n_layers),
+            layer_windows=traits.get("layer_windows") or _layer_windows(d, n_layers),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             raw=d,
@@ -107,7 +134,62 @@ FAMILY_TRAITS: dict[str, dict[str, Any]] = {
 }
 _ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+_GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
+# What transformers' config classes assume where a shipped config.json leaves keys out (the Gemma 3
+# 4B+ checkpoints' `text_config` gives little more than the sizes).
+_GEMMA_DEFAULTS = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                   "query_pre_attn_scalar": 256, "sliding_window": 4096, "rms_norm_eps": 1e-6,
+                   "hidden_activation": "gelu_pytorch_tanh"}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": dict(_GEMMA_DEFAULTS, vocab_size=256000, max_position_embeddings=8192, rope_theta=10000.0,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3_text": dict(_GEMMA_DEFAULTS, vocab_size=262208, max_position_embeddings=131072, rope_theta=1e6,
+                        rope_local_base_freq=10000.0, sliding_window_pattern=6),
+}
+# transformers' names for the GLU activations the decoder runs (layers/activation.py GLUS)
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _rope_parameters(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the rope of full-attention layers, that of sliding-window layers where the config gives
+    them apart): transformers 5 writes `rope_parameters` keyed by layer type for Gemma 3; older
+    configs `rope_scaling` (+ Gemma 3's `rope_local_base_freq`)."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if "full_attention" in rope:
+        return dict(rope["full_attention"]), rope.get("sliding_attention")
+    local = d.get("rope_local_base_freq")
+    return rope, None if local is None else {"rope_type": "default", "rope_theta": local}
+
+
+def _gemma_fields(d: dict[str, Any], model_type: str, local_rope: dict[str, Any] | None) -> dict[str, Any]:
+    """What Gemma 2 / 3 change in the Llama block (transformers' Gemma2/Gemma3 modules): 1 + w norms,
+    sandwich norms, the embedding times sqrt(hidden), GeGLU, query_pre_attn_scalar, soft-caps
+    (Gemma 2), q/k norms and a local rope base on the sliding layers (Gemma 3), a tied head; and the
+    sliding layers when a config predates `layer_types`: every other one from layer 0 (Gemma 2),
+    all but every `sliding_window_pattern`-th (Gemma 3)."""
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"hidden_activation {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
+    fields: dict[str, Any] = {
+        "embed_scale": d["hidden_size"] ** 0.5, "sandwich_norms": True, "norm_offset": 1.0,
+        "activation": _ACTIVATIONS[act], "tie_word_embeddings": True,
+        "attn_scale": d.get("query_pre_attn_scalar", d.get("head_dim", 256)) ** -0.5,
+        "attn_softcap": d.get("attn_logit_softcapping"), "final_softcap": d.get("final_logit_softcapping"),
+        "qk_norm": model_type != "gemma2",
+    }
+    if local_rope is not None:
+        kind = local_rope.get("rope_type", local_rope.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"rope_parameters.sliding_attention: rope_type {kind!r} is not supported on "
+                             "sliding-window layers (supported: default)")
+        fields["local_rope_theta"] = float(local_rope["rope_theta"])
+    n, window = d["num_hidden_layers"], d.get("sliding_window")
+    if not d.get("layer_types") and window:
+        pattern = 2 if model_type == "gemma2" else d.get("sliding_window_pattern", 6)
+        fields["layer_windows"] = [None if (i + 1) % pattern == 0 else window for i in range(n)]
+    return fields
 
 
 def _moe_router(d: dict[str, Any], traits: dict[str, Any]) -> str:

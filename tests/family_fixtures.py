@@ -31,6 +31,11 @@ _QWEN2 = dict(TINY_CONFIGS["llama"], num_hidden_layers=2, max_window_layers=2, u
 _LLAMA3 = dict(TINY_CONFIGS["llama"], num_hidden_layers=2, max_position_embeddings=16384,
                rope_parameters=LLAMA3_ROPE)
 _MOE = dict(TINY_CONFIGS["llama"], num_experts_per_tok=2)
+# Gemma: soft-caps near the tiny model's score and logit sizes (so that they bite); a window of 8;
+# query_pre_attn_scalar = head_dim where a GGUF file must carry it (llama.cpp derives the scale).
+_GEMMA = dict(TINY_CONFIGS["llama"], sliding_window=8, query_pre_attn_scalar=16, tie_word_embeddings=True)
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 # name -> (HF model_type, config); Qwen2.5-0.5B and Llama 3.2 tie the LM head, 7B / 3.1 8B do not.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", dict(_QWEN2, tie_word_embeddings=False)),
@@ -51,8 +56,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                         norm_topk_prob=False, tie_word_embeddings=True)),
     "mixtral": ("mixtral", dict(_MOE, num_hidden_layers=2, num_local_experts=4, sliding_window=None,
                                 tie_word_embeddings=False)),
+    # Gemma 2: sliding, full, sliding; soft-capped attention scores and logits
+    "gemma2": ("gemma2", dict(_GEMMA, attn_logit_softcapping=1.0, final_logit_softcapping=1.0)),
+    # Gemma 2 27B's kind of attention scale (query_pre_attn_scalar != head_dim); HF only
+    "gemma2_scalar": ("gemma2", dict(_GEMMA, num_hidden_layers=2, query_pre_attn_scalar=24,
+                                     attn_logit_softcapping=None, final_logit_softcapping=None)),
+    # Gemma 3: 5 sliding layers (local rope base 1e4) then a full one (base 1e6, linear x8), q/k norms
+    "gemma3": ("gemma3_text", dict(_GEMMA, num_hidden_layers=6, rope_parameters=GEMMA3_ROPE)),
 }
 MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral"}
+# What the native step does not compute (models/llama_native.py beyond_native): the Python path runs them.
+PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2", "gemma2_scalar", "gemma3"}
 
 
 def make_family_checkpoint(name: str, path: str, bf16_copy: str | None = None) -> str:
@@ -96,16 +110,19 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
 # per-expert tensors (Qwen2MoeModel / LlamaModel.modify_tensors stack them) -> the stacked GGUF name
 _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
             "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+# Gemma 2 / 3: the attention output is normed, and the MLP before and after (gguf-py's gemma2/gemma3 lists)
+_GEMMA_LAYER = dict(_LAYER, post_attention_layernorm="post_attention_norm",
+                    pre_feedforward_layernorm="ffn_norm", post_feedforward_layernorm="post_ffw_norm")
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, layer_names: dict[str, str] = _LAYER) -> str:
     if name in _TOP:
         return _TOP[name]
     _, _, layer, rest = name.split(".", 3)
     base, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER[base]}.{kind}"
+    return f"blk.{layer}.{layer_names[base]}.{kind}"
 
 
 def _permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
@@ -145,8 +162,11 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
     from safetensors.torch import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
         hp = json.load(f)
-    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[hp["model_type"]]
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+            "gemma2": "gemma2", "gemma3_text": "gemma3"}[hp["model_type"]]
+    gemma = arch.startswith("gemma")
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)      # Gemma 3: the global layers' (llama.cpp knows the local)
     n_head, n_kv = hp["num_attention_heads"], hp.get("num_key_value_heads")
     w = gguf.GGUFWriter(out, arch)
     # TextModel.set_gguf_parameters
@@ -177,6 +197,11 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         w.add_expert_used_count(n_used)
     if arch == "qwen3moe":      # Qwen2MoeModel.set_gguf_parameters
         w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    if gemma:                   # Gemma2Model / Gemma3Model.set_gguf_parameters
+        w.add_sliding_window(hp["sliding_window"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(hp["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(hp["final_logit_softcapping"])
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                      "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[ftype])
 
@@ -204,6 +229,10 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
         t = t.float().numpy()
+        if gemma and name == "lm_head.weight":    # tied: the converters skip it
+            continue
+        if gemma and name.endswith("norm.weight"):   # Gemma's 1 + w, folded in by the converters
+            t = t + 1
         m = re.fullmatch(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight", name)
         if m and per_expert:
             add(f"blk.{m[1]}.{_EXPERTS[m[3]].removesuffix('_exps')}.{m[2]}.weight", t)
@@ -219,7 +248,7 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
                 t = _permute(t, n_head, n_head)
             if name.endswith(("k_proj.weight", "k_proj.bias")):
                 t = _permute(t, n_head, n_kv)
-        add(_gguf_name(name), t)
+        add(_gguf_name(name, _GEMMA_LAYER if gemma else _LAYER), t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

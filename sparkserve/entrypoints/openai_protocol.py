@@ -153,9 +153,15 @@ class ChatCompletionRequest(OpenAISampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: Objects | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # chat template controls (vLLM's names): continue_final_message continues the last
+    # (assistant) message instead of opening a new turn; the kwargs are template variables
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang: with --reasoning-parser, thinking goes to reasoning_content (False: left in content)
+    separate_reasoning: bool = True
 
 
 class CompletionRequest(OpenAISampling):
@@ -189,6 +195,25 @@ class GenerateRequest(_Request):
     bootstrap_host: str | Strs | None = None
     bootstrap_port: int | Ports | None = None
     bootstrap_room: int | Ints | None = None
+
+
+class TokenizeRequest(_Request):
+    """/tokenize (SGLang's and vLLM's): a prompt (`text` is SGLang's other name) or chat messages."""
+    model: str | None = None
+    prompt: str | Strs | None = None
+    text: str | Strs | None = None
+    messages: Objects | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: Objects | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: Ints
+    skip_special_tokens: bool = True
 
 
 class AbortRequest(_Request):

@@ -1,5 +1,5 @@
-"""SGLang routes: /generate, /server_info, /model_info (also under /get_...), /metrics, and the
-operations /health, /health_generate, /flush_cache, /abort_request."""
+"""SGLang routes: /generate, /tokenize, /detokenize, /server_info, /model_info (also under /get_...),
+/metrics, and the operations /health, /health_generate, /flush_cache, /abort_request."""
 from __future__ import annotations
 
 import asyncio
@@ -13,10 +13,16 @@ from starlette.responses import PlainTextResponse, Response
 import sparkserve
 from sparkserve.entrypoints.http_io import JSON, context, error_response, parse, respond, submit
 from sparkserve.entrypoints.metrics import CONTENT_TYPE
-from sparkserve.entrypoints.openai_protocol import AbortRequest, ApiError, GenerateRequest
+from sparkserve.entrypoints.openai_protocol import (
+    AbortRequest,
+    ApiError,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+)
 from sparkserve.entrypoints.tokenizer_manager import Unavailable
 from sparkserve.messages import GenerateReq
-from sparkserve.sampling_params import MAX_RID_CHARS, SamplingParams
+from sparkserve.sampling_params import MAX_PROMPTS, MAX_RID_CHARS, SamplingParams
 
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -31,6 +37,58 @@ async def generate(request: Request) -> Response:
     return await respond(request, serving.tm, seqs, req.stream,
                          lambda sub: serving.stream(seqs, sub, batch, with_text),
                          lambda sub: serving.full(seqs, sub, batch, with_text))
+
+
+@router.post("/tokenize")
+@router.post("/v1/tokenize")
+async def tokenize(request: Request) -> Response:
+    """Token ids of a prompt (or a batch of them: lists of ids and counts) or of a chat's rendered
+    prompt, as SGLang and vLLM answer: tokens, count, max_model_len."""
+    ctx = context(request)
+    req = await parse(request, TokenizeRequest)
+    ctx.chat.check_model(req.model)
+    given = [n for n in ("prompt", "text", "messages") if getattr(req, n) is not None]
+    if len(given) != 1:
+        got = f" (got {', '.join(given)})" if given else ""
+        raise ApiError(400, f"prompt: give one of prompt, text or messages{got}",
+                       given[-1] if given else "prompt")
+    tok = ctx.chat.tokenizer(given[0])
+
+    def run() -> list[int] | list[list[int]]:
+        if req.messages is not None:
+            text = ctx.chat.render(req, req.tools or None)       # the template writes its own BOS
+            return ctx.chat.tokenize(text, "messages")
+        value = req.prompt if req.prompt is not None else req.text
+        texts = [value] if isinstance(value, str) else value
+        if len(texts) > MAX_PROMPTS:
+            raise ApiError(400, f"{given[0]}: {len(texts)} prompts; at most {MAX_PROMPTS}", given[0])
+        ids = []
+        for i, t in enumerate(texts):
+            where = given[0] if isinstance(value, str) else f"{given[0]}[{i}]"
+            try:
+                ids.append(tok.encode(t, add_special_tokens=req.add_special_tokens))
+            except Exception as e:  # noqa: BLE001 - e.g. lone surrogates the tokenizer cannot encode
+                raise ApiError(400, f"{where}: cannot be tokenized ({type(e).__name__}: {e})",
+                               given[0]) from None
+        return ids[0] if isinstance(value, str) else ids
+    tokens = await asyncio.to_thread(run)
+    count = [len(t) for t in tokens] if tokens and isinstance(tokens[0], list) else len(tokens)
+    return JSON({"tokens": tokens, "count": count, "max_model_len": ctx.tm.info.context_length})
+
+
+@router.post("/detokenize")
+@router.post("/v1/detokenize")
+async def detokenize(request: Request) -> Response:
+    ctx = context(request)
+    req = await parse(request, DetokenizeRequest)
+    ctx.chat.check_model(req.model)
+    tok = ctx.chat.tokenizer("tokens")
+    bad = next((t for t in req.tokens if not 0 <= t < tok.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"tokens: {bad} is not a token id of this model (0 to {tok.vocab_size - 1})",
+                       "tokens")
+    text = await asyncio.to_thread(tok.decode, req.tokens, req.skip_special_tokens)
+    return JSON({"text": text})
 
 
 @router.get("/model_info")

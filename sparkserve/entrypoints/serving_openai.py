@@ -12,14 +12,22 @@ from sparkserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAISampling,
+    TokenizeRequest,
+    short_repr,
 )
 from sparkserve.entrypoints.serving_base import ServingBase, finish_reason, sse, usage
-from sparkserve.entrypoints.tokenizer_manager import SeqOut, Submission
+from sparkserve.entrypoints.tokenizer_manager import SeqOut, Submission, TokenizerManager
+from sparkserve.frontend.chat_output import ChatOutputParser
+from sparkserve.frontend.chat_template import continue_final, load_chat_template, render_chat_template
 from sparkserve.frontend.prepare import room_left
+from sparkserve.frontend.reasoning_parser import REASONING_PARSERS
+from sparkserve.frontend.tool_parsers import TOOL_PARSERS
 from sparkserve.messages import GenerateReq
 from sparkserve.sampling_params import MAX_MESSAGES
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# what the server itself hands the chat template (chat_template_kwargs may not override them)
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "special_tokens"})
 
 
 def last_hidden(req: OpenAISampling, o: SeqOut) -> dict:
@@ -41,7 +49,8 @@ class OpenAIServing(ServingBase):
         """Chunks sent before any token (chat: the assistant role of each choice)."""
         return []
 
-    def stream_choices(self, req: Any, o: SeqOut, offsets: dict[int, int]) -> list[dict]:
+    def stream_choices(self, req: Any, o: SeqOut, state: dict[int, Any]) -> list[dict]:
+        """Chunks for one SeqOut; `state`: each choice's, kept across the stream's SeqOuts."""
         raise NotImplementedError
 
     def full_choice(self, req: Any, index: int, parts: list[SeqOut]) -> dict:
@@ -50,7 +59,7 @@ class OpenAIServing(ServingBase):
     async def stream(self, req: Any, rid: str, seqs: list[GenerateReq],
                      sub: Submission) -> AsyncIterator[str]:
         created, usage_on = int(time.time()), bool(req.stream_options and req.stream_options.include_usage)
-        offsets: dict[int, int] = {}
+        state: dict[int, Any] = {}
 
         def chunk(choices: list, usage_: Any = None) -> str:
             body = {"id": rid, "object": self.chunk_object, "created": created,
@@ -65,7 +74,7 @@ class OpenAIServing(ServingBase):
             if isinstance(event, dict):          # final usage
                 yield chunk([], event)
                 continue
-            for choice in self.stream_choices(req, event, offsets):
+            for choice in self.stream_choices(req, event, state):
                 yield chunk([choice])
 
     async def full(self, req: Any, rid: str, seqs: list[GenerateReq], sub: Submission) -> dict:
@@ -84,52 +93,153 @@ class ServingChat(OpenAIServing):
             raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
-        if len(req.messages) > MAX_MESSAGES:
-            raise ApiError(400, f"messages: {len(req.messages)} messages; one chat may have at most "
-                                f"{MAX_MESSAGES}", "messages")
-        for i, m in enumerate(req.messages):
-            if m.get("role") not in CHAT_ROLES:
-                raise ApiError(400,
-                               f"messages.{i}.role: {m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}",
-                               "messages")
-        tok = self.tokenizer("messages")
-        try:
-            text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tools=req.tools,
-                                           **(req.chat_template_kwargs or {}))
-        except ValueError as e:
-            raise ApiError.bad_request(e, "messages") from None
-        # noqa: BLE001 - template errors (raise_exception, bad roles) are the request's
-        except Exception as e:
-            raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        ids = self.tokenize(text, "messages")
+        tools = self.tools_to_parse(req)
+        ids = self.tokenize(self.render(req, tools), "messages")
         self.check_length(ids, "messages", "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         names = {"top_logprobs_num": "top_logprobs"}
+        if tools and not self.tool_parser.skip_special_tokens:
+            req = req.model_copy(update={"skip_special_tokens": False})     # the call markers are special
         return self.fan(rid, [(ids, self.openai_params(req, ids, max_tokens, None, top, names))],
                         req.return_hidden_states, dp_rank=self.dp_rank(req.routed_dp_rank),
                         boots=self.bootstraps(req, 1))
+
+    def __init__(self, tm: TokenizerManager, model_names: set[str], served_name: str):
+        super().__init__(tm, model_names, served_name)
+        args = tm.args
+        self.template = load_chat_template(args.chat_template) if args.chat_template else None
+        self.tool_parser = TOOL_PARSERS[args.tool_call_parser]() if args.tool_call_parser else None
+        self.reasoning_parser = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
+
+    def check_messages(self, messages: list[dict]) -> None:
+        if len(messages) > MAX_MESSAGES:
+            raise ApiError(400, f"messages: {len(messages)} messages; one chat may have at most "
+                                f"{MAX_MESSAGES}", "messages")
+        for i, m in enumerate(messages):
+            if m.get("role") not in CHAT_ROLES:
+                raise ApiError(400,
+                               f"messages.{i}.role: {m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}",
+                               "messages")
+
+    def tools_to_parse(self, req: ChatCompletionRequest) -> list[dict] | None:
+        """The request's tools when its answer is to be parsed for calls (they are also what the
+        template renders); None for none (no tools, or tool_choice none). A choice this server
+        cannot honour is a 400, never a hope."""
+        choice, tools = req.tool_choice, req.tools or []
+        for i, t in enumerate(tools):
+            fn = t.get("function")
+            if t.get("type", "function") != "function" or not isinstance(fn, dict) or \
+                    not isinstance(fn.get("name"), str):
+                raise ApiError(400, f"tools.{i}: a tool is {{\"type\": \"function\", \"function\": "
+                                    "{\"name\": ..., \"parameters\": {...}}}", "tools")
+        named = isinstance(choice, dict)
+        if named:
+            fn = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(fn, dict) or \
+                    not isinstance(fn.get("name"), str):
+                raise ApiError(400, "tool_choice: a named choice is {\"type\": \"function\", \"function\": "
+                                    "{\"name\": ...}}", "tool_choice")
+        elif choice not in (None, "none", "auto", "required"):
+            raise ApiError(400, f"tool_choice: {short_repr(choice)} is not one of none, auto, required or "
+                                "a named function", "tool_choice")
+        if choice not in (None, "none") and not tools:
+            raise ApiError(400, "tool_choice: needs tools", "tool_choice")
+        if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
+            raise ApiError(400, f"tool_choice: no tool is named {short_repr(choice['function']['name'])}",
+                           "tool_choice")
+        if named or choice == "required":
+            raise ApiError(400, "tool_choice: a required or named tool call needs constrained decoding, "
+                                "which this server does not do yet; send auto or none", "tool_choice")
+        if not tools or choice == "none":
+            return None
+        if self.tool_parser is None:
+            raise ApiError(400, "tools: this server does not parse tool calls (start it with "
+                                f"--tool-call-parser, one of {', '.join(TOOL_PARSERS)}); or send "
+                                "tool_choice: none", "tools")
+        return tools
+
+    def render(self, req: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None) -> str:
+        """The prompt text of a chat: the chat template (--chat-template, else the tokenizer's) over
+        the messages, tools and chat_template_kwargs, closed by the assistant's turn opening
+        (add_generation_prompt) or left inside the last message (continue_final_message)."""
+        self.check_messages(req.messages)
+        cont = req.continue_final_message
+        if cont and req.add_generation_prompt:
+            raise ApiError(400, "continue_final_message: cannot be true with add_generation_prompt (which "
+                                "defaults to true): send add_generation_prompt: false",
+                           "continue_final_message")
+        if cont and req.messages[-1].get("role") != "assistant":
+            raise ApiError(400, "continue_final_message: the last message must be the assistant's",
+                           "continue_final_message")
+        kwargs = req.chat_template_kwargs or {}
+        taken = sorted(set(kwargs) & TEMPLATE_VARIABLES)
+        if taken:
+            raise ApiError(400, f"chat_template_kwargs: {', '.join(taken)} are set by the server (use the "
+                                "request's own fields)", "chat_template_kwargs")
+        tok, opening = self.tokenizer("messages"), req.add_generation_prompt
+        try:
+            if self.template is not None:
+                text = render_chat_template(self.template, req.messages, add_generation_prompt=opening,
+                                            tools=tools, special_tokens=tok.special_tokens, **kwargs)
+            else:
+                text = tok.apply_chat_template(req.messages, add_generation_prompt=opening, tools=tools,
+                                               **kwargs)
+            return continue_final(text, req.messages) if cont else text
+        except ValueError as e:
+            raise ApiError.bad_request(e, "continue_final_message" if cont and "continue_final" in str(e)
+                                       else "messages") from None
+        # noqa: BLE001 - template errors (raise_exception, bad roles) are the request's
+        except Exception as e:
+            raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
+
+    def output_parser(self, req: ChatCompletionRequest) -> ChatOutputParser | None:
+        """How this request's answers are read: tool calls when tools_to_parse says so, thinking
+        apart unless separate_reasoning is off or the template was told enable_thinking: false."""
+        tools = self.tool_parser if req.tools and req.tool_choice != "none" else None
+        thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        reasoning = self.reasoning_parser if req.separate_reasoning and thinking else None
+        return ChatOutputParser(reasoning, tools) if tools or reasoning else None
 
     def first_choices(self, seqs: list[GenerateReq]) -> list[dict]:
         return [{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for s in seqs]
 
-    def stream_choices(self, req: ChatCompletionRequest, o: SeqOut, offsets: dict[int, int]) -> list[dict]:
-        out = []
-        if o.text or (req.logprobs and o.token_ids):
+    def stream_choices(self, req: ChatCompletionRequest, o: SeqOut, state: dict[int, Any]) -> list[dict]:
+        out, final = [], o.finish_reason is not None
+        parser = self.output_parser(req)
+        if parser is None:
+            delta = {"content": o.text} if o.text else {}
+        else:
+            if o.index not in state:
+                state[o.index] = parser.stream()
+            delta = state[o.index].feed(o.text, final)
+        if delta or (req.logprobs and o.token_ids):
             lp = {"content": self._logprobs(o)} if req.logprobs else None
-            out.append({"index": o.index, "delta": {"content": o.text}, "logprobs": lp,
+            out.append({"index": o.index, "delta": delta or {"content": ""}, "logprobs": lp,
                         "finish_reason": None})
-        if o.finish_reason is not None:
-            out.append({"index": o.index, "delta": {}, "logprobs": None,
-                        "finish_reason": finish_reason(o.finish_reason), **last_hidden(req, o)})
+        if final:
+            reason = finish_reason(o.finish_reason)
+            if parser is not None and state[o.index].made_calls and reason == "stop":
+                reason = "tool_calls"
+            out.append({"index": o.index, "delta": {}, "logprobs": None, "finish_reason": reason,
+                        **last_hidden(req, o)})
         return out
 
     def full_choice(self, req: ChatCompletionRequest, index: int, parts: list[SeqOut]) -> dict:
-        msg = {"role": "assistant", "content": "".join(o.text for o in parts)}
+        text = "".join(o.text for o in parts)
+        parser = self.output_parser(req)
+        reason = finish_reason(parts[-1].finish_reason)
+        if parser is None:
+            msg = {"role": "assistant", "content": text}
+        else:
+            answer = parser.parse(text)
+            msg = answer.message(with_reasoning=parser.reasoning is not None)
+            if answer.calls and reason == "stop":
+                reason = "tool_calls"
         lp = {"content": [c for o in parts for c in self._logprobs(o)]} if req.logprobs else None
-        return {"index": index, "message": msg, "logprobs": lp,
-                "finish_reason": finish_reason(parts[-1].finish_reason), **last_hidden(req, parts[-1])}
+        return {"index": index, "message": msg, "logprobs": lp, "finish_reason": reason,
+                **last_hidden(req, parts[-1])}
 
     def _logprobs(self, o: SeqOut) -> list[dict]:
         entries = []

@@ -180,3 +180,29 @@ def render_chat_template(
         add_generation_prompt=add_generation_prompt,
         **variables,
     )
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a Jinja file, or the template itself; compiled here so a broken one stops
+    the server at start-up, not at its first chat."""
+    text = value
+    if "{" not in value:
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    try:
+        compile_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template (line {e.lineno}: "
+                         f"{e.message})") from None
+    return text
+
+
+def continue_final(prompt: str, messages: Sequence[Any]) -> str:
+    """The prompt cut right after the last message's content, so the model continues that message
+    (vLLM's continue_final_message): whatever the template writes after it (end of turn) goes."""
+    content = normalize_messages(messages)[-1].get("content", "")
+    at = prompt.rfind(content) if content else -1
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the last message's "
+                         "content as it is, so there is nothing to continue")
+    return prompt[:at + len(content)]

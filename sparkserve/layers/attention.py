@@ -29,13 +29,17 @@ KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 class PagedAttention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 window: int | None = None):
+                 window: int | None = None, scale: float | None = None, softcap: float | None = None):
+        """`scale`: of q.k (default head_dim ** -0.5); `softcap`: scores pass through
+        softcap * tanh(score / softcap) (Gemma 2), which the kernels and SDPA do not: such a layer
+        attends in torch ops (`_softcapped`)."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.softcap = softcap
         self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -44,6 +48,8 @@ class PagedAttention(nn.Module):
         k_buf, v_buf = batch.kv_pool.layer(self.layer_id)
         batch.store(k_buf, k, self.window)
         batch.store(v_buf, v, self.window)
+        if self.softcap is not None:
+            return self._softcapped(q, k_buf, v_buf, batch)
         ext = self._kernel_extension(q, k_buf, v_buf, batch)
         if ext is None:
             return self._sdpa(q, k_buf, v_buf, batch)
@@ -86,17 +92,36 @@ class PagedAttention(nn.Module):
     def _sdpa(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
               batch: ForwardBatch) -> torch.Tensor:
         """Gather each request's keys into a padded batch and attend under one mask."""
-        _, kv_indices, _ = batch.kv_view(self.window)
-        q_index, flat_index = batch.query_layout()
-        B = batch.batch_size
-        qp = q.view(B, -1, *q.shape[1:]) if q_index is None else q[q_index]
-        qmax = qp.shape[1]
-        qp = qp.transpose(1, 2)                                          # [B, H, Qmax, D]
-        kp = k_buf[kv_indices].transpose(1, 2).to(q.dtype)              # [B, Hkv, L, D]
-        vp = v_buf[kv_indices].transpose(1, 2).to(q.dtype)
+        qp, kp, vp, mask = self._gathered(q, k_buf, v_buf, batch)
         out = torch.nn.functional.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=batch.attn_mask(self.window), scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads)
+            qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self._flat(out, batch)
+
+    def _softcapped(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                    batch: ForwardBatch) -> torch.Tensor:
+        """_sdpa's gather with the scores soft-capped before the mask and softmax."""
+        qp, kp, vp, mask = self._gathered(q, k_buf, v_buf, batch)
+        group = self.num_heads // self.num_kv_heads
+        kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
+        scores = torch.tanh(qp @ kp.transpose(-1, -2) * (self.scale / self.softcap)) * self.softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self._flat(torch.softmax(scores, dim=-1) @ vp, batch)
+
+    def _gathered(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, batch: ForwardBatch
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Queries [B, H, Qmax, D], keys and values [B, Hkv, L, D] padded per request, the mask."""
+        _, kv_indices, _ = batch.kv_view(self.window)
+        q_index, _ = batch.query_layout()
+        qp = q.view(batch.batch_size, -1, *q.shape[1:]) if q_index is None else q[q_index]
+        kp = k_buf[kv_indices].transpose(1, 2).to(q.dtype)
+        vp = v_buf[kv_indices].transpose(1, 2).to(q.dtype)
+        return qp.transpose(1, 2), kp, vp, batch.attn_mask(self.window)
+
+    def _flat(self, out: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """[B, H, Qmax, D] -> the batch's flat rows [T, H*D]."""
+        _, flat_index = batch.query_layout()
+        B, _, qmax, _ = out.shape
         out = out.transpose(1, 2).reshape(B * qmax, self.num_heads * self.head_dim)
         return out if flat_index is None else out[flat_index]
 

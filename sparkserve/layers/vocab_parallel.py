@@ -34,9 +34,11 @@ class VocabParallelEmbedding(Sharded, BlockBacked):
     """Served quantized ("int8"), the embedding looks its rows up in the checkpoint's blocks (the
     same values, dequantized per lookup: a few rows a step) and holds no fp32 table."""
 
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(self, vocab_size: int, hidden_size: int, scale: float = 1.0):
+        """`scale`: what every looked-up row is multiplied by (Gemma's sqrt(hidden)), here so the
+        forward, aux tap -1 and a draft sharing this embedding all see the model's values."""
         super().__init__()
-        self.num_embeddings, self.embedding_dim = vocab_size, hidden_size
+        self.num_embeddings, self.embedding_dim, self.scale = vocab_size, hidden_size, scale
         self.start, self.rows, self.real = vocab_shard(vocab_size)
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
         self.activation_quant = "none"
@@ -70,11 +72,13 @@ class VocabParallelEmbedding(Sharded, BlockBacked):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ps.tp_size() == 1:
-            return self._lookup(ids)
-        local = ids - self.start
-        inside = (local >= 0) & (local < self.rows)
-        x = self._lookup(torch.where(inside, local, 0))
-        return ps.all_reduce(x.masked_fill_(~inside.unsqueeze(-1), 0.0))
+            x = self._lookup(ids)
+        else:
+            local = ids - self.start
+            inside = (local >= 0) & (local < self.rows)
+            x = self._lookup(torch.where(inside, local, 0))
+            x = ps.all_reduce(x.masked_fill_(~inside.unsqueeze(-1), 0.0))
+        return x if self.scale == 1.0 else x * self.scale
 
 
 class ParallelLMHead(Linear):

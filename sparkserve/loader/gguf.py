@@ -30,9 +30,14 @@ from sparkserve.loader.weights import with_blocks
 log = logging.getLogger(__name__)
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-          "mistral": "MistralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+          "mistral": "MistralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+          "gemma3": "Gemma3ForCausalLM"}
 # GGUF arch -> HF model_type where they differ; llama.cpp writes Mixtral as arch llama with experts.
-_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+# Gemma 2 / 3 as llama.cpp builds them: its sliding-window layers' rope base (not in the file) and
+# the layer count of the 27B models, whose attention scale is 1/sqrt(hidden / heads), not of head_dim.
+_GEMMA_LOCAL_ROPE_BASE = 10000.0
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Archs whose q/k rows (weights and biases) llama.cpp's converter permutes for its NORM rope
 # (`LlamaModel.permute`); qwen2/qwen3 use NEOX rope and are stored as HF has them.
 _PERMUTED = {"llama"}
@@ -50,6 +55,11 @@ _LAYER_NAMES = {
     "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Gemma 2 / 3 norm the attention output and both sides of the MLP: there `ffn_norm` is the MLP's input norm.
+_GEMMA_LAYER_NAMES = dict(_LAYER_NAMES, ffn_norm="pre_feedforward_layernorm",
+                          post_attention_norm="post_attention_layernorm",
+                          post_ffw_norm="post_feedforward_layernorm")
+_LAYER_NAMES_OF = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -94,6 +104,8 @@ def gguf_config(path: str) -> ModelConfig:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    if arch in _GEMMA_27B_LAYERS:
+        hf.update(_gemma_fields(arch, get, n_layers, hidden, n_heads, head_dim))
     if n_experts:       # llama.cpp renormalises the top-k of both (norm_w) unless the file says not
         hf.update(num_experts=n_experts, num_experts_per_tok=get("expert_used_count"),
                   moe_intermediate_size=get("expert_feed_forward_length", get("feed_forward_length")),
@@ -102,6 +114,25 @@ def gguf_config(path: str) -> ModelConfig:
     # Which projections carry a bias is what the file holds (as llama.cpp's optional tensors).
     return dataclasses.replace(ModelConfig.from_hf_dict(hf), qkv_bias="blk.0.attn_q.bias" in names,
                                o_bias="blk.0.attn_output.bias" in names)
+
+
+def _gemma_fields(arch: str, get, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
+    """The HF config keys of a Gemma 2 / 3 GGUF that llama.cpp reads, or knows per model."""
+    big = n_layers == _GEMMA_27B_LAYERS[arch]
+    fields: dict[str, Any] = {"query_pre_attn_scalar": hidden // n_heads if big else head_dim,
+                              "hidden_activation": "gelu_pytorch_tanh"}
+    if arch == "gemma2":       # absent: llama.cpp's defaults, as transformers' (config.py _DEFAULTS)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if (cap := get(key)) is not None:
+                fields[key] = cap
+    else:
+        fields["rope_local_base_freq"] = _GEMMA_LOCAL_ROPE_BASE
+    pattern = get("attention.sliding_window_pattern")     # where a file says it (else the family's)
+    if isinstance(pattern, int):
+        fields["sliding_window_pattern"] = pattern
+    elif pattern is not None:
+        fields["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
+    return fields
 
 
 def _rope_scaling(reader: GGUFFile, get, arch: str, head_dim: int) -> dict[str, Any] | None:
@@ -144,7 +175,8 @@ def gguf_weights(path: str, cfg: ModelConfig, names: set[str] | None = None, for
     file's reader is dropped from the cache: a process reads its weights once, and the reader
     holds a few times the metadata's memory besides the file's mapping."""
     reader = open_gguf(path)
-    permuted = gguf_metadata(path)["general.architecture"] in _PERMUTED
+    arch = gguf_metadata(path)["general.architecture"]
+    permuted = arch in _PERMUTED
     forms = _int8_forms(reader) if for_int8 else {}
     if forms and names is None:
         kinds = Counter(f"{type_name(int(t.tensor_type))} -> {type_name(forms[t.name])}"
@@ -152,7 +184,7 @@ def gguf_weights(path: str, cfg: ModelConfig, names: set[str] | None = None, for
         log.info("GGUF weights held for the int8 kernels: %s",
                  ", ".join(f"{k} x {n}" for k, n in kinds.items()))
     try:
-        yield from _tensors(reader, cfg, names, permuted, forms)
+        yield from _tensors(reader, cfg, names, permuted, forms, _LAYER_NAMES_OF.get(arch, _LAYER_NAMES))
     finally:
         close_gguf(path)
 
@@ -181,11 +213,11 @@ def _int8_forms(reader: GGUFFile) -> dict[str, int]:
 
 
 def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permuted: bool,
-             int8_forms: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+             int8_forms: dict[str, int], layer_names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:      # read into the config's rope scaling (gguf_config)
             continue
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, layer_names)
         if names is not None and name not in names:
             continue
         shape = t.shape
@@ -203,20 +235,22 @@ def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permute
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if perm is not None:
             w = w[perm]
+        if cfg.norm_offset and name.endswith("norm.weight"):
+            w = w - np.float32(cfg.norm_offset)   # the converter folded Gemma's 1 + w in: HF's w loads
         yield name, torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
 
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
     m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight", name)
     if m:       # older Mixtral GGUFs: one tensor per expert
         return f"model.layers.{m[1]}.mlp.experts.{m[3]}.{m[2]}_proj.weight"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m:
         layer, part, kind = m.groups()
-        if part not in _LAYER_NAMES:
+        if part not in layer_names:
             raise ValueError(f"unknown GGUF tensor {name}")
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{layer_names[part]}.{kind}"
     base, kind = name.rsplit(".", 1)
     if base not in _TOP_NAMES:
         raise ValueError(f"unknown GGUF tensor {name}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -32,14 +32,17 @@ def safetensor_files(path: str) -> list[str]:
     return files
 
 
-def hf_weights(path: str, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, or only those in `names` (the others are not read)."""
+def hf_weights(path: str, names: set[str] | None = None,
+               rename: Callable[[str], str | None] = lambda name: name) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, or only those in `names` (the others are not read), under
+    the model's names: `rename` maps a checkpoint name to one (None: not the model's, not read)."""
     for file in safetensor_files(path):
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if names is not None and name not in names:
+            for stored in f.keys():
+                name = rename(stored)
+                if name is None or (names is not None and name not in names):
                     continue
-                t = f.get_tensor(name)
+                t = f.get_tensor(stored)
                 # bf16 / fp16 matrices keep their exact half form for the small-M kernel (linear.py)
                 qtype = BlockWeight.half_type(t)
                 fits = qtype is not None and BlockWeight.supports(qtype, t.shape)

@@ -41,6 +41,13 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.rotary: RotaryEmbedding | None = None
 
+    def layer_rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Each layer's (cos, sin) rows for `positions` (indexed by layer id), or None when the
+        layers bring their own position handling: one table for all layers here."""
+        if self.rotary is None:
+            return None
+        return [self.rotary.cos_sin(positions)] * len(self.layers)
+
 
 class CausalLM(AuxCaptureMixin, nn.Module):
     model: DecoderStack
@@ -80,6 +87,12 @@ class CausalLM(AuxCaptureMixin, nn.Module):
         if self.config.tie_word_embeddings and self.has_lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """The model's name for an HF checkpoint tensor, or None for one it does not hold (a
+        multimodal checkpoint's vision tower): loader/hf.py reads only what maps."""
+        return name
+
     def owns(self, name: str) -> bool:
         """Whether this pipeline stage holds the checkpoint tensor `name`."""
         m = re.match(r"model\.layers\.(\d+)\.", name)
@@ -96,8 +109,9 @@ class CausalLM(AuxCaptureMixin, nn.Module):
     def post_materialize(self) -> None:
         """After `to_empty`: re-tie the LM head and refill the rope tables."""
         self._tie()
-        if self.model.rotary is not None:
-            self.model.rotary.build()
+        for m in self.modules():
+            if isinstance(m, RotaryEmbedding):
+                m.build()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 proxy: PPProxy | None = None) -> torch.Tensor | PPProxy:
@@ -122,10 +136,9 @@ class CausalLM(AuxCaptureMixin, nn.Module):
         else:
             x = proxy.hidden
             batch.aux_hidden[:0] = proxy.aux
-        rotary = self.model.rotary
-        extra = (rotary.cos_sin(positions),) if rotary is not None else ()
+        rope = self.model.layer_rope(positions)
         for i in self.layer_range:
-            x = self.model.layers[i](x, *extra, batch)
+            x = self.model.layers[i](x, *((rope[i],) if rope is not None else ()), batch)
             if i in self.aux_layer_set:
                 batch.aux_hidden.append(x)
         if batch is not full:
@@ -146,12 +159,16 @@ class CausalLM(AuxCaptureMixin, nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] fp32 logits. Under tensor parallelism every first-stage tp rank runs this
         on the same rows at once (the driver's ModelRunner tells them: ForwardMirror.logits):
-        each computes its vocab slice, the driver gets them all (padding cut), the others None."""
+        each computes its vocab slice, the driver gets them all (padding cut), the others None.
+        A final soft-cap (Gemma 2) applies to what the driver gets."""
         logits = self.lm_head(hidden).float()
-        if not self.vocab_sharded:
-            return logits
-        full = ps.tp_gather(logits)
-        return None if full is None else full[:, :self.config.vocab_size]
+        if self.vocab_sharded:
+            logits = ps.tp_gather(logits)
+            if logits is None:
+                return None
+            logits = logits[:, :self.config.vocab_size]
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @staticmethod
     def tp_dims(cfg: ModelConfig) -> list[Dim]:

@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama, Qwen2 with q/k/v bias, Qwen3 with q/k norm, Mistral with sliding
-windows, SmolLM2; Mixtral and Qwen3-MoE with MoE layers). Which projections carry a bias is the
-config's `qkv_bias` / `o_bias`; which layers are MoE and their router rule, `moe_layers` / `moe_router`
-(layers/moe.py SharedExpertMoE without shared experts).
+windows, SmolLM2; Mixtral and Qwen3-MoE with MoE layers; Gemma 2 / 3 through models/gemma.py). Which
+projections carry a bias is the config's `qkv_bias` / `o_bias`; which layers are MoE and their router
+rule, `moe_layers` / `moe_router` (layers/moe.py SharedExpertMoE without shared experts); Gemma's
+departures (sandwich norms, GeGLU, attention scale and soft-cap, embedding scale, a local rope base on
+sliding layers) are ModelConfig fields too.
 
 Contract (docs/design.md): `forward(input_ids, positions, batch)` returns final normed hidden states;
 logits come from `compute_logits(hidden)` so callers choose the rows; `set_aux_layers(ids)`
@@ -18,7 +20,7 @@ from sparkserve.config import ModelConfig
 from sparkserve.core.forward_batch import ForwardBatch, PPProxy
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim, heads_shard, kv_heads_shard, kv_split, width_shard
-from sparkserve.layers.activation import silu_and_mul
+from sparkserve.layers.activation import GLUS
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.linear import FusedLinear, RowParallelLinear
@@ -48,7 +50,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(layer_id, self.h, self.hkv, self.d, cfg.layer_windows[layer_id])
+        self.attn = PagedAttention(layer_id, self.h, self.hkv, self.d, cfg.layer_windows[layer_id],
+                                   cfg.attn_scale, cfg.attn_softcap)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
@@ -71,17 +74,26 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": width, "up": width},
                                         tp_parts={"gate": (index, parts), "up": (index, parts)})
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = GLUS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm (Llama: post_attention_layernorm is the MLP's input norm), or with
+    cfg.sandwich_norms each branch normed before and after (Gemma: post_attention_layernorm norms
+    the attention output; pre_ / post_feedforward_layernorm the MLP's input and output)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         with ps.mlp_scope():
             if cfg.moe_layers and cfg.moe_layers[layer_id]:
                 self.mlp = SharedExpertMoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
@@ -90,19 +102,33 @@ class LlamaDecoderLayer(nn.Module):
                 self.mlp = LlamaMLP(cfg)
 
     def forward(self, x, cos_sin, batch):
-        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), cos_sin,
-                                                                        batch))
-        return x + run_mlp(self.mlp, h, batch)
+        a = self.self_attn(self.input_layernorm(x), cos_sin, batch)
+        if not self.sandwich:
+            x, h = self.post_attention_layernorm.add_norm(x, a)
+            return x + run_mlp(self.mlp, h, batch)
+        x, h = self.pre_feedforward_layernorm.add_norm(self.post_attention_layernorm(a), x)
+        return x + self.post_feedforward_layernorm(run_mlp(self.mlp, h, batch))
 
 
 class LlamaModel(DecoderStack):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embed_scale)
         self.layers = stage_layer_list(cfg.num_hidden_layers, lambda i: LlamaDecoderLayer(cfg, i))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
+        # Gemma 3: sliding-window layers rotate by their own base (unscaled)
+        self.local_rotary = None if cfg.local_rope_theta is None else RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta)
+        self.windowed = [w is not None for w in cfg.layer_windows]
+
+    def layer_rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        rope = self.rotary.cos_sin(positions)
+        if self.local_rotary is None:
+            return [rope] * len(self.layers)
+        local = self.local_rotary.cos_sin(positions)
+        return [local if w else rope for w in self.windowed]
 
 
 class LlamaForCausalLM(CausalLM):
@@ -179,6 +205,8 @@ class LlamaForCausalLM(CausalLM):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")      # Mixtral
+            if self.config.norm_offset and name.endswith("norm.weight"):
+                tensor = tensor + self.config.norm_offset             # Gemma: stored as w, used as 1 + w
             m = _EXPERT_TENSOR.fullmatch(name)
             if m:
                 self._load_expert(modules[m[1]], m[1], _EXPERT_PART[m[3]], tensor,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sparkserve.config import ModelConfig
 from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.kernels.build import load_extension
@@ -87,6 +88,8 @@ def unsupported(model: LlamaForCausalLM) -> str | None:
         return "it runs on several ranks"
     if model.model.rotary is None or model.model.rotary.cos.device.type != "cpu":
         return "no CPU rotary table"
+    if (beyond := beyond_native(model.config)) is not None:
+        return beyond
     for layer in model.model.layers:
         if isinstance(layer.mlp, SharedExpertMoE):
             return "a layer's MLP is a mixture of experts"
@@ -96,6 +99,17 @@ def unsupported(model: LlamaForCausalLM) -> str | None:
         if any(lin.bias is not None for lin in projs[1:]):
             return "a projection other than q|k|v has a bias"
     return None
+
+
+def beyond_native(cfg: ModelConfig) -> str | None:
+    """The first ModelConfig feature the native step (kernels/native_llama.cpp: pre-norms, SiLU GLU,
+    one rope table, scale 1/sqrt(head_dim), plain embedding) does not compute, or None."""
+    features = {"an embedding scale": cfg.embed_scale != 1.0, "sandwich norms": cfg.sandwich_norms,
+                f"the {cfg.activation} activation": cfg.activation != "silu",
+                "an attention scale": cfg.attn_scale is not None,
+                "attention soft-capping": cfg.attn_softcap is not None,
+                "a local rope base": cfg.local_rope_theta is not None}
+    return next((f"{name} is not in the native step" for name, on in features.items() if on), None)
 
 
 def _int8(model: LlamaForCausalLM) -> bool:

@@ -12,6 +12,7 @@ from sparkserve.config import ModelConfig
 from sparkserve.layers.block_backed import drop_blocks, hold_weights_in_huge_pages, set_activation_quant
 from sparkserve.layers.linear import pack_linears
 from sparkserve.mem.heap import release_freed_memory
+from sparkserve.models.gemma import GemmaForCausalLM
 from sparkserve.models.kimi_linear import KimiLinearForCausalLM
 from sparkserve.models.llama import LlamaForCausalLM
 from sparkserve.models.minimax_m3 import MiniMaxM3ForCausalLM
@@ -23,6 +24,9 @@ MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForConditionalGeneration": GemmaForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
 }
@@ -55,7 +59,7 @@ def checkpoint_weights(model_path: str, cfg: ModelConfig, names: set[str] | None
         from sparkserve.loader.gguf import gguf_weights
         return gguf_weights(model_path, cfg, names, for_int8)
     from sparkserve.loader.hf import hf_weights
-    return hf_weights(model_path, names)
+    return hf_weights(model_path, names, model_class(cfg).checkpoint_name)
 
 
 def load_model(model_path: str, cfg: ModelConfig | None = None, pack: bool = True,

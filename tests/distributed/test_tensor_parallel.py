@@ -63,6 +63,19 @@ def test_qwen2_ranks_equal_one(name, tmp_path):
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_ranks_equal_one(name, tmp_path):
+    """Gemma (the scaled embedding summed over the vocab-split ranks, q/k norms and soft-capped
+    scores per head, the final soft-cap on the gathered logits) on two ranks equals one process."""
+    from family_fixtures import make_family_checkpoint
+    path = make_family_checkpoint(name, str(tmp_path / name))
+    want = run_mixed(Engine(path, **COMMON))
+    with Engine(path, tp_size=2, **COMMON) as eng:
+        got = run_mixed(eng)
+        assert_no_kv_leak(eng.scheduler.cache)
+    assert_same(got, want)
+
+
 def test_retraction_and_hidden_states_under_tp(llama_dir):
     kw = dict(COMMON, max_total_tokens=96, max_running_requests=4, disable_radix_cache=True,
               enable_return_hidden_states=True)

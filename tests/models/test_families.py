@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import EXACT, assert_no_kv_leak, hf_greedy, load_hf_reference
-from family_fixtures import FAMILIES, LLAMA3_ROPE, MOE_FAMILIES, make_family_checkpoint, write_gguf
+from family_fixtures import FAMILIES, LLAMA3_ROPE, PYTHON_FAMILIES, make_family_checkpoint, write_gguf
 from test_model_logits import Driver, check_against_hf, make_runner, run_schedule
 from test_native_step import Counter
 
@@ -21,7 +21,8 @@ from sparkserve.loader.gguf import gguf_config
 from sparkserve.models.llama_native import unsupported
 
 # llama.cpp's qwen2 applies no sliding window (its converter writes none): the windowed variant is HF only.
-GGUF_FAMILIES = ["qwen2", "qwen2_tied", "llama3", "llama3_tied", "llama_linear", "qwen3_moe", "mixtral"]
+GGUF_FAMILIES = ["qwen2", "qwen2_tied", "llama3", "llama3_tied", "llama_linear", "qwen3_moe", "mixtral",
+                 "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +66,10 @@ def run_checked(path: str, ref, native: bool, monkeypatch) -> int:
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_logits_match_transformers(name, native, family_dirs, family_refs, monkeypatch):
     """Python path on the fp32 directory; native step (decode and small extends) on its bf16 copy,
-    which a MoE model refuses (its bf16 copy then runs the Python path, still equal)."""
+    which a MoE or Gemma model refuses (its bf16 copy then runs the Python path, still equal)."""
     path = family_dirs[f"{name}_bf16" if native else name]
     ran = run_checked(path, family_refs[name], native, monkeypatch)
-    assert (ran >= 6) if native and name not in MOE_FAMILIES else ran == 0
+    assert (ran >= 6) if native and name not in PYTHON_FAMILIES else ran == 0
 
 
 @pytest.mark.parametrize("ftype", ["f32", "f16"])
@@ -78,10 +79,12 @@ def test_family_gguf_equals_hf_dir(name, ftype, family_ggufs, family_dirs, famil
     path = family_ggufs[name, ftype]
     cfg, hf_cfg = gguf_config(path), ModelConfig.from_hf_dir(family_dirs[name])
     fields = ("architecture", "qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings", "num_experts",
-              "num_experts_per_tok", "moe_intermediate_size", "moe_router", "moe_layers", "layer_windows")
+              "num_experts_per_tok", "moe_intermediate_size", "moe_router", "moe_layers", "layer_windows",
+              "embed_scale", "attn_scale", "attn_softcap", "final_softcap", "sandwich_norms", "activation",
+              "norm_offset", "local_rope_theta")
     assert [getattr(cfg, f) for f in fields] == [getattr(hf_cfg, f) for f in fields]
     ran = run_checked(path, family_refs[name], True, monkeypatch)
-    assert (ran >= 6) if ftype == "f16" and name not in MOE_FAMILIES else ran == 0
+    assert (ran >= 6) if ftype == "f16" and name not in PYTHON_FAMILIES else ran == 0
 
 
 @pytest.mark.parametrize("ftype", ["f32", "f16"])
@@ -187,7 +190,7 @@ def test_unsupported_rope_or_architecture_fails_at_start_up(tmp_path, family_dir
     path = write_gguf(str(yarn), str(tmp_path / "yarn.gguf"))
     with pytest.raises(ValueError, match=r"qwen2\.rope\.scaling\.type = 'yarn' is not supported"):
         load_config(path)
-    for arch, key, value in (("gemma2", None, None), ("llama", "llama.rope.dimension_count", 8)):
+    for arch, key, value in (("bloom", None, None), ("llama", "llama.rope.dimension_count", 8)):
         path = str(tmp_path / f"{arch}.gguf")
         w = gguf.GGUFWriter(path, arch)
         w.add_head_count(4), w.add_embedding_length(64), w.add_vocab_size(320)
@@ -195,7 +198,7 @@ def test_unsupported_rope_or_architecture_fails_at_start_up(tmp_path, family_dir
             w.add_uint32(key, value)
         w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
         w.close()
-        with pytest.raises(ValueError, match=key or r"'gemma2' is not supported.*'qwen2'"):
+        with pytest.raises(ValueError, match=key or r"'bloom' is not supported.*'qwen2'"):
             load_config(path)
 
 
@@ -261,3 +264,79 @@ def test_moe_gguf_quantized_experts(family_dirs, tmp_path):
         out = eng.generate(input_ids=[[3, 4, 5, 6]], sampling_params={"max_new_tokens": 4,
                                                                       "ignore_eos": True})
     assert len(out[0]["output_ids"]) == 4
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_greedy_tokens_match_transformers(name, family_dirs, family_refs):
+    """Through the Engine (scheduler, a split pool for the sliding layers, prompts past the
+    window): transformers' greedy tokens."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (3, 21, 12)]
+    sp = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    with Engine(family_dirs[name], max_total_tokens=1024, **EXACT) as eng:
+        out = eng.generate(input_ids=prompts, sampling_params=sp)
+        assert_no_kv_leak(eng.scheduler.cache)
+    for p, r in zip(prompts, out):
+        assert r["output_ids"] == hf_greedy(family_refs[name], p, 10)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, monkeypatch):
+    """A Gemma 3 4B+ checkpoint (Gemma3ForConditionalGeneration: `text_config`, the language model
+    under `language_model.`, a vision tower beside it) serves its language model: the logits of
+    transformers' model on text, the vision tensors never read."""
+    from family_fixtures import _GEMMA, GEMMA3_ROPE
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    text = {k: v for k, v in _GEMMA.items() if k != "tie_word_embeddings"}
+    text.update(num_hidden_layers=2, rope_parameters=GEMMA3_ROPE,
+                layer_types=["sliding_attention", "full_attention"])
+    cfg = Gemma3Config(text_config=text, mm_tokens_per_image=4, image_token_index=300, boi_token_index=301,
+                       eoi_token_index=302, vision_config=dict(hidden_size=32, intermediate_size=64,
+                                                               num_hidden_layers=1, num_attention_heads=2,
+                                                               image_size=32, patch_size=16))
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn(p.shape))
+    model.save_pretrained(tmp_path)
+    assert ModelConfig.from_hf_dir(str(tmp_path)).layer_windows == [8, None]
+    assert run_checked(str(tmp_path), load_hf_reference(str(tmp_path)), False, monkeypatch) == 0
+
+
+def test_gemma_config_fields():
+    """Configs as the Gemma checkpoints ship them (before transformers 5 wrote `layer_types` and
+    per-layer-type `rope_parameters`): the sliding layers from the family's pattern, Gemma 3's
+    local base and global scaling, the scale from query_pre_attn_scalar, a tied head without the
+    key; and what cannot be served is refused, naming the key."""
+    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=320, sliding_window=8, query_pre_attn_scalar=144)
+    g2 = _cfg(**dict(base, model_type="gemma2", architectures=["Gemma2ForCausalLM"], num_hidden_layers=4,
+                     attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
+    assert g2.layer_windows == [8, None, 8, None] and g2.tie_word_embeddings
+    assert (g2.attn_scale, g2.attn_softcap, g2.final_softcap) == (144 ** -0.5, 50.0, 30.0)
+    assert g2.embed_scale == 8.0
+    assert (g2.activation, g2.sandwich_norms, g2.norm_offset, g2.qk_norm) == ("gelu_tanh", True, 1.0, False)
+    g3 = _cfg(**dict(base, model_type="gemma3_text", num_hidden_layers=7, rope_theta=1e6,
+                     rope_local_base_freq=1e4,
+                     rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window_pattern=6))
+    assert g3.layer_windows == [8] * 5 + [None, 8] and g3.qk_norm and g3.attn_softcap is None
+    assert (g3.rope_theta, g3.local_rope_theta, g3.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    # gemma-3-4b-it's config.json: the text model's sizes only, transformers' defaults for the rest
+    g3mm = ModelConfig.from_hf_dict({"architectures": ["Gemma3ForConditionalGeneration"],
+                                     "model_type": "gemma3",
+                                     "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                                                     "model_type": "gemma3_text", "num_hidden_layers": 34,
+                                                     "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                                     "sliding_window": 1024}})
+    assert (g3mm.architecture, g3mm.num_attention_heads, g3mm.num_key_value_heads, g3mm.head_dim) == (
+        "Gemma3ForConditionalGeneration", 8, 4, 256)
+    assert (g3mm.vocab_size, g3mm.rope_theta, g3mm.local_rope_theta) == (262208, 1e6, 1e4)
+    assert g3mm.attn_scale == 1 / 16
+    assert g3mm.layer_windows[4:7] == [1024, None, 1024] and g3mm.tie_word_embeddings
+    with pytest.raises(ValueError, match="hidden_activation 'relu' is not supported"):
+        _cfg(**dict(base, model_type="gemma2", num_hidden_layers=2, hidden_activation="relu"))
+    with pytest.raises(ValueError, match="sliding_attention: rope_type 'linear'"):
+        _cfg(**dict(base, model_type="gemma3_text", num_hidden_layers=2, rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}))
