@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from sparkserve.embedded import EMBEDDED_NAME, default_model_path, is_embedded, 
 
 VERIFY_MODES = ("full", "threshold", "adaptive")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "none")    # as SGLang's --grammar-backend
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "nixl", "mooncake")
@@ -157,6 +159,10 @@ class ServerArgs:
     api_key: str | None = field(default=None, metadata=_opt(
         "require 'Authorization: Bearer KEY' on every endpoint but /health", server_only=True))
     log_level: str = field(default="info", metadata=_opt("logging level", choices=LOG_LEVELS))
+    # constrained decoding
+    grammar_backend: str = field(default="llguidance", metadata=_opt(
+        "grammar engine of json_schema / regex / ebnf and response_format (none: refuse them)",
+        choices=GRAMMAR_BACKENDS))
     # speculative decoding
     speculative_algorithm: str | None = field(default=None, metadata=_opt(
         "DSPARK to enable DSpark speculative decoding"))
@@ -277,6 +283,16 @@ class ServerArgs:
             return self.speculative_dspark_verify_mode
         return "threshold" if self.speculative_dspark_confidence_threshold is not None else "full"
 
+    def _validate_grammar_backend(self, need) -> None:
+        name = self.grammar_backend
+        need(name in GRAMMAR_BACKENDS, f"--grammar-backend {name}: use one of {', '.join(GRAMMAR_BACKENDS)}")
+        if name == "xgrammar":
+            need(importlib.util.find_spec("xgrammar") is not None,
+                 "--grammar-backend xgrammar: xgrammar is not installed (pip install xgrammar); "
+                 "--grammar-backend llguidance (the default) needs nothing more")
+            need(False, "--grammar-backend xgrammar: not supported yet; use --grammar-backend llguidance "
+                        "(the default)")
+
     def validate(self) -> "ServerArgs":
         def need(cond: bool, msg: str) -> None:
             if not cond:
@@ -297,6 +313,7 @@ class ServerArgs:
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"--kv-cache-dtype {self.kv_cache_dtype}: use one of {', '.join(KV_CACHE_DTYPES)}")
         need(self.device in DEVICES, f"--device {self.device}: use one of {', '.join(DEVICES)}")
+        self._validate_grammar_backend(need)
         need(self.log_level.lower() in LOG_LEVELS,
              f"--log-level {self.log_level}: use one of {', '.join(LOG_LEVELS)}")
         need(os.path.exists(self.model_path), f"--model-path {self.model_path} does not exist")

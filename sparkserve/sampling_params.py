@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -33,6 +34,10 @@ MAX_SEQUENCES = 2048        # prompts x n of one request: each is a request in t
 MAX_MESSAGES = 16384        # messages of one chat: the template renders each before the context is checked
 MAX_RID_CHARS = 256         # a rid (each choice's is the request's + "-i"); generated ones are <= 41
 MAX_HOST_CHARS = 253        # bootstrap_host: a DNS name is at most 253 characters (RFC 1035)
+MAX_GRAMMAR_CHARS = 1 << 20  # json_schema / regex / ebnf text: compiled (and cached) per request
+
+# Constrained decoding (SGLang's names): at most one of them; the grammar engine is sparkserve/constrained.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 _ALIASES = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob")
@@ -79,6 +84,10 @@ class SamplingParams:
     top_logprobs_num: int = 0
     # token id -> added to its logit before sampling (OpenAI's; JSON keys arrive as strings)
     logit_bias: dict[int, float] | None = None
+    # constrained decoding: a JSON schema (JSON text), a regular expression or an EBNF / Lark grammar
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -103,6 +112,15 @@ class SamplingParams:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(field, text) of the constraint asked for, or None."""
+        for name in GRAMMAR_FIELDS:
+            text = getattr(self, name)
+            if text is not None:
+                return name, text
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -154,7 +172,32 @@ class SamplingParams:
             raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
         self._validate_stop(vocab_size)
         self._validate_logit_bias(vocab_size)
+        self._validate_grammar()
         return self
+
+    def _validate_grammar(self) -> None:
+        """Shape only (one constraint, a string, JSON for json_schema): whether the grammar compiles
+        is the grammar engine's to say (sparkserve/constrained/check.py, in the request path)."""
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: give at most one of {', '.join(GRAMMAR_FIELDS)}, got "
+                             f"{' and '.join(given)}")
+        if not given:
+            return
+        name = given[0]
+        text = getattr(self, name)
+        if not isinstance(text, str):
+            raise ValueError(f"{name} must be a string, got {type(text).__name__}")
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"{name} must be at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
+        if name == "json_schema":
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"json_schema must be a JSON object (a schema), got "
+                                 f"{type(schema).__name__}")
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         """Checks logit_bias and makes its keys ints (token ids as JSON object keys are strings)."""

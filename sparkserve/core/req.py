@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from sparkserve.core.finish_reason import (
+    FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_MATCHED_STR,
     FINISH_MATCHED_TOKEN,
@@ -51,6 +52,8 @@ class Req:
     hidden_parts: list[HiddenPart] | None = None
     routed_dp_rank: int | None = None   # DP attention: the group asked for (None: load balancing)
     hands_off: bool = False          # PD prefill side: ends after its first token, a decode server goes on
+    # constrained decoding: its GrammarMatcher (sparkserve/constrained), made by the scheduler
+    grammar: Any = None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -86,11 +89,18 @@ class Req:
         return final, taps
 
     def check_finished(self, eos_ids: set[int], tail_text: Callable[[int], str] | None) -> None:
-        """Set finished_reason after a new token: stop ids / EOS, stop strings, length.
+        """Set finished_reason after a new token: a complete grammar, stop ids / EOS, stop strings, length.
         `tail_text(n)` decodes the last n output tokens (stop strings need text)."""
         p = self.params
         tok = self.output_ids[-1]
-        if p.stop_token_ids and tok in p.stop_token_ids:
+        if self.grammar is not None:
+            self.grammar.advance(self.output_ids)
+            if self.grammar.error is not None:
+                self.finished_reason = FINISH_ABORT(self.grammar.error, 400)
+                return
+        if self.grammar is not None and self.grammar.terminated:
+            self.finished_reason = FINISH_MATCHED_TOKEN(tok)      # as SGLang: the grammar is complete
+        elif p.stop_token_ids and tok in p.stop_token_ids:
             self.finished_reason = FINISH_MATCHED_TOKEN(tok)
         elif not p.ignore_eos and tok in eos_ids and len(self.output_ids) >= p.min_new_tokens:
             self.finished_reason = FINISH_MATCHED_TOKEN(tok)

@@ -9,6 +9,7 @@ from collections import deque
 from typing import Any, Iterable, Iterator, Sequence
 
 from sparkserve.args import ServerArgs
+from sparkserve.constrained.check import check_grammar
 from sparkserve.core.req import Req
 from sparkserve.core.sampling_state import RequestSamplingState
 from sparkserve.distributed import parallel_state as ps
@@ -82,6 +83,7 @@ class Engine:
         params = params_list(sampling_params, len(prompts))
         for ids, p in zip(prompts, params):
             check_prompt(ids, p, self.limits)
+            check_grammar(p, self.args.grammar_backend, self.tokenizer is not None)
         groups = [self._submit(ids, p, return_hidden_states, routed_dp_rank)
                   for ids, p in zip(prompts, params)]
         if stream:
@@ -126,6 +128,7 @@ class Engine:
                     if params.n != 1:
                         raise ValueError("generate_many takes n=1")
                     check_prompt(ids, params, self.limits)
+                    check_grammar(params, self.args.grammar_backend, self.tokenizer is not None)
                     order.append(self._submit(ids, params, return_hidden_states)[0])
                 while order and order[0].finished:
                     yield self._result(order.popleft())

@@ -135,6 +135,10 @@ class OpenAISampling(_Request):
     stop_token_ids: Ints | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # SGLang: constrained decoding (at most one; response_format becomes json_schema)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     rid: str | None = None
     # SGLang: each finished choice gets "hidden_states", the final normed hidden state of the
     # last position run (needs --enable-return-hidden-states; /generate returns every row)
@@ -166,6 +170,7 @@ class ChatCompletionRequest(OpenAISampling):
 
 class CompletionRequest(OpenAISampling):
     prompt: str | Strs | Ints | IntLists
+    response_format: dict[str, Any] | None = None
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

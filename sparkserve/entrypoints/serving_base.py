@@ -8,6 +8,7 @@ import json
 import uuid
 from typing import Any, AsyncIterator
 
+from sparkserve.constrained.check import check_grammar
 from sparkserve.core.finish_reason import BaseFinishReason
 from sparkserve.entrypoints.openai_protocol import ApiError, GenerateRequest, OpenAISampling
 from sparkserve.entrypoints.tokenizer_manager import SeqOut, Submission, TokenizerManager
@@ -29,7 +30,8 @@ _OPENAI_TO_SP = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
                  "presence_penalty": "presence_penalty", "seed": "seed", "n": "n",
                  "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
                  "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
-                 "logit_bias": "logit_bias"}
+                 "logit_bias": "logit_bias", "json_schema": "json_schema", "regex": "regex",
+                 "ebnf": "ebnf"}
 _SP_TO_OPENAI = {v: k for k, v in _OPENAI_TO_SP.items()}
 
 
@@ -121,6 +123,7 @@ class ServingBase:
         try:
             params = SamplingParams(**values)
             check_prompt(ids, params, self.tm.limits, "max_tokens")
+            check_grammar(params, self.tm.args.grammar_backend, self.tm.tokenizer is not None)
         except ValueError as e:
             head, _, rest = str(e).partition(" ")
             name = head.rstrip(":")

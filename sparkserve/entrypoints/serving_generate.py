@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, AsyncIterator
 
+from sparkserve.constrained.check import check_grammar
 from sparkserve.entrypoints.openai_protocol import ApiError, GenerateRequest
 from sparkserve.entrypoints.serving_base import ServingBase, per_prompt, sse
 from sparkserve.entrypoints.tokenizer_manager import SeqOut, Submission
@@ -39,6 +40,7 @@ class ServingGenerate(ServingBase):
                     sp["top_logprobs_num"] = top_n[p]
                 params = SamplingParams.from_dict(sp)
                 check_prompt(ids, params, self.tm.limits)
+                check_grammar(params, self.tm.args.grammar_backend, self.tm.tokenizer is not None)
             except ValueError as e:
                 raise ApiError.bad_request(e) from None
             checked.append((ids, params))

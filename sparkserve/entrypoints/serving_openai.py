@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
+from sparkserve.constrained.check import apply_response_format
 from sparkserve.entrypoints.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -44,6 +45,13 @@ class OpenAIServing(ServingBase):
 
     def build(self, req: Any, rid: str) -> list[GenerateReq]:
         raise NotImplementedError
+
+    def with_response_format(self, req: Any) -> Any:
+        """response_format (json_object, json_schema) as the request's json_schema constraint."""
+        try:
+            return apply_response_format(req, self.tm.args.grammar_backend, self.tm.tokenizer is not None)
+        except ValueError as e:
+            raise ApiError.bad_request(e, "response_format") from None
 
     def first_choices(self, seqs: list[GenerateReq]) -> list[dict]:
         """Chunks sent before any token (chat: the assistant role of each choice)."""
@@ -89,8 +97,7 @@ class ServingChat(OpenAIServing):
 
     def build(self, req: ChatCompletionRequest, rid: str) -> list[GenerateReq]:
         self.check_model(req.model)
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", "response_format")
+        req = self.with_response_format(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
         tools = self.tools_to_parse(req)
@@ -258,6 +265,7 @@ class ServingCompletion(OpenAIServing):
 
     def build(self, req: CompletionRequest, rid: str) -> list[GenerateReq]:
         self.check_model(req.model)
+        req = self.with_response_format(req)
         if req.echo:
             raise ApiError(400, "echo is not supported", "echo")
         if req.suffix:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from sparkserve.constrained.bitmask import GrammarMask
 from sparkserve.core.sampling_state import IdCounts, RequestSamplingState
 from sparkserve.kernels import argmax_rows, logprob_rows, sample_rows
 from sparkserve.sampling_params import SamplingParams
@@ -35,8 +36,8 @@ __all__ = [
 @dataclass
 class SampleOutput:
     next_token_ids: list[int]
-    logprobs: list[float | None]  # log_softmax(raw logits) at the chosen id; None unless return_logprob
-    top_logprobs: list[list[tuple[int, float]] | None]  # top_logprobs_num best of the raw distribution
+    logprobs: list[float | None]  # log_softmax(raw logits, grammar-masked) at the chosen id; None unless
+    top_logprobs: list[list[tuple[int, float]] | None]  # return_logprob; top_logprobs_num best of them
 
 
 def processed_probs(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -192,9 +193,14 @@ def _penalty_pairs(rows: list[tuple[int, IdCounts, tuple[float, ...]]], vocab: i
 class Sampler:
     """Turns one decode step's logits [B, V] into next tokens (+ logprobs) for B requests."""
 
-    def sample(self, logits: Tensor, states: Sequence[RequestSamplingState]) -> SampleOutput:
+    def sample(self, logits: Tensor, states: Sequence[RequestSamplingState],
+               grammar: GrammarMask | None = None) -> SampleOutput:
+        """`grammar`: the constrained rows' token masks. Their disallowed tokens go to -inf before
+        anything else, so the draw, and the logprobs reported, are the masked distribution's."""
         batch = logits.shape[0]
         assert batch == len(states), f"{batch} logit rows for {len(states)} requests"
+        if grammar is not None:
+            logits = grammar.apply(logits)
         if all(s.fast_greedy for s in states):  # the common case: one argmax, nothing else
             return SampleOutput(argmax_rows(logits).tolist(), [None] * batch, [None] * batch)
 

@@ -9,6 +9,7 @@ import torch
 
 from sparkserve.args import ServerArgs
 from sparkserve.config import ModelConfig
+from sparkserve.constrained.backend import make_grammar_backend
 from sparkserve.core.device import on_device
 from sparkserve.core.device import resolve as resolve_device
 from sparkserve.distributed import parallel_state as ps
@@ -188,7 +189,8 @@ def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None,
     log.info("KV pool: %d tokens (%.1f MiB), windowed layers %d tokens (%.1f MiB), request state %d rows "
              "(%.1f MiB), context %d", num_slots, num_slots * per_token / 2**20, swa_slots,
              swa_slots * per_swa_token / 2**20, num_rows, num_rows * per_request / 2**20, ctx)
-    return Scheduler(runner, cache, sched_cfg, eos, decode_tail, spec), cfg
+    grammar = make_grammar_backend(args.grammar_backend, tokenizer, cfg.vocab_size)
+    return Scheduler(runner, cache, sched_cfg, eos, decode_tail, spec, grammar), cfg
 
 
 def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, cache: KVCacheManager):

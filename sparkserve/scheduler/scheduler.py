@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
+from sparkserve.constrained.backend import GrammarBackend, attach_grammar
+from sparkserve.constrained.bitmask import batch_mask
 from sparkserve.core.finish_reason import FINISH_ABORT, FINISH_LENGTH, BaseFinishReason
 from sparkserve.core.forward_batch import ForwardMode
 from sparkserve.core.req import Req
@@ -28,7 +30,9 @@ from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.mem.transfer import Shapes
 from sparkserve.messages import SchedulerLoad
 from sparkserve.scheduler.batch_log import BatchLog
+from sparkserve.scheduler.hidden_rows import keep_hidden
 from sparkserve.scheduler.prebuilt import PromptHandover
+from sparkserve.speculative.grammar_drafts import cut_drafts, verify_masks
 from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
 
 if TYPE_CHECKING:
@@ -59,7 +63,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 class Scheduler(PromptHandover):
     def __init__(self, runner: ModelRunner, cache: KVCacheManager, cfg: SchedulerConfig,
                  eos_ids: set[int], decode_tail: Callable[[list[int]], str] | None = None,
-                 spec: "DSparkWorker | None" = None):
+                 spec: "DSparkWorker | None" = None, grammar: GrammarBackend | None = None):
         self.runner = runner
         self.device = runner.device
         self.cache = cache
@@ -73,6 +77,7 @@ class Scheduler(PromptHandover):
         self.num_retractions = 0
         self.forward_count = {m: 0 for m in ForwardMode}
         self.spec = spec
+        self.grammar = grammar                    # constrained decoding (None: off)
         self.accept_hist: dict[int, int] = {}     # accepted drafts per verify -> count
         self.spec_idle = 0                        # the latest proposal's streak of empty budgets
         self.batch_log = BatchLog(cfg.decode_log_interval)
@@ -83,10 +88,11 @@ class Scheduler(PromptHandover):
 
     # ---- queue ------------------------------------------------------------------------------
     def add_request(self, req: Req) -> bool:
-        """Queue `req`; False when it ended at once (max_new_tokens 0), for the caller to hand
-        out. One that asks for hidden states with max_new_tokens 0 runs its prompt (prefill only)
-        and ends there."""
-        if self.ends_at_once(req):
+        """Queue `req` (a constrained one's grammar starts compiling: it waits in the queue until
+        that is done); False when it ended at once (max_new_tokens 0, or a grammar and no grammar
+        backend), for the caller to hand out. One that asks for hidden states with max_new_tokens 0
+        runs its prompt (prefill only) and ends there."""
+        if self.ends_at_once(req) or (req.params.grammar and not attach_grammar(req, self.grammar)):
             return False
         req.spec_idle = self.spec_idle
         self._back_off(req)
@@ -195,7 +201,8 @@ class Scheduler(PromptHandover):
                 req = self.chunked
             elif self.waiting and len(self.running) + len(batch) < self.cfg.max_running_requests:
                 req = self.waiting[0]
-                if self._shares_prefix_in_batch(req, batch):
+                compiling = req.grammar is not None and not req.grammar.ready
+                if compiling or self._shares_prefix_in_batch(req, batch):
                     deferred.append(self.waiting.popleft())
                     if len(deferred) >= self.cfg.max_running_requests:
                         break           # bounded work per step, however long the queue
@@ -258,8 +265,8 @@ class Scheduler(PromptHandover):
         if self.spec is not None:       # every prompt row becomes draft context
             self.spec.inject(fb.aux_hidden, fb.positions, fb.out_cache_loc)
         starts = list(accumulate((n for _, _, n in batch), initial=0))
-        self._keep_hidden(fb, ((req, range(o, o + n)) for (req, _, n), o in zip(batch, starts)))
-        self._keep_hidden(fb, ((req, [starts[-1] + j]) for j, (req, _) in enumerate(decoding)))
+        keep_hidden(fb, ((req, range(o, o + n)) for (req, _, n), o in zip(batch, starts)))
+        keep_hidden(fb, ((req, [starts[-1] + j]) for j, (req, _) in enumerate(decoding)))
         done = []
         for (req, _, n) in batch:
             req.kv_len += n
@@ -292,6 +299,7 @@ class Scheduler(PromptHandover):
             proposals = self.spec.propose(spec_reqs, len(self.running) - len(spec_reqs))
             self.spec.observe_draft(time.perf_counter() - t0, len(spec_reqs))
             for r, p in zip(spec_reqs, proposals):
+                cut_drafts(r, p)            # drafts a grammar rejects are not verified
                 self._note_verify_budget(r, p.verify_len)
                 if p.verify_len:            # a request verifying nothing decodes as plain ones do
                     props[r] = p
@@ -310,7 +318,7 @@ class Scheduler(PromptHandover):
         reqs = list(self.running)
         if not props:
             self._inject_rows(fb, [(req, [i]) for i, req in enumerate(reqs)], ())
-            self._keep_hidden(fb, ((req, [i]) for i, req in enumerate(reqs)))
+            keep_hidden(fb, ((req, [i]) for i, req in enumerate(reqs)))
             for req in reqs:
                 req.kv_len += 1
                 self.cache.slide_window(req)
@@ -368,17 +376,6 @@ class Scheduler(PromptHandover):
             self.spec.flush()
         self.cache.release(req)
 
-    @staticmethod
-    def _keep_hidden(fb, groups: Iterable[tuple[Req, range | list[int]]]) -> None:
-        """return_hidden_states: each asking request keeps its committed rows of this forward
-        (final normed hidden state, and the aux taps when the model captures any)."""
-        for req, rows in groups:
-            if req.hidden_parts is None or not len(rows):
-                continue
-            idx = torch.as_tensor(list(rows))      # results leave the scheduler on the host
-            taps = torch.cat([a[idx] for a in fb.aux_hidden], -1).cpu() if fb.aux_hidden else None
-            req.hidden_parts.append((fb.positions[idx].cpu(), fb.final_hidden[idx].cpu(), taps))
-
     @torch.inference_mode()
     def _verify_forward(self, fb, sched: list[ScheduledReq]) -> VerifyLogits:
         """The VERIFY forward without the LM head: acceptance asks for the logits rows it reads,
@@ -391,6 +388,7 @@ class Scheduler(PromptHandover):
     def _verify_and_commit(self, reqs: list[Req], sched: list[ScheduledReq], props: dict,
                            fb, logits: VerifyLogits) -> None:
         starts = logits.starts
+        logits.masks = verify_masks(reqs, props)      # constrained rows verify the masked target
         plain = [i for i, r in enumerate(reqs) if r not in props]
         items = {i: (r, p.tokens[:p.verify_len], p.q_probs, first_rows(p.confidence, p.verify_len))
                  for i, r in enumerate(reqs) if (p := props.get(r)) is not None}
@@ -422,7 +420,7 @@ class Scheduler(PromptHandover):
             self.cache.slide_window(req)      # after the truncate: only committed tokens count
             results.append((req, toks, lps, tops, accepted))
         self._inject_rows(fb, kept_rows, props)
-        self._keep_hidden(fb, kept_rows)
+        keep_hidden(fb, kept_rows)
         self.runner.commit_verify(fb, kept)
         for req, toks, lps, tops, accepted in results:
             self._commit(req, toks, lps, tops, accepted)
@@ -487,7 +485,7 @@ class Scheduler(PromptHandover):
             self.waiting.appendleft(victim)
 
     def _sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        out = self.sampler.sample(logits, [r.sampling for r in reqs])
+        out = self.sampler.sample(logits, [r.sampling for r in reqs], batch_mask(reqs))
         for i, r in enumerate(reqs):
             lp = r.params.return_logprob
             self._commit(r, [out.next_token_ids[i]], [out.logprobs[i]] if lp else [],

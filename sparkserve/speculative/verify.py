@@ -18,6 +18,7 @@ from collections.abc import Callable, Generator
 
 import torch
 
+from sparkserve.constrained.bitmask import mask_rows
 from sparkserve.executor.sampler import processed_probs, sample_from_probs
 from sparkserve.kernels import argmax_rows
 from sparkserve.sampling_params import SamplingParams
@@ -40,6 +41,8 @@ class VerifyLogits:
                  starts: list[int], lens: list[int]):
         self.head, self.hidden, self.starts, self.lens = head, hidden, starts, lens
         self.rows: list[torch.Tensor | None] = [None] * len(starts)
+        # constrained decoding: request i's rows are masked by masks[i] (bitmask row per logits row)
+        self.masks: dict[int, torch.Tensor] = {}
 
     def have(self, i: int) -> int:
         return 0 if self.rows[i] is None else self.rows[i].shape[0]
@@ -57,6 +60,9 @@ class VerifyLogits:
             return
         out = self.head(self.hidden[torch.tensor(idx)])
         for (i, _), new in zip(parts, out.split([n for _, n in parts])):
+            if i in self.masks:
+                h = self.have(i)
+                new = mask_rows(new, self.masks[i][h:h + new.shape[0]])
             self.rows[i] = new if self.rows[i] is None else torch.cat([self.rows[i], new])
 
 

@@ -22,7 +22,7 @@ LAYERS = [
     ("models",),
     ("loader",),
     ("layers",),
-    ("mem", "kernels", "distributed"),
+    ("mem", "kernels", "distributed", "constrained"),
     ("args", "messages"),
     ("core",),
     ("config", "sampling_params", "embedded", "dataclass_cli", "addresses"),

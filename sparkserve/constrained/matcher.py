@@ -1,0 +1,97 @@
+"""One request's grammar state: a copy of its compiled matcher, kept caught up with the request's
+output tokens. Catching up from `output_ids` (rather than being told each token) is what keeps the
+constraint across retraction (the tokens stay, so does the state) and PD disaggregation (the decode
+side replays the prefill side's first token)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import llguidance
+import torch
+from torch import Tensor
+
+
+def bitmask_words(n_vocab: int) -> int:
+    """int32 words of one row's token bitmask (bit t of word t // 32: token t allowed)."""
+    return (n_vocab + 31) // 32
+
+
+class GrammarMatcher:
+    def __init__(self, field: str, compiled: Future, words: int):
+        self.field = field
+        self.words = words
+        self._compiled = compiled
+        self._m: llguidance.LLMatcher | None = None
+        self._error: str | None = None
+        self.consumed = 0               # output tokens the matcher has taken
+
+    @property
+    def ready(self) -> bool:
+        """Whether the compile finished (a request waits in the queue until then)."""
+        return self._compiled.done()
+
+    def _matcher(self) -> llguidance.LLMatcher | None:
+        if self._m is None and self._error is None:
+            try:
+                self._m = self._compiled.result().deep_copy()
+            except ValueError as e:
+                self._error = str(e)
+        return self._m
+
+    def advance(self, output_ids: Sequence[int]) -> None:
+        """Take the output tokens not taken yet."""
+        m = self._matcher()
+        if m is None or self.consumed >= len(output_ids):
+            return
+        new = list(output_ids[self.consumed:])
+        self.consumed = len(output_ids)
+        if not m.consume_tokens(new) and self._error is None:
+            self._error = f"{self.field}: the grammar rejected token {new}: {m.get_error()}"
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and takes nothing more (the request stops here)."""
+        return self._m is not None and self._error is None and self._m.is_stopped()
+
+    def fill(self, bitmask: Tensor, row: int, output_ids: Sequence[int]) -> None:
+        """Row `row` of `bitmask` [n, words] (int32, host) := the tokens allowed next. A matcher in
+        error allows everything (the request is ended with the error at its next token)."""
+        self.advance(output_ids)
+        m = self._m
+        if m is None or self._error is not None:
+            bitmask[row] = -1
+            return
+        v = bitmask[row]
+        m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+    def cut_drafts(self, drafts: Sequence[int], output_ids: Sequence[int]) -> int:
+        """How many of `drafts` to verify: the ones the grammar allows and the first it does not
+        (whose rejection, certain under the mask, draws from the residual as the lossless rule
+        asks); the drafts after it could never be accepted."""
+        self.advance(output_ids)
+        m = self._m
+        if m is None or self._error is not None:
+            return 0
+        return min(len(drafts), m.validate_tokens(list(drafts)) + 1)
+
+    def draft_masks(self, drafts: Sequence[int], output_ids: Sequence[int]) -> Tensor:
+        """[len(drafts) + 1, words]: row k allows what may follow the output and drafts[:k]; rows
+        past the first draft the grammar rejects allow everything (verify never reads them)."""
+        bits = torch.full((len(drafts) + 1, self.words), -1, dtype=torch.int32)
+        self.fill(bits, 0, output_ids)
+        m = self._m
+        if m is None or self._error is not None:
+            return bits
+        valid = m.validate_tokens(list(drafts))     # consuming a rejected token ends a matcher in error
+        for k in range(valid):
+            m.consume_token(drafts[k])
+            v = bits[k + 1]
+            m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        if valid:
+            m.rollback(valid)
+        return bits
