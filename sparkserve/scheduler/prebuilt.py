@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from sparkserve.constrained.backend import attach_grammar
 from sparkserve.core.pool import Pool
 from sparkserve.core.req import Req
 from sparkserve.mem.transfer import RequestPages, RequestRows, Rows
@@ -70,7 +71,9 @@ class PromptHandover:
         # before the prefix cache takes the rest.
         self.cache.slide_window(req)
         self.cache.cache_prefix(req)
-        req.check_finished(self.eos_ids, self._tail_text(req))
+        # a constrained request's matcher replays the first token (its compile is waited for here)
+        if req.params.grammar is None or attach_grammar(req, self.grammar):
+            req.check_finished(self.eos_ids, self._tail_text(req))
         if req.finished:
             self.cache.release(req)
         else:

@@ -64,9 +64,10 @@ def test_unconstrained_rows_untouched_by_constrained_neighbours(tiny):
     """Greedy and seeded sampled free rows give the same tokens alone and beside constrained ones."""
     free = [{"temperature": 0, "max_new_tokens": 24}, {"temperature": 1.0, "seed": 5, "max_new_tokens": 24}]
     alone = [o["output_ids"] for o in tiny.generate(["ab", "cd"], free)]
+    schema = {"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens": 250}
     mixed = tiny.generate(["ab", "zz", "cd", "yy"],
-                          [free[0], {"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens": 250},
-                           free[1], {"regex": CODE, "temperature": 1.0, "seed": 5, "max_new_tokens": 24}])
+                          [free[0], schema, free[1], {"regex": CODE, "temperature": 1.0, "seed": 5,
+                                                      "max_new_tokens": 24}])
     assert [mixed[0]["output_ids"], mixed[2]["output_ids"]] == alone
     _json(mixed[1]["text"], PERSON)
     assert re.fullmatch(CODE, mixed[3]["text"])
