@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import pickle
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -45,9 +46,13 @@ class Group:
         return self.ranks[0]
 
 
+def _new_group(ranks: list[int], timeout: datetime.timedelta) -> object:
+    return _connected(lambda: dist.new_group(ranks, timeout=timeout, backend="gloo"))
+
+
 def _group(ranks: list[int], me: int, timeout: datetime.timedelta) -> Group | None:
     """Every rank creates every group (torch.distributed's rule); members get theirs."""
-    handle = dist.new_group(ranks, timeout=timeout, backend="gloo")
+    handle = _new_group(ranks, timeout)
     return Group(ranks.index(me), len(ranks), handle, tuple(ranks)) if me in ranks else None
 
 
@@ -88,20 +93,63 @@ def check_free() -> None:
         raise ValueError(_BUSY)
 
 
-# Set while the process that started the other ranks watches them (entrypoints/ranks.py): rank 0's
-# rendezvous store goes through it, so a rank that dies while the world forms fails the start at once.
-_watch: Callable[[dist.Store], dist.Store] | None = None
+@dataclass(frozen=True)
+class StartupWatch:
+    """The watch the process that started the other ranks keeps on them while the world forms
+    (entrypoints/ranks.py): rank 0's rendezvous store goes through `wrap` (its waits give up once a
+    rank has died), and `check` raises, naming the rank, once one has."""
+    wrap: Callable[[dist.Store], dist.Store]
+    check: Callable[[], None]
+
+
+_watch: StartupWatch | None = None
+WATCH_POLL_S = 0.02
+CONNECT_GRACE_S = 3.0
 
 
 @contextlib.contextmanager
-def watch_rendezvous(wrap: Callable[[dist.Store], dist.Store]) -> Iterator[None]:
-    """Inside: rank 0 forms the world on `wrap(store)` instead of its rendezvous store itself."""
+def watch_rendezvous(watch: StartupWatch) -> Iterator[None]:
+    """Inside: rank 0 forms the world and its groups under `watch`."""
     global _watch
-    _watch, saved = wrap, _watch
+    _watch, saved = watch, _watch
     try:
         yield
     finally:
         _watch = saved
+
+
+def _connected(make: Callable[[], object]) -> object:
+    """make() (a gloo group's construction), given up as soon as the watch sees a rank dead. Gloo
+    connects a group's pairs after every rank has put its address in the store: a rank that dies
+    in between leaves this rank's connect to it retrying (or waiting for it) for the group's whole
+    timeout (the world's is a year) inside C++, where no store wait polls the watch. So make() runs
+    in a thread while this one polls; after a death that thread is left to its timeout (a daemon:
+    it keeps no process alive) and the start fails now."""
+    if _watch is None:
+        return make()
+    done = threading.Event()
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["group"] = make()
+        except BaseException as e:  # noqa: BLE001 - raised in the waiting thread
+            out["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="sparkserve-group-connect", daemon=True).start()
+    while not done.wait(WATCH_POLL_S):
+        try:
+            _watch.check()
+        except BaseException:
+            # A connect that fails on its own (refused, gloo's few retries) ends within moments:
+            # let it, since a thread that leaves C++ while the interpreter exits aborts the process.
+            done.wait(CONNECT_GRACE_S)
+            raise
+    if "error" in out:
+        raise out["error"]
+    return out.get("group")
 
 
 def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: float) -> None:
@@ -119,8 +167,9 @@ def init_distributed(cfg: ParallelConfig, rank: int, init_addr: str, timeout_s: 
     choice = interface.gloo_interface(host, cfg.socket_ifname)
     with rendezvous.env(interface.IFNAME_ENV, choice.ifname):
         store = rendezvous.join(cfg, rank, host, port, timeout_s, choice,
-                                _watch if rank == 0 else None)
-        init_world("gloo", store=store, rank=rank, world_size=cfg.world_size, timeout=CONTROL_TIMEOUT)
+                                _watch.wrap if _watch is not None and rank == 0 else None)
+        _connected(lambda: init_world("gloo", store=store, rank=rank, world_size=cfg.world_size,
+                                      timeout=CONTROL_TIMEOUT))
         _build_groups(cfg, rank, timeout_s)
 
 
@@ -131,7 +180,7 @@ def _build_groups(cfg: ParallelConfig, rank: int, timeout_s: float) -> None:
         return [g for ranks in groups if (g := _group(ranks, rank, t))][0]
 
     mlp = mine(tp_group_ranks(cfg.world_size, cfg.tp_size), timeout)
-    data_group = dist.new_group(list(range(cfg.world_size)), timeout=timeout, backend="gloo")
+    data_group = _new_group(list(range(cfg.world_size)), timeout)
     tp, dp, dp_data = mlp, Group(), None
     control = Group(rank, cfg.world_size, None, tuple(range(cfg.world_size)))
     cp = Group()

@@ -225,15 +225,15 @@ class WorkerRanks:
     @contextlib.contextmanager
     def watch_startup(self) -> Iterator[None]:
         """Around the driver's start-up in this process (the Engine's rank 0): its rendezvous
-        waits (the world, every group) give up as soon as a rank has died, and an error that a
-        rank's death caused (gloo's "Connection closed by peer" in a collective) becomes a
-        RankDiedError that names the rank. Start-up checks (ValueError: the flags) stay as
-        they are: every rank makes them, the driver's message names the flag."""
+        waits and its gloo connects (the world, every group) give up as soon as a rank has
+        died, and an error that a rank's death caused (gloo's "Connection closed by peer" in a
+        collective) becomes a RankDiedError that names the rank. Start-up checks (ValueError:
+        the flags) stay as they are: every rank makes them, the driver's message names the flag."""
         if not self.ranks:
             yield
             return
         from sparkserve.distributed import parallel_state as ps
-        with ps.watch_rendezvous(self._watch_store):
+        with ps.watch_rendezvous(ps.StartupWatch(self._watch_store, self._check_alive)):
             try:
                 yield
             except (RankDiedError, ValueError):
@@ -243,6 +243,10 @@ class WorkerRanks:
                 if why is None:
                     raise
                 raise RankDiedError(why) from e
+
+    def _check_alive(self) -> None:
+        if (why := self.failure()) is not None:
+            raise RankDiedError(why)
 
     def _watch_store(self, store):
         """Rank 0's rendezvous store, watched; kept here, since torch's groups hold only its C++ side."""

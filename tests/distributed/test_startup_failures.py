@@ -20,7 +20,9 @@ LIMIT_S = 30.0
 ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
 ENGINE = "Engine(sys.argv[1], tp_size=2, num_threads=1, max_total_tokens=256)"
 GUARDED = textwrap.dedent(f"""
-    import sys, time
+    import faulthandler, signal, sys, time
+    faulthandler.register(signal.SIGUSR1, all_threads=True)    # where it is stuck, when the test asks
+    import rank1_dies
     from sparkserve import Engine
     if __name__ == "__main__":
         start = time.monotonic()
@@ -30,6 +32,52 @@ GUARDED = textwrap.dedent(f"""
             print(f"RAISED {{type(e).__name__}} after {{time.monotonic() - start:.1f}}s: {{e}}", flush=True)
             sys.exit(3)
         print("STARTED", flush=True)
+""")
+# Imported by the driver script, so by rank 1 too (spawn imports the script again there): with
+# RANK1_DIES_AFTER_SETS=N, rank 1 SIGKILLs itself right after its Nth write to the world's store
+# past the rendezvous, each a gloo group's address (1: the world's, 2 and on: the groups'): its
+# peers then have its address and connect to a process that is gone.
+RANK1_DIES = textwrap.dedent("""
+    import multiprocessing, os, signal
+    SETS = int(os.environ.get("RANK1_DIES_AFTER_SETS", "0"))
+    if SETS and multiprocessing.current_process().name == "sparkserve-rank1":
+        import torch.distributed as dist
+        from sparkserve.distributed import rendezvous
+        join, done = rendezvous.join, []
+
+        class DiesAfterSets(dist.Store):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def set(self, key, value):
+                self.inner.set(key, value)
+                done.append(key)
+                if len(done) == SETS:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            def get(self, key):
+                return self.inner.get(key)
+
+            def wait(self, keys, timeout=None):
+                self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+            def add(self, key, amount):
+                return self.inner.add(key, amount)
+
+            def compare_set(self, key, expected, desired):
+                return self.inner.compare_set(key, expected, desired)
+
+            def check(self, keys):
+                return self.inner.check(keys)
+
+            def delete_key(self, key):
+                return self.inner.delete_key(key)
+
+            def num_keys(self):
+                return self.inner.num_keys()
+
+        rendezvous.join = lambda *a, **kw: DiesAfterSets(join(*a, **kw))
 """)
 UNGUARDED = f"import sys\nfrom sparkserve import Engine\nengine = {ENGINE}\nprint('STARTED', flush=True)\n"
 
@@ -57,10 +105,11 @@ def child_named(parent: int, name: str, timeout: float = LIMIT_S) -> int:
     raise AssertionError(f"no child {name} of {parent} after {timeout}s")
 
 
-def run(cmd: list[str], log, kill_rank1: bool = False) -> tuple[int, float]:
+def run(cmd: list[str], log, kill_rank1: bool = False, env: dict | None = None) -> tuple[int, float]:
     """(exit code, seconds from rank 1's kill, or from the start, to the exit); a run that does
-    not end within LIMIT_S fails the test (and is killed)."""
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    not end within LIMIT_S fails the test (and is killed), its message leading with where the
+    process was stuck."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**ENV, **(env or {})})
     try:
         if kill_rank1:
             os.kill(child_named(proc.pid, "sparkserve-r1"), signal.SIGKILL)   # as an OOM kill does
@@ -68,11 +117,25 @@ def run(cmd: list[str], log, kill_rank1: bool = False) -> tuple[int, float]:
         try:
             code = proc.wait(LIMIT_S)
         except subprocess.TimeoutExpired:
-            log.seek(0)
-            pytest.fail(f"still running {LIMIT_S:.0f}s after rank 1 died:\n{log.read()[-3000:]}")
+            code = None
+        if code is None:
+            pytest.fail(f"still running {LIMIT_S:.0f}s after rank 1 died (or the start); "
+                        f"{where_stuck(proc, log)}", pytrace=False)
         return code, time.monotonic() - start
     finally:
         _kill_tree(proc)
+
+
+def where_stuck(proc: subprocess.Popen, log) -> str:
+    """The stacks of a running driver script (it dumps them on SIGUSR1), then its output before:
+    the stacks first, since CI shows the head of a long failure message."""
+    os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    text = output(log)
+    at = min((i for i in (text.find("Thread 0x"), text.find("Current thread 0x")) if i >= 0),
+             default=len(text))
+    stacks = text[at:] or "(no stacks: not a driver script that dumps them)"
+    return f"where it was:\n{stacks}\n---- its output before ----\n{text[:at][-3000:]}"
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -87,11 +150,18 @@ def output(log) -> str:
     return log.read()
 
 
-def test_engine_rank_killed_during_startup(model, tmp_path):
+@pytest.mark.parametrize("moment", ["named", "world", "group"])
+def test_engine_rank_killed_during_startup(model, tmp_path, moment):
+    """Rank 1 SIGKILLed as soon as it has its name, or right after it gave the driver its gloo
+    address for the world (or for the third group): gloo's connect to it would then wait out the
+    group's timeout (the world's is a year) without looking at the ranks."""
     script = tmp_path / "driver.py"
     script.write_text(GUARDED)
+    (tmp_path / "rank1_dies.py").write_text(RANK1_DIES)
+    sets = {"named": "0", "world": "1", "group": "3"}[moment]
     with open(tmp_path / "log", "w+") as log:
-        code, took = run([sys.executable, str(script), model], log, kill_rank1=True)
+        code, took = run([sys.executable, str(script), model], log, kill_rank1=moment == "named",
+                         env={"RANK1_DIES_AFTER_SETS": sets})
         out = output(log)
     assert code == 3, out
     line = next(ln for ln in out.splitlines() if ln.startswith("RAISED"))
