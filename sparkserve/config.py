@@ -21,6 +21,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    rotary_dim: int | None = None     # channels of a head the rope turns (partial rotary), None: all
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False   # HF's `attention_bias` as written (MLA reads it)
@@ -88,7 +89,8 @@ class ModelConfig:
             vocab_size=d["vocab_size"],
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            rope_scaling=dict(rope) if rope_type not in ("default", None) else None,
+            rope_scaling=_rope_scaling(rope, rope_type, d),
+            rotary_dim=_rotary_dim(d, rope, head_dim),
             max_position_embeddings=d.get("max_position_embeddings") or d.get("model_max_length") or 4096,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", traits.get("tie_word_embeddings", False))),
             attention_bias=bias,
@@ -134,7 +136,7 @@ FAMILY_TRAITS: dict[str, dict[str, Any]] = {
 }
 _ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 _GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 # What transformers' config classes assume where a shipped config.json leaves keys out (the Gemma 3
@@ -161,6 +163,24 @@ def _rope_parameters(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] 
         return dict(rope["full_attention"]), rope.get("sliding_attention")
     local = d.get("rope_local_base_freq")
     return rope, None if local is None else {"rope_type": "default", "rope_theta": local}
+
+
+def _rope_scaling(rope: dict[str, Any], kind: str | None, d: dict[str, Any]) -> dict[str, Any] | None:
+    """The rope scaling as layers/rotary.py reads it (None: plain rope). LongRoPE (Phi-3's "su"
+    before it had the name) takes the pre-training length from the top level where older configs
+    keep it."""
+    if kind in ("default", None):
+        return None
+    if kind in ("longrope", "su"):
+        original = rope.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+        return dict(rope, rope_type="longrope", original_max_position_embeddings=original)
+    return dict(rope)
+
+
+def _rotary_dim(d: dict[str, Any], rope: dict[str, Any], head_dim: int) -> int | None:
+    """Phi-4-mini's partial rotary (`partial_rotary_factor`, top level or among the rope's keys)."""
+    factor = d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    return None if factor == 1.0 else int(head_dim * factor)
 
 
 def _gemma_fields(d: dict[str, Any], model_type: str, local_rope: dict[str, Any] | None) -> dict[str, Any]:

@@ -34,6 +34,13 @@ _MOE = dict(TINY_CONFIGS["llama"], num_experts_per_tok=2)
 # Gemma: soft-caps near the tiny model's score and logit sizes (so that they bite); a window of 8;
 # query_pre_attn_scalar = head_dim where a GGUF file must carry it (llama.cpp derives the scale).
 _GEMMA = dict(TINY_CONFIGS["llama"], sliding_window=8, query_pre_attn_scalar=16, tie_word_embeddings=True)
+# Phi-3: q|k|v and gate|up fused in the checkpoint. LongRoPE as Phi-3.5 / Phi-4-mini ship it (with
+# Phi-4-mini's partial rotary, 12 of 16 channels): pre-trained on 4 positions, served to 64, so
+# every sequence of the tests runs past it (long factors, attention factor sqrt(1 + ln 16 / ln 4));
+# served to 64 of 64 (short factors, factor 1).
+_PHI3 = dict(TINY_CONFIGS["llama"], num_hidden_layers=2, max_position_embeddings=64)
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.9, 2.6, 3.1, 4.0],
+             "long_factor": [1.2, 2.5, 4.1, 7.7, 11.0, 19.0]}
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 # name -> (HF model_type, config); Qwen2.5-0.5B and Llama 3.2 tie the LM head, 7B / 3.1 8B do not.
@@ -56,6 +63,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                         norm_topk_prob=False, tie_word_embeddings=True)),
     "mixtral": ("mixtral", dict(_MOE, num_hidden_layers=2, num_local_experts=4, sliding_window=None,
                                 tie_word_embeddings=False)),
+    "phi3": ("phi3", dict(_PHI3, tie_word_embeddings=False)),
+    "phi3_window": ("phi3", dict(_PHI3, sliding_window=8, tie_word_embeddings=False)),
+    "phi3_longrope": ("phi3", dict(_PHI3, partial_rotary_factor=0.75, original_max_position_embeddings=4,
+                                   rope_parameters=dict(_LONGROPE, partial_rotary_factor=0.75,
+                                                        original_max_position_embeddings=4),
+                                   tie_word_embeddings=True)),
+    "phi3_shortrope": ("phi3", dict(_PHI3, partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                                    rope_parameters=dict(_LONGROPE, partial_rotary_factor=0.75,
+                                                         original_max_position_embeddings=64))),
     # Gemma 2: sliding, full, sliding; soft-capped attention scores and logits
     "gemma2": ("gemma2", dict(_GEMMA, attn_logit_softcapping=1.0, final_logit_softcapping=1.0)),
     # Gemma 2 27B's kind of attention scale (query_pre_attn_scalar != head_dim); HF only
@@ -66,7 +82,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral"}
 # What the native step does not compute (models/llama_native.py beyond_native): the Python path runs them.
-PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2", "gemma2_scalar", "gemma3"}
+PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2", "gemma2_scalar", "gemma3", "phi3_longrope", "phi3_shortrope"}
 
 
 def make_family_checkpoint(name: str, path: str, bf16_copy: str | None = None) -> str:
@@ -113,6 +129,7 @@ _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj":
 # Gemma 2 / 3: the attention output is normed, and the MLP before and after (gguf-py's gemma2/gemma3 lists)
 _GEMMA_LAYER = dict(_LAYER, post_attention_layernorm="post_attention_norm",
                     pre_feedforward_layernorm="ffn_norm", post_feedforward_layernorm="post_ffw_norm")
+_PHI3_LAYER = dict(_LAYER, **{"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"})
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
@@ -163,7 +180,7 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
     with open(os.path.join(hf_dir, "config.json")) as f:
         hp = json.load(f)
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3moe", "mixtral": "llama",
-            "gemma2": "gemma2", "gemma3_text": "gemma3"}[hp["model_type"]]
+            "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}[hp["model_type"]]
     gemma = arch.startswith("gemma")
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
     rope = rope.get("full_attention", rope)      # Gemma 3: the global layers' (llama.cpp knows the local)
@@ -197,6 +214,19 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         w.add_expert_used_count(n_used)
     if arch == "qwen3moe":      # Qwen2MoeModel.set_gguf_parameters
         w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    if arch == "phi3":          # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
+        orig = hp.get("original_max_position_embeddings") or hp["max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(orig)
+        head = hp["hidden_size"] // n_head
+        w.add_rope_dimension_count(int(hp.get("partial_rotary_factor", 1.0) * hp["hidden_size"]) // n_head)
+        w.add_sliding_window(hp.get("sliding_window") or 0)
+        if kind == "longrope":
+            scale = hp["max_position_embeddings"] / orig
+            attn_factor = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+            w.add_rope_scaling_attn_factors(attn_factor)
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+        assert head == hp["head_dim"]
     if gemma:                   # Gemma2Model / Gemma3Model.set_gguf_parameters
         w.add_sliding_window(hp["sliding_window"])
     if arch == "gemma2":
@@ -248,7 +278,7 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
                 t = _permute(t, n_head, n_head)
             if name.endswith(("k_proj.weight", "k_proj.bias")):
                 t = _permute(t, n_head, n_kv)
-        add(_gguf_name(name, _GEMMA_LAYER if gemma else _LAYER), t)
+        add(_gguf_name(name, _GEMMA_LAYER if gemma else _PHI3_LAYER if arch == "phi3" else _LAYER), t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "mistral": "MistralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
-          "gemma3": "Gemma3ForCausalLM"}
+          "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # GGUF arch -> HF model_type where they differ; llama.cpp writes Mixtral as arch llama with experts.
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 # Gemma 2 / 3 as llama.cpp builds them: its sliding-window layers' rope base (not in the file) and
@@ -44,6 +44,9 @@ _PERMUTED = {"llama"}
 # Tensors that are not weights: llama.cpp's converter writes Llama 3.1+'s llama3 rope scaling as
 # per-frequency divisors (`rope_freqs.weight`, head_dim / 2 values); gguf_config reads them.
 _ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE: per-frequency factors for contexts past the pre-training length and within it.
+_ROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+_NOT_WEIGHTS = {_ROPE_FREQS, *_ROPE_FACTORS.values()}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -59,7 +62,9 @@ _LAYER_NAMES = {
 _GEMMA_LAYER_NAMES = dict(_LAYER_NAMES, ffn_norm="pre_feedforward_layernorm",
                           post_attention_norm="post_attention_layernorm",
                           post_ffw_norm="post_feedforward_layernorm")
-_LAYER_NAMES_OF = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES}
+# Phi-3 keeps q|k|v in one tensor, gate|up in `ffn_up` (LlamaForCausalLM._fused_parts splits them).
+_PHI3_LAYER_NAMES = dict(_LAYER_NAMES, attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
+_LAYER_NAMES_OF = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -80,9 +85,9 @@ def gguf_config(path: str) -> ModelConfig:
     window = get("attention.sliding_window")
     head_dim = get("attention.key_length", hidden // n_heads)
     rope_dims = get("rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
+    if rope_dims != head_dim and arch in _PERMUTED:
         raise ValueError(f"GGUF {arch}.rope.dimension_count = {rope_dims}: partial rotary is not supported "
-                         f"(supported: the whole head, {head_dim})")
+                         f"for {arch} (supported: the whole head, {head_dim})")
     n_layers, n_experts = get("block_count"), get("expert_count", 0)
     model_type = "mixtral" if arch == "llama" and n_experts else _MODEL_TYPES.get(arch, arch)
     hf: dict[str, Any] = {
@@ -100,7 +105,8 @@ def gguf_config(path: str) -> ModelConfig:
         "rope_scaling": _rope_scaling(reader, get, arch, head_dim),
         "max_position_embeddings": get("context_length", 4096),
         "tie_word_embeddings": "output.weight" not in names,
-        "sliding_window": window,
+        "sliding_window": None if arch == "phi3" else window,   # llama.cpp runs Phi-3 without its window
+        "partial_rotary_factor": rope_dims / head_dim,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
@@ -144,7 +150,12 @@ def _rope_scaling(reader: GGUFFile, get, arch: str, head_dim: int) -> dict[str, 
     factor = get("rope.scaling.factor", get("rope.scale_linear"))
     if kind is None and factor not in (None, 1.0):
         kind = "linear"
-    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    tensors = {t.name: t for t in reader.tensors if t.name in _NOT_WEIGHTS}
+    if all(name in tensors for name in _ROPE_FACTORS.values()):
+        return {"rope_type": "longrope", "attention_factor": get("rope.scaling.attn_factor"),
+                "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+                **{key: _floats(tensors[name]) for key, name in _ROPE_FACTORS.items()}}
+    freqs = tensors.get(_ROPE_FREQS)
     if kind not in (None, "none", "linear"):
         raise ValueError(f"GGUF {arch}.rope.scaling.type = {kind!r} is not supported (supported: none, "
                          f"linear, and llama3 as a {_ROPE_FREQS} tensor)")
@@ -155,11 +166,15 @@ def _rope_scaling(reader: GGUFFile, get, arch: str, head_dim: int) -> dict[str, 
         return {"rope_type": "linear", "factor": float(factor)}
     if freqs is None:
         return None
-    factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
-    if factors.size != head_dim // 2:
-        raise ValueError(f"GGUF {_ROPE_FREQS} has {factors.size} values; expected head_dim / 2 = "
+    factors = _floats(freqs)
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"GGUF {_ROPE_FREQS} has {len(factors)} values; expected head_dim / 2 = "
                          f"{head_dim // 2}")
-    return {"rope_type": "freq_factors", "factors": factors.tolist()}
+    return {"rope_type": "freq_factors", "factors": factors}
+
+
+def _floats(tensor) -> list[float]:
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float64).reshape(-1).tolist()
 
 
 def _unpermute_rows(rows: int, n_head: int) -> np.ndarray:
@@ -215,7 +230,7 @@ def _int8_forms(reader: GGUFFile) -> dict[str, int]:
 def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permuted: bool,
              int8_forms: dict[str, int], layer_names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
     for t in reader.tensors:
-        if t.name == _ROPE_FREQS:      # read into the config's rope scaling (gguf_config)
+        if t.name in _NOT_WEIGHTS:      # read into the config's rope scaling (gguf_config)
             continue
         name = _hf_name(t.name, layer_names)
         if names is not None and name not in names:

@@ -44,6 +44,21 @@ def values_of(tensor: torch.Tensor) -> torch.Tensor:
     return blocks.dequantize()
 
 
+def split_rows(tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """A checkpoint tensor cut into consecutive row ranges, each with its blocks' rows (a fused
+    q|k|v or gate|up tensor fed to a FusedLinear part by part); an unread one stays unread."""
+    blocks, parts, start = blocks_of(tensor), [], 0
+    for n in sizes:
+        part = (torch.empty(n, *tensor.shape[1:], device="meta") if tensor.is_meta
+                else tensor[start:start + n])
+        rows = None if blocks is None else blocks.rows(torch.arange(start, start + n))
+        parts.append(with_blocks(part, rows))
+        start += n
+    if start != tensor.shape[0]:
+        raise ValueError(f"a fused checkpoint tensor has {tensor.shape[0]} rows, its parts {start}")
+    return parts
+
+
 class WeightLoader:
     def __init__(self, model: nn.Module, stacked: dict[str, tuple[str, str]], what: str = "checkpoint"):
         """stacked: checkpoint name fragment -> (fused module fragment, shard name)."""

@@ -26,9 +26,9 @@ from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.linear import FusedLinear, RowParallelLinear
 from sparkserve.layers.moe import SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
-from sparkserve.layers.rotary import RotaryEmbedding, apply_rotary
+from sparkserve.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
-from sparkserve.loader.weights import WeightLoader, values_of
+from sparkserve.loader.weights import WeightLoader, split_rows, values_of
 from sparkserve.mem.kv_pool import KVPool, split_windows, uniform_window
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
 from sparkserve.models.llama_native import NativeStep
@@ -59,11 +59,11 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         v = qkv[:, (h + hkv) * d:].view(-1, hkv, d)
         if self.q_norm is None:   # one rotary call for q and k together
-            qk = apply_rotary(qkv[:, :(h + hkv) * d].view(-1, h + hkv, d), *cos_sin)
+            qk = apply_partial_rotary(qkv[:, :(h + hkv) * d].view(-1, h + hkv, d), *cos_sin)
             q, k = qk[:, :h], qk[:, h:]
         else:
-            q = apply_rotary(self.q_norm(qkv[:, :h * d].view(-1, h, d)), *cos_sin)
-            k = apply_rotary(self.k_norm(qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d)), *cos_sin)
+            q = apply_partial_rotary(self.q_norm(qkv[:, :h * d].view(-1, h, d)), *cos_sin)
+            k = apply_partial_rotary(self.k_norm(qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d)), *cos_sin)
         return self.o_proj(self.attn(q, k, v, batch))
 
 
@@ -116,8 +116,8 @@ class LlamaModel(DecoderStack):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embed_scale)
         self.layers = stage_layer_list(cfg.num_hidden_layers, lambda i: LlamaDecoderLayer(cfg, i))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
         # Gemma 3: sliding-window layers rotate by their own base (unscaled)
         self.local_rotary = None if cfg.local_rope_theta is None else RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta)
@@ -205,6 +205,10 @@ class LlamaForCausalLM(CausalLM):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")      # Mixtral
+            if (parts := self._fused_parts(name)) is not None:     # Phi-3: q|k|v, gate|up in one tensor
+                for (part, _), rows in zip(parts, split_rows(tensor, [n for _, n in parts])):
+                    loader.load(part, rows)
+                continue
             if self.config.norm_offset and name.endswith("norm.weight"):
                 tensor = tensor + self.config.norm_offset             # Gemma: stored as w, used as 1 + w
             m = _EXPERT_TENSOR.fullmatch(name)
@@ -216,6 +220,18 @@ class LlamaForCausalLM(CausalLM):
         if self.config.tie_word_embeddings:
             loader.mark_loaded("lm_head.weight", tied_to="model.embed_tokens.weight")
         loader.check_complete()
+
+    def _fused_parts(self, name: str) -> list[tuple[str, int]] | None:
+        """A checkpoint tensor holding q|k|v or gate|up in one (Phi-3's `qkv_proj`, `gate_up_proj`;
+        llama.cpp's `attn_qkv`, phi3 `ffn_up`) as [(name of each part, its rows)], else None."""
+        m = _FUSED_TENSOR.fullmatch(name)
+        if m is None:
+            return None
+        c, (prefix, fused, kind) = self.config, m.groups()
+        if fused == "self_attn.qkv_proj":
+            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            return [(f"{prefix}self_attn.{p}_proj.{kind}", n) for p, n in (("q", q), ("k", kv), ("v", kv))]
+        return [(f"{prefix}mlp.{p}_proj.{kind}", c.intermediate_size) for p in ("gate", "up")]
 
     @staticmethod
     def _load_expert(experts, prefix: str, part: str, tensor: torch.Tensor, expert: int | None,
@@ -231,6 +247,7 @@ class LlamaForCausalLM(CausalLM):
             loader.mark_loaded(f"{prefix}.{param}")
 
 
+_FUSED_TENSOR = re.compile(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)")
 # Per-expert (`experts.N.w1`, `experts.N.gate_proj.weight`; older GGUFs' `blk.N.ffn_gate.E`) or stacked
 # (GGUF `ffn_gate_exps` as `experts.gate_proj.weight`)
 # expert tensors; transformers 5's stacked `experts.gate_up_proj` / `down_proj` load as parameters.

@@ -2,6 +2,7 @@
 Used in-process by the offline Engine and inside the scheduler process of the server."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -103,6 +104,8 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     cfg = load_config(args.model_path)
+    if args.context_length:          # the rope tables (and LongRoPE's choice of factors) serve this
+        cfg = dataclasses.replace(cfg, max_position_embeddings=args.context_length)
     pc = args.parallel_config()
     check_tp(cfg, args.tp_size, args.ep_size, model_class(cfg).tp_dims(cfg), pc.attn_tp_size)
     check_pp(cfg, args.pp_size, args.parallel_config().pp_layer_partition)

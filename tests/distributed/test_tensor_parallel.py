@@ -63,10 +63,11 @@ def test_qwen2_ranks_equal_one(name, tmp_path):
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_gemma_ranks_equal_one(name, tmp_path):
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope"])
+def test_gemma_and_phi3_ranks_equal_one(name, tmp_path):
     """Gemma (the scaled embedding summed over the vocab-split ranks, q/k norms and soft-capped
-    scores per head, the final soft-cap on the gathered logits) on two ranks equals one process."""
+    scores per head, the final soft-cap on the gathered logits) and Phi-3 (its fused q|k|v and
+    gate|up tensors cut into each rank's heads and channels) on two ranks equal one process."""
     from family_fixtures import make_family_checkpoint
     path = make_family_checkpoint(name, str(tmp_path / name))
     want = run_mixed(Engine(path, **COMMON))

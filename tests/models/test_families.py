@@ -7,6 +7,8 @@ Checkpoints: tests/family_fixtures.py (every 1-D parameter moved off its init va
 mirror convert_hf_to_gguf.py, not run)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import EXACT, assert_no_kv_leak, hf_greedy, load_hf_reference
@@ -22,7 +24,7 @@ from sparkserve.models.llama_native import unsupported
 
 # llama.cpp's qwen2 applies no sliding window (its converter writes none): the windowed variant is HF only.
 GGUF_FAMILIES = ["qwen2", "qwen2_tied", "llama3", "llama3_tied", "llama_linear", "qwen3_moe", "mixtral",
-                 "gemma2", "gemma3"]
+                 "gemma2", "gemma3", "phi3", "phi3_longrope"]
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +106,7 @@ def test_gguf_rope_freqs_equal_llama3_scaling(family_ggufs):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen2_tied", "llama3_tied"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_tied", "llama3_tied", "phi3"])
 def test_family_greedy_tokens_match_transformers(name, family_dirs, family_refs):
     """Engine generations (native decode on the bf16 copy) equal transformers' greedy tokens."""
     g = torch.Generator().manual_seed(3)
@@ -183,7 +185,8 @@ def test_unsupported_rope_or_architecture_fails_at_start_up(tmp_path, family_dir
     cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                               "original_max_position_embeddings": 64}
     (yarn / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"'yarn' is not supported \(supported: default, linear, llama3\)"):
+    with pytest.raises(ValueError, match=r"'yarn' is not supported \(supported: default, linear, llama3, "
+                                         r"longrope\)"):
         load_model(str(yarn))
     with pytest.raises(ValueError, match="'yarn' is not supported"):
         Engine(str(yarn), max_total_tokens=64)
@@ -266,12 +269,14 @@ def test_moe_gguf_quantized_experts(family_dirs, tmp_path):
     assert len(out[0]["output_ids"]) == 4
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_gemma_greedy_tokens_match_transformers(name, family_dirs, family_refs):
-    """Through the Engine (scheduler, a split pool for the sliding layers, prompts past the
-    window): transformers' greedy tokens."""
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope"])
+def test_python_path_greedy_tokens_match_transformers(name, family_dirs, family_refs):
+    """Through the Engine (scheduler; Gemma: a split pool for the sliding layers, prompts past the
+    window; Phi: LongRoPE's long factors, partial rotary): transformers' greedy tokens. Every prompt
+    is past Phi's pre-training length of 4, where transformers' generate rotates by the long
+    factors from the prompt on (shorter, it would switch factors mid-answer)."""
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (3, 21, 12)]
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 21, 12)]
     sp = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     with Engine(family_dirs[name], max_total_tokens=1024, **EXACT) as eng:
         out = eng.generate(input_ids=prompts, sampling_params=sp)
@@ -340,3 +345,25 @@ def test_gemma_config_fields():
         _cfg(**dict(base, model_type="gemma3_text", num_hidden_layers=2, rope_parameters={
             "full_attention": {"rope_type": "default", "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}))
+
+
+def test_phi3_config_and_longrope_choice():
+    """Phi-3 configs as shipped (rope_scaling type "su" or "longrope", the pre-training length at
+    the top level, Phi-4-mini's partial_rotary_factor): LongRoPE's short factors serve a context
+    within the pre-training length (--context-length 4096 on a 128k model, as llama.cpp decides
+    by its context), the long ones and the attention factor beyond it."""
+    from sparkserve.layers.rotary import RotaryEmbedding
+    short, long = [1.0 + i / 10 for i in range(6)], [2.0 + i for i in range(6)]
+    for kind in ("su", "longrope"):
+        cfg = _cfg(model_type="phi3", architectures=["Phi3ForCausalLM"], max_position_embeddings=131072,
+                   original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+                   rope_scaling={"type": kind, "short_factor": short, "long_factor": long})
+        assert cfg.rotary_dim == 12 and cfg.rope_scaling["rope_type"] == "longrope"
+        assert cfg.rope_scaling["original_max_position_embeddings"] == 4096
+        base = _inv_freq(12, 10000.0, None)
+        for context, factors in ((4096, short), (131072, long)):
+            want = base / torch.tensor(factors, dtype=torch.float64)
+            torch.testing.assert_close(_inv_freq(12, 10000.0, cfg.rope_scaling, context), want)
+        within, beyond = (RotaryEmbedding(12, n, 10000.0, cfg.rope_scaling) for n in (4096, 131072))
+        assert within.cos[0, 0] == 1.0
+        assert beyond.cos[0, 0] == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
