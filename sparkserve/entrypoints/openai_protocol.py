@@ -158,6 +158,7 @@ class ChatCompletionRequest(OpenAISampling):
     top_logprobs: int | None = None
     tools: Objects | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True         # false: at most one call (the first)
     response_format: dict[str, Any] | None = None
     # chat template controls (vLLM's names): continue_final_message continues the last
     # (assistant) message instead of opening a new turn; the kwargs are template variables

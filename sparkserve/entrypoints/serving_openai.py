@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
-from sparkserve.constrained.check import apply_response_format
+from sparkserve.constrained.check import apply_response_format, check_grammar
 from sparkserve.entrypoints.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -22,9 +22,10 @@ from sparkserve.frontend.chat_output import ChatOutputParser
 from sparkserve.frontend.chat_template import continue_final, load_chat_template, render_chat_template
 from sparkserve.frontend.prepare import room_left
 from sparkserve.frontend.reasoning_parser import REASONING_PARSERS
-from sparkserve.frontend.tool_parsers import TOOL_PARSERS
+from sparkserve.frontend.tool_parsers import TOOL_PARSERS, ToolParser
+from sparkserve.frontend.tool_parsers.forced import NamedCallParser, RequiredCallsParser, forced_schema
 from sparkserve.messages import GenerateReq
-from sparkserve.sampling_params import MAX_MESSAGES
+from sparkserve.sampling_params import MAX_MESSAGES, SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # what the server itself hands the chat template (chat_template_kwargs may not override them)
@@ -101,12 +102,13 @@ class ServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
         tools = self.tools_to_parse(req)
+        req = self.forced_tools(req)
         ids = self.tokenize(self.render(req, tools), "messages")
         self.check_length(ids, "messages", "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         names = {"top_logprobs_num": "top_logprobs"}
-        if tools and not self.tool_parser.skip_special_tokens:
+        if tools and not self.tool_parser_for(req).skip_special_tokens:
             req = req.model_copy(update={"skip_special_tokens": False})     # the call markers are special
         return self.fan(rid, [(ids, self.openai_params(req, ids, max_tokens, None, top, names))],
                         req.return_hidden_states, dp_rank=self.dp_rank(req.routed_dp_rank),
@@ -155,16 +157,50 @@ class ServingChat(OpenAIServing):
         if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
             raise ApiError(400, f"tool_choice: no tool is named {short_repr(choice['function']['name'])}",
                            "tool_choice")
-        if named or choice == "required":
-            raise ApiError(400, "tool_choice: a required or named tool call needs constrained decoding, "
-                                "which this server does not do yet; send auto or none", "tool_choice")
         if not tools or choice == "none":
             return None
+        if named or choice == "required":
+            return tools                    # the grammar (forced_tools) makes the calls, any model
         if self.tool_parser is None:
             raise ApiError(400, "tools: this server does not parse tool calls (start it with "
                                 f"--tool-call-parser, one of {', '.join(TOOL_PARSERS)}); or send "
                                 "tool_choice: none", "tools")
         return tools
+
+    def forced_tools(self, req: ChatCompletionRequest) -> ChatCompletionRequest:
+        """tool_choice required or named: the request constrained by the calls' JSON schema (on the
+        grammar engine, as response_format is); the tools' own schemas must be valid ones."""
+        choice = req.tool_choice
+        if not (choice == "required" or isinstance(choice, dict)):
+            return req
+        rf = req.response_format and req.response_format.get("type", "text") != "text"
+        given = [n for n, v in (("response_format", rf), ("json_schema", req.json_schema),
+                                ("regex", req.regex), ("ebnf", req.ebnf)) if v]
+        if given:
+            what = choice if isinstance(choice, str) else "a named function"
+            raise ApiError(400, f"tool_choice: {what} cannot be combined with {given[0]} (one constraint per "
+                                "request)", "tool_choice")
+        if self.tm.args.grammar_backend == "none":
+            raise ApiError(400, "tool_choice: required and named choices are enforced by a grammar, and this "
+                                "server has none (--grammar-backend none)", "tool_choice")
+        named = choice["function"]["name"] if isinstance(choice, dict) else None
+        schema = forced_schema(req.tools, named, req.parallel_tool_calls)
+        try:
+            check_grammar(SamplingParams(json_schema=schema).validate(), self.tm.args.grammar_backend,
+                          self.tm.tokenizer is not None)
+        except ValueError as e:
+            raise ApiError(400, f"tools: the tools' parameters cannot constrain the answer "
+                                f"(tool_choice {short_repr(choice)}): {e}", "tools") from None
+        return req.model_copy(update={"json_schema": schema})
+
+    def tool_parser_for(self, req: ChatCompletionRequest) -> ToolParser | None:
+        """How a request's answer is read for calls (None: it is not); build() checked the choice."""
+        choice = req.tool_choice
+        if not req.tools or choice == "none":
+            return None
+        if isinstance(choice, dict):
+            return NamedCallParser(choice["function"]["name"])
+        return RequiredCallsParser() if choice == "required" else self.tool_parser
 
     def render(self, req: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None) -> str:
         """The prompt text of a chat: the chat template (--chat-template, else the tokenizer's) over
@@ -203,10 +239,12 @@ class ServingChat(OpenAIServing):
     def output_parser(self, req: ChatCompletionRequest) -> ChatOutputParser | None:
         """How this request's answers are read: tool calls when tools_to_parse says so, thinking
         apart unless separate_reasoning is off or the template was told enable_thinking: false."""
-        tools = self.tool_parser if req.tools and req.tool_choice != "none" else None
+        tools = self.tool_parser_for(req)
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
         reasoning = self.reasoning_parser if req.separate_reasoning and thinking else None
-        return ChatOutputParser(reasoning, tools) if tools or reasoning else None
+        if tools is None and reasoning is None:
+            return None
+        return ChatOutputParser(reasoning, tools, None if req.parallel_tool_calls else 1)
 
     def first_choices(self, seqs: list[GenerateReq]) -> list[dict]:
         return [{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

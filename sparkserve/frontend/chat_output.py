@@ -30,13 +30,14 @@ class ChatOutput:
 class ChatOutputParser:
     reasoning: ReasoningParser | None
     tools: ToolParser | None
+    max_calls: int | None = None            # parallel_tool_calls: false -> 1 (later calls dropped)
 
     def parse(self, text: str) -> ChatOutput:
         reasoning, content = self.reasoning.split(text, final=True) if self.reasoning else (None, text)
         if self.tools is None:
             return ChatOutput(reasoning, content)
         content_, calls = self.tools.parse(content)
-        return ChatOutput(reasoning, content_, calls)
+        return ChatOutput(reasoning, content_, calls[:self.max_calls])
 
     def stream(self) -> "ChatOutputStream":
         return ChatOutputStream(self)
@@ -50,7 +51,7 @@ class ChatOutputStream:
         self.text = ""
         self.reasoning_sent = ""
         self.content_sent = ""
-        self.tools = ToolStream(parser.tools) if parser.tools else None
+        self.tools = ToolStream(parser.tools, parser.max_calls) if parser.tools else None
 
     @property
     def made_calls(self) -> bool:

@@ -167,3 +167,21 @@ def test_smollm2_json_schema_and_regex(smollm2_engine):
     out = smollm2_engine.generate(messages=[{"role": "user", "content": "What is 12+30?"}],
                                   sampling_params={"regex": "[0-9]+", "temperature": 0, "max_new_tokens": 8})
     assert re.fullmatch("[0-9]+", out["text"])
+
+
+def test_grammar_backend_flag(tmp_path):
+    """--grammar-backend none refuses constraints naming the field; xgrammar is refused at start-up
+    with how to install it (or, installed, that it is not supported yet), never silently."""
+    import importlib.util
+
+    from sparkserve import Engine
+    from sparkserve.args import ServerArgs
+    path = make_tiny_chat_checkpoint(str(tmp_path / "llama"))
+    want = "not supported yet" if importlib.util.find_spec("xgrammar") else "pip install xgrammar"
+    with pytest.raises(ValueError, match=f"^--grammar-backend xgrammar: .*{want}"):
+        ServerArgs(model_path=path, grammar_backend="xgrammar").validate()
+    off = Engine(path, max_total_tokens=1024, grammar_backend="none")
+    assert off.scheduler.grammar is None
+    with pytest.raises(ValueError, match=r"^regex: constrained decoding is off .*--grammar-backend none"):
+        off.generate("q", {"regex": "a"})
+    assert len(off.generate("q", {"max_new_tokens": 3})["output_ids"]) == 3

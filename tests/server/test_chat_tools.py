@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 from starlette.testclient import TestClient
@@ -165,6 +166,15 @@ def test_parallel_tool_calls_whole_and_streamed(app, hf):
     assert s.message.content.strip() == choice.message.content
 
 
+def test_parallel_tool_calls_false_keeps_the_first(app):
+    app.say(TWO_CALLS)
+    r = app.client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME],
+                                           parallel_tool_calls=False)
+    assert calls_of(r.choices[0].message) == CALL_ARGS[:1]
+    s = streamed(app, messages=USER, tools=[WEATHER, TIME], parallel_tool_calls=False).choices[0]
+    assert calls_of(s.message) == CALL_ARGS[:1] and s.finish_reason == "tool_calls"
+
+
 def test_stream_chunks_carry_index_id_then_fragments(app):
     app.say(TWO_CALLS)
     chunks = list(app.client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME],
@@ -218,15 +228,54 @@ def test_tool_results_fed_back(app, hf):
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("Clear sky at noon.", "stop")
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}},
-                                    {"type": "function", "function": {"name": "nope"}}, "sometimes",
-                                    {"type": "function"}])
-def test_tool_choice_not_honoured_is_400(app, choice):
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "nope"}}, "sometimes",
+                                    {"type": "function"}, {"function": {"name": "get_weather"}}])
+def test_bad_tool_choice_is_400(app, choice):
     app.say("x")
     with pytest.raises(openai.BadRequestError) as e:
         app.client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice=choice)
     assert e.value.body["param"] == "tool_choice"
     assert not app.sent
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+REQUIRED_ANSWER = json.dumps([{"name": n, "parameters": a} for n, a in CALL_ARGS])
+
+
+@pytest.mark.parametrize("choice, answer", [(NAMED, json.dumps(CALL_ARGS[0][1])),
+                                            ("required", REQUIRED_ANSWER)])
+def test_forced_tool_choice_is_a_grammar(app, hf, choice, answer):
+    """required / a named function: the answer is constrained by a JSON schema made of the tools'
+    (the grammar engine enforces it; test_chat_api_server runs it on a model), which the scripted
+    answer must satisfy and a call of an unknown tool or bad arguments must not; the answer reads
+    as calls, whole and streamed, whatever --tool-call-parser."""
+    app.say(answer)
+    r = app.client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME],
+                                           tool_choice=choice)
+    assert app.prompt() == reference(hf, USER, tools=[WEATHER, TIME], add_generation_prompt=True)
+    field, schema = app.sent[0].params.grammar
+    assert field == "json_schema"
+    jsonschema.validate(json.loads(answer), json.loads(schema))
+    wrong = [{"name": "nope", "parameters": {}}] if choice == "required" else {"days": 3}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(wrong, json.loads(schema))
+    want = CALL_ARGS[:1] if choice == NAMED else CALL_ARGS
+    assert calls_of(r.choices[0].message) == want and r.choices[0].message.content is None
+    assert r.choices[0].finish_reason == "tool_calls"
+    s = streamed(app, messages=USER, tools=[WEATHER, TIME], tool_choice=choice).choices[0]
+    assert calls_of(s.message) == want and s.finish_reason == "tool_calls"
+    assert [c.function.arguments for c in s.message.tool_calls] == \
+        [c.function.arguments for c in r.choices[0].message.tool_calls]
+
+
+def test_forced_tool_choice_refusals(app):
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+    for body, param in [({"tools": [bad_tool], "tool_choice": "required"}, "tools"),
+                        ({"tools": [WEATHER], "tool_choice": "required",
+                          "response_format": {"type": "json_object"}}, "tool_choice"),
+                        ({"tools": [WEATHER], "tool_choice": NAMED, "regex": "a+"}, "tool_choice")]:
+        r = app.http.post("/v1/chat/completions", json={"messages": USER, **body})
+        assert r.status_code == 400 and r.json()["param"] == param, r.text
 
 
 def test_bad_tools_and_choice_without_tools_are_400(app):

@@ -114,8 +114,9 @@ class ToolStream:
     """One choice's streamed tool calls: feed() the text so far at each step, finish() once with
     the whole text; each returns (content delta, OpenAI `delta.tool_calls` entries)."""
 
-    def __init__(self, parser: ToolParser):
+    def __init__(self, parser: ToolParser, max_calls: int | None = None):
         self.parser = parser
+        self.max_calls = max_calls
         self.content_sent = ""
         self.args_sent: list[str] = []          # per call started: its arguments sent so far
 
@@ -165,8 +166,8 @@ class ToolStream:
         return delta
 
     def _call(self, i: int, name: str, text_args: str) -> list[dict]:
-        out = []
-        if i > len(self.args_sent):
+        out: list[dict] = []
+        if i > len(self.args_sent) or (self.max_calls is not None and i >= self.max_calls):
             return out
         if i == len(self.args_sent):
             self.args_sent.append("")
