@@ -166,14 +166,19 @@ def _rope_parameters(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] 
 
 
 def _rope_scaling(rope: dict[str, Any], kind: str | None, d: dict[str, Any]) -> dict[str, Any] | None:
-    """The rope scaling as layers/rotary.py reads it (None: plain rope). LongRoPE (Phi-3's "su"
-    before it had the name) takes the pre-training length from the top level where older configs
-    keep it."""
+    """The rope scaling as layers/rotary.py reads it (None: plain rope), with the pre-training
+    length where a config keeps it at the top level (LongRoPE, Phi-3's "su" before it had the name)
+    or leaves it out (YaRN, dynamic NTK: the model's), and LongRoPE's extension factor (as
+    transformers derives it)."""
     if kind in ("default", None):
         return None
+    model_max = d.get("max_position_embeddings") or 4096
+    original = rope.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
     if kind in ("longrope", "su"):
-        original = rope.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
-        return dict(rope, rope_type="longrope", original_max_position_embeddings=original)
+        return dict(rope, rope_type="longrope", original_max_position_embeddings=original,
+                    factor=rope.get("factor") or model_max / original)
+    if kind in ("yarn", "dynamic"):     # without it, the pre-training length is the model's
+        return dict(rope, rope_type=kind, original_max_position_embeddings=original or model_max)
     return dict(rope)
 
 

@@ -52,6 +52,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                    sliding_window=8, max_window_layers=1)),
     "llama3": ("llama", dict(_LLAMA3, tie_word_embeddings=False)),
     "llama3_tied": ("llama", dict(_LLAMA3, tie_word_embeddings=True)),
+    # YaRN as Qwen2.5 / Qwen3 configs add it: GGUF metadata qwen2.rope.scaling.type / .factor / orig ctx
+    "qwen2_yarn": ("qwen2", dict(_QWEN2, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})),
     # linear scaling: GGUF metadata llama.rope.scaling.type / .factor
     "llama_linear": ("llama", dict(TINY_CONFIGS["llama"], num_hidden_layers=2, rope_parameters={
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),

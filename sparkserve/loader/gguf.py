@@ -143,22 +143,30 @@ def _gemma_fields(arch: str, get, n_layers: int, hidden: int, n_heads: int, head
 
 def _rope_scaling(reader: GGUFFile, get, arch: str, head_dim: int) -> dict[str, Any] | None:
     """The rope scaling a GGUF file declares, as an HF-style `rope_scaling` dict (None: plain rope):
-    `{arch}.rope.scaling.*` metadata (linear; older files' `rope.scale_linear`), or the
-    `rope_freqs.weight` divisors (rotary._inv_freq's "freq_factors"). What cannot be honoured
-    is refused, naming the key."""
+    `{arch}.rope.scaling.*` metadata (linear, yarn; older files' `rope.scale_linear`), the
+    `rope_freqs.weight` divisors (rotary._inv_freq's "freq_factors") or Phi-3's LongRoPE factor
+    tensors. What cannot be honoured is refused, naming the key."""
     kind = get("rope.scaling.type")
     factor = get("rope.scaling.factor", get("rope.scale_linear"))
     if kind is None and factor not in (None, 1.0):
         kind = "linear"
     tensors = {t.name: t for t in reader.tensors if t.name in _NOT_WEIGHTS}
+    original = get("rope.scaling.original_context_length")
     if all(name in tensors for name in _ROPE_FACTORS.values()):
         return {"rope_type": "longrope", "attention_factor": get("rope.scaling.attn_factor"),
-                "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+                "original_max_position_embeddings": original, "factor": get("context_length") / original,
                 **{key: _floats(tensors[name]) for key, name in _ROPE_FACTORS.items()}}
+    if kind == "yarn":
+        if get("rope.scaling.yarn_log_multiplier") is not None:
+            raise ValueError(f"GGUF {arch}.rope.scaling.yarn_log_multiplier (DeepSeek's YaRN mscale) is not "
+                             "supported")
+        betas = {k: v for k in ("beta_fast", "beta_slow") if (v := get(f"rope.scaling.yarn_{k}")) is not None}
+        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original,
+                **betas}
     freqs = tensors.get(_ROPE_FREQS)
     if kind not in (None, "none", "linear"):
         raise ValueError(f"GGUF {arch}.rope.scaling.type = {kind!r} is not supported (supported: none, "
-                         f"linear, and llama3 as a {_ROPE_FREQS} tensor)")
+                         f"linear, yarn, and llama3 as a {_ROPE_FREQS} tensor)")
     if kind == "linear" and freqs is not None:
         raise ValueError(f"GGUF {arch}.rope.scaling.type = 'linear' beside a {_ROPE_FREQS} tensor is not "
                          "supported (one rope scaling at a time)")

@@ -23,8 +23,8 @@ from sparkserve.loader.gguf import gguf_config
 from sparkserve.models.llama_native import unsupported
 
 # llama.cpp's qwen2 applies no sliding window (its converter writes none): the windowed variant is HF only.
-GGUF_FAMILIES = ["qwen2", "qwen2_tied", "llama3", "llama3_tied", "llama_linear", "qwen3_moe", "mixtral",
-                 "gemma2", "gemma3", "phi3", "phi3_longrope"]
+GGUF_FAMILIES = ["qwen2", "qwen2_tied", "qwen2_yarn", "llama3", "llama3_tied", "llama_linear", "qwen3_moe",
+                 "mixtral", "gemma2", "gemma3", "phi3", "phi3_longrope"]
 
 
 @pytest.fixture(scope="module")
@@ -170,38 +170,44 @@ def test_o_bias_runs_in_python_not_natively(tmp_path):
 
 
 def test_unsupported_rope_or_architecture_fails_at_start_up(tmp_path, family_dirs):
-    """A rope scaling the loader cannot honour (yarn: from config.json, or as the converter writes
-    it into GGUF metadata), partial rotary and an unknown GGUF architecture are refused when the
-    model loads, naming the key and what is supported; never served with plain rope."""
+    """A rope scaling the loader cannot honour (Qwen2-VL's mrope in config.json; a type llama.cpp's
+    metadata names without what it needs, DeepSeek's YaRN log multiplier), partial rotary on a
+    permuted arch and an unknown GGUF architecture are refused when the model loads, naming the key
+    and what is supported; never served with plain rope."""
     import json
     import shutil
 
     import gguf
 
     from sparkserve.models.registry import load_config, load_model
-    yarn = tmp_path / "yarn"
-    shutil.copytree(family_dirs["qwen2"], yarn)
-    cfg = json.loads((yarn / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                              "original_max_position_embeddings": 64}
-    (yarn / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"'yarn' is not supported \(supported: default, linear, llama3, "
-                                         r"longrope\)"):
-        load_model(str(yarn))
-    with pytest.raises(ValueError, match="'yarn' is not supported"):
-        Engine(str(yarn), max_total_tokens=64)
-    path = write_gguf(str(yarn), str(tmp_path / "yarn.gguf"))
-    with pytest.raises(ValueError, match=r"qwen2\.rope\.scaling\.type = 'yarn' is not supported"):
-        load_config(path)
-    for arch, key, value in (("bloom", None, None), ("llama", "llama.rope.dimension_count", 8)):
-        path = str(tmp_path / f"{arch}.gguf")
+    mrope = tmp_path / "mrope"
+    shutil.copytree(family_dirs["qwen2"], mrope)
+    cfg = json.loads((mrope / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "mrope", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    (mrope / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"'mrope' is not supported \(supported: default, linear, llama3, "
+                                         r"yarn, longrope, dynamic\)"):
+        load_model(str(mrope))
+    with pytest.raises(ValueError, match="'mrope' is not supported"):
+        Engine(str(mrope), max_total_tokens=64)
+    for i, (arch, key, value, error) in enumerate((
+            ("bloom", None, None, r"'bloom' is not supported.*'qwen2'"),
+            ("llama", "llama.rope.dimension_count", 8, "llama.rope.dimension_count"),
+            ("qwen2", "qwen2.rope.scaling.type", "longrope", r"rope\.scaling\.type = 'longrope' is not"),
+            ("qwen2", "qwen2.rope.scaling.yarn_log_multiplier", 0.1, "yarn_log_multiplier"))):
+        path = str(tmp_path / f"{arch}{i}.gguf")
         w = gguf.GGUFWriter(path, arch)
         w.add_head_count(4), w.add_embedding_length(64), w.add_vocab_size(320)
-        if key:
+        if key == "qwen2.rope.scaling.yarn_log_multiplier":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0)
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif key:
             w.add_uint32(key, value)
         w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
         w.close()
-        with pytest.raises(ValueError, match=key or r"'bloom' is not supported.*'qwen2'"):
+        with pytest.raises(ValueError, match=error):
             load_config(path)
 
 
@@ -351,7 +357,7 @@ def test_phi3_config_and_longrope_choice():
     """Phi-3 configs as shipped (rope_scaling type "su" or "longrope", the pre-training length at
     the top level, Phi-4-mini's partial_rotary_factor): LongRoPE's short factors serve a context
     within the pre-training length (--context-length 4096 on a 128k model, as llama.cpp decides
-    by its context), the long ones and the attention factor beyond it."""
+    by its context), the long ones beyond it; the attention factor is the model's either way."""
     from sparkserve.layers.rotary import RotaryEmbedding
     short, long = [1.0 + i / 10 for i in range(6)], [2.0 + i for i in range(6)]
     for kind in ("su", "longrope"):
@@ -364,6 +370,30 @@ def test_phi3_config_and_longrope_choice():
         for context, factors in ((4096, short), (131072, long)):
             want = base / torch.tensor(factors, dtype=torch.float64)
             torch.testing.assert_close(_inv_freq(12, 10000.0, cfg.rope_scaling, context), want)
-        within, beyond = (RotaryEmbedding(12, n, 10000.0, cfg.rope_scaling) for n in (4096, 131072))
-        assert within.cos[0, 0] == 1.0
-        assert beyond.cos[0, 0] == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+        for context in (4096, 131072):    # the model's extension, whichever factors serve (as transformers)
+            cos = RotaryEmbedding(12, context, 10000.0, cfg.rope_scaling).cos
+            assert cos[0, 0] == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},       # Qwen
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},                          # DeepSeek-V2
+    {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 16,
+     "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.0},
+    {"rope_type": "dynamic", "factor": 2.0}])
+def test_rope_scaling_equals_transformers(rope):
+    """YaRN (ramp bounds, interpolation, attention factor, DeepSeek's mscale ratio) and dynamic NTK
+    (at a served context past the pre-training length) as transformers computes them."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from sparkserve.layers.rotary import _attention_factor
+    hf = LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128, max_position_embeddings=16384,
+                     rope_parameters=dict(rope, rope_theta=50000.0))
+    context = 65536
+    want_inv, want_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu", seq_len=context)
+    cfg = ModelConfig.from_hf_dict(dict(hf.to_dict(), architectures=["LlamaForCausalLM"]))
+    torch.testing.assert_close(_inv_freq(128, cfg.rope_theta, cfg.rope_scaling, context).float(), want_inv,
+                               rtol=1e-5, atol=0)
+    assert _attention_factor(cfg.rope_scaling) == pytest.approx(want_scale, rel=1e-6)
