@@ -8,6 +8,7 @@ import time
 from typing import Any, AsyncIterator
 
 from sparkserve.constrained.check import apply_response_format, check_grammar
+from sparkserve.core.finish_reason import FINISH_MATCHED_TOKEN
 from sparkserve.entrypoints.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -258,7 +259,7 @@ class ServingChat(OpenAIServing):
         else:
             if o.index not in state:
                 state[o.index] = parser.stream()
-            delta = state[o.index].feed(o.text, final)
+            delta = state[o.index].feed(self.visible_text(req, o), final)
         if delta or (req.logprobs and o.token_ids):
             lp = {"content": self._logprobs(o)} if req.logprobs else None
             out.append({"index": o.index, "delta": delta or {"content": ""}, "logprobs": lp,
@@ -271,8 +272,18 @@ class ServingChat(OpenAIServing):
                         **last_hidden(req, o)})
         return out
 
+    def visible_text(self, req: ChatCompletionRequest, o: SeqOut) -> str:
+        """`o`'s text without the stop token's own text where build() turned skip_special_tokens off
+        for a tool format's markers (the client did not ask for special tokens; SGLang trims a
+        matched stop token too)."""
+        fr, parser = o.finish_reason, self.tool_parser_for(req)
+        if not isinstance(fr, FINISH_MATCHED_TOKEN) or req.no_stop_trim or not req.skip_special_tokens or \
+                parser is None or parser.skip_special_tokens:
+            return o.text
+        return o.text.removesuffix(self.tm.need_tokenizer().decode([fr.matched], skip_special_tokens=False))
+
     def full_choice(self, req: ChatCompletionRequest, index: int, parts: list[SeqOut]) -> dict:
-        text = "".join(o.text for o in parts)
+        text = "".join(o.text for o in parts[:-1]) + self.visible_text(req, parts[-1])
         parser = self.output_parser(req)
         reason = finish_reason(parts[-1].finish_reason)
         if parser is None:

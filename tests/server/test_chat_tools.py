@@ -98,7 +98,7 @@ class ScriptedApp:
             ids = self.tok.encode(self.answer)
             for k, t in enumerate(ids):
                 last = k == len(ids) - 1
-                end = (FINISH_LENGTH(k + 1) if self.length_cut else FINISH_MATCHED_TOKEN(0)) if last else None
+                end = (FINISH_LENGTH(k + 1) if self.length_cut else FINISH_MATCHED_TOKEN(t)) if last else None
                 out = ReqOutput(msg.rid, [t], end, len(msg.input_ids), k + 1, 0)
                 self.tm._on_batch(BatchOut([out], SchedulerLoad()))
         elif isinstance(msg, LoadReq):
@@ -356,6 +356,24 @@ def test_enable_thinking_false(thinking_app, hf):
     r = app.client.chat.completions.create(model="tiny", messages=USER,
                                            extra_body={"separate_reasoning": False})
     assert r.choices[0].message.content == "<think>x</think>Sunny."
+
+
+def test_llama3_markers_need_special_tokens(model_dir):
+    """llama3's <|python_tag|> and end tokens are special tokens: the answer is detokenized with
+    them, and the stop token's own text (here the tiny tokenizer's <|im_end|>) is not content."""
+    app = ScriptedApp(model_dir, tool_call_parser="llama3")
+    call = '<|python_tag|>{"name": "get_time", "parameters": {"tz": "UTC"}}<|im_end|>'
+    for answer, content, calls in [(call, None, [("get_time", {"tz": "UTC"})]),
+                                   ("Hello!<|im_end|>", "Hello!", [])]:
+        app.say(answer)
+        r = app.client.chat.completions.create(model="tiny", messages=USER, tools=[TIME])
+        assert app.sent[0].params.skip_special_tokens is False
+        assert (r.choices[0].message.content, calls_of(r.choices[0].message)) == (content, calls)
+        s = streamed(app, messages=USER, tools=[TIME]).choices[0]
+        assert (s.message.content or None, calls_of(s.message)) == (content, calls)   # role chunk: ""
+    app.say("Hello!<|im_end|>")
+    r = app.client.chat.completions.create(model="tiny", messages=USER)      # no tools: as asked
+    assert app.sent[0].params.skip_special_tokens is True and r.choices[0].message.content == "Hello!"
 
 
 def test_bad_chat_template_flag(model_dir, tmp_path):
