@@ -35,8 +35,9 @@ class GrammarMatcher:
         if self._m is None and self._error is None:
             try:
                 self._m = self._compiled.result().deep_copy()
-            except ValueError as e:
-                self._error = str(e)
+            except Exception as e:      # a compile that failed here fails the request, not the scheduler
+                named = isinstance(e, ValueError)       # ours start with the field's name
+                self._error = str(e) if named else f"{self.field}: {type(e).__name__}: {e}"
         return self._m
 
     def advance(self, output_ids: Sequence[int]) -> None:
