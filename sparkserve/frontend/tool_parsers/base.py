@@ -22,6 +22,10 @@ from partial_json_parser.core.exceptions import JSONDecodeError as PartialJSONEr
 
 log = logging.getLogger(__name__)
 SETTLED = Allow.ALL & ~Allow.STR & ~Allow.NUM       # unfinished strings and numbers may still grow
+# Each step re-reads the calls' JSON whole; once it is long, only after it grew by 1/32 more (a
+# long call's arguments then stream in pieces of ~3% of it), so a stream's parsing stays linear in
+# its length (about 32 reads of it) instead of one read per token.
+REREAD_FRACTION = 32
 
 
 @dataclass
@@ -119,6 +123,7 @@ class ToolStream:
         self.max_calls = max_calls
         self.content_sent = ""
         self.args_sent: list[str] = []          # per call started: its arguments sent so far
+        self.read_at = 0                        # length of the calls' text at the last JSON read
 
     @property
     def made_calls(self) -> bool:
@@ -127,8 +132,9 @@ class ToolStream:
     def feed(self, text: str) -> tuple[str, list[dict]]:
         s = self.parser.split(text, final=False)
         content, deltas = self._content(s.content), []
-        if s.calls is None:
+        if s.calls is None or len(s.calls) - self.read_at < len(s.calls) // REREAD_FRACTION:
             return content, deltas
+        self.read_at = len(s.calls)
         try:
             objs = partial_loads(s.calls, SETTLED)
         except (PartialJSONError, ValueError, IndexError):
