@@ -25,7 +25,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 # names of frontend/tool_parsers and frontend/reasoning_parser (test_tool_parsers checks they agree)
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "deepseekv3", "deepseekv31")
-REASONING_PARSERS = ("deepseek-r1", "qwen3")
+REASONING_PARSERS = ("deepseek-r1", "qwen3", "gpt-oss")
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ class ServerArgs:
         "format of the model's tool calls: parse them into message.tool_calls (needed for tools with "
         "tool_choice auto)", choices=TOOL_CALL_PARSERS, server_only=True))
     reasoning_parser: str | None = field(default=None, metadata=_opt(
-        "format of the model's thinking: <think>...</think> goes to message.reasoning_content",
+        "format of the model's thinking (<think>...</think>; gpt-oss: the analysis channel) for "
+        "message.reasoning_content",
         choices=REASONING_PARSERS, server_only=True))
     # memory
     max_total_tokens: int | None = field(default=None, metadata=_opt(

@@ -97,30 +97,30 @@ class OpenAIServing(ServingBase):
 class ServingChat(OpenAIServing):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def build(self, req: ChatCompletionRequest, rid: str) -> list[GenerateReq]:
-        self.check_model(req.model)
-        req = self.with_response_format(req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
-        tools = self.tools_to_parse(req)
-        req = self.forced_tools(req)
-        ids = self.tokenize(self.render(req, tools), "messages")
-        self.check_length(ids, "messages", "messages")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        names = {"top_logprobs_num": "top_logprobs"}
-        if tools and not self.tool_parser_for(req).skip_special_tokens:
-            req = req.model_copy(update={"skip_special_tokens": False})     # the call markers are special
-        return self.fan(rid, [(ids, self.openai_params(req, ids, max_tokens, None, top, names))],
-                        req.return_hidden_states, dp_rank=self.dp_rank(req.routed_dp_rank),
-                        boots=self.bootstraps(req, 1))
-
     def __init__(self, tm: TokenizerManager, model_names: set[str], served_name: str):
         super().__init__(tm, model_names, served_name)
         args = tm.args
         self.template = load_chat_template(args.chat_template) if args.chat_template else None
         self.tool_parser = TOOL_PARSERS[args.tool_call_parser]() if args.tool_call_parser else None
         self.reasoning_parser = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
+
+    def build(self, req: ChatCompletionRequest, rid: str) -> list[GenerateReq]:
+        self.check_model(req.model)
+        req = self.with_response_format(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
+        tools = self.tools_to_parse(req)             # also checks tool_choice
+        req = self.forced_tools(req)
+        ids = self.tokenize(self.render(req, tools), "messages")
+        self.check_length(ids, "messages", "messages")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        names = {"top_logprobs_num": "top_logprobs"}
+        if self.keeps_special_tokens(req):
+            req = req.model_copy(update={"skip_special_tokens": False})
+        return self.fan(rid, [(ids, self.openai_params(req, ids, max_tokens, None, top, names))],
+                        req.return_hidden_states, dp_rank=self.dp_rank(req.routed_dp_rank),
+                        boots=self.bootstraps(req, 1))
 
     def check_messages(self, messages: list[dict]) -> None:
         if len(messages) > MAX_MESSAGES:
@@ -272,13 +272,18 @@ class ServingChat(OpenAIServing):
                         **last_hidden(req, o)})
         return out
 
+    def keeps_special_tokens(self, req: ChatCompletionRequest) -> bool:
+        """Whether the answer is detokenized with its special tokens although the client asked them
+        skipped: a tool-call or thinking format whose markers are special tokens reads them."""
+        parser = self.output_parser(req)
+        return req.skip_special_tokens and parser is not None and any(
+            p is not None and not p.skip_special_tokens for p in (parser.tools, parser.reasoning))
+
     def visible_text(self, req: ChatCompletionRequest, o: SeqOut) -> str:
-        """`o`'s text without the stop token's own text where build() turned skip_special_tokens off
-        for a tool format's markers (the client did not ask for special tokens; SGLang trims a
-        matched stop token too)."""
-        fr, parser = o.finish_reason, self.tool_parser_for(req)
-        if not isinstance(fr, FINISH_MATCHED_TOKEN) or req.no_stop_trim or not req.skip_special_tokens or \
-                parser is None or parser.skip_special_tokens:
+        """`o`'s text without the stop token's own text where build() kept special tokens for a
+        format's markers (the client did not ask for them; SGLang trims a matched stop token too)."""
+        fr = o.finish_reason
+        if not isinstance(fr, FINISH_MATCHED_TOKEN) or req.no_stop_trim or not self.keeps_special_tokens(req):
             return o.text
         return o.text.removesuffix(self.tm.need_tokenizer().decode([fr.matched], skip_special_tokens=False))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparkserve.frontend.reasoning_parser import ReasoningParser
+from sparkserve.frontend.reasoning_parser import HarmonyReasoningParser, ReasoningParser
 from sparkserve.frontend.tool_parsers import ToolCall, ToolParser, ToolStream
 from sparkserve.frontend.tool_parsers.base import new_call_id
 
@@ -28,7 +28,7 @@ class ChatOutput:
 
 @dataclass(frozen=True)
 class ChatOutputParser:
-    reasoning: ReasoningParser | None
+    reasoning: ReasoningParser | HarmonyReasoningParser | None
     tools: ToolParser | None
     max_calls: int | None = None            # parallel_tool_calls: false -> 1 (later calls dropped)
 

@@ -1,9 +1,10 @@
-"""Reasoning models' thinking, `<think>...</think>`, apart from the answer (SGLang's
---reasoning-parser names). deepseek-r1: the chat template opens `<think>` itself, so everything
-before `</think>` is reasoning, a `<think>` the model writes again included or not. qwen3: only
-an answer that starts with `<think>` reasons. An output cut before `</think>` is all reasoning.
-Both parts lose their leading whitespace (the newlines around the tags), in whole and streamed
-answers alike."""
+"""Reasoning models' thinking apart from the answer (SGLang's --reasoning-parser names).
+`<think>...</think>`: deepseek-r1's chat template opens `<think>` itself, so everything before
+`</think>` is reasoning, a `<think>` the model writes again included or not; qwen3: only an answer
+that starts with `<think>` reasons. An output cut before `</think>` is all reasoning. Both parts
+lose their leading whitespace (the newlines around the tags), in whole and streamed answers alike.
+gpt-oss (harmony): the `analysis` channel's messages are reasoning, the others' (`final`,
+`commentary`) content; its markers are special tokens, so the answer keeps them to be read."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ class ReasoningParser:
     opened_by_template: bool            # the prompt ends inside <think>
     start: str = "<think>"
     end: str = "</think>"
+    skip_special_tokens = True
 
     def split(self, text: str, final: bool) -> tuple[str | None, str]:
         """(reasoning, content); reasoning None when the answer does not reason. Not `final`
@@ -35,5 +37,45 @@ class ReasoningParser:
         return body[:j].lstrip(), body[j + len(self.end):].lstrip()
 
 
+CHANNEL, MESSAGE = "<|channel|>", "<|message|>"
+MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+
+
+class HarmonyReasoningParser:
+    """gpt-oss: `<|channel|>NAME<|message|>BODY<|end|>` messages (the next one after
+    `<|start|>assistant`); text outside any message is content when no channel ever opens."""
+    name = "gpt-oss"
+    skip_special_tokens = False
+
+    def split(self, text: str, final: bool) -> tuple[str | None, str]:
+        reasoning: list[str] | None = None
+        content: list[str] = []
+        pos = 0
+        if CHANNEL not in text:
+            held = 0 if final else max(held_back(text, m) for m in (CHANNEL, "<|start|>"))
+            return None, text[:len(text) - held]
+        while True:
+            c = text.find(CHANNEL, pos)
+            m = text.find(MESSAGE, c) if c >= 0 else -1
+            if m < 0:
+                break                                   # no further message, or its header unfinished
+            channel = text[c + len(CHANNEL):m].split(" ", 1)[0].strip()
+            start = m + len(MESSAGE)
+            ends = [(i, e) for e in MESSAGE_ENDS if (i := text.find(e, start)) >= 0]
+            stop, marker = min(ends) if ends else (len(text), "")
+            body = text[start:stop]
+            if not ends and not final:
+                body = body[:len(body) - max(held_back(body, e) for e in MESSAGE_ENDS)]
+            if channel == "analysis":
+                reasoning = (reasoning or []) + [body]
+            else:
+                content.append(body)
+            if not ends:
+                break
+            pos = stop + len(marker)
+        return ("".join(reasoning) if reasoning is not None else None), "".join(content)
+
+
 REASONING_PARSERS = {p.name: p for p in (ReasoningParser("deepseek-r1", opened_by_template=True),
-                                        ReasoningParser("qwen3", opened_by_template=False))}
+                                        ReasoningParser("qwen3", opened_by_template=False),
+                                        HarmonyReasoningParser())}

@@ -170,3 +170,20 @@ def test_reasoning_then_tool_calls():
     assert out.content == "On it."
     assert [(c.name, json.loads(c.arguments)) for c in out.calls] == CALLS[:2]
     check_stream_equals_whole(parser, text)
+
+
+def test_gpt_oss_channels():
+    """harmony: the analysis channel is reasoning, final (and commentary) content; whole, streamed,
+    cut inside the thinking, and an answer with no channel at all."""
+    parser = ChatOutputParser(REASONING_PARSERS["gpt-oss"], None)
+    text = ("<|channel|>analysis<|message|>" + THOUGHT + "<|end|><|start|>assistant<|channel|>final"
+            "<|message|>It is sunny.<|return|>")
+    out = parser.parse(text)
+    assert (out.reasoning, out.content) == (THOUGHT, "It is sunny.")
+    check_stream_equals_whole(parser, text)
+    cut = "<|channel|>analysis<|message|>" + THOUGHT[:20]
+    assert (parser.parse(cut).reasoning, parser.parse(cut).content) == (THOUGHT[:20], "")
+    check_stream_equals_whole(parser, cut)
+    plain = "Just an answer <|chan"
+    assert (parser.parse(plain).reasoning, parser.parse(plain).content) == (None, plain)
+    check_stream_equals_whole(parser, plain)

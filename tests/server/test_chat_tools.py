@@ -376,6 +376,20 @@ def test_llama3_markers_need_special_tokens(model_dir):
     assert app.sent[0].params.skip_special_tokens is True and r.choices[0].message.content == "Hello!"
 
 
+def test_gpt_oss_reasoning_keeps_its_markers(model_dir):
+    app = ScriptedApp(model_dir, reasoning_parser="gpt-oss")
+    app.say("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Sunny."
+            "<|im_end|>")
+    r = app.client.chat.completions.create(model="tiny", messages=USER)
+    assert app.sent[0].params.skip_special_tokens is False
+    msg = r.model_dump()["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("Think.", "Sunny.")
+    chunks = list(app.client.chat.completions.create(model="tiny", messages=USER, stream=True))
+    deltas = [ch.delta.model_dump() for c in chunks for ch in c.choices]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Think."
+    assert "".join(d.get("content") or "" for d in deltas) == "Sunny."
+
+
 def test_bad_chat_template_flag(model_dir, tmp_path):
     with pytest.raises(ValueError, match="--chat-template"):
         ServerArgs(model_path=model_dir, chat_template=str(tmp_path / "missing.jinja")).validate()
