@@ -24,7 +24,7 @@ ACTIVATION_QUANTS = ("int8", "none")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 # names of frontend/tool_parsers and frontend/reasoning_parser (test_tool_parsers checks they agree)
-TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "deepseekv3", "deepseekv31")
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "deepseekv3", "deepseekv31", "gpt-oss")
 REASONING_PARSERS = ("deepseek-r1", "qwen3", "gpt-oss")
 
 

@@ -7,6 +7,7 @@ gpt-oss (harmony): the `analysis` channel's messages are reasoning, the others' 
 `commentary`) content; its markers are special tokens, so the answer keeps them to be read."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from sparkserve.frontend.tool_parsers.base import held_back
@@ -41,9 +42,14 @@ CHANNEL, MESSAGE = "<|channel|>", "<|message|>"
 MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 
 
+RECIPIENT = re.compile(r"to=(functions\.[^\s<]+)")
+
+
 class HarmonyReasoningParser:
     """gpt-oss: `<|channel|>NAME<|message|>BODY<|end|>` messages (the next one after
-    `<|start|>assistant`); text outside any message is content when no channel ever opens."""
+    `<|start|>assistant`); text outside any message is content when no channel ever opens. A
+    message to a function (`to=functions.NAME` in its header) stays in the content as
+    `<|channel|>commentary to=functions.NAME<|message|>ARGS<|call|>`, for the gpt-oss tool parser."""
     name = "gpt-oss"
     skip_special_tokens = False
 
@@ -59,14 +65,18 @@ class HarmonyReasoningParser:
             m = text.find(MESSAGE, c) if c >= 0 else -1
             if m < 0:
                 break                                   # no further message, or its header unfinished
-            channel = text[c + len(CHANNEL):m].split(" ", 1)[0].strip()
+            header = text[c + len(CHANNEL):m]
+            channel = header.split(" ", 1)[0].strip()
+            to = RECIPIENT.search(text[pos:c] + " " + header)
             start = m + len(MESSAGE)
             ends = [(i, e) for e in MESSAGE_ENDS if (i := text.find(e, start)) >= 0]
             stop, marker = min(ends) if ends else (len(text), "")
             body = text[start:stop]
             if not ends and not final:
                 body = body[:len(body) - max(held_back(body, e) for e in MESSAGE_ENDS)]
-            if channel == "analysis":
+            if to is not None:
+                content.append(f"{CHANNEL}commentary to={to.group(1)}{MESSAGE}{body}{marker}")
+            elif channel == "analysis":
                 reasoning = (reasoning or []) + [body]
             else:
                 content.append(body)

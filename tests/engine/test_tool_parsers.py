@@ -46,8 +46,13 @@ def deepseekv31(calls, before=""):
     return before + "<｜tool▁calls▁begin｜>" + "".join(blocks) + "<｜tool▁calls▁end｜>"
 
 
+def gpt_oss(calls, before=""):
+    return before + "".join(f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>"
+                            f"{json.dumps(a)}<|call|>" for n, a in calls)
+
+
 WRITERS = {"hermes": hermes, "qwen25": hermes, "llama3": llama3, "mistral": mistral, "deepseekv3": deepseekv3,
-           "deepseekv31": deepseekv31}
+           "deepseekv31": deepseekv31, "gpt-oss": gpt_oss}
 
 
 def test_names_agree_with_the_flags():
@@ -187,3 +192,22 @@ def test_gpt_oss_channels():
     plain = "Just an answer <|chan"
     assert (parser.parse(plain).reasoning, parser.parse(plain).content) == (None, plain)
     check_stream_equals_whole(parser, plain)
+
+
+def test_gpt_oss_thinking_then_calls():
+    """Both gpt-oss parsers: the analysis channel is reasoning, a message to a function (named in
+    the channel header or in `<|start|>assistant to=...`) a call, a final message content."""
+    parser = ChatOutputParser(REASONING_PARSERS["gpt-oss"], TOOL_PARSERS["gpt-oss"]())
+    (n0, a0), (n1, a1) = CALLS[:2]
+    text = ("<|channel|>analysis<|message|>" + THOUGHT + "<|end|><|start|>assistant<|channel|>commentary "
+            f"to=functions.{n0} <|constrain|>json<|message|>{json.dumps(a0)}<|call|>"
+            f"<|start|>assistant to=functions.{n1}<|channel|>commentary json<|message|>"
+            f"{json.dumps(a1)}<|call|>")
+    out = parser.parse(text)
+    assert out.reasoning == THOUGHT and out.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == CALLS[:2]
+    check_stream_equals_whole(parser, text)
+    answer = "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>final<|message|>Done."
+    out = parser.parse(answer)
+    assert (out.reasoning, out.content, out.calls) == ("x", "Done.", [])
+    check_stream_equals_whole(parser, answer)
