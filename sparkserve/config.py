@@ -43,6 +43,11 @@ class ModelConfig:
     activation: str = "silu"
     norm_offset: float = 0.0
     local_rope_theta: float | None = None
+    # Granite's multipliers: each branch's output before its residual add, and the logits' divisor;
+    # `rope_layers[i]`: whether layer i rotates q and k at all (SmolLM3's NoPE layers do not).
+    residual_scale: float = 1.0
+    logits_scaling: float = 1.0
+    rope_layers: list[bool] = field(default_factory=list)
     # Mixture of experts (num_experts 0: none): `moe_router` names the routing rule (layers/moe.py
     # ROUTERS), `moe_layers[i]` whether layer i's MLP is the MoE (the others are dense).
     num_experts: int = 0
@@ -97,14 +102,17 @@ class ModelConfig:
             qkv_bias=traits.get("qkv_bias", bias),
             o_bias=traits.get("o_bias", bias),
             qk_norm=traits.get("qk_norm", False),
-            embed_scale=traits.get("embed_scale", 1.0),
-            attn_scale=traits.get("attn_scale"),
+            embed_scale=traits.get("embed_scale", d.get("embedding_multiplier", 1.0)),
+            attn_scale=traits.get("attn_scale", d.get("attention_multiplier")),
             attn_softcap=traits.get("attn_softcap"),
             final_softcap=traits.get("final_softcap"),
             sandwich_norms=traits.get("sandwich_norms", False),
             activation=traits.get("activation", "silu"),
             norm_offset=traits.get("norm_offset", 0.0),
             local_rope_theta=traits.get("local_rope_theta"),
+            residual_scale=d.get("residual_multiplier", 1.0),
+            logits_scaling=d.get("logits_scaling", 1.0),
+            rope_layers=_rope_layers(d, model_type, n_layers),
             num_experts=n_experts,
             num_experts_per_tok=d.get("num_experts_per_tok", 0) if n_experts else 0,
             moe_intermediate_size=d.get("moe_intermediate_size", d["intermediate_size"]) if n_experts else 0,
@@ -136,7 +144,8 @@ FAMILY_TRAITS: dict[str, dict[str, Any]] = {
 }
 _ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                 "granite": "GraniteForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 _GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 # What transformers' config classes assume where a shipped config.json leaves keys out (the Gemma 3
@@ -180,6 +189,17 @@ def _rope_scaling(rope: dict[str, Any], kind: str | None, d: dict[str, Any]) -> 
     if kind in ("yarn", "dynamic"):     # without it, the pre-training length is the model's
         return dict(rope, rope_type=kind, original_max_position_embeddings=original or model_max)
     return dict(rope)
+
+
+def _rope_layers(d: dict[str, Any], model_type: str, n_layers: int) -> list[bool]:
+    """Which layers rotate q and k: SmolLM3's `no_rope_layers` (1: rope), else every
+    `no_rope_layer_interval`-th layer without (as transformers and llama.cpp build it)."""
+    if d.get("no_rope_layers"):
+        return [bool(r) for r in d["no_rope_layers"]]
+    if model_type == "smollm3":
+        interval = d.get("no_rope_layer_interval") or 4
+        return [(i + 1) % interval != 0 for i in range(n_layers)]
+    return [True] * n_layers
 
 
 def _rotary_dim(d: dict[str, Any], rope: dict[str, Any], head_dim: int) -> int | None:

@@ -75,6 +75,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3_shortrope": ("phi3", dict(_PHI3, partial_rotary_factor=0.75, original_max_position_embeddings=64,
                                     rope_parameters=dict(_LONGROPE, partial_rotary_factor=0.75,
                                                          original_max_position_embeddings=64))),
+    # SmolLM3: layer 3 (every 4th) without rope; tied
+    "smollm3": ("smollm3", dict(TINY_CONFIGS["llama"], num_hidden_layers=4, tie_word_embeddings=True)),
+    # Granite 3: the four multipliers off 1
+    "granite": ("granite", dict(TINY_CONFIGS["llama"], num_hidden_layers=2, embedding_multiplier=6.0,
+                                residual_multiplier=0.4, attention_multiplier=0.15, logits_scaling=3.0,
+                                tie_word_embeddings=True)),
     # Gemma 2: sliding, full, sliding; soft-capped attention scores and logits
     "gemma2": ("gemma2", dict(_GEMMA, attn_logit_softcapping=1.0, final_logit_softcapping=1.0)),
     # Gemma 2 27B's kind of attention scale (query_pre_attn_scalar != head_dim); HF only
@@ -85,7 +91,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral"}
 # What the native step does not compute (models/llama_native.py beyond_native): the Python path runs them.
-PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2", "gemma2_scalar", "gemma3", "phi3_longrope", "phi3_shortrope"}
+PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2", "gemma2_scalar", "gemma3", "phi3_longrope", "phi3_shortrope",
+                                  "smollm3", "granite"}
 
 
 def make_family_checkpoint(name: str, path: str, bf16_copy: str | None = None) -> str:
@@ -183,7 +190,8 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
     with open(os.path.join(hf_dir, "config.json")) as f:
         hp = json.load(f)
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3moe", "mixtral": "llama",
-            "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}[hp["model_type"]]
+            "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
+            "granite": "granite"}[hp["model_type"]]
     gemma = arch.startswith("gemma")
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
     rope = rope.get("full_attention", rope)      # Gemma 3: the global layers' (llama.cpp knows the local)
@@ -230,6 +238,11 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
             w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
             w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
         assert head == hp["head_dim"]
+    if arch == "granite":       # GraniteModel.set_gguf_parameters
+        w.add_embedding_scale(hp["embedding_multiplier"])
+        w.add_residual_scale(hp["residual_multiplier"])
+        w.add_attention_scale(hp["attention_multiplier"])
+        w.add_logit_scale(hp["logits_scaling"])
     if gemma:                   # Gemma2Model / Gemma3Model.set_gguf_parameters
         w.add_sliding_window(hp["sliding_window"])
     if arch == "gemma2":
@@ -247,7 +260,7 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         else:
             q8 = gguf.GGMLQuantizationType.Q8_0
             w.add_tensor(gname, gguf.quants.quantize(t, q8), raw_dtype=q8)
-    if arch == "llama":      # LlamaModel.set_gguf_parameters
+    if arch in ("llama", "smollm3", "granite"):      # LlamaModel.set_gguf_parameters
         w.add_vocab_size(hp["vocab_size"])
         w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // n_head)
     # a stand-in vocabulary (_set_vocab_gpt2 writes one entry per id up to vocab_size)
@@ -276,7 +289,7 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
             if len(group) == n_experts:
                 add(f"blk.{m[1]}.{_EXPERTS[m[3]]}.weight", np.stack([group[e] for e in range(n_experts)]))
             continue
-        if arch == "llama":      # LlamaModel.modify_tensors (undo_permute)
+        if arch in ("llama", "smollm3", "granite"):      # LlamaModel.modify_tensors (undo_permute)
             if name.endswith(("q_proj.weight", "q_proj.bias")):
                 t = _permute(t, n_head, n_head)
             if name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "mistral": "MistralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
-          "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+          "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+          "granite": "GraniteForCausalLM"}
 # GGUF arch -> HF model_type where they differ; llama.cpp writes Mixtral as arch llama with experts.
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 # Gemma 2 / 3 as llama.cpp builds them: its sliding-window layers' rope base (not in the file) and
@@ -40,7 +41,10 @@ _GEMMA_LOCAL_ROPE_BASE = 10000.0
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Archs whose q/k rows (weights and biases) llama.cpp's converter permutes for its NORM rope
 # (`LlamaModel.permute`); qwen2/qwen3 use NEOX rope and are stored as HF has them.
-_PERMUTED = {"llama"}
+_PERMUTED = {"llama", "smollm3", "granite"}
+# Granite's multipliers: GGUF key -> HF config key
+_GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                   "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
 # Tensors that are not weights: llama.cpp's converter writes Llama 3.1+'s llama3 rope scaling as
 # per-frequency divisors (`rope_freqs.weight`, head_dim / 2 values); gguf_config reads them.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -112,6 +116,8 @@ def gguf_config(path: str) -> ModelConfig:
     }
     if arch in _GEMMA_27B_LAYERS:
         hf.update(_gemma_fields(arch, get, n_layers, hidden, n_heads, head_dim))
+    if arch == "granite":
+        hf.update({key: v for gguf_key, key in _GRANITE_SCALES.items() if (v := get(gguf_key)) is not None})
     if n_experts:       # llama.cpp renormalises the top-k of both (norm_w) unless the file says not
         hf.update(num_experts=n_experts, num_experts_per_tok=get("expert_used_count"),
                   moe_intermediate_size=get("expert_feed_forward_length", get("feed_forward_length")),

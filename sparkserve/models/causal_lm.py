@@ -41,7 +41,7 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.rotary: RotaryEmbedding | None = None
 
-    def layer_rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def layer_rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
         """Each layer's (cos, sin) rows for `positions` (indexed by layer id), or None when the
         layers bring their own position handling: one table for all layers here."""
         if self.rotary is None:
@@ -160,14 +160,16 @@ class CausalLM(AuxCaptureMixin, nn.Module):
         """[rows, vocab] fp32 logits. Under tensor parallelism every first-stage tp rank runs this
         on the same rows at once (the driver's ModelRunner tells them: ForwardMirror.logits):
         each computes its vocab slice, the driver gets them all (padding cut), the others None.
-        A final soft-cap (Gemma 2) applies to what the driver gets."""
+        Granite's logits divisor and a final soft-cap (Gemma 2) apply to what the driver gets."""
         logits = self.lm_head(hidden).float()
         if self.vocab_sharded:
             logits = ps.tp_gather(logits)
             if logits is None:
                 return None
             logits = logits[:, :self.config.vocab_size]
-        cap = self.config.final_softcap
+        cap, divisor = self.config.final_softcap, self.config.logits_scaling
+        if divisor != 1.0:            # Granite
+            logits = logits / divisor
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @staticmethod

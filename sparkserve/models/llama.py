@@ -53,17 +53,20 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(layer_id, self.h, self.hkv, self.d, cfg.layer_windows[layer_id],
                                    cfg.attn_scale, cfg.attn_softcap)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: ForwardBatch) -> torch.Tensor:
         h, hkv, d = self.h, self.hkv, self.d
         qkv = self.qkv_proj(x)
         v = qkv[:, (h + hkv) * d:].view(-1, hkv, d)
-        if self.q_norm is None:   # one rotary call for q and k together
-            qk = apply_partial_rotary(qkv[:, :(h + hkv) * d].view(-1, h + hkv, d), *cos_sin)
-            q, k = qk[:, :h], qk[:, h:]
-        else:
-            q = apply_partial_rotary(self.q_norm(qkv[:, :h * d].view(-1, h, d)), *cos_sin)
-            k = apply_partial_rotary(self.k_norm(qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d)), *cos_sin)
+        q, k = qkv[:, :h * d].view(-1, h, d), qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos_sin is not None:     # None: a NoPE layer (SmolLM3)
+            if self.q_norm is None:   # one rotary call for q and k together
+                qk = apply_partial_rotary(qkv[:, :(h + hkv) * d].view(-1, h + hkv, d), *cos_sin)
+                q, k = qk[:, :h], qk[:, h:]
+            else:
+                q, k = apply_partial_rotary(q, *cos_sin), apply_partial_rotary(k, *cos_sin)
         return self.o_proj(self.attn(q, k, v, batch))
 
 
@@ -90,7 +93,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.sandwich = cfg.sandwich_norms
+        self.sandwich, self.residual_scale = cfg.sandwich_norms, cfg.residual_scale
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -103,11 +106,14 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, cos_sin, batch):
         a = self.self_attn(self.input_layernorm(x), cos_sin, batch)
-        if not self.sandwich:
-            x, h = self.post_attention_layernorm.add_norm(x, a)
-            return x + run_mlp(self.mlp, h, batch)
-        x, h = self.pre_feedforward_layernorm.add_norm(self.post_attention_layernorm(a), x)
-        return x + self.post_feedforward_layernorm(run_mlp(self.mlp, h, batch))
+        if self.sandwich:
+            x, h = self.pre_feedforward_layernorm.add_norm(self.post_attention_layernorm(a), x)
+            return x + self.post_feedforward_layernorm(run_mlp(self.mlp, h, batch))
+        if self.residual_scale != 1.0:        # Granite
+            x, h = self.post_attention_layernorm.add_norm(x, a * self.residual_scale)
+            return x + run_mlp(self.mlp, h, batch) * self.residual_scale
+        x, h = self.post_attention_layernorm.add_norm(x, a)
+        return x + run_mlp(self.mlp, h, batch)
 
 
 class LlamaModel(DecoderStack):
@@ -122,13 +128,14 @@ class LlamaModel(DecoderStack):
         self.local_rotary = None if cfg.local_rope_theta is None else RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta)
         self.windowed = [w is not None for w in cfg.layer_windows]
+        self.rope_layers = cfg.rope_layers
 
-    def layer_rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def layer_rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer: the global table's rows, a sliding layer's local ones (Gemma 3), None for a
+        NoPE layer (SmolLM3)."""
         rope = self.rotary.cos_sin(positions)
-        if self.local_rotary is None:
-            return [rope] * len(self.layers)
-        local = self.local_rotary.cos_sin(positions)
-        return [local if w else rope for w in self.windowed]
+        local = rope if self.local_rotary is None else self.local_rotary.cos_sin(positions)
+        return [(local if w else rope) if r else None for w, r in zip(self.windowed, self.rope_layers)]
 
 
 class LlamaForCausalLM(CausalLM):

@@ -25,6 +25,8 @@ MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Gemma3ForConditionalGeneration": GemmaForCausalLM,

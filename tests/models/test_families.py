@@ -24,7 +24,7 @@ from sparkserve.models.llama_native import unsupported
 
 # llama.cpp's qwen2 applies no sliding window (its converter writes none): the windowed variant is HF only.
 GGUF_FAMILIES = ["qwen2", "qwen2_tied", "qwen2_yarn", "llama3", "llama3_tied", "llama_linear", "qwen3_moe",
-                 "mixtral", "gemma2", "gemma3", "phi3", "phi3_longrope"]
+                 "mixtral", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite"]
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +83,11 @@ def test_family_gguf_equals_hf_dir(name, ftype, family_ggufs, family_dirs, famil
     fields = ("architecture", "qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings", "num_experts",
               "num_experts_per_tok", "moe_intermediate_size", "moe_router", "moe_layers", "layer_windows",
               "embed_scale", "attn_scale", "attn_softcap", "final_softcap", "sandwich_norms", "activation",
-              "norm_offset", "local_rope_theta")
-    assert [getattr(cfg, f) for f in fields] == [getattr(hf_cfg, f) for f in fields]
+              "norm_offset", "local_rope_theta", "residual_scale", "logits_scaling", "rope_layers",
+              "rotary_dim")
+    for f in fields:          # GGUF metadata holds float32
+        got, want = getattr(cfg, f), getattr(hf_cfg, f)
+        assert got == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), f
     ran = run_checked(path, family_refs[name], True, monkeypatch)
     assert (ran >= 6) if ftype == "f16" and name not in PYTHON_FAMILIES else ran == 0
 
@@ -275,7 +278,7 @@ def test_moe_gguf_quantized_experts(family_dirs, tmp_path):
     assert len(out[0]["output_ids"]) == 4
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "smollm3", "granite"])
 def test_python_path_greedy_tokens_match_transformers(name, family_dirs, family_refs):
     """Through the Engine (scheduler; Gemma: a split pool for the sliding layers, prompts past the
     window; Phi: LongRoPE's long factors, partial rotary): transformers' greedy tokens. Every prompt
@@ -397,3 +400,16 @@ def test_rope_scaling_equals_transformers(rope):
     torch.testing.assert_close(_inv_freq(128, cfg.rope_theta, cfg.rope_scaling, context).float(), want_inv,
                                rtol=1e-5, atol=0)
     assert _attention_factor(cfg.rope_scaling) == pytest.approx(want_scale, rel=1e-6)
+
+
+def test_smollm3_and_granite_config_fields():
+    """SmolLM3's NoPE layers from `no_rope_layers`, or every `no_rope_layer_interval`-th (4 by
+    default) where a config leaves the list out; Granite's four multipliers."""
+    assert _cfg(model_type="smollm3", num_hidden_layers=8).rope_layers == [True, True, True, False] * 2
+    assert _cfg(model_type="smollm3", no_rope_layer_interval=2).rope_layers == [True, False] * 2
+    assert _cfg(model_type="smollm3", no_rope_layers=[1, 0, 0, 1]).rope_layers == [True, False, False, True]
+    assert _cfg(model_type="llama").rope_layers == [True] * 4
+    g = _cfg(model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.22,
+             attention_multiplier=0.0078125, logits_scaling=8.0)
+    assert (g.architecture, g.embed_scale, g.residual_scale, g.attn_scale, g.logits_scaling) == (
+        "GraniteForCausalLM", 12.0, 0.22, 0.0078125, 8.0)
