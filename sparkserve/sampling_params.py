@@ -186,6 +186,9 @@ class SamplingParams:
             return
         name = given[0]
         text = getattr(self, name)
+        if self.min_new_tokens:       # its EOS ban could leave a complete grammar no token at all
+            raise ValueError(f"min_new_tokens: cannot be combined with {name} (the grammar decides where the "
+                             f"answer ends)")
         if not isinstance(text, str):
             raise ValueError(f"{name} must be a string, got {type(text).__name__}")
         if len(text) > MAX_GRAMMAR_CHARS:

@@ -104,7 +104,8 @@ def test_bad_constraints_refused(tiny):
     for sp, field in [({"regex": "a(b"}, "regex"), ({"json_schema": "{not json"}, "json_schema"),
                       ({"json_schema": json.dumps({"type": "nonsense"})}, "json_schema"),
                       ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
-                      ({"regex": "a", "json_schema": "{}"}, "json_schema")]:
+                      ({"regex": "a", "json_schema": "{}"}, "json_schema"),
+                      ({"regex": "a", "min_new_tokens": 2}, "min_new_tokens")]:
         with pytest.raises(ValueError, match=f"^{field}"):
             tiny.generate("q", sp)
     assert tiny.generate("q", {"regex": "ok", "max_new_tokens": 5})["text"] == "ok"   # still serving
