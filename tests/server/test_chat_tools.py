@@ -278,6 +278,13 @@ def test_forced_tool_choice_refusals(app):
         assert r.status_code == 400 and r.json()["param"] == param, r.text
 
 
+def test_forced_tool_choice_needs_a_grammar_engine(model_dir):
+    app = ScriptedApp(model_dir, grammar_backend="none")
+    body = {"messages": USER, "tools": [WEATHER], "tool_choice": NAMED}
+    r = app.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["param"] == "tool_choice" and "grammar" in r.json()["message"]
+
+
 def test_bad_tools_and_choice_without_tools_are_400(app):
     for kw, param in [({"tools": [{"type": "function"}]}, "tools"), ({"tools": [{"type": "web"}]}, "tools"),
                       ({"tool_choice": "auto"}, "tool_choice")]:
