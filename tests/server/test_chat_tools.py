@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 from starlette.testclient import TestClient
-from tiny_chat_fixtures import make_tiny_chat_checkpoint
+from tiny_chat_fixtures import CHATML, make_tiny_chat_checkpoint
 
 from sparkserve.args import ServerArgs
 from sparkserve.core.finish_reason import FINISH_LENGTH, FINISH_MATCHED_TOKEN
@@ -395,6 +395,25 @@ def test_gpt_oss_reasoning_keeps_its_markers(model_dir):
     deltas = [ch.delta.model_dump() for c in chunks for ch in c.choices]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Think."
     assert "".join(d.get("content") or "" for d in deltas) == "Sunny."
+
+
+def test_deepseek_r1_template_opens_think(model_dir, hf):
+    """A template that opens <think> itself (DeepSeek-R1's way): the answer's text before </think>
+    (which arrives one byte per token here) is reasoning, whole and streamed."""
+    opens = CHATML.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n")
+    app = ScriptedApp(model_dir, chat_template=opens, reasoning_parser="deepseek-r1")
+    app.say("The user greets.\n</think>\n\nHello!")
+    r = app.client.chat.completions.create(model="tiny", messages=USER)
+    assert app.prompt() == hf.apply_chat_template(USER, chat_template=opens, tokenize=False,
+                                                  add_generation_prompt=True)
+    assert app.prompt().endswith("<think>\n")
+    msg = r.model_dump()["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("The user greets.\n", "Hello!")
+    chunks = list(app.client.chat.completions.create(model="tiny", messages=USER, stream=True))
+    deltas = [ch.delta.model_dump() for c in chunks for ch in c.choices]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "The user greets.\n"
+    assert "".join(d.get("content") or "" for d in deltas) == "Hello!"
+    assert sum(1 for d in deltas if d.get("reasoning_content")) > 5          # streamed as it came
 
 
 def test_bad_chat_template_flag(model_dir, tmp_path):
