@@ -30,16 +30,20 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    # q/k norms over the whole projection (OLMo2) rather than per head
+    qk_norm_full_width: bool = False
+    # Where a layer's norms sit: "pre" (Llama: before each branch), "sandwich" (Gemma: before and
+    # after each), "post" (OLMo2: after each branch's output only).
+    norm_layout: str = "pre"
     # Gemma's departures from the Llama block, as data (FAMILY_TRAITS / _gemma_fields):
     # the embedding times embed_scale; attention scale (None: head_dim ** -0.5) and logit soft-cap;
-    # a soft-cap on the final logits; "sandwich" norms (each branch normed before and after);
+    # a soft-cap on the final logits;
     # the GLU activation; norm weights stored as w - norm_offset (Gemma's 1 + w, added at load);
     # the rope base of sliding-window layers where it differs from rope_theta (no scaling there).
     embed_scale: float = 1.0
     attn_scale: float | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
-    sandwich_norms: bool = False
     activation: str = "silu"
     norm_offset: float = 0.0
     local_rope_theta: float | None = None
@@ -106,7 +110,8 @@ class ModelConfig:
             attn_scale=traits.get("attn_scale", d.get("attention_multiplier")),
             attn_softcap=traits.get("attn_softcap"),
             final_softcap=traits.get("final_softcap"),
-            sandwich_norms=traits.get("sandwich_norms", False),
+            qk_norm_full_width=traits.get("qk_norm_full_width", False),
+            norm_layout=traits.get("norm_layout", "pre"),
             activation=traits.get("activation", "silu"),
             norm_offset=traits.get("norm_offset", 0.0),
             local_rope_theta=traits.get("local_rope_theta"),
@@ -141,11 +146,12 @@ FAMILY_TRAITS: dict[str, dict[str, Any]] = {
     "qwen3": {"qk_norm": True},
     "qwen3_moe": {"qk_norm": True, "moe_router": "softmax_topk"},
     "mixtral": {"moe_router": "softmax_topk_renorm"},
+    "olmo2": {"qk_norm": True, "qk_norm_full_width": True, "norm_layout": "post"},
 }
 _ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                 "granite": "GraniteForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 _GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 # What transformers' config classes assume where a shipped config.json leaves keys out (the Gemma 3
@@ -218,7 +224,7 @@ def _gemma_fields(d: dict[str, Any], model_type: str, local_rope: dict[str, Any]
     if act not in _ACTIVATIONS:
         raise ValueError(f"hidden_activation {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
     fields: dict[str, Any] = {
-        "embed_scale": d["hidden_size"] ** 0.5, "sandwich_norms": True, "norm_offset": 1.0,
+        "embed_scale": d["hidden_size"] ** 0.5, "norm_layout": "sandwich", "norm_offset": 1.0,
         "activation": _ACTIVATIONS[act], "tie_word_embeddings": True,
         "attn_scale": d.get("query_pre_attn_scalar", d.get("head_dim", 256)) ** -0.5,
         "attn_softcap": d.get("attn_logit_softcapping"), "final_softcap": d.get("final_logit_softcapping"),

@@ -81,6 +81,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("granite", dict(TINY_CONFIGS["llama"], num_hidden_layers=2, embedding_multiplier=6.0,
                                 residual_multiplier=0.4, attention_multiplier=0.15, logits_scaling=3.0,
                                 tie_word_embeddings=True)),
+    # OLMo2: norms after each branch only, q/k norms over the whole projection
+    "olmo2": ("olmo2", dict(TINY_CONFIGS["llama"], num_hidden_layers=2, tie_word_embeddings=False)),
     # Gemma 2: sliding, full, sliding; soft-capped attention scores and logits
     "gemma2": ("gemma2", dict(_GEMMA, attn_logit_softcapping=1.0, final_logit_softcapping=1.0)),
     # Gemma 2 27B's kind of attention scale (query_pre_attn_scalar != head_dim); HF only
@@ -92,7 +94,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral"}
 # What the native step does not compute (models/llama_native.py beyond_native): the Python path runs them.
 PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2", "gemma2_scalar", "gemma3", "phi3_longrope", "phi3_shortrope",
-                                  "smollm3", "granite"}
+                                  "smollm3", "granite", "olmo2"}
 
 
 def make_family_checkpoint(name: str, path: str, bf16_copy: str | None = None) -> str:
@@ -191,7 +193,7 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         hp = json.load(f)
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3moe", "mixtral": "llama",
             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
-            "granite": "granite"}[hp["model_type"]]
+            "granite": "granite", "olmo2": "olmo2"}[hp["model_type"]]
     gemma = arch.startswith("gemma")
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
     rope = rope.get("full_attention", rope)      # Gemma 3: the global layers' (llama.cpp knows the local)
@@ -294,7 +296,8 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
                 t = _permute(t, n_head, n_head)
             if name.endswith(("k_proj.weight", "k_proj.bias")):
                 t = _permute(t, n_head, n_kv)
-        add(_gguf_name(name, _GEMMA_LAYER if gemma else _PHI3_LAYER if arch == "phi3" else _LAYER), t)
+        names = _GEMMA_LAYER if gemma or arch == "olmo2" else _PHI3_LAYER if arch == "phi3" else _LAYER
+        add(_gguf_name(name, names), t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

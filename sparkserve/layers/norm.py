@@ -5,6 +5,8 @@ import torch
 from torch import nn
 
 from sparkserve import kernels
+from sparkserve.distributed import parallel_state as ps
+from sparkserve.layers.sharded import Sharded
 
 _ext: list = []          # [extension or None], resolved on first use
 
@@ -37,3 +39,25 @@ class RMSNorm(nn.Module):
             return _kernels().add_rms_norm(x, residual, self.weight, self.eps)
         s = x + residual
         return s, self(s)
+
+
+class WidthRMSNorm(Sharded):
+    """RMSNorm over a projection's whole width (OLMo2's q and k norms) while the tensor-parallel
+    ranks hold its heads apart: each rank keeps its part of the weight, and the sum of squares is
+    summed over the ranks (heads held by several ranks, as KV heads fewer than ranks are, count once)."""
+
+    def __init__(self, width: int, eps: float, index: int, parts: int):
+        super().__init__()
+        self.width, self.eps, self.index, self.local = width, eps, index, width // parts
+        self.group = ps.layer_group()
+        self.replicas = self.group.size // parts
+        self.weight = nn.Parameter(torch.ones(self.local))
+
+    def local_shard(self, tensor, blocks=None):
+        return tensor[self.index * self.local:(self.index + 1) * self.local], None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        squares = x.float().pow(2).sum(-1, keepdim=True)
+        if self.group.size > 1:
+            squares = ps.all_reduce(squares, self.group) / self.replicas
+        return (x * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype) * self.weight

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "mistral": "MistralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
           "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-          "granite": "GraniteForCausalLM"}
+          "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 # GGUF arch -> HF model_type where they differ; llama.cpp writes Mixtral as arch llama with experts.
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 # Gemma 2 / 3 as llama.cpp builds them: its sliding-window layers' rope base (not in the file) and
@@ -62,13 +62,15 @@ _LAYER_NAMES = {
     "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
 }
-# Gemma 2 / 3 norm the attention output and both sides of the MLP: there `ffn_norm` is the MLP's input norm.
+# Gemma 2 / 3 norm the attention output and both sides of the MLP (OLMo2 the outputs only): there
+# `ffn_norm` is the MLP's input norm.
 _GEMMA_LAYER_NAMES = dict(_LAYER_NAMES, ffn_norm="pre_feedforward_layernorm",
                           post_attention_norm="post_attention_layernorm",
                           post_ffw_norm="post_feedforward_layernorm")
 # Phi-3 keeps q|k|v in one tensor, gate|up in `ffn_up` (LlamaForCausalLM._fused_parts splits them).
 _PHI3_LAYER_NAMES = dict(_LAYER_NAMES, attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
-_LAYER_NAMES_OF = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+_LAYER_NAMES_OF = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "olmo2": _GEMMA_LAYER_NAMES,
+                   "phi3": _PHI3_LAYER_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 

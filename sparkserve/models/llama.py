@@ -25,7 +25,7 @@ from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.linear import FusedLinear, RowParallelLinear
 from sparkserve.layers.moe import SharedExpertMoE
-from sparkserve.layers.norm import RMSNorm
+from sparkserve.layers.norm import RMSNorm, WidthRMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
 from sparkserve.loader.weights import WeightLoader, split_rows, values_of
@@ -48,8 +48,13 @@ class LlamaAttention(nn.Module):
                                     tp_parts={"q": (q_index, q_parts), "k": (kv_index, kv_parts),
                                               "v": (kv_index, kv_parts)})
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.full_width_norm = cfg.qk_norm_full_width
+        if cfg.qk_norm and self.full_width_norm:      # OLMo2: over the projection, before the heads
+            self.q_norm = WidthRMSNorm(cfg.num_attention_heads * self.d, cfg.rms_norm_eps, q_index, q_parts)
+            self.k_norm = WidthRMSNorm(cfg.num_key_value_heads * self.d, cfg.rms_norm_eps, kv_index, kv_parts)
+        else:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(layer_id, self.h, self.hkv, self.d, cfg.layer_windows[layer_id],
                                    cfg.attn_scale, cfg.attn_softcap)
 
@@ -58,8 +63,11 @@ class LlamaAttention(nn.Module):
         h, hkv, d = self.h, self.hkv, self.d
         qkv = self.qkv_proj(x)
         v = qkv[:, (h + hkv) * d:].view(-1, hkv, d)
-        q, k = qkv[:, :h * d].view(-1, h, d), qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d)
-        if self.q_norm is not None:
+        q, k = qkv[:, :h * d], qkv[:, h * d:(h + hkv) * d]
+        if self.full_width_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.reshape(-1, h, d), k.reshape(-1, hkv, d)
+        if self.q_norm is not None and not self.full_width_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos_sin is not None:     # None: a NoPE layer (SmolLM3)
             if self.q_norm is None:   # one rotary call for q and k together
@@ -84,19 +92,22 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm (Llama: post_attention_layernorm is the MLP's input norm), or with
-    cfg.sandwich_norms each branch normed before and after (Gemma: post_attention_layernorm norms
-    the attention output; pre_ / post_feedforward_layernorm the MLP's input and output)."""
+    """cfg.norm_layout: "pre" (Llama: post_attention_layernorm is the MLP's input norm),
+    "sandwich" (Gemma: post_attention_layernorm norms the attention output, pre_ / post_feedforward_
+    layernorm the MLP's input and output) or "post" (OLMo2: the branches' outputs only, no
+    input_layernorm)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layout, self.residual_scale = cfg.norm_layout, cfg.residual_scale
+        if self.layout != "post":
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.sandwich, self.residual_scale = cfg.sandwich_norms, cfg.residual_scale
-        if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.layout != "pre":
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.layout == "sandwich":
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         with ps.mlp_scope():
             if cfg.moe_layers and cfg.moe_layers[layer_id]:
                 self.mlp = SharedExpertMoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
@@ -105,8 +116,11 @@ class LlamaDecoderLayer(nn.Module):
                 self.mlp = LlamaMLP(cfg)
 
     def forward(self, x, cos_sin, batch):
+        if self.layout == "post":
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos_sin, batch))
+            return x + self.post_feedforward_layernorm(run_mlp(self.mlp, x, batch))
         a = self.self_attn(self.input_layernorm(x), cos_sin, batch)
-        if self.sandwich:
+        if self.layout == "sandwich":
             x, h = self.pre_feedforward_layernorm.add_norm(self.post_attention_layernorm(a), x)
             return x + self.post_feedforward_layernorm(run_mlp(self.mlp, h, batch))
         if self.residual_scale != 1.0:        # Granite

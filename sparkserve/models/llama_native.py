@@ -104,7 +104,9 @@ def unsupported(model: LlamaForCausalLM) -> str | None:
 def beyond_native(cfg: ModelConfig) -> str | None:
     """The first ModelConfig feature the native step (kernels/native_llama.cpp: pre-norms, SiLU GLU,
     one rope table, scale 1/sqrt(head_dim), plain embedding) does not compute, or None."""
-    features = {"an embedding scale": cfg.embed_scale != 1.0, "sandwich norms": cfg.sandwich_norms,
+    features = {"an embedding scale": cfg.embed_scale != 1.0,
+                "norms other than pre-norms": cfg.norm_layout != "pre",
+                "full-width q/k norms": cfg.qk_norm_full_width,
                 f"the {cfg.activation} activation": cfg.activation != "silu",
                 "an attention scale": cfg.attn_scale is not None,
                 "attention soft-capping": cfg.attn_softcap is not None,

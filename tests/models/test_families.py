@@ -24,7 +24,8 @@ from sparkserve.models.llama_native import unsupported
 
 # llama.cpp's qwen2 applies no sliding window (its converter writes none): the windowed variant is HF only.
 GGUF_FAMILIES = ["qwen2", "qwen2_tied", "qwen2_yarn", "llama3", "llama3_tied", "llama_linear", "qwen3_moe",
-                 "mixtral", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite"]
+                 "mixtral", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
+                 "olmo2"]
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +83,9 @@ def test_family_gguf_equals_hf_dir(name, ftype, family_ggufs, family_dirs, famil
     cfg, hf_cfg = gguf_config(path), ModelConfig.from_hf_dir(family_dirs[name])
     fields = ("architecture", "qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings", "num_experts",
               "num_experts_per_tok", "moe_intermediate_size", "moe_router", "moe_layers", "layer_windows",
-              "embed_scale", "attn_scale", "attn_softcap", "final_softcap", "sandwich_norms", "activation",
+              "embed_scale", "attn_scale", "attn_softcap", "final_softcap", "norm_layout", "activation",
               "norm_offset", "local_rope_theta", "residual_scale", "logits_scaling", "rope_layers",
-              "rotary_dim")
+              "rotary_dim", "qk_norm_full_width")
     for f in fields:          # GGUF metadata holds float32
         got, want = getattr(cfg, f), getattr(hf_cfg, f)
         assert got == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), f
@@ -278,7 +279,7 @@ def test_moe_gguf_quantized_experts(family_dirs, tmp_path):
     assert len(out[0]["output_ids"]) == 4
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "smollm3", "granite"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "smollm3", "granite", "olmo2"])
 def test_python_path_greedy_tokens_match_transformers(name, family_dirs, family_refs):
     """Through the Engine (scheduler; Gemma: a split pool for the sliding layers, prompts past the
     window; Phi: LongRoPE's long factors, partial rotary): transformers' greedy tokens. Every prompt
@@ -330,7 +331,8 @@ def test_gemma_config_fields():
     assert g2.layer_windows == [8, None, 8, None] and g2.tie_word_embeddings
     assert (g2.attn_scale, g2.attn_softcap, g2.final_softcap) == (144 ** -0.5, 50.0, 30.0)
     assert g2.embed_scale == 8.0
-    assert (g2.activation, g2.sandwich_norms, g2.norm_offset, g2.qk_norm) == ("gelu_tanh", True, 1.0, False)
+    assert (g2.activation, g2.norm_layout, g2.norm_offset) == ("gelu_tanh", "sandwich", 1.0)
+    assert not g2.qk_norm
     g3 = _cfg(**dict(base, model_type="gemma3_text", num_hidden_layers=7, rope_theta=1e6,
                      rope_local_base_freq=1e4,
                      rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window_pattern=6))
