@@ -7,15 +7,15 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
-from sparkserve.constrained.check import apply_response_format, check_grammar
+from sparkserve.constrained.check import apply_response_format
 from sparkserve.core.finish_reason import FINISH_MATCHED_TOKEN
+from sparkserve.entrypoints.chat_tools import checked_tools, forced_tools, tool_parser_for
 from sparkserve.entrypoints.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAISampling,
     TokenizeRequest,
-    short_repr,
 )
 from sparkserve.entrypoints.serving_base import ServingBase, finish_reason, sse, usage
 from sparkserve.entrypoints.tokenizer_manager import SeqOut, Submission, TokenizerManager
@@ -23,10 +23,9 @@ from sparkserve.frontend.chat_output import ChatOutputParser
 from sparkserve.frontend.chat_template import continue_final, load_chat_template, render_chat_template
 from sparkserve.frontend.prepare import room_left
 from sparkserve.frontend.reasoning_parser import REASONING_PARSERS
-from sparkserve.frontend.tool_parsers import TOOL_PARSERS, ToolParser
-from sparkserve.frontend.tool_parsers.forced import NamedCallParser, RequiredCallsParser, forced_schema
+from sparkserve.frontend.tool_parsers import TOOL_PARSERS
 from sparkserve.messages import GenerateReq
-from sparkserve.sampling_params import MAX_MESSAGES, SamplingParams
+from sparkserve.sampling_params import MAX_MESSAGES
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # what the server itself hands the chat template (chat_template_kwargs may not override them)
@@ -109,8 +108,8 @@ class ServingChat(OpenAIServing):
         req = self.with_response_format(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
-        tools = self.tools_to_parse(req)             # also checks tool_choice
-        req = self.forced_tools(req)
+        tools = checked_tools(req, self.tool_parser)        # the tools the template renders
+        req = forced_tools(req, self.tm.args.grammar_backend, self.tm.tokenizer is not None)
         ids = self.tokenize(self.render(req, tools), "messages")
         self.check_length(ids, "messages", "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -131,77 +130,6 @@ class ServingChat(OpenAIServing):
                 raise ApiError(400,
                                f"messages.{i}.role: {m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}",
                                "messages")
-
-    def tools_to_parse(self, req: ChatCompletionRequest) -> list[dict] | None:
-        """The request's tools when its answer is to be parsed for calls (they are also what the
-        template renders); None for none (no tools, or tool_choice none). A choice this server
-        cannot honour is a 400, never a hope."""
-        choice, tools = req.tool_choice, req.tools or []
-        for i, t in enumerate(tools):
-            fn = t.get("function")
-            if t.get("type", "function") != "function" or not isinstance(fn, dict) or \
-                    not isinstance(fn.get("name"), str):
-                raise ApiError(400, f"tools.{i}: a tool is {{\"type\": \"function\", \"function\": "
-                                    "{\"name\": ..., \"parameters\": {...}}}", "tools")
-        named = isinstance(choice, dict)
-        if named:
-            fn = choice.get("function")
-            if choice.get("type") != "function" or not isinstance(fn, dict) or \
-                    not isinstance(fn.get("name"), str):
-                raise ApiError(400, "tool_choice: a named choice is {\"type\": \"function\", \"function\": "
-                                    "{\"name\": ...}}", "tool_choice")
-        elif choice not in (None, "none", "auto", "required"):
-            raise ApiError(400, f"tool_choice: {short_repr(choice)} is not one of none, auto, required or "
-                                "a named function", "tool_choice")
-        if choice not in (None, "none") and not tools:
-            raise ApiError(400, "tool_choice: needs tools", "tool_choice")
-        if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
-            raise ApiError(400, f"tool_choice: no tool is named {short_repr(choice['function']['name'])}",
-                           "tool_choice")
-        if not tools or choice == "none":
-            return None
-        if named or choice == "required":
-            return tools                    # the grammar (forced_tools) makes the calls, any model
-        if self.tool_parser is None:
-            raise ApiError(400, "tools: this server does not parse tool calls (start it with "
-                                f"--tool-call-parser, one of {', '.join(TOOL_PARSERS)}); or send "
-                                "tool_choice: none", "tools")
-        return tools
-
-    def forced_tools(self, req: ChatCompletionRequest) -> ChatCompletionRequest:
-        """tool_choice required or named: the request constrained by the calls' JSON schema (on the
-        grammar engine, as response_format is); the tools' own schemas must be valid ones."""
-        choice = req.tool_choice
-        if not (choice == "required" or isinstance(choice, dict)):
-            return req
-        rf = req.response_format and req.response_format.get("type", "text") != "text"
-        given = [n for n, v in (("response_format", rf), ("json_schema", req.json_schema),
-                                ("regex", req.regex), ("ebnf", req.ebnf)) if v]
-        if given:
-            what = choice if isinstance(choice, str) else "a named function"
-            raise ApiError(400, f"tool_choice: {what} cannot be combined with {given[0]} (one constraint per "
-                                "request)", "tool_choice")
-        if self.tm.args.grammar_backend == "none":
-            raise ApiError(400, "tool_choice: required and named choices are enforced by a grammar, and this "
-                                "server has none (--grammar-backend none)", "tool_choice")
-        named = choice["function"]["name"] if isinstance(choice, dict) else None
-        schema = forced_schema(req.tools, named, req.parallel_tool_calls)
-        try:
-            check_grammar(SamplingParams(json_schema=schema).validate(), self.tm.args.grammar_backend,
-                          self.tm.tokenizer is not None)
-        except ValueError as e:
-            raise ApiError(400, f"tools: the tools' parameters cannot constrain the answer "
-                                f"(tool_choice {short_repr(choice)}): {e}", "tools") from None
-        return req.model_copy(update={"json_schema": schema})
-
-    def tool_parser_for(self, req: ChatCompletionRequest) -> ToolParser | None:
-        """How a request's answer is read for calls (None: it is not); build() checked the choice."""
-        choice = req.tool_choice
-        if not req.tools or choice == "none":
-            return None
-        if isinstance(choice, dict):
-            return NamedCallParser(choice["function"]["name"])
-        return RequiredCallsParser() if choice == "required" else self.tool_parser
 
     def render(self, req: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None) -> str:
         """The prompt text of a chat: the chat template (--chat-template, else the tokenizer's) over
@@ -238,9 +166,9 @@ class ServingChat(OpenAIServing):
             raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
 
     def output_parser(self, req: ChatCompletionRequest) -> ChatOutputParser | None:
-        """How this request's answers are read: tool calls when tools_to_parse says so, thinking
+        """How this request's answers are read: tool calls when tool_parser_for says so, thinking
         apart unless separate_reasoning is off or the template was told enable_thinking: false."""
-        tools = self.tool_parser_for(req)
+        tools = tool_parser_for(req, self.tool_parser)
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
         reasoning = self.reasoning_parser if req.separate_reasoning and thinking else None
         if tools is None and reasoning is None:
