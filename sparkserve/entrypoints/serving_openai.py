@@ -150,14 +150,14 @@ class ServingChat(OpenAIServing):
             raise ApiError(400, f"chat_template_kwargs: {', '.join(taken)} are set by the server (use the "
                                 "request's own fields)", "chat_template_kwargs")
         tok, opening = self.tokenizer("messages"), req.add_generation_prompt
-        try:
+
+        def render(messages: list[dict]) -> str:
             if self.template is not None:
-                text = render_chat_template(self.template, req.messages, add_generation_prompt=opening,
+                return render_chat_template(self.template, messages, add_generation_prompt=opening,
                                             tools=tools, special_tokens=tok.special_tokens, **kwargs)
-            else:
-                text = tok.apply_chat_template(req.messages, add_generation_prompt=opening, tools=tools,
-                                               **kwargs)
-            return continue_final(text, req.messages) if cont else text
+            return tok.apply_chat_template(messages, add_generation_prompt=opening, tools=tools, **kwargs)
+        try:
+            return continue_final(render, req.messages) if cont else render(req.messages)
         except ValueError as e:
             raise ApiError.bad_request(e, "continue_final_message" if cont and "continue_final" in str(e)
                                        else "messages") from None

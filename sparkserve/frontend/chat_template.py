@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -21,6 +21,8 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+# Stands for the last message's content where continue_final_message looks for its end.
+CONTINUE_MARKER = "\x00sparkserve-continue\x00"
 # How text parts of one message are joined (vLLM's choice for string-content templates).
 PART_SEPARATOR = "\n"
 _TEXT_PART_TYPES = ("text",)
@@ -197,12 +199,24 @@ def load_chat_template(value: str) -> str:
     return text
 
 
-def continue_final(prompt: str, messages: Sequence[Any]) -> str:
-    """The prompt cut right after the last message's content, so the model continues that message
-    (vLLM's continue_final_message): whatever the template writes after it (end of turn) goes."""
-    content = normalize_messages(messages)[-1].get("content", "")
-    at = prompt.rfind(content) if content else -1
-    if at < 0:
+def continue_final(render: Callable[[list[dict[str, Any]]], str], messages: Sequence[Any]) -> str:
+    """The prompt `render` writes for `messages`, cut right after the last message's content, so
+    the model continues that message (vLLM's continue_final_message): the end of turn the template
+    writes after it goes. Where the content ends is found by rendering once more with a marker for
+    it: the text after the marker is the end of turn (the content itself may come out changed, a
+    template may strip it), which then comes off the real prompt. A template whose end of turn
+    depends on the content falls back on the content's last occurrence (vLLM's rule)."""
+    messages = normalize_messages(messages)
+    prompt = render(messages)
+    marked = render([*messages[:-1], {**messages[-1], "content": CONTINUE_MARKER}])
+    at = marked.find(CONTINUE_MARKER)
+    tail = marked[at + len(CONTINUE_MARKER):]
+    if at >= 0 and marked.count(CONTINUE_MARKER) == 1 and prompt.startswith(marked[:at]) and \
+            prompt.endswith(tail) and len(prompt) - len(tail) >= at:
+        return prompt[:len(prompt) - len(tail)]
+    content = messages[-1].get("content", "")
+    end = prompt.rfind(content) if content else -1
+    if end < 0:
         raise ValueError("continue_final_message: the chat template does not write the last message's "
                          "content as it is, so there is nothing to continue")
-    return prompt[:at + len(content)]
+    return prompt[:end + len(content)]

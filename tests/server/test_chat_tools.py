@@ -320,6 +320,21 @@ def test_continue_final_message(app, hf):
         assert r.status_code == 400 and r.json()["param"] == param, r.text
 
 
+def test_continue_final_message_whose_content_is_in_the_end_of_turn(model_dir, hf):
+    """A last message ("end") that also appears in the template's end of turn (<|end|>), trimmed by
+    the template: the prompt is the assistant turn opened (transformers' rendering) plus the
+    content, not a cut inside <|end|> (where the content's last occurrence would put it)."""
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    app = ScriptedApp(model_dir, chat_template=template)
+    app.say("ing.")
+    chat = [*USER, {"role": "assistant", "content": " end "}]
+    app.client.chat.completions.create(model="tiny", messages=chat, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False})
+    opened = hf.apply_chat_template(USER, chat_template=template, tokenize=False, add_generation_prompt=True)
+    assert app.prompt() == opened + "end"
+
+
 def test_add_generation_prompt_false(app, hf):
     app.say("x")
     app.client.chat.completions.create(model="tiny", messages=USER,
