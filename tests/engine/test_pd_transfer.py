@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import TINY_CONFIGS, assert_no_kv_leak
 from dspark_fixtures import make_oracle_draft
+from family_fixtures import make_family_checkpoint
 from kimi_fixtures import VOCAB as KIMI_VOCAB
 from kimi_fixtures import make_kimi
 from minimax_fixtures import make_minimax, with_index_value
@@ -34,7 +35,9 @@ def models(tmp_path_factory, tiny_dirs):
             "split": save_tiny(str(root / "qwen3"), "qwen3", head_dim=32, use_sliding_window=True,
                                sliding_window=8, max_window_layers=1),
             "kimi": make_kimi(str(root / "kimi"), "kda_mla"),
-            "minimax": with_index_value(make_minimax(str(root / "minimax")))}
+            "minimax": with_index_value(make_minimax(str(root / "minimax"))),
+            "gemma3": make_family_checkpoint("gemma3", str(root / "gemma3")),
+            "qwen3_moe": make_family_checkpoint("qwen3_moe", str(root / "qwen3_moe"))}
 
 
 def _same(got: dict, want: dict) -> None:
@@ -44,7 +47,7 @@ def _same(got: dict, want: dict) -> None:
     torch.testing.assert_close(lp, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "windowed", "split", "kimi", "minimax"])
+@pytest.mark.parametrize("arch", ["llama", "windowed", "split", "kimi", "minimax", "gemma3", "qwen3_moe"])
 def test_decode_continues_from_transferred_state(arch, models):
     path = models[arch]
     want = Engine(path, **KW).generate(input_ids=PROMPTS, sampling_params=SP)
