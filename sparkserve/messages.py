@@ -126,6 +126,9 @@ class ReqOutput:
     spec_verify_ct: int = 0            # DSpark verify cycles so far
     spec_draft_token_num: int = 0      # drafts those cycles verified
     spec_accept_token_num: int = 0     # drafts they accepted (bonus tokens not counted, as SGLang)
+    # prompt logprobs (logprob_start_len), once, on the first output with tokens or a finish (Req)
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     # return_hidden_states, on the finishing output: rows [position][hidden] (Req.hidden_states)
     hidden_states: list[list[float]] | None = None
     aux_hidden_states: list[list[float]] | None = None

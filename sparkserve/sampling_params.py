@@ -41,7 +41,7 @@ GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 _ALIASES = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob")
-_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num")
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num", "logprob_start_len")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                  "presence_penalty")
 
@@ -82,6 +82,8 @@ class SamplingParams:
     no_stop_trim: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # prompt logprobs (SGLang's): of the prompt tokens from this position on; -1: none
+    logprob_start_len: int = -1
     # token id -> added to its logit before sampling (OpenAI's; JSON keys arrive as strings)
     logit_bias: dict[int, float] | None = None
     # constrained decoding: a JSON schema (JSON text), a regular expression or an EBNF / Lark grammar
@@ -168,6 +170,10 @@ class SamplingParams:
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got "
                              f"{self.top_logprobs_num}")
+        if self.logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be -1 (none) or >= 0, got {self.logprob_start_len}")
+        if self.logprob_start_len >= 0 and not self.return_logprob:
+            raise ValueError("logprob_start_len: prompt logprobs need return_logprob")
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**63):
             raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
         self._validate_stop(vocab_size)

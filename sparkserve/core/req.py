@@ -41,6 +41,10 @@ class Req:
     finished_reason: BaseFinishReason | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # prompt logprobs (params.logprob_start_len >= 0): of prompt positions logprob_start_len..,
+    # None for position 0 (nothing before it); filled chunk by chunk as the prompt is computed
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     # DSpark, as SGLang's meta_info counts them: verify cycles, drafts they verified, drafts accepted.
     spec_verify_ct: int = 0
     spec_draft_token_num: int = 0
@@ -60,13 +64,33 @@ class Req:
         return self.input_ids + self.output_ids
 
     @property
+    def wants_input_logprobs(self) -> bool:
+        return self.params.return_logprob and self.params.logprob_start_len >= 0
+
+    @property
+    def logprob_next(self) -> int:
+        """The next prompt position whose logprob is owed (len(input_ids): none owed)."""
+        if not self.wants_input_logprobs:
+            return len(self.input_ids)
+        return self.params.logprob_start_len + len(self.input_logprobs)
+
+    @property
+    def max_cached_prefix(self) -> int:
+        """The longest prefix the prefix cache may serve: one token is always computed (its logits
+        pick the first output), and no row whose logits give an owed prompt logprob is skipped
+        (SGLang's rule: positions from logprob_start_len are computed again)."""
+        return min(len(self.fill_ids) - 1, max(0, self.logprob_next - 1))
+
+    @property
     def finished(self) -> bool:
         return self.finished_reason is not None
 
     @property
     def prefill_only(self) -> bool:
-        """max_new_tokens 0 with hidden states asked for: the prompt runs, nothing is generated."""
-        return self.params.max_new_tokens == 0 and self.hidden_parts is not None
+        """max_new_tokens 0 with hidden states or prompt logprobs asked for: the prompt runs,
+        nothing is generated."""
+        wanted = self.hidden_parts is not None or self.wants_input_logprobs
+        return self.params.max_new_tokens == 0 and wanted
 
     def pop_hidden_states(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(final [n, d], aux taps [n, n_taps*d] or None) for positions 0..n-1, n = prompt +

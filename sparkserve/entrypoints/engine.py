@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
+from dataclasses import replace
 from typing import Any, Iterable, Iterator, Sequence
 
 from sparkserve.args import ServerArgs
@@ -64,7 +65,9 @@ class Engine:
                  messages: Messages | Sequence[Messages] | None = None,
                  stream: bool = False,
                  return_hidden_states: bool = False,
-                 routed_dp_rank: int | None = None) -> dict | list[dict] | Iterator[dict]:
+                 routed_dp_rank: int | None = None, return_logprob: bool = False,
+                 logprob_start_len: int = -1,
+                 top_logprobs_num: int = 0) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list, in order).
         Give exactly one of `prompt` (text), `input_ids` or `messages` (chat, template applied).
         With stream=True (single prompt), yields chunks {"text": delta, "output_ids": new ids,
@@ -74,13 +77,20 @@ class Engine:
         position: the prompt runs, nothing is generated) and, when the model captures aux layers
         (set_aux_layers; a DSpark target does), "aux_hidden_states" (those layers, concatenated).
         routed_dp_rank (DP attention): the attention group that runs the requests (default: the
-        --load-balance-method's pick)."""
+        --load-balance-method's pick). return_logprob / top_logprobs_num / logprob_start_len
+        (SGLang's, also accepted in sampling_params): meta_info output_token_logprobs and, from
+        prompt position logprob_start_len on (-1: none), input_token_logprobs (None first at 0)."""
         self._check_hidden_states(return_hidden_states)
         self._check_dp_rank(routed_dp_rank)
         if return_hidden_states and stream:
             raise ValueError("return_hidden_states is not available with stream=True")
         prompts, single = self._prompt_ids(prompt, input_ids, messages)
         params = params_list(sampling_params, len(prompts))
+        if return_logprob or top_logprobs_num or logprob_start_len != -1:
+            params = [replace(p, return_logprob=p.return_logprob or return_logprob,
+                              top_logprobs_num=top_logprobs_num or p.top_logprobs_num,
+                              logprob_start_len=logprob_start_len if logprob_start_len != -1
+                              else p.logprob_start_len) for p in params]
         for ids, p in zip(prompts, params):
             check_prompt(ids, p, self.limits)
             check_grammar(p, self.args.grammar_backend, self.tokenizer is not None)
@@ -261,4 +271,8 @@ class Engine:
         if req.params.return_logprob:
             meta["output_token_logprobs"] = [(lp, t) for lp, t in zip(req.output_logprobs, req.output_ids)]
             meta["output_top_logprobs"] = [[(lp, t) for t, lp in top] for top in req.output_top_logprobs]
+            ids = req.input_ids[max(0, req.params.logprob_start_len):] if req.wants_input_logprobs else []
+            meta["input_token_logprobs"] = [(lp, t) for lp, t in zip(req.input_logprobs, ids)]
+            meta["input_top_logprobs"] = [None if top is None else [(lp, t) for t, lp in top]
+                                          for top in req.input_top_logprobs]
         return meta

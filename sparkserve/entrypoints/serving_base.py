@@ -201,6 +201,10 @@ class ServingBase:
             if boots[p] is not None and params.n > 1:
                 raise ApiError(400, f"n: {params.n} choices of a PD request (bootstrap_room): each sequence "
                                     "needs a room of its own; send n = 1 (or one request per choice)", "n")
+            if boots[p] is not None and params.logprob_start_len >= 0:
+                raise ApiError(400, "logprob_start_len: prompt logprobs are not served across PD "
+                                    "disaggregation (its decode side never runs the prompt)",
+                               "logprob_start_len")
             for r, sp in fan_out(base, params):
                 seqs.append(GenerateReq(r, ids, sp, bool(hidden[p]), len(seqs), p, dp_rank, boots[p]))
         return seqs

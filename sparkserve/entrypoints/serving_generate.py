@@ -28,6 +28,7 @@ class ServingGenerate(ServingBase):
         sps = per_prompt(req.sampling_params, k, "sampling_params")
         ret_lp = per_prompt(req.return_logprob, k, "return_logprob")
         top_n = per_prompt(req.top_logprobs_num, k, "top_logprobs_num")
+        lp_start = per_prompt(req.logprob_start_len, k, "logprob_start_len")
         hidden = per_prompt(req.return_hidden_states, k, "return_hidden_states")
         rids = per_prompt(req.rid, k, "rid") if isinstance(req.rid, list) else None
         checked = []
@@ -38,6 +39,8 @@ class ServingGenerate(ServingBase):
                     sp["return_logprob"] = True
                 if top_n[p]:
                     sp["top_logprobs_num"] = top_n[p]
+                if lp_start[p] != -1:
+                    sp["logprob_start_len"] = lp_start[p]
                 params = SamplingParams.from_dict(sp)
                 check_prompt(ids, params, self.tm.limits)
                 check_grammar(params, self.tm.args.grammar_backend, self.tm.tokenizer is not None)
@@ -61,6 +64,7 @@ class ServingGenerate(ServingBase):
             piece = (lambda t: self.tm.token_piece(t)[0]) if text_of else (lambda t: None)
             extra["output_token_logprobs"] = [[lp, t, piece(t)] for lp, t in zip(lps, ids)]
             extra["output_top_logprobs"] = [[[v, t, piece(t)] for t, v in (top or [])] for top in tops]
+            extra.update(self.input_logprobs(s, parts, piece))
         if last is not None and last.hidden_states is not None:
             extra["hidden_states"] = last.hidden_states
             if last.aux_hidden_states is not None:
@@ -69,6 +73,18 @@ class ServingGenerate(ServingBase):
                          last.completion_tokens if last else 0, last.cached_tokens if last else 0,
                          last.spec if last else (0, 0, 0), **extra)
         return {"text": "".join(o.text for o in parts), "output_ids": ids, "meta_info": meta}
+
+    @staticmethod
+    def input_logprobs(s: GenerateReq, parts: list[SeqOut], piece) -> dict:
+        """SGLang's input_token_logprobs / input_top_logprobs: [logprob, id, text] from prompt
+        position logprob_start_len on, None for position 0's logprob and alternatives."""
+        lps = next((o for o in parts if o.input_logprobs is not None), None)
+        if lps is None:
+            return {"input_token_logprobs": [], "input_top_logprobs": []}
+        ids = s.input_ids[s.params.logprob_start_len:]
+        return {"input_token_logprobs": [[lp, t, piece(t)] for lp, t in zip(lps.input_logprobs, ids)],
+                "input_top_logprobs": [None if top is None else [[v, t, piece(t)] for t, v in top]
+                                       for top in lps.input_top_logprobs]}
 
     async def stream(self, seqs: list[GenerateReq], sub: Submission, batch: bool,
                      with_text: bool) -> AsyncIterator[str]:

@@ -5,6 +5,7 @@ differ only in how a request becomes prompts and how a choice and its logprobs l
 from __future__ import annotations
 
 import time
+from itertools import accumulate
 from typing import Any, AsyncIterator
 
 from sparkserve.constrained.check import apply_response_format
@@ -248,8 +249,6 @@ class ServingCompletion(OpenAIServing):
     def build(self, req: CompletionRequest, rid: str) -> list[GenerateReq]:
         self.check_model(req.model)
         req = self.with_response_format(req)
-        if req.echo:
-            raise ApiError(400, "echo is not supported", "echo")
         if req.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -259,27 +258,56 @@ class ServingCompletion(OpenAIServing):
         checked = []
         for ids in prompts:
             default = min(16, room_left(ids, self.tm.limits))
-            checked.append((ids, self.openai_params(req, ids, req.max_tokens, default, req.logprobs, names)))
+            params = self.openai_params(req, ids, req.max_tokens, default, req.logprobs, names)
+            if req.echo and req.logprobs is not None:
+                params.logprob_start_len = 0            # echo's logprobs: the whole prompt's too
+            checked.append((ids, params))
         return self.fan(rid, checked, req.return_hidden_states, dp_rank=self.dp_rank(req.routed_dp_rank),
                         boots=self.bootstraps(req, len(prompts)))
 
     def stream_choices(self, req: CompletionRequest, o: SeqOut, offsets: dict[int, int]) -> list[dict]:
+        echo = self._echo_choice(req, o, offsets) if req.echo and o.index not in offsets else []
         if not (o.text or o.finish_reason is not None or (req.logprobs is not None and o.token_ids)):
-            return []
+            return echo
         lp = self._logprobs(o, offsets) if req.logprobs is not None else None
-        return [{"index": o.index, "text": o.text, "logprobs": lp,
-                 "finish_reason": finish_reason(o.finish_reason), **last_hidden(req, o)}]
+        return echo + [{"index": o.index, "text": o.text, "logprobs": lp,
+                        "finish_reason": finish_reason(o.finish_reason), **last_hidden(req, o)}]
 
     def full_choice(self, req: CompletionRequest, index: int, parts: list[SeqOut]) -> dict:
         lp = None
+        offsets: dict[int, int] = {}
+        text = ""
+        if req.echo:
+            echo = self._echo_choice(req, next((o for o in parts if o.input_logprobs is not None), parts[0]),
+                                     offsets)
+            text, lp = (echo[0]["text"], echo[0]["logprobs"]) if echo else ("", None)
         if req.logprobs is not None:
-            offsets: dict[int, int] = {}
-            lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            lp = lp or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             for o in parts:
                 for k, v in self._logprobs(o, offsets).items():
                     lp[k] += v
-        return {"index": index, "text": "".join(o.text for o in parts), "logprobs": lp,
+        return {"index": index, "text": text + "".join(o.text for o in parts), "logprobs": lp,
                 "finish_reason": finish_reason(parts[-1].finish_reason), **last_hidden(req, parts[-1])}
+
+    def _echo_choice(self, req: CompletionRequest, o: SeqOut, offsets: dict[int, int]) -> list[dict]:
+        """echo: the choice's prompt as it comes before its completion, with the prompt tokens'
+        logprobs (None for the first) when logprobs are asked for; once per choice (`offsets`
+        then holds where the completion's text offsets start). [] while they are not computed."""
+        if req.logprobs is not None and o.input_logprobs is None:
+            return []
+        prompts = [req.prompt] if isinstance(req.prompt, str) or not isinstance(req.prompt[0], (str, list)) \
+            else req.prompt
+        prompt = prompts[o.index // req.n]
+        text = prompt if isinstance(prompt, str) else self.tm.need_tokenizer().decode(prompt, False)
+        lp = None
+        if req.logprobs is not None:
+            pieces = [self.tm.token_piece(t)[0] for t in o.input_logprob_ids]
+            lp = {"tokens": pieces, "token_logprobs": list(o.input_logprobs),
+                  "top_logprobs": [None if top is None else {self.tm.token_piece(t)[0]: v for t, v in top}
+                                   for top in o.input_top_logprobs],
+                  "text_offset": list(accumulate((len(p) for p in pieces[:-1]), initial=0))}
+        offsets[o.index] = len(text)
+        return [{"index": o.index, "text": text, "logprobs": lp, "finish_reason": None}]
 
     def _logprobs(self, o: SeqOut, offsets: dict[int, int]) -> dict:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

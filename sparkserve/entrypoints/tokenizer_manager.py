@@ -64,6 +64,10 @@ class SeqOut:
     spec: tuple[int, int, int] = (0, 0, 0)    # verify cycles, drafts verified, drafts accepted
     hidden_states: list[list[float]] | None = None
     aux_hidden_states: list[list[float]] | None = None
+    # prompt logprobs (logprob_start_len / echo), on the first output that carries them
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    input_logprob_ids: list[int] | None = None     # the prompt tokens they are of
 
     @property
     def error_status(self) -> int | None:
@@ -342,7 +346,9 @@ class TokenizerManager:
                                        list(o.new_top_logprobs), finished, o.prompt_tokens,
                                        o.completion_tokens, o.cached_tokens, now - st.created,
                                        (o.spec_verify_ct, o.spec_draft_token_num, o.spec_accept_token_num),
-                                       o.hidden_states, o.aux_hidden_states))
+                                       o.hidden_states, o.aux_hidden_states, o.input_logprobs,
+                                       o.input_top_logprobs, None if o.input_logprobs is None else
+                                       st.seq.input_ids[max(0, st.seq.params.logprob_start_len):]))
             if finished is not None:
                 del self.states[o.rid]
 

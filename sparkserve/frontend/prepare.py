@@ -99,6 +99,9 @@ def check_prompt(ids: Sequence[int], params: SamplingParams, limits: Limits,
                                                                         bool) and 0 <= t < limits.vocab_size)]
     if bad:
         raise ValueError(f"input_ids: token id {bad[0]!r} is outside the vocabulary [0, {limits.vocab_size})")
+    if params.logprob_start_len >= len(ids):
+        raise ValueError(f"logprob_start_len must be below the prompt's length ({len(ids)} tokens), got "
+                         f"{params.logprob_start_len}")
     total = len(ids) + params.max_new_tokens
     if total > limits.context_length:
         raise ValueError(f"{max_tokens_name}: prompt ({len(ids)} tokens) + {max_tokens_name} "

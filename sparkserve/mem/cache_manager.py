@@ -111,8 +111,9 @@ class KVCacheManager:
         if row is None:
             return False
         req.row = row
-        # Keep at least one token to compute: the last prompt token's logits pick the first output.
-        slots, node = self.radix.match_prefix(req.fill_ids[:-1])
+        # Keep at least one token to compute (the last prompt token's logits pick the first
+        # output), and the rows of owed prompt logprobs (Req.max_cached_prefix).
+        slots, node = self.radix.match_prefix(req.fill_ids[:req.max_cached_prefix])
         n = len(slots)
         start = self.radix.window_start(n)
         self.radix.lock(node, start)                 # split: the whole path for the full layers

@@ -29,6 +29,8 @@ def req_output(req: Req, sent: int) -> ReqOutput:
                     len(req.output_ids), req.cached_tokens, req.output_logprobs[sent:],
                     req.output_top_logprobs[sent:], req.spec_verify_ct, req.spec_draft_token_num,
                     req.spec_accept_token_num)
+    if sent == 0 and req.wants_input_logprobs and (req.output_ids or req.finished):
+        out.input_logprobs, out.input_top_logprobs = list(req.input_logprobs), list(req.input_top_logprobs)
     rows = req.pop_hidden_states() if req.finished else None
     if rows is not None:
         out.hidden_states = rows[0].tolist()
@@ -45,6 +47,8 @@ def apply_output(req: Req, out: ReqOutput) -> None:
     req.spec_verify_ct, req.spec_draft_token_num = out.spec_verify_ct, out.spec_draft_token_num
     req.spec_accept_token_num = out.spec_accept_token_num
     req.finished_reason = out.finished_reason
+    if out.input_logprobs is not None:
+        req.input_logprobs, req.input_top_logprobs = out.input_logprobs, out.input_top_logprobs
     if out.hidden_states is not None and req.hidden_parts is not None:
         final = torch.tensor(out.hidden_states)
         taps = None if out.aux_hidden_states is None else torch.tensor(out.aux_hidden_states)

@@ -32,6 +32,7 @@ from sparkserve.messages import SchedulerLoad
 from sparkserve.scheduler.batch_log import BatchLog
 from sparkserve.scheduler.hidden_rows import keep_hidden
 from sparkserve.scheduler.prebuilt import PromptHandover
+from sparkserve.scheduler.prompt_logprobs import collect_prompt_logprobs
 from sparkserve.speculative.grammar_drafts import cut_drafts, verify_masks
 from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
 
@@ -267,6 +268,8 @@ class Scheduler(PromptHandover):
         starts = list(accumulate((n for _, _, n in batch), initial=0))
         keep_hidden(fb, ((req, range(o, o + n)) for (req, _, n), o in zip(batch, starts)))
         keep_hidden(fb, ((req, [starts[-1] + j]) for j, (req, _) in enumerate(decoding)))
+        collect_prompt_logprobs(self.runner.compute_logits, fb.final_hidden,
+                                ((req, o, n) for (req, _, n), o in zip(batch, starts)))
         done = []
         for (req, _, n) in batch:
             req.kv_len += n

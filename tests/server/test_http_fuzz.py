@@ -171,7 +171,7 @@ COMPLETION = body_of(
     {"prompt": F(PROMPT, st.one_of(TEXT, st.lists(TEXT, min_size=1, max_size=2), st.just(["a"] * 2049),
                                    BAD_IDS)),
      "max_tokens": F(SMALL, HUGE_INTS)},
-    {**OPENAI, "logprobs": F(st.integers(0, 5), HUGE_INTS), "echo": F(st.just(False)),
+    {**OPENAI, "logprobs": F(st.integers(0, 5), HUGE_INTS), "echo": F(st.booleans()),
      "best_of": F(st.integers(1, 3), HUGE_INTS), "suffix": F(st.just(""), TEXT)})
 GEN_SAMPLING = body_of({"max_new_tokens": F(SMALL, HUGE_INTS)},
                        {**SAMPLING, "min_new_tokens": F(SMALL, HUGE_INTS), "unknown_knob": F(None)})

@@ -302,7 +302,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 50}, 400, "logprobs"),
     ("/generate", {"input_ids": [5, 49152], "sampling_params": {"max_new_tokens": 2}}, 400, "input_ids"),
     ("/v1/completions", {"prompt": [True, 3], "max_tokens": 2}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "suffix": "!"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {"49152": 5}}, 400, "logit_bias"),
     ("/v1/chat/completions", chat_body("hi", 2, logit_bias={"5": 250}), 400, "logit_bias"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "logit_bias": {"a": 1}}}, 400,
