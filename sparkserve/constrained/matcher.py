@@ -89,10 +89,14 @@ class GrammarMatcher:
         if m is None or self._error is not None:
             return bits
         valid = m.validate_tokens(list(drafts))     # consuming a rejected token ends a matcher in error
+        if not valid:
+            return bits
+        # A copy walks the drafts (a few us): consume + rollback on the matcher itself leaves a
+        # wrong state once an EOS draft was taken and masked (llguidance 1.9; found by
+        # test_dspark_grammar_sampling, pinned by test_draft_masks_leave_the_matcher_as_it_was).
+        walk = m.deep_copy()
         for k in range(valid):
-            m.consume_token(drafts[k])
+            walk.consume_token(drafts[k])
             v = bits[k + 1]
-            m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
-        if valid:
-            m.rollback(valid)
+            walk.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
         return bits

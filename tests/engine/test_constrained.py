@@ -186,3 +186,19 @@ def test_grammar_backend_flag(tmp_path):
     with pytest.raises(ValueError, match=r"^regex: constrained decoding is off .*--grammar-backend none"):
         off.generate("q", {"regex": "a"})
     assert len(off.generate("q", {"max_new_tokens": 3})["output_ids"]) == 3
+
+
+def test_draft_masks_leave_the_matcher_as_it_was(tiny):
+    """DSpark's per-draft masks walk the drafts, EOS included, without moving the request's state
+    (llguidance's rollback after an EOS drops a token too many: the walk must not use it)."""
+    backend, tok = tiny.scheduler.grammar, tiny.tokenizer
+    x, y = tok.encode("x")[0], tok.encode("y")[0]
+    m, fresh = backend.matcher("regex", "xyx"), backend.matcher("regex", "xyx")
+    rows = m.draft_masks([y, x, tok.eos_token_id], [x])
+    assert rows.shape[0] == 4 and m.cut_drafts([y, x, tok.eos_token_id, y], [x]) == 4
+    bits = torch.empty(2, backend.words, dtype=torch.int32)
+    m.fill(bits, 0, [x])
+    fresh.fill(bits, 1, [x])
+    assert torch.equal(bits[0], bits[1])
+    m.advance([x, y, x])
+    assert m.terminated and m.error is None
