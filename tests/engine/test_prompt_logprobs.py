@@ -85,3 +85,17 @@ def test_bad_values_name_the_field(eng):
         eng.generate(input_ids=[1, 2, 3], sampling_params={"logprob_start_len": 0})
     with pytest.raises(ValueError, match="logprob_start_len must be -1"):
         eng.generate(input_ids=[1, 2, 3], return_logprob=True, logprob_start_len=-2)
+
+
+def test_retracted_requests_keep_their_prompt_logprobs(llama_dir, hf_tiny):
+    """A pool too small for every request: requests are retracted and recomputed (a half-prefilled
+    one among them); each prompt's logprobs come out once and equal transformers'."""
+    eng = Engine(llama_dir, max_total_tokens=160, page_size=1, chunked_prefill_size=16)
+    prompts = [prompt_of(n, seed=40 + n) for n in (30, 12, 25, 18, 9, 22, 14, 27)]
+    params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=TOP,
+                        logprob_start_len=0)
+    assert eng.scheduler.num_retractions > 0
+    for p, out in zip(prompts, outs):
+        check_input_logprobs(out["meta_info"], p, 0, reference(hf_tiny["llama"], p))
+    assert_no_kv_leak(eng.scheduler.cache)
