@@ -61,11 +61,19 @@ class BlockBacked(nn.Module):
         return self._blocks.dequantize() if self._dense_dropped else self.weight
 
 
+class ServesActivationQuant(nn.Module):
+    """A module that is not block-backed itself but builds block-backed ones as its weights load
+    (a MoE's experts), so it must know the mode they serve."""
+
+    def set_activation_quant(self, mode: str) -> None:
+        raise NotImplementedError
+
+
 def set_activation_quant(model: nn.Module, mode: str) -> None:
     """Every block-backed module of `model` (Linear layers, the embedding) serves `mode`: "int8"
     or "none" (see Linear)."""
     for m in model.modules():
-        if isinstance(m, BlockBacked):
+        if isinstance(m, (BlockBacked, ServesActivationQuant)):
             m.set_activation_quant(mode)
 
 

@@ -106,6 +106,23 @@ class Linear(Sharded, BlockBacked):
             return 0
         return ALL_ROWS if kernels.int8_beats_gemm() else self._max_m
 
+    @staticmethod
+    def reads_only_blocks(blocks: BlockWeight, mode: str) -> bool:
+        """Whether a Linear with these blocks under `mode` would never read an fp32 weight."""
+        return (mode == "int8" and kernels.load_extension() is not None
+                and blocks.gguf_type in kernels.INT8_TYPES and kernels.int8_beats_gemm())
+
+    @classmethod
+    def from_blocks(cls, blocks: BlockWeight, mode: str) -> "Linear":
+        """A Linear that holds `blocks` only (no fp32 weight; `dense_weight()` rebuilds one for a
+        rare reader), served under activation mode `mode`."""
+        with torch.device("meta"):
+            lin = cls(blocks.in_features, blocks.out_features)
+        lin._dense_dropped = True
+        lin.activation_quant = mode
+        lin.set_blocks(blocks)
+        return lin
+
     def keeps_dense_with(self, blocks: BlockWeight | None) -> bool:
         return blocks is None or kernels.load_extension() is None or \
             self._int8_rows(self.activation_quant, blocks) < ALL_ROWS

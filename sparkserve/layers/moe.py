@@ -4,7 +4,9 @@ softmax top-k of Mixtral and Qwen3-MoE, `softmax_topk`), and a MoE block with op
 experts (`SharedExpertMoE`).
 
 Expert weights are stacked 3-D tensors, as transformers 5 keeps them: `gate_up_w[E, 2I, d]` (gate
-rows first, then up) and `down_w[E, d, I]`. Tokens are grouped per expert so each expert runs one
+rows first, then up) and `down_w[E, d, I]`; or, served with int8 activations from a quantized GGUF,
+each expert's checkpoint blocks in a block Linear (`Experts.load_blocks`), so a quantized MoE is
+held at its file's size, never in fp32. Tokens are grouped per expert so each expert runs one
 GEMM over all of its tokens instead of one GEMV per (token, slot)."""
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from torch import nn
 
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import experts_shard, width_shard
+from sparkserve.kernels import BlockWeight
 from sparkserve.layers.activation import silu_and_mul
-from sparkserve.layers.linear import FusedLinear, RowParallelLinear
+from sparkserve.layers.block_backed import ServesActivationQuant
+from sparkserve.layers.linear import FusedLinear, Linear, RowParallelLinear
 from sparkserve.layers.sharded import Sharded
 
 
@@ -28,8 +32,16 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     expert_e(x) = down_w[e] @ activation(gate_up_w[e] @ x) and `activation` maps the [n, 2I]
     gate|up output to [n, I] (default SwiGLU-silu; see layers/activation.py).
     Ids outside [0, E) (experts another rank owns) contribute nothing."""
+    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+        h = activation(torch.nn.functional.linear(xs, gate_up_w[e]))
+        return torch.nn.functional.linear(h, down_w[e])
+    return grouped_experts(x, topk_weights, topk_ids, gate_up_w.shape[0], expert)
+
+
+def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, E: int,
+                    expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """fused_experts with expert e's computation given as expert(e, rows) -> rows."""
     T, k = topk_ids.shape
-    E = gate_up_w.shape[0]
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)              # (token, slot) pairs grouped by expert
     sorted_ids = flat_ids[order]
@@ -42,8 +54,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         n = counts[e + 1]
         if n == 0:
             continue
-        h = activation(torch.nn.functional.linear(xs[start:start + n], gate_up_w[e]))
-        out[start:start + n] = torch.nn.functional.linear(h, down_w[e])
+        out[start:start + n] = expert(e, xs[start:start + n])
         start += n
     out *= topk_weights.reshape(-1)[order].to(out.dtype).unsqueeze(1)
     return x.new_zeros(x.shape).index_add_(0, token_of, out)
@@ -127,7 +138,7 @@ class Router(nn.Module):
                             self.topk_groups, self.renormalize, self.scaling)
 
 
-class Experts(Sharded):
+class Experts(Sharded, ServesActivationQuant):
     """Stacked routed-expert weights; `activation` as in fused_experts. Expert parallel: this
     rank keeps experts first .. first + local - 1, runs them for every token routed to them (the
     tokens are on every rank of the group); `forward` returns this rank's partial sum and the MoE
@@ -141,6 +152,45 @@ class Experts(Sharded):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.local, hidden, intermediate), requires_grad=False)
         self.activation = activation
+        # Served from checkpoint blocks (load_blocks): per local expert its gate|up and down Linear,
+        # built once all its parts came; the stacked parameters then go (meta).
+        self.blocks: dict[tuple[int, str], BlockWeight] = {}
+        self.block_experts: nn.ModuleList | None = None
+        self.activation_quant = "none"
+
+    def set_activation_quant(self, mode: str) -> None:
+        """The mode block Linears built from now on serve (load_model sets it before the weights
+        load; the built ones are BlockBacked modules of their own)."""
+        self.activation_quant = mode
+
+    def takes_blocks(self, blocks: BlockWeight) -> bool:
+        """Whether an expert tensor with these blocks is held as blocks (load_blocks) rather than
+        as fp32 values: when its Linear would never read an fp32 weight."""
+        return Linear.reads_only_blocks(blocks, self.activation_quant)
+
+    def load_blocks(self, part: str, blocks: BlockWeight, expert: int) -> list[int]:
+        """As load_part for one expert's gate | up | down, held as its checkpoint blocks."""
+        i = self.local_index(expert)
+        if i is None:
+            return []
+        self.blocks[i, part] = blocks
+        if len(self.blocks) == 3 * self.local:
+            self._build_block_experts()
+        return [i]
+
+    def _build_block_experts(self) -> None:
+        mods = []
+        for i in range(self.local):
+            gate_up = BlockWeight.cat([self.blocks[i, "gate"], self.blocks[i, "up"]])
+            if gate_up is None:
+                raise ValueError(f"expert {self.first + i}: gate and up blocks of different types")
+            mods.append(nn.ModuleList([Linear.from_blocks(gate_up, self.activation_quant),
+                                       Linear.from_blocks(self.blocks[i, "down"], self.activation_quant)]))
+        self.block_experts = nn.ModuleList(mods)
+        self.blocks = {}
+        meta = torch.device("meta")
+        self.gate_up_proj = nn.Parameter(self.gate_up_proj.detach().to(meta), requires_grad=False)
+        self.down_proj = nn.Parameter(self.down_proj.detach().to(meta), requires_grad=False)
 
     def local_index(self, expert: int) -> int | None:
         """Where global expert `expert` sits on this rank, or None when another rank has it."""
@@ -168,7 +218,14 @@ class Experts(Sharded):
         return [i for i, _ in pairs]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, weights, ids - self.first, self.gate_up_proj, self.down_proj, self.activation)
+        if self.block_experts is None:
+            return fused_experts(x, weights, ids - self.first, self.gate_up_proj, self.down_proj,
+                                 self.activation)
+
+        def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+            gate_up, down = self.block_experts[e]
+            return down(self.activation(gate_up(xs)))
+        return grouped_experts(x, weights, ids - self.first, self.local, expert)
 
 
 class SharedExpertMoE(nn.Module):

@@ -220,14 +220,15 @@ def gguf_weights(path: str, cfg: ModelConfig, names: set[str] | None = None, for
         close_gguf(path)
 
 
-# Tensors of one layer fused into one projection (layers/linear.py FusedLinear).
-_FUSED = ({"attn_q", "attn_k", "attn_v"}, {"ffn_gate", "ffn_up"})
+# Tensors of one layer fused into one projection (layers/linear.py FusedLinear; a MoE expert's gate|up).
+_FUSED = ({"attn_q", "attn_k", "attn_v"}, {"ffn_gate", "ffn_up"}, {"ffn_gate_exps", "ffn_up_exps"})
 
 
 def _int8_forms(reader: GGUFFile) -> dict[str, int]:
     """GGUF tensor name -> the block type it is converted to for the int8 kernels (those kept as
     they are are left out): each tensor's own form, one form for the tensors of a fused projection."""
-    types = {t.name: int(t.tensor_type) for t in reader.tensors if len(t.shape) == 2}
+    types = {t.name: int(t.tensor_type) for t in reader.tensors
+             if len(t.shape) == 2 or t.name.endswith("_exps.weight")}
     forms = {name: form for name, qtype in types.items() if (form := int8_form(qtype)) is not None}
     for name in types:
         m = re.fullmatch(r"(blk\.\d+\.)(\w+)\.weight", name)
@@ -256,6 +257,9 @@ def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permute
                   cfg.num_key_value_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
         perm = _unpermute_rows(shape[0], n_head) if permuted and n_head is not None else None
         form = int8_forms.get(t.name)
+        if len(shape) == 3 and (form is not None or BlockWeight.supports(int(t.tensor_type), shape[1:])):
+            yield from _expert_blocks(t, name, form)
+            continue
         if form is not None or BlockWeight.supports(int(t.tensor_type), shape):
             # unread: the loader dequantizes the blocks only for a module that keeps fp32 values
             blocks = (BlockWeight.from_numpy(int(t.tensor_type), t.data, shape) if form is None else
@@ -270,6 +274,17 @@ def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permute
             w = w - np.float32(cfg.norm_offset)   # the converter folded Gemma's 1 + w in: HF's w loads
         yield name, torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
 
+
+
+def _expert_blocks(t, name: str, form: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stacked `ffn_*_exps` tensor of block type as one unread tensor per expert (HF's per-expert
+    names) with its blocks: a MoE served from blocks holds them as they are, never in fp32."""
+    prefix, part = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]       # ...mlp.experts, gate_proj
+    shape = t.shape[1:]
+    for e in range(t.shape[0]):
+        blocks = (BlockWeight.from_numpy(int(t.tensor_type), t.data[e], shape) if form is None else
+                  int8_blocks(int(t.tensor_type), t.data[e], shape, form))
+        yield f"{prefix}.{e}.{part}.weight", with_blocks(torch.empty(shape, device="meta"), blocks)
 
 
 def _hf_name(name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:

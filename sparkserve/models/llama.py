@@ -28,7 +28,7 @@ from sparkserve.layers.moe import SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm, WidthRMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
-from sparkserve.loader.weights import WeightLoader, split_rows, values_of
+from sparkserve.loader.weights import WeightLoader, blocks_of, split_rows, values_of
 from sparkserve.mem.kv_pool import KVPool, split_windows, uniform_window
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
 from sparkserve.models.llama_native import NativeStep
@@ -263,7 +263,14 @@ class LlamaForCausalLM(CausalLM):
             return          # another expert-parallel rank's: not read
         param = "down_proj" if part == "down" else "gate_up_proj"
         got = filled.setdefault(f"{prefix}.{param}", set())
-        got.update((i, part) for i in experts.load_part(part, values_of(tensor), expert))
+        blocks = blocks_of(tensor)
+        if blocks is not None and expert is not None and experts.takes_blocks(blocks):
+            got.update((i, part) for i in experts.load_blocks(part, blocks, expert))   # held quantized
+            if experts.block_experts is not None:       # built with the last part
+                for pname, _ in experts.block_experts.named_parameters():
+                    loader.mark_loaded(f"{prefix}.block_experts.{pname}")
+        else:
+            got.update((i, part) for i in experts.load_part(part, values_of(tensor), expert))
         if len(got) == experts.local * (1 if part == "down" else 2):
             loader.mark_loaded(f"{prefix}.{param}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import EXACT, assert_no_kv_leak, hf_greedy, load_hf_reference
@@ -415,3 +416,39 @@ def test_smollm3_and_granite_config_fields():
              attention_multiplier=0.0078125, logits_scaling=8.0)
     assert (g.architecture, g.embed_scale, g.residual_scale, g.attn_scale, g.logits_scaling) == (
         "GraniteForCausalLM", 12.0, 0.22, 0.0078125, 8.0)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_quantized_moe_experts_stay_quantized(name, family_dirs, tmp_path):
+    """A Q8_0 MoE GGUF served with int8 activations holds every expert as its file's blocks (the
+    stacked fp32 parameters gone: meta), their values the file's exactly. Its experts compute what
+    the same file's fp32 experts do: exactly through the fp32 block kernel, within int8 rounding
+    with int8 activations; the model's greedy tokens are those of the model with fp32 experts."""
+    import gguf
+
+    from sparkserve.layers.linear import Linear
+    from sparkserve.layers.moe import Experts
+    from sparkserve.models.registry import load_model
+    path = write_gguf(family_dirs[name], str(tmp_path / "moe.q8_0.gguf"), "q8_0")
+    i8, exact = load_model(path, activation_quant="int8"), load_model(path, activation_quant="none")
+    held = [(n, m) for n, m in i8.named_modules() if isinstance(m, Experts)]
+    assert held and all(m.block_experts is not None and m.gate_up_proj.is_meta for _, m in held)
+    assert all(m.block_experts is None for m in exact.modules() if isinstance(m, Experts))
+    layer = int(held[0][0].split(".")[2])
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    raw = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    gate_up, down = held[0][1].block_experts[1]
+    want = gguf.quants.dequantize(raw[f"blk.{layer}.ffn_down_exps.weight"].data[1], q8)
+    assert torch.equal(down.held_blocks.dequantize(), torch.from_numpy(want.astype(np.float32)))
+    assert gate_up.weight.is_meta and gate_up.held_blocks.gguf_type == q8
+
+    g = torch.Generator().manual_seed(6)
+    x, weights = torch.randn(24, 64, generator=g), torch.rand(24, 2, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(24)])
+    ref = exact.model.layers[layer].mlp.experts(x, weights, ids)
+    got = held[0][1](x, weights, ids)
+    assert (got - ref).abs().max() <= 0.03 * ref.abs().max()          # int8 activations (where they run)
+    for m in held[0][1].block_experts.modules():
+        if isinstance(m, Linear):
+            m.set_activation_quant("none")
+    torch.testing.assert_close(held[0][1](x, weights, ids), ref, rtol=1e-5, atol=1e-5)
