@@ -12,6 +12,7 @@ from typing import Any
 from sparkserve.addresses import check_rendezvous_ip, is_loopback, split_host_port
 from sparkserve.dataclass_cli import add_dataclass_args, dataclass_from_args
 from sparkserve.embedded import EMBEDDED_NAME, default_model_path, is_embedded, shipped_draft_path
+from sparkserve.parallel_config import ParallelConfig
 
 VERIFY_MODES = ("full", "threshold", "adaptive")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -26,49 +27,6 @@ DEVICES = ("auto", "cpu", "cuda")
 # names of frontend/tool_parsers and frontend/reasoning_parser (test_tool_parsers checks they agree)
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "deepseekv3", "deepseekv31", "gpt-oss")
 REASONING_PARSERS = ("deepseek-r1", "qwen3", "gpt-oss")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How many ranks, and which of them run on this machine (distributed/parallel_state.py
-    builds the groups from it)."""
-    tp_size: int = 1
-    pp_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    pp_layer_partition: tuple[int, ...] | None = None
-    ep_size: int = 1
-    dp_size: int = 1           # attention data-parallel groups inside the tp group (DP attention)
-    attn_cp_size: int = 1      # ranks of an attention group that split long prefills by tokens
-    socket_ifname: str | None = None   # --dist-socket-ifname: the interface the ranks talk over
-    allow_public_bind: bool = False    # --dist-allow-public-bind
-
-    @property
-    def world_size(self) -> int:
-        return self.tp_size * self.pp_size
-
-    @property
-    def group_size(self) -> int:
-        """Ranks of one attention group (one scheduler): --tp-size / --dp-size."""
-        return self.tp_size // self.dp_size
-
-    @property
-    def attn_tp_size(self) -> int:
-        """Ranks that split an attention group's heads (1 under context parallel)."""
-        return self.group_size // self.attn_cp_size
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.world_size // self.nnodes
-
-    def is_driver(self, rank: int) -> bool:
-        """Whether `rank` runs a scheduler: rank 0, and with DP attention each group's first rank."""
-        return rank % self.group_size == 0 if self.dp_size > 1 else rank == 0
-
-    def local_ranks(self) -> list[int]:
-        """Global ranks that run on this node (contiguous, as torchrun places them)."""
-        n = self.ranks_per_node
-        return list(range(self.node_rank * n, (self.node_rank + 1) * n))
 
 
 def _opt(help_: str, **meta: Any) -> dict[str, Any]:
@@ -128,6 +86,12 @@ class ServerArgs:
     decode_log_interval: int = field(default=40, metadata=_opt("log one decode batch in this many steps"))
     max_queued_requests: int | None = field(default=None, metadata=_opt(
         "waiting requests beyond which new ones get 503 (default: no limit)", server_only=True))
+    enable_priority_scheduling: bool = field(default=False, metadata=_opt(
+        "admit waiting requests by their `priority` field (SGLang's; higher values first unless "
+        "--schedule-low-priority-values-first; equal ones first come, first served). Without it a "
+        "request with a priority other than 0 is refused (400)"))
+    schedule_low_priority_values_first: bool = field(default=False, metadata=_opt(
+        "with --enable-priority-scheduling: lower priority values go first"))
     # runtime
     activation_quant: str = field(default="int8", metadata=_opt(
         "activations of layers with quantized (GGUF) weights on CPU: int8 (default, as llama.cpp and "
@@ -160,6 +124,12 @@ class ServerArgs:
     api_key: str | None = field(default=None, metadata=_opt(
         "require 'Authorization: Bearer KEY' on every endpoint but /health", server_only=True))
     log_level: str = field(default="info", metadata=_opt("logging level", choices=LOG_LEVELS))
+    allowed_origins: list[str] | None = field(default=None, metadata=_opt(
+        "comma-separated origins whose browser pages may call the API (CORS; '*': any); default: none",
+        server_only=True))
+    request_timeout: float | None = field(default=None, metadata=_opt(
+        "seconds after which a request still running is aborted (a 504; a stream ends with a 504 "
+        "error event) and its KV freed; default: none", server_only=True))
     # constrained decoding
     grammar_backend: str = field(default="llguidance", metadata=_opt(
         "grammar engine of json_schema / regex / ebnf and response_format (none: refuse them)",
@@ -309,6 +279,10 @@ class ServerArgs:
              "--chunked-prefill-size must be positive, or -1 to disable chunking")
         need(self.max_queued_requests is None or self.max_queued_requests >= 0,
              "--max-queued-requests must be >= 0")
+        need(self.request_timeout is None or self.request_timeout > 0,
+             f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
+        need(not self.schedule_low_priority_values_first or self.enable_priority_scheduling,
+             "--schedule-low-priority-values-first needs --enable-priority-scheduling")
         need(self.activation_quant in ACTIVATION_QUANTS,
              f"--activation-quant {self.activation_quant}: use one of {', '.join(ACTIVATION_QUANTS)}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,

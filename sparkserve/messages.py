@@ -45,6 +45,7 @@ class GenerateReq:
     prompt_index: int = 0       # which prompt of the request it answers (usage counts each once)
     routed_dp_rank: int | None = None   # DP attention: the group to run it on (None: load balancing)
     bootstrap: Bootstrap | None = None  # PD disaggregation: the pairing the router gave it
+    priority: int = 0                   # --enable-priority-scheduling (SGLang's `priority`)
 
 
 @dataclass

@@ -56,6 +56,7 @@ class Req:
     hidden_parts: list[HiddenPart] | None = None
     routed_dp_rank: int | None = None   # DP attention: the group asked for (None: load balancing)
     hands_off: bool = False          # PD prefill side: ends after its first token, a decode server goes on
+    priority: int = 0                # --enable-priority-scheduling: the waiting queue's order
     # constrained decoding: its GrammarMatcher (sparkserve/constrained), made by the scheduler
     grammar: Any = None
 

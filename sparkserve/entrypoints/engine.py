@@ -66,8 +66,8 @@ class Engine:
                  stream: bool = False,
                  return_hidden_states: bool = False,
                  routed_dp_rank: int | None = None, return_logprob: bool = False,
-                 logprob_start_len: int = -1,
-                 top_logprobs_num: int = 0) -> dict | list[dict] | Iterator[dict]:
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 priority: int | None = None) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list, in order).
         Give exactly one of `prompt` (text), `input_ids` or `messages` (chat, template applied).
         With stream=True (single prompt), yields chunks {"text": delta, "output_ids": new ids,
@@ -79,9 +79,13 @@ class Engine:
         routed_dp_rank (DP attention): the attention group that runs the requests (default: the
         --load-balance-method's pick). return_logprob / top_logprobs_num / logprob_start_len
         (SGLang's, also accepted in sampling_params): meta_info output_token_logprobs and, from
-        prompt position logprob_start_len on (-1: none), input_token_logprobs (None first at 0)."""
+        prompt position logprob_start_len on (-1: none), input_token_logprobs (None first at 0).
+        priority (SGLang's): the requests' place in the waiting queue; other than 0 it needs
+        enable_priority_scheduling."""
         self._check_hidden_states(return_hidden_states)
         self._check_dp_rank(routed_dp_rank)
+        if priority not in (None, 0) and not self.args.enable_priority_scheduling:
+            raise ValueError(f"priority: {priority} needs enable_priority_scheduling=True")
         if return_hidden_states and stream:
             raise ValueError("return_hidden_states is not available with stream=True")
         prompts, single = self._prompt_ids(prompt, input_ids, messages)
@@ -94,7 +98,7 @@ class Engine:
         for ids, p in zip(prompts, params):
             check_prompt(ids, p, self.limits)
             check_grammar(p, self.args.grammar_backend, self.tokenizer is not None)
-        groups = [self._submit(ids, p, return_hidden_states, routed_dp_rank)
+        groups = [self._submit(ids, p, return_hidden_states, routed_dp_rank, priority or 0)
                   for ids, p in zip(prompts, params)]
         if stream:
             if not single or len(groups[0]) != 1:
@@ -220,11 +224,11 @@ class Engine:
         return self.tokenizer
 
     def _submit(self, ids: list[int], params: SamplingParams, hidden: bool = False,
-                routed_dp_rank: int | None = None) -> list[Req]:
+                routed_dp_rank: int | None = None, priority: int = 0) -> list[Req]:
         """Queue the request (n fanned out)."""
         eos = self.scheduler.eos_ids
         reqs = [Req(rid, list(ids), p, RequestSamplingState(p, ids, eos), hidden_parts=[] if hidden else None,
-                    routed_dp_rank=routed_dp_rank)
+                    routed_dp_rank=routed_dp_rank, priority=priority)
                 for rid, p in fan_out(uuid.uuid4().hex[:16], params)]
         for req in reqs:
             self.scheduler.add_request(req)

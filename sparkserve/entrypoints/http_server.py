@@ -7,6 +7,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -36,6 +37,9 @@ def create_app(args: ServerArgs, tm: TokenizerManager, tokenizer_path: str | Non
     _add_error_handlers(app)
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    if args.allowed_origins:     # added last: outermost, so a preflight never needs the API key
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
     return app
 
 

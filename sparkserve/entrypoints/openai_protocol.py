@@ -145,6 +145,8 @@ class OpenAISampling(_Request):
     return_hidden_states: bool = False
     # SGLang: the DP-attention group to run every choice on (None: the server's load balancing)
     routed_dp_rank: int | None = None
+    # SGLang / vLLM: the waiting queue's order (needs --enable-priority-scheduling unless 0)
+    priority: int | None = None
     # PD disaggregation, added by a PD router (see ServingBase.bootstraps)
     bootstrap_host: str | Strs | None = None
     bootstrap_port: int | Ports | None = None
@@ -197,6 +199,7 @@ class GenerateRequest(_Request):
     # is SGLang's older name for it
     routed_dp_rank: int | None = None
     data_parallel_rank: int | None = None
+    priority: int | None = None     # the waiting queue's order (needs --enable-priority-scheduling unless 0)
     # PD disaggregation, added by a PD router: one value, or one per prompt (ServingBase.bootstraps)
     bootstrap_host: str | Strs | None = None
     bootstrap_port: int | Ports | None = None

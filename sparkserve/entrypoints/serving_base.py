@@ -173,15 +173,29 @@ class ServingBase:
             out.append(Bootstrap(h, pt, r))
         return out
 
+    def check_priority(self, priority: int | None) -> None:
+        """A priority other than 0 needs --enable-priority-scheduling: never silently ignored."""
+        if priority in (None, 0):
+            return
+        if not self.tm.args.enable_priority_scheduling:
+            raise ApiError(400, f"priority: {priority} needs a server started with "
+                                "--enable-priority-scheduling (this one admits requests first come, first "
+                                "served)", "priority")
+        if not -(2**63) <= priority < 2**63:
+            raise ApiError(400, f"priority must be an int in [-2**63, 2**63), got {priority}", "priority")
+
     def fan(self, rid: str, prompts: list[tuple[list[int], SamplingParams]],
             hidden: list[bool] | bool = False, rids: list[str] | None = None,
-            dp_rank: int | None = None, boots: list[Bootstrap | None] | None = None) -> list[GenerateReq]:
+            dp_rank: int | None = None, boots: list[Bootstrap | None] | None = None,
+            priority: int | None = None) -> list[GenerateReq]:
         """One GenerateReq per choice (n fanned out); `rids`: one per prompt, else rid or rid-p.
         `dp_rank` (checked by `dp_rank()`) goes to every one: a request runs in one DP group.
-        `boots` (from `bootstraps()`): each prompt's PD pairing, whose single room allows one choice."""
+        `boots` (from `bootstraps()`): each prompt's PD pairing, whose single room allows one choice.
+        `priority` (SGLang's): the waiting queue's order under --enable-priority-scheduling."""
         hidden = hidden if isinstance(hidden, list) else [hidden] * len(prompts)
         boots = boots or [None] * len(prompts)
         self.check_hidden_states(any(hidden))
+        self.check_priority(priority)
         count = sum(params.n for _, params in prompts)
         if count > MAX_SEQUENCES:
             per = f"{len(prompts)} prompts x n" if len(prompts) > 1 else "n"
@@ -206,7 +220,8 @@ class ServingBase:
                                     "disaggregation (its decode side never runs the prompt)",
                                "logprob_start_len")
             for r, sp in fan_out(base, params):
-                seqs.append(GenerateReq(r, ids, sp, bool(hidden[p]), len(seqs), p, dp_rank, boots[p]))
+                seqs.append(GenerateReq(r, ids, sp, bool(hidden[p]), len(seqs), p, dp_rank, boots[p],
+                                        priority or 0))
         return seqs
 
     def prompts(self, value: Any, name: str, kinds: tuple[str, ...]) -> tuple[list[list[int]], bool]:

@@ -49,7 +49,8 @@ class ServingGenerate(ServingBase):
             checked.append((ids, params))
         base = req.rid if isinstance(req.rid, str) else uuid.uuid4().hex
         seqs = self.fan(base, checked, [bool(h) for h in hidden], rids,
-                        self.dp_rank(req.routed_dp_rank, req.data_parallel_rank), self.bootstraps(req, k))
+                        self.dp_rank(req.routed_dp_rank, req.data_parallel_rank), self.bootstraps(req, k),
+                        req.priority)
         return seqs, not (single and len(seqs) == 1)
 
     def result(self, s: GenerateReq, parts: list[SeqOut], with_text: bool) -> dict:

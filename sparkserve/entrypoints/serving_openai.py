@@ -120,7 +120,7 @@ class ServingChat(OpenAIServing):
             req = req.model_copy(update={"skip_special_tokens": False})
         return self.fan(rid, [(ids, self.openai_params(req, ids, max_tokens, None, top, names))],
                         req.return_hidden_states, dp_rank=self.dp_rank(req.routed_dp_rank),
-                        boots=self.bootstraps(req, 1))
+                        boots=self.bootstraps(req, 1), priority=req.priority)
 
     def check_messages(self, messages: list[dict]) -> None:
         if len(messages) > MAX_MESSAGES:
@@ -263,7 +263,7 @@ class ServingCompletion(OpenAIServing):
                 params.logprob_start_len = 0            # echo's logprobs: the whole prompt's too
             checked.append((ids, params))
         return self.fan(rid, checked, req.return_hidden_states, dp_rank=self.dp_rank(req.routed_dp_rank),
-                        boots=self.bootstraps(req, len(prompts)))
+                        boots=self.bootstraps(req, len(prompts)), priority=req.priority)
 
     def stream_choices(self, req: CompletionRequest, o: SeqOut, offsets: dict[int, int]) -> list[dict]:
         echo = self._echo_choice(req, o, offsets) if req.echo and o.index not in offsets else []

@@ -103,6 +103,7 @@ class Submission:
         self.open = {s.rid for s in seqs}
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False
+        self.timer: asyncio.TimerHandle | None = None   # --request-timeout
 
     async def __aiter__(self) -> AsyncIterator[SeqOut]:
         try:
@@ -119,6 +120,8 @@ class Submission:
         if self.closed:
             return
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
         self.tm.inflight -= self.count
         for rid in self.open:
             if self.tm.states.pop(rid, None) is not None:
@@ -218,7 +221,18 @@ class TokenizerManager:
         except BaseException:
             sub.close()                      # no state or admission left behind
             raise
+        if self.args.request_timeout is not None:
+            sub.timer = asyncio.get_running_loop().call_later(self.args.request_timeout, self._time_out, sub)
         return sub
+
+    def _time_out(self, sub: Submission) -> None:
+        """--request-timeout: the submission's unfinished sequences end with a 504 (a stream's
+        error event) and the scheduler frees their KV."""
+        message = f"request timed out after {self.args.request_timeout:g} s (--request-timeout)"
+        for rid in list(sub.open):
+            if rid in self.states:
+                self._end(rid, FINISH_ABORT(message, 504))
+                self._send(AbortReq(rid, "request timed out"))
 
     def abort(self, rid: str, message: str = "aborted by request") -> int:
         """Abort `rid` and its fanned-out children (rid-0, rid-1, ...); returns how many."""

@@ -14,12 +14,13 @@ from sparkserve.messages import GenerateReq, ReqOutput
 def req_from_message(msg: GenerateReq, eos_ids: set[int]) -> Req:
     sampling = RequestSamplingState(msg.params, msg.input_ids, eos_ids)
     return Req(msg.rid, list(msg.input_ids), msg.params, sampling,
-               hidden_parts=[] if msg.return_hidden_states else None, routed_dp_rank=msg.routed_dp_rank)
+               hidden_parts=[] if msg.return_hidden_states else None, routed_dp_rank=msg.routed_dp_rank,
+               priority=msg.priority)
 
 
 def message_from_req(req: Req) -> GenerateReq:
     return GenerateReq(req.rid, list(req.input_ids), req.params,
-                       return_hidden_states=req.hidden_parts is not None)
+                       return_hidden_states=req.hidden_parts is not None, priority=req.priority)
 
 
 def req_output(req: Req, sent: int) -> ReqOutput:

@@ -33,6 +33,7 @@ from sparkserve.scheduler.batch_log import BatchLog
 from sparkserve.scheduler.hidden_rows import keep_hidden
 from sparkserve.scheduler.prebuilt import PromptHandover
 from sparkserve.scheduler.prompt_logprobs import collect_prompt_logprobs
+from sparkserve.scheduler.waiting_queue import common_prefix_len, enqueue
 from sparkserve.speculative.grammar_drafts import cut_drafts, verify_masks
 from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
 
@@ -47,18 +48,12 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096
     decode_log_interval: int = 40         # log one decode batch in this many (SGLang's default)
     mixed_chunk: bool = False             # decodes join prefill forwards (--enable-mixed-chunk)
+    priority_scheduling: bool = False     # the queue orders by Req.priority (--enable-priority-scheduling)
+    low_priority_first: bool = False      # lower values first (--schedule-low-priority-values-first)
 
 
 IN_BATCH_PREFIX_MIN = 32     # shared prompt tokens worth waiting one step for
 DRAFT_BACKOFF_MAX = 32       # longest plain-decode stretch of a request whose drafts don't pay
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Scheduler(PromptHandover):
@@ -97,7 +92,7 @@ class Scheduler(PromptHandover):
             return False
         req.spec_idle = self.spec_idle
         self._back_off(req)
-        self.waiting.append(req)
+        enqueue(self.waiting, req, self.cfg.priority_scheduling, self.cfg.low_priority_first)
         return True
 
     @staticmethod

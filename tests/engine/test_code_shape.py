@@ -25,7 +25,7 @@ LAYERS = [
     ("mem", "kernels", "distributed", "constrained"),
     ("args", "messages"),
     ("core",),
-    ("config", "sampling_params", "embedded", "dataclass_cli", "addresses"),
+    ("config", "sampling_params", "embedded", "dataclass_cli", "addresses", "parallel_config"),
 ]
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}
 

@@ -303,6 +303,8 @@ BAD_REQUESTS = [
     ("/generate", {"input_ids": [5, 49152], "sampling_params": {"max_new_tokens": 2}}, 400, "input_ids"),
     ("/v1/completions", {"prompt": [True, 3], "max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "suffix": "!"}, 400, "suffix"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "priority": 3}, 400, "priority"),
+    ("/v1/chat/completions", chat_body("hi", 2, priority=-1), 400, "priority"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {"49152": 5}}, 400, "logit_bias"),
     ("/v1/chat/completions", chat_body("hi", 2, logit_bias={"5": 250}), 400, "logit_bias"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "logit_bias": {"a": 1}}}, 400,
