@@ -59,6 +59,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_router: str = ""
     moe_layers: list[bool] = field(default_factory=list)
+    # GPT-OSS: experts with biases and the clamped SwiGLU (`swiglu_oai`, alpha / limit) and
+    # attention sinks (a learned logit per head in each softmax's denominator).
+    moe_activation: str = "silu"
+    moe_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attn_sinks: bool = False
     # Per-layer sliding window (None = full attention), length num_hidden_layers.
     layer_windows: list[int | None] = field(default_factory=list)
     bos_token_id: int | None = None
@@ -123,6 +130,11 @@ class ModelConfig:
             moe_intermediate_size=d.get("moe_intermediate_size", d["intermediate_size"]) if n_experts else 0,
             moe_router=router if n_experts else "",
             moe_layers=_moe_layers(d, n_layers) if n_experts else [False] * n_layers,
+            moe_activation=traits.get("moe_activation", "silu"),
+            moe_bias=traits.get("moe_bias", False),
+            swiglu_alpha=d.get("swiglu_alpha", 1.702),
+            swiglu_limit=d.get("swiglu_limit", 7.0),
+            attn_sinks=traits.get("attn_sinks", False),
             layer_windows=traits.get("layer_windows") or _layer_windows(d, n_layers),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -147,11 +159,14 @@ FAMILY_TRAITS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"qk_norm": True, "moe_router": "softmax_topk"},
     "mixtral": {"moe_router": "softmax_topk_renorm"},
     "olmo2": {"qk_norm": True, "qk_norm_full_width": True, "norm_layout": "post"},
+    "gpt_oss": {"moe_router": "topk_softmax", "moe_activation": "swiglu_oai", "moe_bias": True,
+                "attn_sinks": True},
 }
 _ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 _GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 # What transformers' config classes assume where a shipped config.json leaves keys out (the Gemma 3

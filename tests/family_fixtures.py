@@ -81,6 +81,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("granite", dict(TINY_CONFIGS["llama"], num_hidden_layers=2, embedding_multiplier=6.0,
                                 residual_multiplier=0.4, attention_multiplier=0.15, logits_scaling=3.0,
                                 tie_word_embeddings=True)),
+    # GPT-OSS: sinks, q/k/v/o biases, a window of 8 then full, YaRN (not truncated), 4 experts top-2
+    # with biases and the clamped SwiGLU (limit 1.5: the tiny model's values reach it)
+    "gpt_oss": ("gpt_oss", dict(TINY_CONFIGS["llama"], num_hidden_layers=2, num_local_experts=4,
+                                num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
+                                swiglu_limit=1.5, layer_types=["sliding_attention", "full_attention"],
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                 "original_max_position_embeddings": 64})),
     # OLMo2: norms after each branch only, q/k norms over the whole projection
     "olmo2": ("olmo2", dict(TINY_CONFIGS["llama"], num_hidden_layers=2, tie_word_embeddings=False)),
     # Gemma 2: sliding, full, sliding; soft-capped attention scores and logits
@@ -91,7 +99,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Gemma 3: 5 sliding layers (local rope base 1e4) then a full one (base 1e6, linear x8), q/k norms
     "gemma3": ("gemma3_text", dict(_GEMMA, num_hidden_layers=6, rope_parameters=GEMMA3_ROPE)),
 }
-MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral"}
+MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral", "gpt_oss"}
 # What the native step does not compute (models/llama_native.py beyond_native): the Python path runs them.
 PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2", "gemma2_scalar", "gemma3", "phi3_longrope", "phi3_shortrope",
                                   "smollm3", "granite", "olmo2"}
@@ -108,7 +116,7 @@ def make_family_checkpoint(name: str, path: str, bf16_copy: str | None = None) -
     g = torch.Generator().manual_seed(TINY_SEED + 1)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if p.dim() == 1:      # norms start at 1, biases at 0: move both
+            if p.dim() == 1 or pname.endswith("bias"):      # norms start at 1, biases at 0: move both
                 p.add_(0.3 * torch.randn(p.shape, generator=g) + (0.1 if pname.endswith("bias") else 0.0))
             p.copy_(p.to(torch.bfloat16).float())
     model.save_pretrained(path)

@@ -31,8 +31,9 @@ class PagedAttention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  window: int | None = None, scale: float | None = None, softcap: float | None = None):
         """`scale`: of q.k (default head_dim ** -0.5); `softcap`: scores pass through
-        softcap * tanh(score / softcap) (Gemma 2), which the kernels and SDPA do not: such a layer
-        attends in torch ops (`_softcapped`)."""
+        softcap * tanh(score / softcap) (Gemma 2). A soft-cap, or sinks given to forward (GPT-OSS:
+        a logit per head that joins each softmax's denominator and attends to nothing), the kernels
+        and SDPA do not take: such a layer attends in torch ops (`_eager`)."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -43,13 +44,13 @@ class PagedAttention(nn.Module):
         self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H*D]."""
+                batch: ForwardBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H*D]; sinks: [H] (this rank's heads)."""
         k_buf, v_buf = batch.kv_pool.layer(self.layer_id)
         batch.store(k_buf, k, self.window)
         batch.store(v_buf, v, self.window)
-        if self.softcap is not None:
-            return self._softcapped(q, k_buf, v_buf, batch)
+        if self.softcap is not None or sinks is not None:
+            return self._eager(q, k_buf, v_buf, batch, sinks)
         ext = self._kernel_extension(q, k_buf, v_buf, batch)
         if ext is None:
             return self._sdpa(q, k_buf, v_buf, batch)
@@ -97,16 +98,22 @@ class PagedAttention(nn.Module):
             qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return self._flat(out, batch)
 
-    def _softcapped(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                    batch: ForwardBatch) -> torch.Tensor:
-        """_sdpa's gather with the scores soft-capped before the mask and softmax."""
+    def _eager(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, batch: ForwardBatch,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+        """_sdpa's gather, the scores soft-capped before the mask and the sinks in the softmax."""
         qp, kp, vp, mask = self._gathered(q, k_buf, v_buf, batch)
         group = self.num_heads // self.num_kv_heads
         kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
-        scores = torch.tanh(qp @ kp.transpose(-1, -2) * (self.scale / self.softcap)) * self.softcap
+        scores = qp @ kp.transpose(-1, -2) * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        return self._flat(torch.softmax(scores, dim=-1) @ vp, batch)
+        if sinks is None:
+            return self._flat(torch.softmax(scores, dim=-1) @ vp, batch)
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return self._flat(probs @ vp, batch)
 
     def _gathered(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, batch: ForwardBatch
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -93,7 +93,7 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 
 # The routing rules a config may name (ModelConfig.moe_router; Kimi / MiniMax-M3 build theirs directly).
-ROUTERS = ("sigmoid_grouped", "softmax_topk", "softmax_topk_renorm")
+ROUTERS = ("sigmoid_grouped", "softmax_topk", "softmax_topk_renorm", "topk_softmax")
 
 
 class GatedMLP(nn.Module):
@@ -127,10 +127,16 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
         if rule == "sigmoid_grouped":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        if rule == "topk_softmax":      # GPT-OSS: a biased router, softmax over the top-k logits
+            self.bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
         self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
         self.renormalize, self.scaling = renormalize, scaling
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rule == "topk_softmax":
+            values, ids = torch.nn.functional.linear(x.float(), self.weight.float(), self.bias.float()).topk(
+                self.top_k, dim=-1)
+            return values.softmax(-1), ids
         logits = torch.nn.functional.linear(x.float(), self.weight.float())
         if self.rule != "sigmoid_grouped":
             return softmax_topk(logits, self.top_k, self.rule == "softmax_topk_renorm")
@@ -145,12 +151,16 @@ class Experts(Sharded, ServesActivationQuant):
     block sums the group's (one all-reduce, shared experts' partial sums included)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
-                 activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul):
+                 activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul, bias: bool = False):
+        """`bias`: each expert's gate|up and down projections add one (GPT-OSS)."""
         super().__init__()
         self.first, self.local = experts_shard(num_experts)
         self.gate_up_proj = nn.Parameter(torch.empty(self.local, 2 * intermediate, hidden),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.local, hidden, intermediate), requires_grad=False)
+        def maybe(*shape: int) -> nn.Parameter | None:
+            return nn.Parameter(torch.empty(self.local, *shape), requires_grad=False) if bias else None
+        self.gate_up_proj_bias, self.down_proj_bias = maybe(2 * intermediate), maybe(hidden)
         self.activation = activation
         # Served from checkpoint blocks (load_blocks): per local expert its gate|up and down Linear,
         # built once all its parts came; the stacked parameters then go (meta).
@@ -218,13 +228,19 @@ class Experts(Sharded, ServesActivationQuant):
         return [i for i, _ in pairs]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.block_experts is None:
+        if self.block_experts is None and self.down_proj_bias is None:
             return fused_experts(x, weights, ids - self.first, self.gate_up_proj, self.down_proj,
                                  self.activation)
 
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+            if self.block_experts is None:
+                gate_up = torch.nn.functional.linear(xs, self.gate_up_proj[e], self.gate_up_proj_bias[e])
+                return torch.nn.functional.linear(self.activation(gate_up), self.down_proj[e],
+                                                  self.down_proj_bias[e])
             gate_up, down = self.block_experts[e]
-            return down(self.activation(gate_up(xs)))
+            if self.down_proj_bias is None:
+                return down(self.activation(gate_up(xs)))
+            return down(self.activation(gate_up(xs) + self.gate_up_proj_bias[e])) + self.down_proj_bias[e]
         return grouped_experts(x, weights, ids - self.first, self.local, expert)
 
 
@@ -236,10 +252,12 @@ class SharedExpertMoE(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, top_k: int,
                  num_shared: int, num_groups: int = 1, topk_groups: int = 1,
-                 renormalize: bool = True, scaling: float = 1.0, router: str = "sigmoid_grouped"):
+                 renormalize: bool = True, scaling: float = 1.0, router: str = "sigmoid_grouped",
+                 activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+                 expert_bias: bool = False):
         super().__init__()
         self.gate = Router(hidden, num_experts, top_k, num_groups, topk_groups, renormalize, scaling, router)
-        self.experts = Experts(num_experts, hidden, intermediate)
+        self.experts = Experts(num_experts, hidden, intermediate, activation, expert_bias)
         self.shared_experts = (GatedMLP(hidden, intermediate * num_shared, reduce=False) if num_shared
                                else None)
         self.group = ps.layer_group()

@@ -10,8 +10,9 @@ logits come from `compute_logits(hidden)` so callers choose the rows; `set_aux_l
 makes the forward record the output of those decoder layers into `batch.aux_hidden`."""
 from __future__ import annotations
 
+import functools
 import re
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -20,13 +21,14 @@ from sparkserve.config import ModelConfig
 from sparkserve.core.forward_batch import ForwardBatch, PPProxy
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim, heads_shard, kv_heads_shard, kv_split, width_shard
-from sparkserve.layers.activation import GLUS
+from sparkserve.layers.activation import GLUS, swiglu_oai
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.linear import FusedLinear, RowParallelLinear
 from sparkserve.layers.moe import SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm, WidthRMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_partial_rotary
+from sparkserve.layers.sharded import Sharded
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
 from sparkserve.loader.weights import WeightLoader, blocks_of, split_rows, values_of
 from sparkserve.mem.kv_pool import KVPool, split_windows, uniform_window
@@ -34,9 +36,9 @@ from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
 from sparkserve.models.llama_native import NativeStep
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Sharded):
     """Heads split over the tensor-parallel ranks (KV heads replicated when fewer than ranks);
-    o_proj sums the ranks' partial outputs."""
+    o_proj sums the ranks' partial outputs. GPT-OSS's sinks (one per head) split with the heads."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -57,6 +59,12 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(layer_id, self.h, self.hkv, self.d, cfg.layer_windows[layer_id],
                                    cfg.attn_scale, cfg.attn_softcap)
+        self.q_index = q_index
+        self.sinks = nn.Parameter(torch.empty(self.h), requires_grad=False) if cfg.attn_sinks else None
+
+    def local_shard(self, tensor, blocks=None):
+        """This rank's heads' sinks (the only tensor held here directly)."""
+        return tensor[self.q_index * self.h:(self.q_index + 1) * self.h], None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -75,7 +83,7 @@ class LlamaAttention(nn.Module):
                 q, k = qk[:, :h], qk[:, h:]
             else:
                 q, k = apply_partial_rotary(q, *cos_sin), apply_partial_rotary(k, *cos_sin)
-        return self.o_proj(self.attn(q, k, v, batch))
+        return self.o_proj(self.attn(q, k, v, batch, self.sinks))
 
 
 class LlamaMLP(nn.Module):
@@ -89,6 +97,13 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+def moe_activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The experts' GLU: the dense MLP's, or GPT-OSS's clamped SwiGLU with its alpha and limit."""
+    if cfg.moe_activation == "swiglu_oai":
+        return functools.partial(swiglu_oai, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    return GLUS[cfg.moe_activation]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -111,7 +126,8 @@ class LlamaDecoderLayer(nn.Module):
         with ps.mlp_scope():
             if cfg.moe_layers and cfg.moe_layers[layer_id]:
                 self.mlp = SharedExpertMoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
-                                           cfg.num_experts_per_tok, 0, router=cfg.moe_router)
+                                           cfg.num_experts_per_tok, 0, router=cfg.moe_router,
+                                           activation=moe_activation(cfg), expert_bias=cfg.moe_bias)
             else:
                 self.mlp = LlamaMLP(cfg)
 

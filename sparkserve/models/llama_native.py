@@ -112,7 +112,8 @@ def beyond_native(cfg: ModelConfig) -> str | None:
                 "attention soft-capping": cfg.attn_softcap is not None,
                 "a local rope base": cfg.local_rope_theta is not None,
                 "partial rotary": cfg.rotary_dim not in (None, cfg.head_dim),
-                "a residual scale": cfg.residual_scale != 1.0, "NoPE layers": not all(cfg.rope_layers)}
+                "a residual scale": cfg.residual_scale != 1.0, "NoPE layers": not all(cfg.rope_layers),
+                "attention sinks": cfg.attn_sinks}
     return next((f"{name} is not in the native step" for name, on in features.items() if on), None)
 
 

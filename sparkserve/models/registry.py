@@ -13,6 +13,7 @@ from sparkserve.layers.block_backed import drop_blocks, hold_weights_in_huge_pag
 from sparkserve.layers.linear import pack_linears
 from sparkserve.mem.heap import release_freed_memory
 from sparkserve.models.gemma import GemmaForCausalLM
+from sparkserve.models.gpt_oss import GptOssForCausalLM
 from sparkserve.models.kimi_linear import KimiLinearForCausalLM
 from sparkserve.models.llama import LlamaForCausalLM
 from sparkserve.models.minimax_m3 import MiniMaxM3ForCausalLM
@@ -28,6 +29,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "Olmo2ForCausalLM": LlamaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Gemma3ForConditionalGeneration": GemmaForCausalLM,

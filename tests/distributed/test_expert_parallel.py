@@ -152,12 +152,14 @@ def family_moe_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("family_moe")
     mixtral = make_family_checkpoint("mixtral", str(root / "mixtral"))
     return {"qwen3_moe": make_family_checkpoint("qwen3_moe", str(root / "qwen3_moe")),
-            "mixtral": write_gguf(mixtral, str(root / "mixtral.gguf"))}
+            "mixtral": write_gguf(mixtral, str(root / "mixtral.gguf")),
+            "gpt_oss": make_family_checkpoint("gpt_oss", str(root / "gpt_oss"))}
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_llama_moe_split_ranks_equal_one_process(family_moe_dirs, name):
-    """Qwen3-MoE / Mixtral (the Llama model with MoE layers; Qwen3-MoE's layer 1 dense) on --tp-size 2
+    """Qwen3-MoE / Mixtral / GPT-OSS (the Llama model with MoE layers; Qwen3-MoE's layer 1 dense;
+    GPT-OSS's sinks split with the heads, its experts' biases with the experts) on --tp-size 2
     --ep-size 2: heads and the dense MLP split, 2 of the 4 experts (whole width) on each rank."""
     path, common = family_moe_dirs[name], dict(COMMON, activation_quant="none", kv_cache_dtype="float32")
     want = run_mixed(Engine(path, **common))

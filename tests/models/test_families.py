@@ -280,7 +280,8 @@ def test_moe_gguf_quantized_experts(family_dirs, tmp_path):
     assert len(out[0]["output_ids"]) == 4
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "smollm3", "granite", "olmo2"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "smollm3", "granite", "olmo2",
+                                  "gpt_oss"])
 def test_python_path_greedy_tokens_match_transformers(name, family_dirs, family_refs):
     """Through the Engine (scheduler; Gemma: a split pool for the sliding layers, prompts past the
     window; Phi: LongRoPE's long factors, partial rotary): transformers' greedy tokens. Every prompt
@@ -452,3 +453,30 @@ def test_quantized_moe_experts_stay_quantized(name, family_dirs, tmp_path):
         if isinstance(m, Linear):
             m.set_activation_quant("none")
     torch.testing.assert_close(held[0][1](x, weights, ids), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_mxfp4_experts(family_dirs, tmp_path, monkeypatch):
+    """The released GPT-OSS checkpoints keep their experts as MXFP4 (`*_blocks` + `*_scales`): the
+    values are transformers' own dequantization, and a checkpoint so stored gives the logits of
+    transformers' model holding those values."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from sparkserve.models.gpt_oss import dequantize_mxfp4
+    g = torch.Generator().manual_seed(7)
+    src, dst = family_dirs["gpt_oss"], tmp_path / "mxfp4"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    ref = load_hf_reference(src)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, cols, rows = tensors.pop(name).shape                  # HF [E, in, out]; blocks are per out row
+        blocks = torch.randint(0, 256, (E, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(122, 128, (E, rows, cols // 32), dtype=torch.uint8, generator=g)
+        want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        torch.testing.assert_close(dequantize_mxfp4(blocks, scales).transpose(1, 2), want, rtol=0, atol=0)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        ref.get_parameter(name).data.copy_(want)
+    save_file(tensors, str(dst / "model.safetensors"))
+    assert run_checked(str(dst), ref, False, monkeypatch) == 0
