@@ -125,9 +125,8 @@ def main() -> int:
     block, nbytes = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, a.qtype)]
     big = QWEN3_30B_EXPERT_WEIGHTS
     lines += ["", f"The fp32 run (every weight fp32) holds {saved:.2f} more bytes per expert weight; at that "
-              "rate "
-              f"Qwen3-30B-A3B's {big / 1e9:.1f}B expert weights take {big * saved / gib:.0f} GiB more in fp32 "
-              f"than as {a.qtype} blocks ({big * nbytes / block / gib:.1f} GiB)."]
+              f"rate Qwen3-30B-A3B's {big / 1e9:.1f}B expert weights take {big * saved / gib:.0f} GiB more "
+              f"in fp32 than as {a.qtype} blocks ({big * nbytes / block / gib:.1f} GiB)."]
     write_results(f"moe_memory_{a.qtype.lower()}", {"args": vars(a), "expert_weights": n, "file_bytes": size,
                                                    "rows": rows}, lines)
     return 0
