@@ -11,6 +11,7 @@ from sparkserve.entrypoints.http_io import JSON, ServerContext, context, parse, 
 from sparkserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sparkserve.entrypoints.serving_base import new_id
 from sparkserve.entrypoints.serving_openai import OpenAIServing
+from sparkserve.entrypoints.serving_responses import ResponsesRequest, ServingResponses
 
 router = APIRouter()
 
@@ -32,6 +33,19 @@ async def chat_completions(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     return await _openai(request, CompletionRequest, context(request).completion, "cmpl-")
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    """OpenAI's Responses API, stateless, on the chat path (serving_responses.py)."""
+    ctx = context(request)
+    serving = ServingResponses(ctx.chat)
+    req = await parse(request, ResponsesRequest)
+    rid = new_id("resp_")
+    chat_req, seqs = await asyncio.to_thread(serving.build, req, rid)
+    return await respond(request, ctx.tm, seqs, req.stream,
+                         lambda sub: serving.stream(req, chat_req, rid, seqs, sub),
+                         lambda sub: serving.full(req, chat_req, rid, seqs, sub))
 
 
 def model_card(ctx: ServerContext) -> dict:
