@@ -156,6 +156,8 @@ def chat_tools(req: ResponsesRequest) -> dict:
 def response_format(text: dict | None) -> dict | None:
     """text.format (text, json_object, json_schema with name / schema / strict) as chat's response_format."""
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ApiError(400, f"text.format: must be an object, got {short_repr(fmt)}", "text")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":

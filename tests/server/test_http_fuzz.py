@@ -296,6 +296,36 @@ def metric(http: httpx.Client, name: str) -> float:
     raise KeyError(name)
 
 
+RESPONSE_ITEM = st.one_of(
+    MESSAGE, st.fixed_dictionaries({"role": st.sampled_from(["user", "developer"]), "content": st.lists(
+        st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text"]), "text": WORDS}),
+        min_size=1, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.just("call_1"), "name": WORDS,
+                           "arguments": st.just("{}")}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.just("call_1"),
+                           "output": WORDS}))
+RESPONSES = body_of(
+    {"input": F(st.one_of(WORDS, st.lists(RESPONSE_ITEM, min_size=1, max_size=3)),
+                st.one_of(TEXT, st.just([]), st.lists(st.dictionaries(TEXT, GARBAGE, max_size=3), min_size=1,
+                                                      max_size=2))),
+     "max_output_tokens": F(SMALL, HUGE_INTS)},
+    {"model": OPENAI["model"], "instructions": F(WORDS), "temperature": SAMPLING["temperature"],
+     "top_p": SAMPLING["top_p"], "stream": F(st.booleans()), "parallel_tool_calls": F(st.booleans()),
+     "tools": F(st.just([{"type": "function", "name": "f", "parameters": {"type": "object"}}]),
+                st.lists(st.dictionaries(TEXT, GARBAGE, max_size=2), max_size=2)),
+     "tool_choice": F(st.one_of(st.sampled_from(["auto", "none", "required"]),
+                                st.just({"type": "function", "name": "f"}))),
+     "text": F(st.just({"format": {"type": "text"}}), st.fixed_dictionaries({"format": GARBAGE})),
+     "store": F(st.just(False)), "previous_response_id": F(None, TEXT), "metadata": F(st.just({"k": "v"}))})
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.one_of(RESPONSES, RESPONSES, GARBAGE, NOT_JSON))
+def test_fuzz_responses_endpoint(http, body):
+    check(call(http, "POST", "/v1/responses", body), "POST", "/v1/responses", body)
+
+
 def test_after_the_fuzz_both_answer_and_no_kv_is_held(http, router):
     body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4, "temperature": 0}
     direct = http.post("/v1/chat/completions", json=body)
