@@ -61,6 +61,10 @@ class ResponsesRequest(_Request):
     prompt: dict[str, Any] | None = None
 
 
+# chat fields an error may name -> the Responses field they come from
+CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+               "max_tokens": "max_output_tokens", "response_format": "text"}
+
 # field -> (is it set to something this server cannot honour?, why)
 REFUSED = {
     "store": (lambda v: v is True, "this server keeps no responses (send store: false, or leave it out)"),
@@ -179,9 +183,11 @@ class ServingResponses:
                 "user": req.user, **chat_tools(req)}
         try:
             chat_req = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+            return chat_req, self.chat.build(chat_req, rid)
         except ValidationError as e:
-            raise ApiError.from_validation(e) from None
-        return chat_req, self.chat.build(chat_req, rid)
+            raise responses_error(ApiError.from_validation(e)) from None
+        except ApiError as e:
+            raise responses_error(e) from None
 
     def response(self, req: ResponsesRequest, rid: str, created: int, output: list[dict], status: str,
                  usage: dict | None = None) -> dict:
@@ -225,3 +231,12 @@ class ServingResponses:
                 for e in events.choice(choice):
                     yield e
 
+
+
+def responses_error(e: ApiError) -> ApiError:
+    """A chat-path error named after the Responses field it comes from (max_tokens -> max_output_tokens)."""
+    name = CHAT_FIELDS.get(e.param or "")
+    if name is None:
+        return e
+    message = name + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
+    return ApiError(e.status, message, name, e.headers)

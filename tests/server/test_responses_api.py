@@ -101,6 +101,9 @@ def test_stream_adds_up_to_the_full_answer(client):
      "input"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
     ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text"),
+    ({"input": [{"role": "wizard", "content": "hi"}]}, "input"),
 ])
 def test_what_cannot_be_honoured_is_a_400(client, kw, param):
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **kw}
