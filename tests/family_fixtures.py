@@ -41,6 +41,11 @@ _GEMMA = dict(TINY_CONFIGS["llama"], sliding_window=8, query_pre_attn_scalar=16,
 _PHI3 = dict(TINY_CONFIGS["llama"], num_hidden_layers=2, max_position_embeddings=64)
 _LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.9, 2.6, 3.1, 4.0],
              "long_factor": [1.2, 2.5, 4.1, 7.7, 11.0, 19.0]}
+_GPT_OSS = dict(TINY_CONFIGS["llama"], num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                intermediate_size=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "rope_theta": 150000.0,
+                                 "original_max_position_embeddings": 64})
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 # name -> (HF model_type, config); Qwen2.5-0.5B and Llama 3.2 tie the LM head, 7B / 3.1 8B do not.
@@ -83,12 +88,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                 tie_word_embeddings=True)),
     # GPT-OSS: sinks, q/k/v/o biases, a window of 8 then full, YaRN (not truncated), 4 experts top-2
     # with biases and the clamped SwiGLU (limit 1.5: the tiny model's values reach it)
-    "gpt_oss": ("gpt_oss", dict(TINY_CONFIGS["llama"], num_hidden_layers=2, num_local_experts=4,
-                                num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
-                                swiglu_limit=1.5, layer_types=["sliding_attention", "full_attention"],
-                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
-                                                 "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
-                                                 "original_max_position_embeddings": 64})),
+    "gpt_oss": ("gpt_oss", dict(_GPT_OSS, swiglu_limit=1.5)),
+    # as llama.cpp runs GPT-OSS (its swiglu limit is the released models' 7, not in the GGUF file)
+    "gpt_oss_gguf": ("gpt_oss", _GPT_OSS),
     # OLMo2: norms after each branch only, q/k norms over the whole projection
     "olmo2": ("olmo2", dict(TINY_CONFIGS["llama"], num_hidden_layers=2, tie_word_embeddings=False)),
     # Gemma 2: sliding, full, sliding; soft-capped attention scores and logits
@@ -99,7 +101,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Gemma 3: 5 sliding layers (local rope base 1e4) then a full one (base 1e6, linear x8), q/k norms
     "gemma3": ("gemma3_text", dict(_GEMMA, num_hidden_layers=6, rope_parameters=GEMMA3_ROPE)),
 }
-MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral", "gpt_oss"}
+MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral", "gpt_oss", "gpt_oss_gguf"}
 # What the native step does not compute (models/llama_native.py beyond_native): the Python path runs them.
 PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2", "gemma2_scalar", "gemma3", "phi3_longrope", "phi3_shortrope",
                                   "smollm3", "granite", "olmo2"}
@@ -154,6 +156,29 @@ _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "
         "lm_head.weight": "output.weight"}
 
 
+_GPT_OSS_LAYER = dict(_LAYER, post_attention_layernorm="post_attention_norm",
+                      **{"mlp.router": "ffn_gate_inp"})
+
+
+def _gpt_oss_tensors(name: str, t: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
+    """GptOssModel.modify_tensors for unquantized experts ([E, in, out], gate and up interleaved:
+    de-interleaved and transposed into ffn_gate_exps / ffn_up_exps) and the sinks' GGUF name."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn\.sinks|mlp\.experts\.(gate_up_proj|down_proj)"
+                     r"(_bias)?)", name)
+    if m is None:
+        return None
+    p = f"blk.{m[1]}."
+    if m[2] == "self_attn.sinks":
+        return [(p + "attn_sinks.weight", t)]
+    kind = "bias" if m[4] else "weight"
+    if not m[4]:
+        t = np.ascontiguousarray(np.swapaxes(t, -1, -2))
+    if m[3] == "down_proj":
+        return [(p + f"ffn_down_exps.{kind}", t)]
+    return [(p + f"ffn_gate_exps.{kind}", np.ascontiguousarray(t[:, 0::2])),
+            (p + f"ffn_up_exps.{kind}", np.ascontiguousarray(t[:, 1::2]))]
+
+
 def _gguf_name(name: str, layer_names: dict[str, str] = _LAYER) -> str:
     if name in _TOP:
         return _TOP[name]
@@ -201,7 +226,7 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         hp = json.load(f)
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3moe", "mixtral": "llama",
             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
-            "granite": "granite", "olmo2": "olmo2"}[hp["model_type"]]
+            "granite": "granite", "olmo2": "olmo2", "gpt_oss": "gpt-oss"}[hp["model_type"]]
     gemma = arch.startswith("gemma")
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
     rope = rope.get("full_attention", rope)      # Gemma 3: the global layers' (llama.cpp knows the local)
@@ -235,6 +260,9 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         w.add_expert_used_count(n_used)
     if arch == "qwen3moe":      # Qwen2MoeModel.set_gguf_parameters
         w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    if arch == "gpt-oss":       # GptOssModel.set_gguf_parameters
+        w.add_expert_feed_forward_length(hp["intermediate_size"])
+        w.add_sliding_window(hp["sliding_window"])
     if arch == "phi3":          # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
         orig = hp.get("original_max_position_embeddings") or hp["max_position_embeddings"]
         w.add_rope_scaling_orig_ctx_len(orig)
@@ -259,11 +287,17 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         w.add_attn_logit_softcapping(hp["attn_logit_softcapping"])
         w.add_final_logit_softcapping(hp["final_logit_softcapping"])
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[ftype])
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                     "mxfp4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE}[ftype])
 
     def add(gname: str, t: np.ndarray) -> None:
-        """F32 norms and router (and 1-D tensors) whatever the outtype; the other weights in it."""
-        if ftype == "f32" or t.ndim == 1 or gname.endswith(("_norm.weight", "ffn_gate_inp.weight")):
+        """F32 norms, router and biases (and 1-D tensors) whatever the outtype; the other weights
+        in it ("mxfp4": GPT-OSS's experts MXFP4, the rest F32)."""
+        if ftype == "mxfp4" and gname.endswith("_exps.weight"):
+            w.add_tensor(gname, gguf.quants.quantize(t, gguf.GGMLQuantizationType.MXFP4),
+                         raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        elif (ftype in ("f32", "mxfp4") or t.ndim == 1 or gname.endswith(".bias")
+              or gname.endswith(("_norm.weight", "ffn_gate_inp.weight"))):
             w.add_tensor(gname, t)
         elif ftype == "f16":
             w.add_tensor(gname, t.astype(np.float16))
@@ -299,12 +333,17 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
             if len(group) == n_experts:
                 add(f"blk.{m[1]}.{_EXPERTS[m[3]]}.weight", np.stack([group[e] for e in range(n_experts)]))
             continue
+        if arch == "gpt-oss" and (gpt_oss := _gpt_oss_tensors(name, t)) is not None:
+            for gname, part in gpt_oss:
+                add(gname, part)
+            continue
         if arch in ("llama", "smollm3", "granite"):      # LlamaModel.modify_tensors (undo_permute)
             if name.endswith(("q_proj.weight", "q_proj.bias")):
                 t = _permute(t, n_head, n_head)
             if name.endswith(("k_proj.weight", "k_proj.bias")):
                 t = _permute(t, n_head, n_kv)
-        names = _GEMMA_LAYER if gemma or arch == "olmo2" else _PHI3_LAYER if arch == "phi3" else _LAYER
+        names = (_GEMMA_LAYER if gemma or arch == "olmo2" else _PHI3_LAYER if arch == "phi3" else
+                 _GPT_OSS_LAYER if arch == "gpt-oss" else _LAYER)
         add(_gguf_name(name, names), t)
     w.write_header_to_file()
     w.write_kv_data_to_file()

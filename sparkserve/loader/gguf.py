@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "mistral": "MistralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
           "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-          "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+          "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 # GGUF arch -> HF model_type where they differ; llama.cpp writes Mixtral as arch llama with experts.
-_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
 # Gemma 2 / 3 as llama.cpp builds them: its sliding-window layers' rope base (not in the file) and
 # the layer count of the 27B models, whose attention scale is 1/sqrt(hidden / heads), not of head_dim.
 _GEMMA_LOCAL_ROPE_BASE = 10000.0
@@ -69,8 +69,11 @@ _GEMMA_LAYER_NAMES = dict(_LAYER_NAMES, ffn_norm="pre_feedforward_layernorm",
                           post_ffw_norm="post_feedforward_layernorm")
 # Phi-3 keeps q|k|v in one tensor, gate|up in `ffn_up` (LlamaForCausalLM._fused_parts splits them).
 _PHI3_LAYER_NAMES = dict(_LAYER_NAMES, attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
+# GPT-OSS: `post_attention_norm` is the MLP's input norm (Llama's post_attention_layernorm); sinks.
+_GPT_OSS_LAYER_NAMES = dict(_LAYER_NAMES, post_attention_norm="post_attention_layernorm",
+                            attn_sinks="self_attn.sinks")
 _LAYER_NAMES_OF = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "olmo2": _GEMMA_LAYER_NAMES,
-                   "phi3": _PHI3_LAYER_NAMES}
+                   "phi3": _PHI3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -118,6 +121,10 @@ def gguf_config(path: str) -> ModelConfig:
     }
     if arch in _GEMMA_27B_LAYERS:
         hf.update(_gemma_fields(arch, get, n_layers, hidden, n_heads, head_dim))
+    if arch == "gpt-oss":       # llama.cpp: a window on every other layer from layer 0
+        hf["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+        if hf["rope_scaling"] is not None:
+            hf["rope_scaling"]["truncate"] = False     # as the model's config (its YaRN ramp is not rounded)
     if arch == "granite":
         hf.update({key: v for gguf_key, key in _GRANITE_SCALES.items() if (v := get(gguf_key)) is not None})
     if n_experts:       # llama.cpp renormalises the top-k of both (norm_w) unless the file says not

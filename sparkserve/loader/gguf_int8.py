@@ -14,6 +14,8 @@ instead turned into blocks the int8 kernels read, once, at load:
   Q8_0's 8.5).
 - Q5_0 -> Q6_S, exactly: its 5-bit values plus 16, scales 1 (and -> Q8_0, exactly, its values
   minus 16 as int8, where a fused projection's other tensors go to Q8_0).
+- MXFP4 (GPT-OSS's experts) -> Q8_0, exactly: its e2m1 values are the integers -12..12 times
+  2^(e - 128), an fp16 d for every exponent a weight has (else requantized, below).
 - anything else quantized (Q5_1, Q5_K, Q2_K, Q3_K, IQ*, ...) -> Q8_0, requantized from
   gguf-py's fp32 values: an 8-bit grid over values that had at most 6 bits.
 The converted blocks are then the model's weights (their dequantization is the fp32 value
@@ -28,6 +30,9 @@ from sparkserve.kernels.blocks import BLOCK_BYTES, Q4_0, Q4_1, Q6_S, Q8_0, Block
 
 Q4_K, Q5_0, Q6_K = (int(gguf.GGMLQuantizationType.Q4_K), int(gguf.GGMLQuantizationType.Q5_0),
                     int(gguf.GGMLQuantizationType.Q6_K))
+MXFP4 = int(gguf.GGMLQuantizationType.MXFP4)
+# ggml's MXFP4 element values, doubled to integers (its scale is then 2^(e - 128))
+_MXFP4_INTS = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 _UNQUANTIZED = {int(gguf.GGMLQuantizationType.F32), int(gguf.GGMLQuantizationType.F16),
                 int(gguf.GGMLQuantizationType.BF16), int(gguf.GGMLQuantizationType.F64)}
 
@@ -75,6 +80,8 @@ def int8_blocks(qtype: int, data: np.ndarray, shape: tuple[int, int], form: int)
         converted = _q4_0_as_q4_1(raw) if qtype == Q4_0 else _q4_k_as_q4_1(raw)
         if converted is not None:
             return BlockWeight.from_numpy(Q4_1, converted, shape)
+    if form == Q8_0 and qtype == MXFP4 and (converted := _mxfp4_as_q8_0(raw)) is not None:
+        return BlockWeight.from_numpy(Q8_0, converted, shape)
     if form == Q8_0 and qtype == Q5_0:
         return BlockWeight.from_numpy(Q8_0, _q5_0_as_q8_0(raw), shape)
     if form == Q6_S and qtype in (Q5_0, Q6_K):
@@ -113,6 +120,19 @@ def _q5_0_values(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     high = (b[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1     # [n, nb, 32]
     low = np.concatenate([b[..., 6:] & 0x0F, b[..., 6:] >> 4], axis=-1)              # elements 0..15, 16..31
     return b[..., :2], low | (high.astype(np.uint8) << 4)
+
+
+def _mxfp4_as_q8_0(raw: np.ndarray) -> np.ndarray | None:
+    """MXFP4 rows (e8m0 exponent e, 16 nibble bytes: elements 0..15 low, 16..31 high) as Q8_0 rows:
+    d = 2^(e - 128) and the element's doubled value; None where a d falls outside fp16."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 17)
+    exponent = b[..., 0].astype(np.int32) - 128
+    if exponent.min() < -24 or exponent.max() > 15:
+        return None
+    d = np.ldexp(np.float32(1), exponent).astype(np.float16)
+    q = _MXFP4_INTS[np.concatenate([b[..., 1:] & 0x0F, b[..., 1:] >> 4], axis=-1)]
+    return np.concatenate([d[..., None].view(np.uint8), q.view(np.uint8)], axis=-1).reshape(n, -1)
 
 
 def _q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ from sparkserve.models.llama_native import unsupported
 # llama.cpp's qwen2 applies no sliding window (its converter writes none): the windowed variant is HF only.
 GGUF_FAMILIES = ["qwen2", "qwen2_tied", "qwen2_yarn", "llama3", "llama3_tied", "llama_linear", "qwen3_moe",
                  "mixtral", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
-                 "olmo2"]
+                 "olmo2", "gpt_oss_gguf"]
 
 
 @pytest.fixture(scope="module")
@@ -480,3 +480,38 @@ def test_gpt_oss_mxfp4_experts(family_dirs, tmp_path, monkeypatch):
         ref.get_parameter(name).data.copy_(want)
     save_file(tensors, str(dst / "model.safetensors"))
     assert run_checked(str(dst), ref, False, monkeypatch) == 0
+
+
+def test_gpt_oss_mxfp4_gguf(family_dirs, tmp_path, monkeypatch):
+    """A GPT-OSS GGUF with MXFP4 experts (as llama.cpp ships them): exactly as Q8_0 blocks under int8
+    activations (the doubled e2m1 values, d = 2^(e - 128)), and with fp32 experts the logits of
+    transformers' model holding the file's values."""
+    import gguf
+
+    from sparkserve.layers.moe import Experts
+    from sparkserve.models.registry import load_model
+    path = write_gguf(family_dirs["gpt_oss_gguf"], str(tmp_path / "mxfp4.gguf"), "mxfp4")
+    raw = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    mx = gguf.GGMLQuantizationType.MXFP4
+    assert raw["blk.0.ffn_gate_exps.weight"].tensor_type == mx
+
+    def values(name: str) -> torch.Tensor:
+        return torch.from_numpy(gguf.quants.dequantize(raw[name].data, mx).astype(np.float32))
+    i8 = load_model(path, activation_quant="int8")
+    experts = [m for m in i8.modules() if isinstance(m, Experts)]
+    assert all(m.block_experts is not None for m in experts)
+    gate_up, down = experts[1].block_experts[2]
+    assert gate_up.held_blocks.gguf_type == gguf.GGMLQuantizationType.Q8_0
+    torch.testing.assert_close(down.held_blocks.dequantize(), values("blk.1.ffn_down_exps.weight")[2],
+                               rtol=0, atol=0)
+    want_gate_up = torch.cat([values("blk.1.ffn_gate_exps.weight")[2], values("blk.1.ffn_up_exps.weight")[2]])
+    torch.testing.assert_close(gate_up.held_blocks.dequantize(), want_gate_up, rtol=0, atol=0)
+
+    ref = load_hf_reference(family_dirs["gpt_oss_gguf"])
+    for layer in range(2):
+        gate, up = values(f"blk.{layer}.ffn_gate_exps.weight"), values(f"blk.{layer}.ffn_up_exps.weight")
+        hf = ref.model.layers[layer].mlp.experts
+        hf.gate_up_proj.data[:, :, 0::2] = gate.transpose(1, 2)
+        hf.gate_up_proj.data[:, :, 1::2] = up.transpose(1, 2)
+        hf.down_proj.data.copy_(values(f"blk.{layer}.ffn_down_exps.weight").transpose(1, 2))
+    assert run_checked(path, ref, False, monkeypatch) == 0

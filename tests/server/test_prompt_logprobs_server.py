@@ -93,8 +93,9 @@ def test_streamed_echo_comes_first(client, server, prompt_ids, reference):
     firsts: dict[int, object] = {}
     texts = {0: "", 1: ""}
     lps: dict[int, list] = {0: [], 1: []}
-    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
-                                           echo=True, n=2, stream=True):
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+                                       echo=True, n=2, stream=True)
+    for chunk in stream:
         for c in chunk.choices:
             firsts.setdefault(c.index, c)
             texts[c.index] += c.text
