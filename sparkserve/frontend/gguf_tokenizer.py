@@ -29,7 +29,8 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama
 SPACE = "\u2581"
 # End-of-turn tokens that stop generation besides the file's eos/eot/eom ids (llama.cpp's EOG list).
 END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|im_end|>", "<|end|>", "<|END_OF_TURN_TOKEN|>",
-               "<|return|>", "<|call|>", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+               "<|return|>", "<|call|>", "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|endoftext|>",
+               "<EOT>", "_<EOT>")
 
 # ---- BPE pre-tokenizers: llama.cpp's regex lists per `tokenizer.ggml.pre` (each regex splits every piece
 # the previous one left, matches and gaps both kept). Where llama.cpp rewrites a tokenizer.json regex for its

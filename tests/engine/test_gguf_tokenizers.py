@@ -507,7 +507,8 @@ def test_bpe_special_tokens_bos_and_template(tmp_path, bpe_vocab) -> None:
     assert ours.encode("<|endoftext|>x", add_special_tokens=True)[:2] == [bos, tokens.index("x")]   # one BOS
     assert ours.encode("x<think>y")[1] == tokens.index("<think>")
     # eos, the file's eot id, and an end-of-turn token the file does not name
-    assert ours.eos_token_ids == {tokens.index(t) for t in ("<|im_end|>", "</s>", "<|eot_id|>")}
+    stops = ("<|im_end|>", "</s>", "<|eot_id|>", "<|endoftext|>")
+    assert ours.eos_token_ids == {tokens.index(t) for t in stops}
     msgs = [{"role": "user", "content": "hi"}]
     assert ours.apply_chat_template(msgs, add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
     base = Tokenizer.from_gguf(_bpe_gguf(tmp_path, bpe_vocab, "qwen2"))    # a base model: completions only
