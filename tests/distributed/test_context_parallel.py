@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import TINY_CONFIGS, assert_no_kv_leak
 from dspark_fixtures import make_oracle_draft
+from family_fixtures import make_family_checkpoint
 from kimi_fixtures import VOCAB as KIMI_VOCAB
 from kimi_fixtures import make_kimi
 from minimax_fixtures import make_minimax, with_index_value
@@ -34,7 +35,10 @@ def model_dirs(tmp_path_factory, tiny_dirs):
     root = tmp_path_factory.mktemp("cp_models")
     return {"llama": tiny_dirs["llama"], "mistral": tiny_dirs["mistral"],
             "kimi": make_kimi(str(root / "kimi"), "kda_mla"),
-            "minimax": with_index_value(make_minimax(str(root / "minimax")))}
+            "minimax": with_index_value(make_minimax(str(root / "minimax"))),
+            # issue #45's families: sliding layers with a local rope table; sinks in eager attention + MoE
+            "gemma3": make_family_checkpoint("gemma3", str(root / "gemma3")),
+            "gpt_oss": make_family_checkpoint("gpt_oss", str(root / "gpt_oss"))}
 
 
 @pytest.fixture
@@ -80,10 +84,10 @@ def test_zigzag_layout():
 
 
 def _extra(arch: str) -> dict:
-    return dict(ep_size=2) if arch in ("kimi", "minimax") else {}
+    return dict(ep_size=2) if arch in ("kimi", "minimax", "gpt_oss") else {}
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "kimi", "minimax"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "kimi", "minimax", "gemma3", "gpt_oss"])
 def test_cp_equals_one_process(arch, model_dirs, shards, prefill_runs):
     path = model_dirs[arch]
     one = Engine(path, **COMMON)
@@ -105,12 +109,12 @@ def test_cp_equals_one_process(arch, model_dirs, shards, prefill_runs):
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("arch", ["llama", "kimi", "minimax"])
+@pytest.mark.parametrize("arch", ["llama", "kimi", "minimax", "gemma3"])
 def test_dp_attention_with_cp_equals_one_process(arch, model_dirs, shards):
     """tp 4 = 2 DP groups x 2 CP ranks: each group splits its own long prefills."""
     path = model_dirs[arch]
     want = run_mixed(Engine(path, **COMMON))
-    extra = dict(ep_size=4) if arch != "llama" else {}
+    extra = dict(ep_size=4) if arch in ("kimi", "minimax") else {}
     with Engine(path, **DP2_CP2, **extra, **COMMON) as eng:
         got = run_mixed(eng)
         assert shards                                       # group 0 split its prefill chunks
