@@ -105,6 +105,10 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
         torch.manual_seed(args.random_seed)
     cfg = load_config(args.model_path)
     if args.context_length:          # the rope tables (and LongRoPE's choice of factors) serve this
+        if args.context_length > cfg.max_position_embeddings and rank == 0:
+            log.warning("--context-length %d is past the %d positions %s was trained for: its rope "
+                        "extrapolates (as llama.cpp's -c does), so quality may drop past them",
+                        args.context_length, cfg.max_position_embeddings, cfg.architecture)
         cfg = dataclasses.replace(cfg, max_position_embeddings=args.context_length)
     pc = args.parallel_config()
     check_tp(cfg, args.tp_size, args.ep_size, model_class(cfg).tp_dims(cfg), pc.attn_tp_size)
