@@ -22,6 +22,7 @@ from sparkserve.config import ModelConfig
 from sparkserve.layers.rotary import _inv_freq
 from sparkserve.loader.gguf import gguf_config
 from sparkserve.models.llama_native import unsupported
+from sparkserve.executor.model_runner import ModelRunner
 
 # llama.cpp's qwen2 applies no sliding window (its converter writes none): the windowed variant is HF only.
 GGUF_FAMILIES = ["qwen2", "qwen2_tied", "qwen2_yarn", "llama3", "llama3_tied", "llama_linear", "qwen3_moe",
@@ -54,9 +55,11 @@ def family_ggufs(family_dirs, tmp_path_factory) -> dict[tuple[str, str], str]:
 
 def run_checked(path: str, ref, native: bool, monkeypatch) -> int:
     """The test_model_logits schedule (chunked prefill, batched decode, a mixed extend) on `path`;
-    every logits row vs `ref`. Returns how many forwards ran natively."""
+    every logits row vs `ref`, over the pool the model makes (as the engine does: MLA's latents too).
+    Returns how many forwards ran natively."""
     count = Counter(monkeypatch)
     runner, cache = make_runner(path, 1)
+    runner = ModelRunner(runner.model, runner.model.make_pool(cache.num_slots, 8), cache.req_to_token.table)
     runner.model.enable_native_step(native)
     driver = Driver(runner, cache)
     run_schedule(driver, runner.model.config.vocab_size, [13, 1, 23, 6], decode_steps=6, seed=2)
@@ -281,7 +284,7 @@ def test_moe_gguf_quantized_experts(family_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "smollm3", "granite", "olmo2",
-                                  "gpt_oss"])
+                                  "gpt_oss", "deepseek_v2", "deepseek_v2_qlora"])
 def test_python_path_greedy_tokens_match_transformers(name, family_dirs, family_refs):
     """Through the Engine (scheduler; Gemma: a split pool for the sliding layers, prompts past the
     window; Phi: LongRoPE's long factors, partial rotary): transformers' greedy tokens. Every prompt
@@ -515,3 +518,33 @@ def test_gpt_oss_mxfp4_gguf(family_dirs, tmp_path, monkeypatch):
         hf.gate_up_proj.data[:, :, 1::2] = up.transpose(1, 2)
         hf.down_proj.data.copy_(values(f"blk.{layer}.ffn_down_exps.weight").transpose(1, 2))
     assert run_checked(path, ref, False, monkeypatch) == 0
+
+
+def test_context_length_past_trained_positions(family_dirs, family_refs, caplog):
+    """--context-length past the model's positions (256 here) sizes the rope tables to it: a 300-token
+    prompt decodes as transformers' (which rotates any position) does, with a warning that the rope
+    extrapolates (it crashed in the scheduler before)."""
+    prompt = torch.randint(0, 320, (300,), generator=torch.Generator().manual_seed(9)).tolist()
+    sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    with caplog.at_level("WARNING"):
+        eng = Engine(family_dirs["qwen2_tied"], context_length=512, max_total_tokens=1024, **EXACT)
+    assert "past the 256 positions" in caplog.text
+    with eng:
+        assert eng.generate(input_ids=prompt, sampling_params=sp)["output_ids"] == hf_greedy(
+            family_refs["qwen2_tied"], prompt, 6)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v2_qlora"])
+def test_deepseek_v2_ranks_equal_one(name, family_dirs):
+    """DeepSeek-V2 on two ranks (--tp-size 2 --ep-size 2: each rank its MLA heads' rows of q / kv_b
+    and o_proj's columns over the replicated latent, half the routed experts, half the shared and
+    dense MLP widths) gives one process's greedy tokens and logprobs."""
+    from parallel_fixtures import COMMON, assert_same, run_mixed
+    path = family_dirs[name]
+    want = run_mixed(Engine(path, **COMMON))
+    with Engine(path, tp_size=2, ep_size=2, **COMMON) as eng:
+        layer = eng.scheduler.runner.model.model.layers[1]
+        assert layer.self_attn.h == 2 and layer.mlp.experts.local == 2
+        got = run_mixed(eng)
+        assert_no_kv_leak(eng.scheduler.cache)
+    assert_same(got, want)
