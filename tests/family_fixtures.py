@@ -46,6 +46,19 @@ _GPT_OSS = dict(TINY_CONFIGS["llama"], num_hidden_layers=2, num_local_experts=4,
                 rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "truncate": False, "rope_theta": 150000.0,
                                  "original_max_position_embeddings": 64})
+# DeepSeek-V2(-Lite): MLA with a decoupled 8-channel rope, YaRN with mscale (V2-Lite's: mscale equal to
+# mscale_all_dim, cos/sin unscaled, softmax scale times mscale_all_dim's mscale squared); layer 0 dense,
+# then 4 routed experts top-2 (softmax, greedy, x routed_scaling_factor) + 1 shared expert.
+_DEEPSEEK_V2 = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=320,
+    max_position_embeddings=256, initializer_range=0.15, rms_norm_eps=1e-6, bos_token_id=None,
+    eos_token_id=None, pad_token_id=None, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+    qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=1.5, topk_method="greedy",
+    n_group=1, topk_group=1, norm_topk_prob=False,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 64})
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 # name -> (HF model_type, config); Qwen2.5-0.5B and Llama 3.2 tie the LM head, 7B / 3.1 8B do not.
@@ -100,11 +113,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                      attn_logit_softcapping=None, final_logit_softcapping=None)),
     # Gemma 3: 5 sliding layers (local rope base 1e4) then a full one (base 1e6, linear x8), q/k norms
     "gemma3": ("gemma3_text", dict(_GEMMA, num_hidden_layers=6, rope_parameters=GEMMA3_ROPE)),
+    "deepseek_v2": ("deepseek_v2", dict(_DEEPSEEK_V2, tie_word_embeddings=False)),
+    # V2 (not Lite)'s kind: q through a low-rank q_a / q_b, group-limited routing (2 groups, best 1),
+    # mscale != mscale_all_dim (cos/sin scaled too); tied
+    "deepseek_v2_qlora": ("deepseek_v2", dict(
+        _DEEPSEEK_V2, q_lora_rank=24, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+        tie_word_embeddings=True, rope_parameters=dict(_DEEPSEEK_V2["rope_parameters"], mscale=1.0,
+                                                       mscale_all_dim=0.5))),
 }
-MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral", "gpt_oss", "gpt_oss_gguf"}
+MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral", "gpt_oss", "gpt_oss_gguf", "deepseek_v2",
+                "deepseek_v2_qlora"}
 # What the native step does not compute (models/llama_native.py beyond_native): the Python path runs them.
-PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2", "gemma2_scalar", "gemma3", "phi3_longrope", "phi3_shortrope",
-                                  "smollm3", "granite", "olmo2"}
+PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2", "olmo2"}
 
 
 def make_family_checkpoint(name: str, path: str, bf16_copy: str | None = None) -> str:

@@ -9,8 +9,13 @@ head), all heads attend to the one shared latent row per token (MQA), and the va
 attended latent back per head. Nothing is expanded per cached token, in prefill or decode.
 
 Positions: Kimi-Linear's MLA layers are NoPE, as the reference applies no rotary embedding: k_pe /
-q_pe are plain (unrotated) dimensions. A config asking for rope in MLA (`mla_use_nope: false`) is
-refused at model construction rather than served differently from the reference.
+q_pe are plain (unrotated) dimensions (forward without `rope`); Kimi refuses a config asking for rope
+(`mla_use_nope: false`). DeepSeek-V2 rotates them (`rope`: the cos/sin rows of the decoupled
+rope_dim channels): k_pe once, before it is cached (one shared row per token), q_pe per head. The
+reference turns channel pairs (2i, 2i+1); the rotary tables here turn halves (neox), so the loader
+reorders the rope rows of the q and kv_a projections pairs -> halves (`rope_rows_to_halves`): q_pe
+and k_pe are then the same vectors with their channels permuted alike, so every q . k is unchanged.
+`scale`: the softmax scale where it is not qk_head_dim ** -0.5 (DeepSeek's YaRN mscale).
 
 Tensor parallel (SGLang's split): each rank keeps its query heads' rows of q_proj / q_b_proj and
 kv_b_proj, attends them to the whole latent (one shared MQA row per token, so kv_a_proj_with_mqa,
@@ -25,7 +30,18 @@ from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.distributed.sharding import heads_shard, shard_rows
 from sparkserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from sparkserve.layers.norm import RMSNorm
+from sparkserve.layers.rotary import apply_rotary
 from sparkserve.layers.sharded import Sharded
+
+
+def rope_rows_to_halves(w: torch.Tensor, rope_dim: int, head_width: int) -> torch.Tensor:
+    """Output rows of a projection [heads * head_width, ...] whose last `rope_dim` rows per head
+    are rope channels in pairs (x0 y0 x1 y1 ...), reordered to halves (x0 x1 ... y0 y1 ...)."""
+    rows = w.reshape(-1, head_width, *w.shape[1:])
+    rope = rows[:, head_width - rope_dim:]
+    rope = rope.reshape(rows.shape[0], rope_dim // 2, 2, *w.shape[1:]).transpose(1, 2)
+    return torch.cat([rows[:, :head_width - rope_dim], rope.reshape(rows.shape[0], rope_dim, *w.shape[1:])],
+                     1).reshape(w.shape)
 
 
 class _AbsorbedWeight(Sharded):
@@ -43,7 +59,8 @@ class _AbsorbedWeight(Sharded):
 
 class MLAttention(nn.Module):
     def __init__(self, layer_id: int, hidden: int, num_heads: int, q_lora_rank: int | None,
-                 kv_lora_rank: int, nope_dim: int, rope_dim: int, v_dim: int, bias: bool = False):
+                 kv_lora_rank: int, nope_dim: int, rope_dim: int, v_dim: int, bias: bool = False,
+                 scale: float | None = None):
         super().__init__()
         self.layer_id = layer_id
         index, parts, self.h = heads_shard(num_heads)
@@ -60,17 +77,22 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6)
         self.kv_b_proj = _AbsorbedWeight(kv_lora_rank, num_heads * (nope_dim + v_dim), (index, parts))
         self.o_proj = RowParallelLinear(num_heads * v_dim, hidden, bias=bias)
-        self.scale = qk ** -0.5
+        self.scale = qk ** -0.5 if scale is None else scale
 
     @property
     def latent_dim(self) -> int:
         return self.r + self.rope
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`rope`: cos, sin [T, 1, rope_dim] (halves layout) turning q_pe and k_pe; None: NoPE."""
         T, H, r = x.shape[0], self.h, self.r
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(T, H, self.nope + self.rope)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([r, self.rope], -1)
+        if rope is not None:
+            q = torch.cat([q[..., :self.nope], apply_rotary(q[..., self.nope:], *rope)], -1)
+            k_pe = apply_rotary(k_pe.unsqueeze(1), *rope).squeeze(1)
         buf = batch.kv_pool.get("kv_latent", self.layer_id)
         batch.store(buf, torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1))
         w = self.kv_b_proj.weight.view(H, self.nope + self.vd, r)

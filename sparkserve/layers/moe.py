@@ -1,7 +1,7 @@
 """Mixture of experts: the expert computation (`fused_experts`, shared by every MoE model), the
 routers by rule (ROUTERS: the sigmoid + grouped top-k of DeepSeek-V3 / Kimi, `grouped_topk`; the
-softmax top-k of Mixtral and Qwen3-MoE, `softmax_topk`), and a MoE block with optional shared
-experts (`SharedExpertMoE`).
+softmax top-k of Mixtral and Qwen3-MoE, `softmax_topk`; DeepSeek-V2's scaled one, `softmax_greedy`),
+and a MoE block with optional shared experts (`SharedExpertMoE`).
 
 Expert weights are stacked 3-D tensors, as transformers 5 keeps them: `gate_up_w[E, 2I, d]` (gate
 rows first, then up) and `down_w[E, d, I]`; or, served with int8 activations from a quantized GGUF,
@@ -92,8 +92,24 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, ids
 
 
-# The routing rules a config may name (ModelConfig.moe_router; Kimi / MiniMax-M3 build theirs directly).
-ROUTERS = ("sigmoid_grouped", "softmax_topk", "softmax_topk_renorm", "topk_softmax")
+def softmax_greedy(router_logits: torch.Tensor, top_k: int, num_groups: int = 1, topk_groups: int = 1,
+                   scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 routing: softmax over every expert, the top_k best (`greedy`; with num_groups > 1
+    `group_limited_greedy`: only among the `topk_groups` groups of best single score), their
+    weights never renormalised, times `scaling` (routed_scaling_factor)."""
+    scores = router_logits.float().softmax(-1)
+    if num_groups > 1:
+        T, E = scores.shape
+        best = scores.view(T, num_groups, E // num_groups).amax(-1).topk(topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros(T, num_groups, dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+        scores = scores.masked_fill(~keep.repeat_interleave(E // num_groups, dim=1), 0.0)
+    weights, ids = scores.topk(top_k, dim=-1, sorted=False)
+    return weights * scaling, ids
+
+
+# The routing rules a config may name (ModelConfig.moe_router; Kimi / MiniMax-M3 / DeepSeek-V2 build
+# theirs directly).
+ROUTERS = ("sigmoid_grouped", "softmax_topk", "softmax_topk_renorm", "topk_softmax", "softmax_greedy")
 
 
 class GatedMLP(nn.Module):
@@ -138,6 +154,8 @@ class Router(nn.Module):
                 self.top_k, dim=-1)
             return values.softmax(-1), ids
         logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        if self.rule == "softmax_greedy":
+            return softmax_greedy(logits, self.top_k, self.num_groups, self.topk_groups, self.scaling)
         if self.rule != "sigmoid_grouped":
             return softmax_topk(logits, self.top_k, self.rule == "softmax_topk_renorm")
         return grouped_topk(logits, self.top_k, self.e_score_correction_bias, self.num_groups,

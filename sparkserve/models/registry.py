@@ -12,6 +12,7 @@ from sparkserve.config import ModelConfig
 from sparkserve.layers.block_backed import drop_blocks, hold_weights_in_huge_pages, set_activation_quant
 from sparkserve.layers.linear import pack_linears
 from sparkserve.mem.heap import release_freed_memory
+from sparkserve.models.deepseek_v2 import DeepseekV2ForCausalLM
 from sparkserve.models.gemma import GemmaForCausalLM
 from sparkserve.models.gpt_oss import GptOssForCausalLM
 from sparkserve.models.kimi_linear import KimiLinearForCausalLM
@@ -34,6 +35,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Gemma3ForConditionalGeneration": GemmaForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
 }
 

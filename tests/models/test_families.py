@@ -19,10 +19,10 @@ from test_native_step import Counter
 
 from sparkserve import Engine
 from sparkserve.config import ModelConfig
+from sparkserve.executor.model_runner import ModelRunner
 from sparkserve.layers.rotary import _inv_freq
 from sparkserve.loader.gguf import gguf_config
 from sparkserve.models.llama_native import unsupported
-from sparkserve.executor.model_runner import ModelRunner
 
 # llama.cpp's qwen2 applies no sliding window (its converter writes none): the windowed variant is HF only.
 GGUF_FAMILIES = ["qwen2", "qwen2_tied", "qwen2_yarn", "llama3", "llama3_tied", "llama_linear", "qwen3_moe",
