@@ -94,9 +94,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_rows", &logprob_rows,
         "per listed row: log_softmax at its id and its k best (values, ids), best first");
   m.def("markov_pack", &markov_pack, "a Markov head's W2 [V, r] in the layout markov_greedy reads");
+  py::class_<sparkserve::NativeLayerOptions>(m, "NativeLayerOptions", "a layer's departures from a Llama layer")
+      .def(py::init<>())
+      .def_readwrite("pre_ff_norm", &sparkserve::NativeLayerOptions::pre_ff_norm)
+      .def_readwrite("post_ff_norm", &sparkserve::NativeLayerOptions::post_ff_norm)
+      .def_readwrite("gelu", &sparkserve::NativeLayerOptions::gelu)
+      .def_readwrite("rope", &sparkserve::NativeLayerOptions::rope)
+      .def_readwrite("local_rope", &sparkserve::NativeLayerOptions::local_rope)
+      .def_readwrite("window", &sparkserve::NativeLayerOptions::window);
   py::class_<sparkserve::NativeLlama>(m, "NativeLlama", "one call per forward of a Llama-family decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &sparkserve::NativeLlama::add_layer)
+      .def("add_layer_with", &sparkserve::NativeLlama::add_layer_with)
+      .def("set_model_options", &sparkserve::NativeLlama::set_model_options)
       .def("set_pool", &sparkserve::NativeLlama::set_pool)
       .def("forward", &sparkserve::NativeLlama::forward);
   py::class_<sparkserve::NativeDraft, sparkserve::NativeLlama>(

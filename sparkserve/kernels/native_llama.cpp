@@ -24,22 +24,31 @@
 namespace sparkserve {
 namespace {
 
-// Rotary (neox layout) on one head in place; `sin` has rotate_half's sign folded in
-// (layers/rotary.py): x' = x * cos + roll(x, D/2) * sin.
-void rotate(float* x, const float* cos, const float* sin, int64_t D, float* tmp) {
-  std::memcpy(tmp, x, D * sizeof(float));
-  const int64_t half = D / 2;   // two loops, not an index modulo D: they vectorize
-  for (int64_t i = 0; i < half; ++i) x[i] = tmp[i] * cos[i] + tmp[i + half] * sin[i];
-  for (int64_t i = half; i < D; ++i) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
+// A rotary table pair: float32 [positions, rd] with rd even and <= head_dim (partial rotary: less).
+void check_rope_table(const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) <= head_dim && cos.size(1) % 2 == 0 &&
+              sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat,
+              "native step: rotary tables must be float32 [positions, rotary dim <= head_dim]");
 }
 
-// n heads [n, D] of one row in place: RMS norm by `norm` (when the model has one), then rotary.
-void norm_rotate(float* heads, int64_t n, const at::Tensor& norm, const float* c, const float* sn, int64_t D,
-                 float eps, float* tmp) {
+// Rotary (neox layout) on the first `rd` channels of one head in place (partial rotary leaves the
+// rest); `sin` has rotate_half's sign folded in (layers/rotary.py): x' = x * cos + roll(x, rd/2) * sin.
+void rotate(float* x, const float* cos, const float* sin, int64_t rd, float* tmp) {
+  std::memcpy(tmp, x, rd * sizeof(float));
+  const int64_t half = rd / 2;   // two loops, not an index modulo rd: they vectorize
+  for (int64_t i = 0; i < half; ++i) x[i] = tmp[i] * cos[i] + tmp[i + half] * sin[i];
+  for (int64_t i = half; i < rd; ++i) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
+}
+
+// n heads [n, D] of one row in place: RMS norm by `norm` (when the model has one), then rotary
+// (unless a NoPE layer's: rope.cos null).
+template <class Rope>
+void norm_rotate(float* heads, int64_t n, const at::Tensor& norm, const Rope& rope, int64_t D, float eps,
+                 float* tmp) {
   for (int64_t hd = 0; hd < n; ++hd) {
     float* x = heads + hd * D;
     if (norm.defined()) rms_row(x, norm.data_ptr<float>(), x, D, eps);
-    rotate(x, c, sn, D, tmp);
+    if (rope.cos != nullptr) rotate(x, rope.cos, rope.sin, rope.dim, tmp);
   }
 }
 
@@ -62,6 +71,37 @@ void add_into(float* acc, const float* x, int64_t n) {
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_loadu_ps(x + i)));
   for (; i < n; ++i) acc[i] += x[i];
+}
+
+// out = gelu_tanh(g) * u over n floats (torch's approximate="tanh": 0.5 g (1 + tanh(sqrt(2/pi)
+// (g + 0.044715 g^3)))); tanh(a) = sign(a) (1 - e) / (1 + e) with e = exp(-2|a|) <= 1.
+void gelu_tanh_mul(const float* g, const float* u, float* out, int64_t n) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+  const __m256 beta = _mm256_set1_ps(kBeta), kappa = _mm256_set1_ps(kKappa), m2 = _mm256_set1_ps(-2.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 cube = _mm256_mul_ps(gv, _mm256_mul_ps(gv, gv));
+    const __m256 a = _mm256_mul_ps(beta, _mm256_add_ps(gv, _mm256_mul_ps(kappa, cube)));
+    const __m256 e = exp256(_mm256_mul_ps(m2, _mm256_andnot_ps(sign, a)));   // exp(-2|a|)
+    const __m256 t = _mm256_or_ps(_mm256_and_ps(sign, a),
+                                  _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)));
+    const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(half, gv), _mm256_add_ps(one, t));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i)
+    out[i] = 0.5f * g[i] * (1.0f + std::tanh(kBeta * (g[i] + kKappa * g[i] * g[i] * g[i]))) * u[i];
+}
+
+// acc += x * s over n floats (s == 1: a plain residual add).
+void add_scaled(float* acc, const float* x, float s, int64_t n) {
+  if (s == 1.0f) return add_into(acc, x, n);
+  const __m256 sv = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), sv)));
+  for (; i < n; ++i) acc[i] += x[i] * s;
 }
 
 // n fp32 values into a pool buffer of element type `type` at element offset `at`, rounded to
@@ -116,25 +156,55 @@ const int64_t* long_ptr(const at::Tensor& t, int64_t n, const char* what) {
 NativeLlama::NativeLlama(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
                          int64_t intermediate, double eps, at::Tensor cos, at::Tensor sin, at::Tensor final_norm)
     : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
-      eps_(static_cast<float>(eps)), cos_(cos.contiguous()), sin_(sin.contiguous()),
-      final_norm_(norm_weight(final_norm, hidden)) {
+      eps_(static_cast<float>(eps)), attn_scale_(static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)))),
+      cos_(cos.contiguous()), sin_(sin.contiguous()), final_norm_(norm_weight(final_norm, hidden)) {
   TORCH_CHECK(head_dim % 8 == 0 && kv_heads > 0 && heads % kv_heads == 0 && hidden % 32 == 0,
               "native step: head_dim must be a multiple of 8, heads of kv_heads, hidden of 32");
-  TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.dim() == 2 && cos_.size(1) == head_dim &&
-              sin_.sizes() == cos_.sizes() && sin_.scalar_type() == at::kFloat,
-              "native step: rotary tables must be float32 [positions, head_dim]");
+  check_rope_table(cos_, sin_, head_dim);
+}
+
+void NativeLlama::set_model_options(double attn_scale, double residual_scale, std::optional<at::Tensor> local_cos,
+                                    std::optional<at::Tensor> local_sin) {
+  if (attn_scale > 0) attn_scale_ = static_cast<float>(attn_scale);
+  residual_scale_ = static_cast<float>(residual_scale);
+  TORCH_CHECK(local_cos.has_value() == local_sin.has_value(), "native step: local cos and sin come together");
+  if (local_cos.has_value()) {
+    local_cos_ = local_cos->contiguous();
+    local_sin_ = local_sin->contiguous();
+    check_rope_table(local_cos_, local_sin_, head_dim_);
+    TORCH_CHECK(local_cos_.size(0) >= cos_.size(0), "native step: the local rope table is shorter than the global");
+  }
+}
+
+NativeLlama::Rope NativeLlama::rope_at(const NativeLayer& L, int64_t p) const {
+  if (!L.rope) return {nullptr, nullptr, 0};
+  const at::Tensor& c = L.local_rope ? local_cos_ : cos_;
+  const at::Tensor& s = L.local_rope ? local_sin_ : sin_;
+  const int64_t rd = c.size(1);
+  return {c.data_ptr<float>() + p * rd, s.data_ptr<float>() + p * rd, rd};
 }
 
 void NativeLlama::add_layer(at::Tensor qkv, int64_t qkv_type, std::optional<at::Tensor> qkv_bias, at::Tensor o,
                             int64_t o_type, at::Tensor gate_up, int64_t gate_up_type, at::Tensor down,
                             int64_t down_type, at::Tensor input_norm, at::Tensor post_norm,
                             std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, int64_t window) {
+  NativeLayerOptions options;
+  options.window = window;
+  add_layer_with(qkv, qkv_type, qkv_bias, o, o_type, gate_up, gate_up_type, down, down_type, input_norm, post_norm,
+                 q_norm, k_norm, options);
+}
+
+void NativeLlama::add_layer_with(at::Tensor qkv, int64_t qkv_type, std::optional<at::Tensor> qkv_bias,
+                                 at::Tensor o, int64_t o_type, at::Tensor gate_up, int64_t gate_up_type,
+                                 at::Tensor down, int64_t down_type, at::Tensor input_norm, at::Tensor post_norm,
+                                 std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+                                 const NativeLayerOptions& options) {
   const int64_t D = head_dim_, I = intermediate_;
   NativeLayer l{block_proj(qkv, qkv_type, qkv_bias, hidden_), block_proj(o, o_type, std::nullopt, heads_ * D),
                 block_proj(gate_up, gate_up_type, std::nullopt, hidden_),
                 block_proj(down, down_type, std::nullopt, I),
                 norm_weight(input_norm, hidden_), norm_weight(post_norm, hidden_), at::Tensor(), at::Tensor(),
-                window};
+                at::Tensor(), at::Tensor(), options.gelu, options.rope, options.local_rope, options.window};
   TORCH_CHECK(l.qkv.n == (heads_ + 2 * kv_heads_) * D && l.o.n == hidden_ && l.gate_up.n == 2 * I &&
               l.down.n == hidden_, "native step: projection shapes do not match the config");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "native step: q_norm and k_norm come together");
@@ -142,6 +212,13 @@ void NativeLlama::add_layer(at::Tensor qkv, int64_t qkv_type, std::optional<at::
     l.q_norm = norm_weight(*q_norm, D);
     l.k_norm = norm_weight(*k_norm, D);
   }
+  TORCH_CHECK(options.pre_ff_norm.has_value() == options.post_ff_norm.has_value(),
+              "native step: pre_ff_norm and post_ff_norm come together");
+  if (options.pre_ff_norm.has_value()) {
+    l.pre_ff_norm = norm_weight(*options.pre_ff_norm, hidden_);
+    l.post_ff_norm = norm_weight(*options.post_ff_norm, hidden_);
+  }
+  TORCH_CHECK(!l.local_rope || local_cos_.defined(), "native step: set_model_options(local rope table) first");
   layers_.push_back(std::move(l));
 }
 
@@ -196,8 +273,7 @@ void NativeLlama::store_kv_of(const float* x, int64_t T, const int64_t* pos, con
     run_proj(kv_[l], x, T, kvp, int8);
     for (int64_t t = 0; t < T; ++t) {
       float* row = kvp + t * KV;
-      norm_rotate(row, Hkv, layers_[l].k_norm, cos_.data_ptr<float>() + pos[t] * D,
-                  sin_.data_ptr<float>() + pos[t] * D, D, eps_, rot.data());
+      norm_rotate(row, Hkv, layers_[l].k_norm, rope_at(layers_[l], pos[t]), D, eps_, rot.data());
       store_kv(k_[l].data_ptr(), slots[t] * Hkv * D, row, Hkv * D, kv_type_);
       store_kv(v_[l].data_ptr(), slots[t] * Hkv * D, row + Hkv * D, Hkv * D, kv_type_);
     }
@@ -253,9 +329,8 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
   float *rp = res.data_ptr<float>(), *hp = h.data_ptr<float>(), *qp = qkv.data_ptr<float>();
   float *ap = attn.data_ptr<float>(), *gp = gu.data_ptr<float>(), *cp = act.data_ptr<float>();
   float* tp = tmp.data_ptr<float>();
-  const float *cosp = cos_.data_ptr<float>(), *sinp = sin_.data_ptr<float>();
   std::vector<float> rot(D);
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const float rs = residual_scale_;
   std::vector<at::Tensor> out(1);
 
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -268,25 +343,36 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
     void* vb = v_[l].data_ptr();
     for (int64_t t = 0; t < T; ++t) {
       float* row = qp + t * W;
-      const float *c = cosp + pos[t] * D, *sn = sinp + pos[t] * D;
-      norm_rotate(row, H, L.q_norm, c, sn, D, eps_, rot.data());
-      norm_rotate(row + H * D, Hkv, L.k_norm, c, sn, D, eps_, rot.data());
+      const Rope rope = rope_at(L, pos[t]);
+      norm_rotate(row, H, L.q_norm, rope, D, eps_, rot.data());
+      norm_rotate(row + H * D, Hkv, L.k_norm, rope, D, eps_, rot.data());
       store_kv(kb, s.loc[t] * Hkv * D, row + H * D, Hkv * D, kv_type_);
       store_kv(vb, s.loc[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D, kv_type_);
     }
     const PagedKV kv{kb, vb, k_[l].size(0), Hkv, s.idx.data_ptr<int64_t>(), s.idx.stride(0), s.start, L.window,
                      causal, kv_type_};
-    paged_attention(qp, W, D, H, D, kv, seq_lens.data(), s.q_off.data(), B, scale, ap);
+    paged_attention(qp, W, D, H, D, kv, seq_lens.data(), s.q_off.data(), B, attn_scale_, ap);
     run_proj(L.o, ap, T, tp, int8);
+    const bool sandwich = L.pre_ff_norm.defined();
     const float* post_w = L.post_norm.data_ptr<float>();
+    // pre: post_norm is the MLP's input norm; sandwich: it norms the attention output, pre_ff_norm
+    // the MLP's input.
+    const float* mlp_in_w = sandwich ? L.pre_ff_norm.data_ptr<float>() : post_w;
     for (int64_t t = 0; t < T; ++t) {
-      add_into(rp + t * hidden_, tp + t * hidden_, hidden_);
-      rms_row(rp + t * hidden_, post_w, hp + t * hidden_, hidden_, eps_);
+      float *r = rp + t * hidden_, *a = tp + t * hidden_;
+      if (sandwich) rms_row(a, post_w, a, hidden_, eps_);
+      add_scaled(r, a, rs, hidden_);
+      rms_row(r, mlp_in_w, hp + t * hidden_, hidden_, eps_);
     }
     run_proj(L.gate_up, hp, T, gp, int8);
-    for (int64_t t = 0; t < T; ++t) silu_mul(gp + t * 2 * I, gp + t * 2 * I + I, cp + t * I, I);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* g = gp + t * 2 * I;
+      (L.gelu ? gelu_tanh_mul : silu_mul)(g, g + I, cp + t * I, I);
+    }
     run_proj(L.down, cp, T, tp, int8);
-    add_into(rp, tp, T * hidden_);
+    if (sandwich)
+      for (int64_t t = 0; t < T; ++t) rms_row(tp + t * hidden_, L.post_ff_norm.data_ptr<float>(), tp + t * hidden_, hidden_, eps_);
+    add_scaled(rp, tp, rs, T * hidden_);
     if (std::find(aux_layers.begin(), aux_layers.end(), static_cast<int64_t>(l)) != aux_layers.end())
       out.push_back(res.clone());
   }

@@ -1,7 +1,8 @@
 // One call per forward for a Llama-family decoder (or a DSpark draft's backbone) on one rank: every
 // layer's norms, q|k|v projection, optional q/k norm, rotary, K/V store, paged attention, o
-// projection, gate|up, SiLU, down projection and the residual adds, in C++ over the block-weight
-// kernels. For decode,
+// projection, gate|up, SiLU / GeGLU, down projection and the residual adds, in C++ over the
+// block-weight kernels; a layer's departures from Llama (Gemma 3's sandwich norms and local rope,
+// SmolLM3's NoPE layers, ...) are its NativeLayerOptions. For decode,
 // VERIFY and small extends, where the Python layer path spends most of its time between ~15
 // small torch calls per layer rather than in them. The Python path stays the reference
 // (sparkserve/models/llama_native.py and dspark_native.py decide when this one applies).
@@ -30,10 +31,24 @@ void run_proj(const BlockProj& p, const float* x, int64_t rows, float* y, bool i
 at::Tensor norm_weight(const at::Tensor& w, int64_t dim);
 const int64_t* long_ptr(const at::Tensor& t, int64_t n, const char* what);
 
+// What a layer computes beyond a Llama layer (the defaults are Llama's), set by the Python side
+// from ModelConfig (models/llama_native.py build).
+struct NativeLayerOptions {
+  // Gemma's sandwich: post_attention_layernorm norms the attention output before the residual
+  // add, pre_ff_norm is the MLP's input norm and post_ff_norm norms its output. Both or neither.
+  std::optional<at::Tensor> pre_ff_norm, post_ff_norm;
+  bool gelu = false;          // GeGLU (tanh approximation) instead of SwiGLU
+  bool rope = true;           // false: a NoPE layer (SmolLM3) leaves q and k unrotated
+  bool local_rope = false;    // rotates by the local table (Gemma 3's sliding layers)
+  int64_t window = 0;         // <= 0: full attention
+};
+
 struct NativeLayer {
   BlockProj qkv, o, gate_up, down;
   at::Tensor input_norm, post_norm, q_norm, k_norm;   // q/k norm undefined unless the model has them
-  int64_t window;          // <= 0: full attention
+  at::Tensor pre_ff_norm, post_ff_norm;               // undefined unless sandwich
+  bool gelu, rope, local_rope;
+  int64_t window;
 };
 
 class NativeLlama {
@@ -45,6 +60,18 @@ class NativeLlama {
                  int64_t o_type, at::Tensor gate_up, int64_t gate_up_type, at::Tensor down, int64_t down_type,
                  at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm, int64_t window);
+  // The same with a layer's departures from Llama.
+  void add_layer_with(at::Tensor qkv, int64_t qkv_type, std::optional<at::Tensor> qkv_bias, at::Tensor o,
+                      int64_t o_type, at::Tensor gate_up, int64_t gate_up_type, at::Tensor down,
+                      int64_t down_type, at::Tensor input_norm, at::Tensor post_norm,
+                      std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+                      const NativeLayerOptions& options);
+
+  // Model-wide departures: the attention scale (<= 0: 1/sqrt(head_dim)), the factor both branches'
+  // outputs take before their residual add (Granite), and the local rope table (cos, sin as the
+  // global ones; needed by layers with local_rope).
+  void set_model_options(double attn_scale, double residual_scale, std::optional<at::Tensor> local_cos,
+                         std::optional<at::Tensor> local_sin);
 
   // The pool's per-layer K and V buffers [slots, kv_heads, head_dim], fp32, contiguous, and the
   // layers that index a split pool's windowed slot space.
@@ -70,8 +97,17 @@ class NativeLlama {
   void check_positions(const int64_t* pos, int64_t T) const;
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, intermediate_;
+  // Layer L's rope rows at position p and how many leading channels of a head they turn (partial
+  // rotary: fewer than head_dim); cos null on a NoPE layer.
+  struct Rope {
+    const float *cos, *sin;
+    int64_t dim;
+  };
+  Rope rope_at(const NativeLayer& L, int64_t p) const;
+
   float eps_;
-  at::Tensor cos_, sin_, final_norm_;
+  float attn_scale_, residual_scale_ = 1.0f;
+  at::Tensor cos_, sin_, final_norm_, local_cos_, local_sin_;
   std::vector<NativeLayer> layers_;
   std::vector<at::Tensor> k_, v_;
   KVType kv_type_ = KVType::kFloat;   // what the pool buffers hold

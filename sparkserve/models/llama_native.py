@@ -84,9 +84,11 @@ def unsupported(model: LlamaForCausalLM) -> str | None:
     """Why this model cannot run natively, or None."""
     if load_extension() is None:
         return "the C++ kernels are unavailable"
+    m = model.model
     if ps.tp_size() > 1 or not (model.first_stage and model.last_stage) or ps.mlp_gathers():
         return "it runs on several ranks"
-    if model.model.rotary is None or model.model.rotary.cos.device.type != "cpu":
+    tables = [r for r in (m.rotary, m.local_rotary) if r is not None]
+    if m.rotary is None or any(r.cos.device.type != "cpu" for r in tables):
         return "no CPU rotary table"
     if (beyond := beyond_native(model.config)) is not None:
         return beyond
@@ -102,19 +104,19 @@ def unsupported(model: LlamaForCausalLM) -> str | None:
 
 
 def beyond_native(cfg: ModelConfig) -> str | None:
-    """The first ModelConfig feature the native step (kernels/native_llama.cpp: pre-norms, SiLU GLU,
-    one rope table, scale 1/sqrt(head_dim), plain embedding) does not compute, or None."""
-    features = {"an embedding scale": cfg.embed_scale != 1.0,
-                "norms other than pre-norms": cfg.norm_layout != "pre",
+    """The first ModelConfig feature the native step (kernels/native_llama.cpp: pre- or sandwich
+    norms, SiLU or GeGLU, a global and a local rope table, partial rotary, NoPE layers, an attention
+    and a residual scale; the embedding scale is the embedding module's, before the call) does not
+    compute, or None."""
+    features = {f"the {cfg.norm_layout!r} norm layout": cfg.norm_layout not in ("pre", "sandwich"),
                 "full-width q/k norms": cfg.qk_norm_full_width,
-                f"the {cfg.activation} activation": cfg.activation != "silu",
-                "an attention scale": cfg.attn_scale is not None,
+                f"the {cfg.activation} activation": cfg.activation not in _ACTIVATIONS,
                 "attention soft-capping": cfg.attn_softcap is not None,
-                "a local rope base": cfg.local_rope_theta is not None,
-                "partial rotary": cfg.rotary_dim not in (None, cfg.head_dim),
-                "a residual scale": cfg.residual_scale != 1.0, "NoPE layers": not all(cfg.rope_layers),
                 "attention sinks": cfg.attn_sinks}
     return next((f"{name} is not in the native step" for name, on in features.items() if on), None)
+
+
+_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def _int8(model: LlamaForCausalLM) -> bool:
@@ -134,15 +136,26 @@ def _weight(module: torch.nn.Module | None) -> torch.Tensor | None:
 
 def build(model: LlamaForCausalLM):
     c, m = model.config, model.model
-    step = load_extension().NativeLlama(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                                        c.head_dim, c.intermediate_size, c.rms_norm_eps, m.rotary.cos,
-                                        m.rotary.sin, _weight(m.norm))
-    for layer in m.layers:
+    ext = load_extension()
+    step = ext.NativeLlama(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                           c.intermediate_size, c.rms_norm_eps, m.rotary.cos, m.rotary.sin, _weight(m.norm))
+    local = m.local_rotary
+    # the Python layer applies the residual scale on pre-norm layers only (LlamaDecoderLayer)
+    step.set_model_options(c.attn_scale or 0.0, c.residual_scale if c.norm_layout == "pre" else 1.0,
+                           None if local is None else local.cos, None if local is None else local.sin)
+    for i, layer in enumerate(m.layers):
         attn = layer.self_attn
         qkv, o, gate_up, down = (lin.inference_blocks() for lin in _projections(layer))
         qkv_bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach()
-        step.add_layer(qkv.blocks, qkv.qtype, qkv_bias, o.blocks, o.qtype, gate_up.blocks, gate_up.qtype,
-                       down.blocks, down.qtype, _weight(layer.input_layernorm),
-                       _weight(layer.post_attention_layernorm), _weight(attn.q_norm), _weight(attn.k_norm),
-                       attn.attn.window or 0)
+        opts = ext.NativeLayerOptions()
+        opts.window, opts.gelu = attn.attn.window or 0, c.activation == "gelu_tanh"
+        opts.rope = not c.rope_layers or c.rope_layers[i]
+        opts.local_rope = local is not None and m.windowed[i]
+        if c.norm_layout == "sandwich":
+            opts.pre_ff_norm = _weight(layer.pre_feedforward_layernorm)
+            opts.post_ff_norm = _weight(layer.post_feedforward_layernorm)
+        step.add_layer_with(qkv.blocks, qkv.qtype, qkv_bias, o.blocks, o.qtype, gate_up.blocks, gate_up.qtype,
+                            down.blocks, down.qtype, _weight(layer.input_layernorm),
+                            _weight(layer.post_attention_layernorm), _weight(attn.q_norm),
+                            _weight(attn.k_norm), opts)
     return step
