@@ -120,9 +120,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         _DEEPSEEK_V2, q_lora_rank=24, topk_method="group_limited_greedy", n_group=2, topk_group=1,
         tie_word_embeddings=True, rope_parameters=dict(_DEEPSEEK_V2["rope_parameters"], mscale=1.0,
                                                        mscale_all_dim=0.5))),
+    # what a GGUF file can say (greedy routing; mscale as mscale_all_dim) with q_lora and a tied head
+    "deepseek_v2_qlora_gguf": ("deepseek_v2", dict(_DEEPSEEK_V2, q_lora_rank=24, tie_word_embeddings=True)),
 }
 MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral", "gpt_oss", "gpt_oss_gguf", "deepseek_v2",
-                "deepseek_v2_qlora"}
+                "deepseek_v2_qlora", "deepseek_v2_qlora_gguf"}
 # What the native step does not compute (models/llama_native.py beyond_native): the Python path runs them.
 PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2", "olmo2"}
 
@@ -174,6 +176,46 @@ _GEMMA_LAYER = dict(_LAYER, post_attention_layernorm="post_attention_norm",
 _PHI3_LAYER = dict(_LAYER, **{"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"})
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
+
+
+# gguf-py's deepseek2 list (kv_b_proj is written split: _deepseek2_kv_b)
+_DEEPSEEK2_LAYER = dict(_LAYER, **{
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp"})
+
+
+def _deepseek2_kv_b(name: str, t: np.ndarray, hp: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
+    """DeepseekV2Model.modify_tensors: kv_b_proj per head into k_b (transposed) and v_b."""
+    layer = name.split(".")[2]
+    nope, v = hp["qk_nope_head_dim"], hp["v_head_dim"]
+    kv_b = t.reshape(hp["num_attention_heads"], nope + v, t.shape[-1])
+    return [(f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1))),
+            (f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, nope:]))]
+
+
+def _deepseek2_parameters(w, hp: dict[str, Any], rope: dict[str, Any]) -> None:
+    """DeepseekV2Model.set_gguf_parameters (after TextModel's, with head_count_kv 1)."""
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_vocab_size(hp["vocab_size"])
+    if hp.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(hp["q_lora_rank"])
+    w.add_kv_lora_rank(hp["kv_lora_rank"])
+    w.add_key_length(hp["kv_lora_rank"] + hp["qk_rope_head_dim"])
+    w.add_value_length(hp["kv_lora_rank"])
+    w.add_key_length_mla(hp["qk_nope_head_dim"] + hp["qk_rope_head_dim"])
+    w.add_value_length_mla(hp["v_head_dim"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_count(hp["n_routed_experts"])
+    w.add_expert_shared_count(hp["n_shared_experts"])
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    if hp.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(hp["qk_rope_head_dim"])
+    if rope.get("mscale_all_dim") is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 _GPT_OSS_LAYER = dict(_LAYER, post_attention_layernorm="post_attention_norm",
@@ -246,11 +288,14 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         hp = json.load(f)
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3moe", "mixtral": "llama",
             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
-            "granite": "granite", "olmo2": "olmo2", "gpt_oss": "gpt-oss"}[hp["model_type"]]
+            "granite": "granite", "olmo2": "olmo2", "gpt_oss": "gpt-oss",
+            "deepseek_v2": "deepseek2"}[hp["model_type"]]
     gemma = arch.startswith("gemma")
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
     rope = rope.get("full_attention", rope)      # Gemma 3: the global layers' (llama.cpp knows the local)
     n_head, n_kv = hp["num_attention_heads"], hp.get("num_key_value_heads")
+    if arch == "deepseek2":     # MLA written as MQA
+        n_kv = 1
     w = gguf.GGUFWriter(out, arch)
     # TextModel.set_gguf_parameters
     w.add_block_count(hp["num_hidden_layers"])
@@ -271,11 +316,14 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
     if (theta := rope.get("rope_theta", hp.get("rope_theta"))) is not None:
         w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    if hp.get("head_dim") is not None:
+    if hp.get("head_dim") is not None and arch != "deepseek2":   # DeepSeek's own configs have none
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
     if (n_experts := hp.get("num_local_experts", hp.get("num_experts"))) is not None:
         w.add_expert_count(n_experts)
+    if arch == "deepseek2":
+        _deepseek2_parameters(w, hp, rope)
+        n_experts = hp["n_routed_experts"]
     if (n_used := hp.get("num_experts_per_tok")) is not None:
         w.add_expert_used_count(n_used)
     if arch == "qwen3moe":      # Qwen2MoeModel.set_gguf_parameters
@@ -353,6 +401,10 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
             if len(group) == n_experts:
                 add(f"blk.{m[1]}.{_EXPERTS[m[3]]}.weight", np.stack([group[e] for e in range(n_experts)]))
             continue
+        if arch == "deepseek2" and name.endswith("kv_b_proj.weight"):
+            for gname, part in _deepseek2_kv_b(name, t, hp):
+                add(gname, part)
+            continue
         if arch == "gpt-oss" and (gpt_oss := _gpt_oss_tensors(name, t)) is not None:
             for gname, part in gpt_oss:
                 add(gname, part)
@@ -363,7 +415,7 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
             if name.endswith(("k_proj.weight", "k_proj.bias")):
                 t = _permute(t, n_head, n_kv)
         names = (_GEMMA_LAYER if gemma or arch == "olmo2" else _PHI3_LAYER if arch == "phi3" else
-                 _GPT_OSS_LAYER if arch == "gpt-oss" else _LAYER)
+                 _GPT_OSS_LAYER if arch == "gpt-oss" else _DEEPSEEK2_LAYER if arch == "deepseek2" else _LAYER)
         add(_gguf_name(name, names), t)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -32,9 +32,11 @@ log = logging.getLogger(__name__)
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "mistral": "MistralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
           "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-          "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+          "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gpt-oss": "GptOssForCausalLM",
+          "deepseek2": "DeepseekV2ForCausalLM"}
 # GGUF arch -> HF model_type where they differ; llama.cpp writes Mixtral as arch llama with experts.
-_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss",
+                "deepseek2": "deepseek_v2"}
 # Gemma 2 / 3 as llama.cpp builds them: its sliding-window layers' rope base (not in the file) and
 # the layer count of the 27B models, whose attention scale is 1/sqrt(hidden / heads), not of head_dim.
 _GEMMA_LOCAL_ROPE_BASE = 10000.0
@@ -72,8 +74,17 @@ _PHI3_LAYER_NAMES = dict(_LAYER_NAMES, attn_qkv="self_attn.qkv_proj", ffn_up="ml
 # GPT-OSS: `post_attention_norm` is the MLP's input norm (Llama's post_attention_layernorm); sinks.
 _GPT_OSS_LAYER_NAMES = dict(_LAYER_NAMES, post_attention_norm="post_attention_layernorm",
                             attn_sinks="self_attn.sinks")
+# DeepSeek-V2 (MLA): kv_b_proj whole (older converters) or split per head into k_b (transposed) and
+# v_b, which models/deepseek_v2.py joins back; shared experts.
+_DEEPSEEK2_LAYER_NAMES = dict(
+    _LAYER_NAMES, attn_q_a="self_attn.q_a_proj", attn_q_a_norm="self_attn.q_a_layernorm",
+    attn_q_b="self_attn.q_b_proj", attn_kv_a_mqa="self_attn.kv_a_proj_with_mqa",
+    attn_kv_a_norm="self_attn.kv_a_layernorm", attn_kv_b="self_attn.kv_b_proj", attn_k_b="self_attn.k_b_proj",
+    attn_v_b="self_attn.v_b_proj", ffn_gate_shexp="mlp.shared_experts.gate_proj",
+    ffn_up_shexp="mlp.shared_experts.up_proj", ffn_down_shexp="mlp.shared_experts.down_proj")
 _LAYER_NAMES_OF = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "olmo2": _GEMMA_LAYER_NAMES,
-                   "phi3": _PHI3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES}
+                   "phi3": _PHI3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES,
+                   "deepseek2": _DEEPSEEK2_LAYER_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -94,6 +105,8 @@ def gguf_config(path: str) -> ModelConfig:
     window = get("attention.sliding_window")
     head_dim = get("attention.key_length", hidden // n_heads)
     rope_dims = get("rope.dimension_count", head_dim)
+    if arch == "deepseek2":      # MLA: key_length is the latent's (kv_lora_rank + rope), not a head's
+        head_dim = rope_dims
     if rope_dims != head_dim and arch in _PERMUTED:
         raise ValueError(f"GGUF {arch}.rope.dimension_count = {rope_dims}: partial rotary is not supported "
                          f"for {arch} (supported: the whole head, {head_dim})")
@@ -132,9 +145,37 @@ def gguf_config(path: str) -> ModelConfig:
                   moe_intermediate_size=get("expert_feed_forward_length", get("feed_forward_length")),
                   norm_topk_prob=get("expert_weights_norm", True),
                   mlp_only_layers=[i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names])
+    if arch == "deepseek2":     # after the generic MoE keys, which it replaces with its own
+        hf.update(_deepseek2_fields(get, n_heads, rope_dims, "blk.0.attn_q.weight" not in names))
     # Which projections carry a bias is what the file holds (as llama.cpp's optional tensors).
     return dataclasses.replace(ModelConfig.from_hf_dict(hf), qkv_bias="blk.0.attn_q.bias" in names,
                                o_bias="blk.0.attn_output.bias" in names)
+
+
+def _deepseek2_fields(get, n_heads: int, rope_dim: int, q_lora: bool) -> dict[str, Any]:
+    """The DeepseekV2Config keys of a deepseek2 GGUF (convert_hf_to_gguf.py DeepseekV2Model). Newer
+    converters write the MLA head sizes as `key_length_mla` / `value_length_mla` (key_length is then
+    the latent's), older ones as key_length / value_length; routed experts are never renormalised
+    and the file's head_count_kv (1: MLA as MQA) is not a config key here."""
+    key, value = get("attention.key_length_mla"), get("attention.value_length_mla")
+    if key is None:
+        key, value = get("attention.key_length"), get("attention.value_length")
+    if get("expert_weights_norm", False):
+        raise ValueError("GGUF deepseek2.expert_weights_norm = true is not supported (DeepSeek-V2 routing "
+                         "does not renormalise the top-k)")
+    if get("expert_gating_func", 1) != 1:
+        raise ValueError(f"GGUF deepseek2.expert_gating_func = {get('expert_gating_func')} is not supported "
+                         "(supported: 1, softmax)")
+    return {"num_key_value_heads": n_heads, "head_dim": rope_dim, "partial_rotary_factor": 1.0,
+            "q_lora_rank": get("attention.q_lora_rank") if q_lora else None,
+            "kv_lora_rank": get("attention.kv_lora_rank"), "qk_rope_head_dim": rope_dim,
+            "qk_nope_head_dim": key - rope_dim, "v_head_dim": value,
+            "first_k_dense_replace": get("leading_dense_block_count", 0),
+            "n_routed_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
+            "n_shared_experts": get("expert_shared_count", 0),
+            "moe_intermediate_size": get("expert_feed_forward_length"),
+            "routed_scaling_factor": get("expert_weights_scale", 1.0), "topk_method": "greedy",
+            "num_experts": None, "mlp_only_layers": None, "norm_topk_prob": False}
 
 
 def _gemma_fields(arch: str, get, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:
@@ -172,7 +213,14 @@ def _rope_scaling(reader: GGUFFile, get, arch: str, head_dim: int) -> dict[str, 
                 "original_max_position_embeddings": original, "factor": get("context_length") / original,
                 **{key: _floats(tensors[name]) for key, name in _ROPE_FACTORS.items()}}
     if kind == "yarn":
-        if get("rope.scaling.yarn_log_multiplier") is not None:
+        log_mul = get("rope.scaling.yarn_log_multiplier")
+        if arch == "deepseek2" and log_mul is not None:
+            # 0.1 * mscale_all_dim (the converter's legacy form); llama.cpp scales cos / sin by
+            # none: as a config whose mscale equals mscale_all_dim (DeepSeek-V2's own configs)
+            mscale = float(np.float32(log_mul)) / 0.1
+            return {"rope_type": "yarn", "factor": float(factor), "mscale": mscale, "mscale_all_dim": mscale,
+                    "original_max_position_embeddings": original}
+        if log_mul is not None:
             raise ValueError(f"GGUF {arch}.rope.scaling.yarn_log_multiplier (DeepSeek's YaRN mscale) is not "
                              "supported")
         betas = {k: v for k in ("beta_fast", "beta_slow") if (v := get(f"rope.scaling.yarn_{k}")) is not None}
@@ -264,10 +312,11 @@ def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permute
                   cfg.num_key_value_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
         perm = _unpermute_rows(shape[0], n_head) if permuted and n_head is not None else None
         form = int8_forms.get(t.name)
-        if len(shape) == 3 and (form is not None or BlockWeight.supports(int(t.tensor_type), shape[1:])):
+        stacked = len(shape) == 3 and t.name.endswith("_exps.weight")
+        if stacked and (form is not None or BlockWeight.supports(int(t.tensor_type), shape[1:])):
             yield from _expert_blocks(t, name, form)
             continue
-        if form is not None or BlockWeight.supports(int(t.tensor_type), shape):
+        if len(shape) < 3 and (form is not None or BlockWeight.supports(int(t.tensor_type), shape)):
             # unread: the loader dequantizes the blocks only for a module that keeps fp32 values
             blocks = (BlockWeight.from_numpy(int(t.tensor_type), t.data, shape) if form is None else
                       int8_blocks(int(t.tensor_type), t.data, shape, form))

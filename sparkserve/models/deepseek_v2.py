@@ -9,6 +9,7 @@ qk_head_dim ** -0.5 times mscale(factor, mscale_all_dim) squared (`yarn_apply_ms
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -147,14 +148,25 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     # ---- loading ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF names (per-expert gate/up/down_proj, or GGUF's stacked ones as `experts.gate_proj`);
-        the rope rows of q and kv_a reordered pairs -> halves (layers/mla.py)."""
+        """HF names (per-expert gate/up/down_proj, or GGUF's stacked ones as `experts.gate_proj`;
+        a GGUF's kv_b split into `k_b_proj` [heads, kv_lora_rank, nope] and `v_b_proj` [heads, v,
+        kv_lora_rank], joined back); the rope rows of q and kv_a reordered pairs -> halves
+        (layers/mla.py)."""
         a = self.args
         loader = WeightLoader(self, self.stacked_params)
         modules, filled = dict(self.named_modules()), {}
+        kv_b_halves: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            m = re.fullmatch(r"(.*\.self_attn\.)(k|v)_b_proj\.weight", name)
+            if m:
+                halves = kv_b_halves.setdefault(m[1], {})
+                halves[m[2]] = values_of(t)
+                if len(halves) < 2:
+                    continue
+                name, t = f"{m[1]}kv_b_proj.weight", torch.cat([halves["k"].transpose(1, 2), halves["v"]], 1)
+                t = t.reshape(-1, a.kv_lora_rank)
             if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
                 t = rope_rows_to_halves(values_of(t), a.rope_dim, a.nope_dim + a.rope_dim)
             elif name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
