@@ -126,7 +126,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral", "gpt_oss", "gpt_oss_gguf", "deepseek_v2",
                 "deepseek_v2_qlora", "deepseek_v2_qlora_gguf"}
 # What the native step does not compute (models/llama_native.py beyond_native): the Python path runs them.
-PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2", "olmo2"}
+PYTHON_FAMILIES = MOE_FAMILIES | {"gemma2"}
 
 
 def make_family_checkpoint(name: str, path: str, bf16_copy: str | None = None) -> str:
@@ -181,7 +181,7 @@ _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "
 # gguf-py's deepseek2 list (kv_b_proj is written split: _deepseek2_kv_b)
 _DEEPSEEK2_LAYER = dict(_LAYER, **{
     "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
-    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_b_proj": "attn_kv_b",
     "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
     "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp"})
@@ -196,17 +196,22 @@ def _deepseek2_kv_b(name: str, t: np.ndarray, hp: dict[str, Any]) -> list[tuple[
             (f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, nope:]))]
 
 
-def _deepseek2_parameters(w, hp: dict[str, Any], rope: dict[str, Any]) -> None:
-    """DeepseekV2Model.set_gguf_parameters (after TextModel's, with head_count_kv 1)."""
+def _deepseek2_parameters(w, hp: dict[str, Any], rope: dict[str, Any], old: bool) -> None:
+    """DeepseekV2Model.set_gguf_parameters (after TextModel's, with head_count_kv 1); `old`: as
+    converters before the MLA split wrote it (a head's key / value length, no *_mla keys)."""
     w.add_leading_dense_block_count(hp["first_k_dense_replace"])
     w.add_vocab_size(hp["vocab_size"])
     if hp.get("q_lora_rank") is not None:
         w.add_q_lora_rank(hp["q_lora_rank"])
     w.add_kv_lora_rank(hp["kv_lora_rank"])
-    w.add_key_length(hp["kv_lora_rank"] + hp["qk_rope_head_dim"])
-    w.add_value_length(hp["kv_lora_rank"])
-    w.add_key_length_mla(hp["qk_nope_head_dim"] + hp["qk_rope_head_dim"])
-    w.add_value_length_mla(hp["v_head_dim"])
+    if old:
+        w.add_key_length(hp["qk_nope_head_dim"] + hp["qk_rope_head_dim"])
+        w.add_value_length(hp["v_head_dim"])
+    else:
+        w.add_key_length(hp["kv_lora_rank"] + hp["qk_rope_head_dim"])
+        w.add_value_length(hp["kv_lora_rank"])
+        w.add_key_length_mla(hp["qk_nope_head_dim"] + hp["qk_rope_head_dim"])
+        w.add_value_length_mla(hp["v_head_dim"])
     w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
     w.add_expert_count(hp["n_routed_experts"])
     w.add_expert_shared_count(hp["n_shared_experts"])
@@ -279,9 +284,11 @@ def _llama3_rope_freqs(hp: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
-def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = False) -> str:
+def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = False,
+               old_mla: bool = False) -> str:
     """The HF checkpoint at `hf_dir` as convert_hf_to_gguf.py --outtype f32 / f16 / q8_0 writes it;
-    `per_expert`: experts as older converters wrote Mixtral, one `blk.N.ffn_gate.E.weight` each."""
+    `per_expert`: experts as older converters wrote Mixtral, one `blk.N.ffn_gate.E.weight` each;
+    `old_mla`: DeepSeek-V2 as converters before the MLA split wrote it (one `attn_kv_b`)."""
     import gguf
     from safetensors.torch import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -322,7 +329,7 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
     if (n_experts := hp.get("num_local_experts", hp.get("num_experts"))) is not None:
         w.add_expert_count(n_experts)
     if arch == "deepseek2":
-        _deepseek2_parameters(w, hp, rope)
+        _deepseek2_parameters(w, hp, rope, old_mla)
         n_experts = hp["n_routed_experts"]
     if (n_used := hp.get("num_experts_per_tok")) is not None:
         w.add_expert_used_count(n_used)
@@ -367,7 +374,7 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         elif (ftype in ("f32", "mxfp4") or t.ndim == 1 or gname.endswith(".bias")
               or gname.endswith(("_norm.weight", "ffn_gate_inp.weight"))):
             w.add_tensor(gname, t)
-        elif ftype == "f16":
+        elif ftype == "f16" or t.shape[-1] % 32:      # the converter's fallback where Q8_0 cannot go
             w.add_tensor(gname, t.astype(np.float16))
         else:
             q8 = gguf.GGMLQuantizationType.Q8_0
@@ -401,7 +408,7 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
             if len(group) == n_experts:
                 add(f"blk.{m[1]}.{_EXPERTS[m[3]]}.weight", np.stack([group[e] for e in range(n_experts)]))
             continue
-        if arch == "deepseek2" and name.endswith("kv_b_proj.weight"):
+        if arch == "deepseek2" and name.endswith("kv_b_proj.weight") and not old_mla:
             for gname, part in _deepseek2_kv_b(name, t, hp):
                 add(gname, part)
             continue

@@ -59,6 +59,9 @@ class DeepseekV2Args:
         if method not in _TOPK_METHODS:
             raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported "
                              f"(supported: {', '.join(_TOPK_METHODS)})")
+        if d.get("scoring_func", "softmax") != "softmax":
+            raise ValueError(f"DeepSeek-V2 scoring_func {d['scoring_func']!r} is not supported "
+                             "(softmax only)")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"DeepSeek-V2 hidden_act {d['hidden_act']!r} is not supported (silu only)")
         nope, rope_dim = d.get("qk_nope_head_dim", 128), d.get("qk_rope_head_dim", 64)

@@ -548,3 +548,72 @@ def test_deepseek_v2_ranks_equal_one(name, family_dirs):
         got = run_mixed(eng)
         assert_no_kv_leak(eng.scheduler.cache)
     assert_same(got, want)
+
+
+@pytest.mark.parametrize("ftype", ["f32", "q8_0"])
+def test_deepseek_v2_gguf_before_the_mla_split(ftype, family_dirs, family_refs, monkeypatch, tmp_path):
+    """A deepseek2 GGUF as older converters wrote it (kv_b_proj whole as `attn_kv_b`, key_length /
+    value_length a head's) equals the HF directory (F32); its Q8_0 form (q, kv_a, kv_b and the
+    experts quantized, norms and router F32) serves greedy tokens close to transformers'."""
+    path = write_gguf(family_dirs["deepseek_v2"], str(tmp_path / "old.gguf"), ftype, old_mla=True)
+    assert gguf_config(path).raw["qk_nope_head_dim"] == 8 and gguf_config(path).raw["v_head_dim"] == 12
+    if ftype == "f32":
+        assert run_checked(path, family_refs["deepseek_v2"], False, monkeypatch) == 0
+        return
+    prompt = list(range(3, 19))
+    with Engine(path, max_total_tokens=256, **EXACT) as eng:
+        out = eng.generate(input_ids=[prompt], sampling_params={"temperature": 0, "max_new_tokens": 6,
+                                                                "ignore_eos": True})
+    assert out[0]["output_ids"][:2] == hf_greedy(family_refs["deepseek_v2"], prompt, 2)
+
+
+_V2_LITE_YARN = {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
+                 "beta_slow": 1, "original_max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize("rope", [_V2_LITE_YARN, dict(_V2_LITE_YARN, mscale=1.0, mscale_all_dim=0.5),
+                                  dict(_V2_LITE_YARN, factor=1.0), None])
+def test_deepseek_v2_scales_equal_transformers(rope):
+    """A config as DeepSeek-V2-Lite ships it (rope_scaling with `type`, no head_dim): the softmax
+    scale (qk_head_dim ** -0.5 x mscale(mscale_all_dim) ** 2), the rope's cos/sin factor and its
+    frequencies are transformers' DeepseekV2Attention.scaling, attention_scaling and inv_freq."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
+        DeepseekV2Attention,
+        DeepseekV2RotaryEmbedding,
+    )
+
+    from sparkserve.layers.rotary import _attention_factor
+    from sparkserve.models.deepseek_v2 import DeepseekV2Args
+    d = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=64,
+             intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=320,
+             max_position_embeddings=163840, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=24,
+             qk_rope_head_dim=16, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+             rope_theta=10000.0, rope_scaling=rope)
+    cfg = ModelConfig.from_hf_dict(d)
+    params = {"rope_type": "default"} if rope is None else {k: v for k, v in rope.items() if k != "type"}
+    hf_cfg = DeepseekV2Config(**{k: v for k, v in d.items() if k not in ("rope_scaling", "rope_theta")},
+                              rope_parameters=dict(params, rope_type=(rope or {}).get("type", "default"),
+                                                   rope_theta=10000.0))
+    ours = DeepseekV2Args.from_raw(cfg.raw, cfg.rope_scaling)
+    assert ours.softmax_scale == pytest.approx(DeepseekV2Attention(hf_cfg, 0).scaling, rel=1e-12)
+    rotary = DeepseekV2RotaryEmbedding(hf_cfg)
+    assert _attention_factor(cfg.rope_scaling) == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    torch.testing.assert_close(_inv_freq(16, cfg.rope_theta, cfg.rope_scaling).float(), rotary.inv_freq,
+                               rtol=1e-6, atol=0)
+
+
+def test_deepseek_v2_refuses_what_it_does_not_run(family_dirs, tmp_path):
+    """A router DeepSeek-V2 does not have here (V3's noaux_tc, sigmoid scores) fails at start-up."""
+    import json
+    import shutil
+
+    from sparkserve.models.registry import load_model
+    for key, value in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+        shutil.copytree(family_dirs["deepseek_v2"], tmp_path / key)
+        with open(tmp_path / key / "config.json") as f:
+            cfg = json.load(f)
+        with open(tmp_path / key / "config.json", "w") as f:
+            json.dump(dict(cfg, **{key: value}), f)
+        with pytest.raises(ValueError, match=key):
+            load_model(str(tmp_path / key))
