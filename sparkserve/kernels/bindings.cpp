@@ -96,8 +96,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("markov_pack", &markov_pack, "a Markov head's W2 [V, r] in the layout markov_greedy reads");
   py::class_<sparkserve::NativeLayerOptions>(m, "NativeLayerOptions", "a layer's departures from a Llama layer")
       .def(py::init<>())
-      .def_readwrite("pre_ff_norm", &sparkserve::NativeLayerOptions::pre_ff_norm)
-      .def_readwrite("post_ff_norm", &sparkserve::NativeLayerOptions::post_ff_norm)
+      .def_readwrite("attn_out_norm", &sparkserve::NativeLayerOptions::attn_out_norm)
+      .def_readwrite("mlp_out_norm", &sparkserve::NativeLayerOptions::mlp_out_norm)
+      .def_readwrite("qk_norm_full_width", &sparkserve::NativeLayerOptions::qk_norm_full_width)
       .def_readwrite("gelu", &sparkserve::NativeLayerOptions::gelu)
       .def_readwrite("rope", &sparkserve::NativeLayerOptions::rope)
       .def_readwrite("local_rope", &sparkserve::NativeLayerOptions::local_rope)

@@ -40,14 +40,15 @@ void rotate(float* x, const float* cos, const float* sin, int64_t rd, float* tmp
   for (int64_t i = half; i < rd; ++i) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
-// n heads [n, D] of one row in place: RMS norm by `norm` (when the model has one), then rotary
-// (unless a NoPE layer's: rope.cos null).
+// n heads [n, D] of one row in place: RMS norm by `norm` (when the model has one: per head, or
+// over all n heads together when `full_width`), then rotary (unless a NoPE layer's: rope.cos null).
 template <class Rope>
-void norm_rotate(float* heads, int64_t n, const at::Tensor& norm, const Rope& rope, int64_t D, float eps,
-                 float* tmp) {
+void norm_rotate(float* heads, int64_t n, const at::Tensor& norm, bool full_width, const Rope& rope, int64_t D,
+                 float eps, float* tmp) {
+  if (norm.defined() && full_width) rms_row(heads, norm.data_ptr<float>(), heads, n * D, eps);
   for (int64_t hd = 0; hd < n; ++hd) {
     float* x = heads + hd * D;
-    if (norm.defined()) rms_row(x, norm.data_ptr<float>(), x, D, eps);
+    if (norm.defined() && !full_width) rms_row(x, norm.data_ptr<float>(), x, D, eps);
     if (rope.cos != nullptr) rotate(x, rope.cos, rope.sin, rope.dim, tmp);
   }
 }
@@ -194,30 +195,31 @@ void NativeLlama::add_layer(at::Tensor qkv, int64_t qkv_type, std::optional<at::
                  q_norm, k_norm, options);
 }
 
+namespace {
+at::Tensor optional_norm(const std::optional<at::Tensor>& w, int64_t dim) {
+  return w.has_value() ? norm_weight(*w, dim) : at::Tensor();
+}
+}  // namespace
+
 void NativeLlama::add_layer_with(at::Tensor qkv, int64_t qkv_type, std::optional<at::Tensor> qkv_bias,
                                  at::Tensor o, int64_t o_type, at::Tensor gate_up, int64_t gate_up_type,
-                                 at::Tensor down, int64_t down_type, at::Tensor input_norm, at::Tensor post_norm,
-                                 std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
-                                 const NativeLayerOptions& options) {
+                                 at::Tensor down, int64_t down_type, std::optional<at::Tensor> input_norm,
+                                 std::optional<at::Tensor> mlp_norm, std::optional<at::Tensor> q_norm,
+                                 std::optional<at::Tensor> k_norm, const NativeLayerOptions& options) {
   const int64_t D = head_dim_, I = intermediate_;
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "native step: q_norm and k_norm come together");
+  TORCH_CHECK(options.attn_out_norm.has_value() == options.mlp_out_norm.has_value(),
+              "native step: attn_out_norm and mlp_out_norm come together");
+  const bool wide = options.qk_norm_full_width;
   NativeLayer l{block_proj(qkv, qkv_type, qkv_bias, hidden_), block_proj(o, o_type, std::nullopt, heads_ * D),
                 block_proj(gate_up, gate_up_type, std::nullopt, hidden_),
                 block_proj(down, down_type, std::nullopt, I),
-                norm_weight(input_norm, hidden_), norm_weight(post_norm, hidden_), at::Tensor(), at::Tensor(),
-                at::Tensor(), at::Tensor(), options.gelu, options.rope, options.local_rope, options.window};
+                optional_norm(input_norm, hidden_), optional_norm(mlp_norm, hidden_),
+                optional_norm(options.attn_out_norm, hidden_), optional_norm(options.mlp_out_norm, hidden_),
+                optional_norm(q_norm, wide ? heads_ * D : D), optional_norm(k_norm, wide ? kv_heads_ * D : D),
+                wide, options.gelu, options.rope, options.local_rope, options.window};
   TORCH_CHECK(l.qkv.n == (heads_ + 2 * kv_heads_) * D && l.o.n == hidden_ && l.gate_up.n == 2 * I &&
               l.down.n == hidden_, "native step: projection shapes do not match the config");
-  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "native step: q_norm and k_norm come together");
-  if (q_norm.has_value()) {
-    l.q_norm = norm_weight(*q_norm, D);
-    l.k_norm = norm_weight(*k_norm, D);
-  }
-  TORCH_CHECK(options.pre_ff_norm.has_value() == options.post_ff_norm.has_value(),
-              "native step: pre_ff_norm and post_ff_norm come together");
-  if (options.pre_ff_norm.has_value()) {
-    l.pre_ff_norm = norm_weight(*options.pre_ff_norm, hidden_);
-    l.post_ff_norm = norm_weight(*options.post_ff_norm, hidden_);
-  }
   TORCH_CHECK(!l.local_rope || local_cos_.defined(), "native step: set_model_options(local rope table) first");
   layers_.push_back(std::move(l));
 }
@@ -273,7 +275,8 @@ void NativeLlama::store_kv_of(const float* x, int64_t T, const int64_t* pos, con
     run_proj(kv_[l], x, T, kvp, int8);
     for (int64_t t = 0; t < T; ++t) {
       float* row = kvp + t * KV;
-      norm_rotate(row, Hkv, layers_[l].k_norm, rope_at(layers_[l], pos[t]), D, eps_, rot.data());
+      const NativeLayer& L = layers_[l];
+      norm_rotate(row, Hkv, L.k_norm, L.qk_full_width, rope_at(L, pos[t]), D, eps_, rot.data());
       store_kv(k_[l].data_ptr(), slots[t] * Hkv * D, row, Hkv * D, kv_type_);
       store_kv(v_[l].data_ptr(), slots[t] * Hkv * D, row + Hkv * D, Hkv * D, kv_type_);
     }
@@ -336,16 +339,18 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
   for (size_t l = 0; l < layers_.size(); ++l) {
     const NativeLayer& L = layers_[l];
     const Slots& s = own_slots_[l] ? swa : full;
-    const float* in_w = L.input_norm.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t) rms_row(rp + t * hidden_, in_w, hp + t * hidden_, hidden_, eps_);
-    run_proj(L.qkv, hp, T, qp, int8);
+    // a branch without an input norm (OLMo2) reads the residual stream itself
+    if (L.input_norm.defined())
+      for (int64_t t = 0; t < T; ++t)
+        rms_row(rp + t * hidden_, L.input_norm.data_ptr<float>(), hp + t * hidden_, hidden_, eps_);
+    run_proj(L.qkv, L.input_norm.defined() ? hp : rp, T, qp, int8);
     void* kb = k_[l].data_ptr();
     void* vb = v_[l].data_ptr();
     for (int64_t t = 0; t < T; ++t) {
       float* row = qp + t * W;
       const Rope rope = rope_at(L, pos[t]);
-      norm_rotate(row, H, L.q_norm, rope, D, eps_, rot.data());
-      norm_rotate(row + H * D, Hkv, L.k_norm, rope, D, eps_, rot.data());
+      norm_rotate(row, H, L.q_norm, L.qk_full_width, rope, D, eps_, rot.data());
+      norm_rotate(row + H * D, Hkv, L.k_norm, L.qk_full_width, rope, D, eps_, rot.data());
       store_kv(kb, s.loc[t] * Hkv * D, row + H * D, Hkv * D, kv_type_);
       store_kv(vb, s.loc[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D, kv_type_);
     }
@@ -353,25 +358,21 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
                      causal, kv_type_};
     paged_attention(qp, W, D, H, D, kv, seq_lens.data(), s.q_off.data(), B, attn_scale_, ap);
     run_proj(L.o, ap, T, tp, int8);
-    const bool sandwich = L.pre_ff_norm.defined();
-    const float* post_w = L.post_norm.data_ptr<float>();
-    // pre: post_norm is the MLP's input norm; sandwich: it norms the attention output, pre_ff_norm
-    // the MLP's input.
-    const float* mlp_in_w = sandwich ? L.pre_ff_norm.data_ptr<float>() : post_w;
     for (int64_t t = 0; t < T; ++t) {
       float *r = rp + t * hidden_, *a = tp + t * hidden_;
-      if (sandwich) rms_row(a, post_w, a, hidden_, eps_);
+      if (L.attn_out_norm.defined()) rms_row(a, L.attn_out_norm.data_ptr<float>(), a, hidden_, eps_);
       add_scaled(r, a, rs, hidden_);
-      rms_row(r, mlp_in_w, hp + t * hidden_, hidden_, eps_);
+      if (L.mlp_norm.defined()) rms_row(r, L.mlp_norm.data_ptr<float>(), hp + t * hidden_, hidden_, eps_);
     }
-    run_proj(L.gate_up, hp, T, gp, int8);
+    run_proj(L.gate_up, L.mlp_norm.defined() ? hp : rp, T, gp, int8);
     for (int64_t t = 0; t < T; ++t) {
       const float* g = gp + t * 2 * I;
       (L.gelu ? gelu_tanh_mul : silu_mul)(g, g + I, cp + t * I, I);
     }
     run_proj(L.down, cp, T, tp, int8);
-    if (sandwich)
-      for (int64_t t = 0; t < T; ++t) rms_row(tp + t * hidden_, L.post_ff_norm.data_ptr<float>(), tp + t * hidden_, hidden_, eps_);
+    if (L.mlp_out_norm.defined())
+      for (int64_t t = 0; t < T; ++t)
+        rms_row(tp + t * hidden_, L.mlp_out_norm.data_ptr<float>(), tp + t * hidden_, hidden_, eps_);
     add_scaled(rp, tp, rs, T * hidden_);
     if (std::find(aux_layers.begin(), aux_layers.end(), static_cast<int64_t>(l)) != aux_layers.end())
       out.push_back(res.clone());

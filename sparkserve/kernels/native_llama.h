@@ -34,9 +34,10 @@ const int64_t* long_ptr(const at::Tensor& t, int64_t n, const char* what);
 // What a layer computes beyond a Llama layer (the defaults are Llama's), set by the Python side
 // from ModelConfig (models/llama_native.py build).
 struct NativeLayerOptions {
-  // Gemma's sandwich: post_attention_layernorm norms the attention output before the residual
-  // add, pre_ff_norm is the MLP's input norm and post_ff_norm norms its output. Both or neither.
-  std::optional<at::Tensor> pre_ff_norm, post_ff_norm;
+  // Norms of a branch's output before its residual add: Gemma's sandwich (post_attention_ and
+  // post_feedforward_layernorm) and OLMo2's post norms. Both or neither.
+  std::optional<at::Tensor> attn_out_norm, mlp_out_norm;
+  bool qk_norm_full_width = false;   // q/k norms over the whole q and k rows, before the heads (OLMo2)
   bool gelu = false;          // GeGLU (tanh approximation) instead of SwiGLU
   bool rope = true;           // false: a NoPE layer (SmolLM3) leaves q and k unrotated
   bool local_rope = false;    // rotates by the local table (Gemma 3's sliding layers)
@@ -45,9 +46,10 @@ struct NativeLayerOptions {
 
 struct NativeLayer {
   BlockProj qkv, o, gate_up, down;
-  at::Tensor input_norm, post_norm, q_norm, k_norm;   // q/k norm undefined unless the model has them
-  at::Tensor pre_ff_norm, post_ff_norm;               // undefined unless sandwich
-  bool gelu, rope, local_rope;
+  // undefined when the layer has none: the input norms of attention and of the MLP (OLMo2 has
+  // neither), the branch output norms, q/k norms
+  at::Tensor input_norm, mlp_norm, attn_out_norm, mlp_out_norm, q_norm, k_norm;
+  bool qk_full_width, gelu, rope, local_rope;
   int64_t window;
 };
 
@@ -60,10 +62,12 @@ class NativeLlama {
                  int64_t o_type, at::Tensor gate_up, int64_t gate_up_type, at::Tensor down, int64_t down_type,
                  at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm, int64_t window);
-  // The same with a layer's departures from Llama.
+  // Any layer: the attention's and the MLP's input norms (Llama's input_ and
+  // post_attention_layernorm, Gemma's input_ and pre_feedforward_layernorm; None: the branch reads
+  // the residual stream itself) and its departures from a Llama layer.
   void add_layer_with(at::Tensor qkv, int64_t qkv_type, std::optional<at::Tensor> qkv_bias, at::Tensor o,
                       int64_t o_type, at::Tensor gate_up, int64_t gate_up_type, at::Tensor down,
-                      int64_t down_type, at::Tensor input_norm, at::Tensor post_norm,
+                      int64_t down_type, std::optional<at::Tensor> input_norm, std::optional<at::Tensor> mlp_norm,
                       std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
                       const NativeLayerOptions& options);
 

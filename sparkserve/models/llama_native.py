@@ -104,12 +104,11 @@ def unsupported(model: LlamaForCausalLM) -> str | None:
 
 
 def beyond_native(cfg: ModelConfig) -> str | None:
-    """The first ModelConfig feature the native step (kernels/native_llama.cpp: pre- or sandwich
-    norms, SiLU or GeGLU, a global and a local rope table, partial rotary, NoPE layers, an attention
-    and a residual scale; the embedding scale is the embedding module's, before the call) does not
-    compute, or None."""
-    features = {f"the {cfg.norm_layout!r} norm layout": cfg.norm_layout not in ("pre", "sandwich"),
-                "full-width q/k norms": cfg.qk_norm_full_width,
+    """The first ModelConfig feature the native step (kernels/native_llama.cpp: pre-, sandwich or
+    post norms, q/k norms per head or full-width, SiLU or GeGLU, a global and a local rope table,
+    partial rotary, NoPE layers, an attention and a residual scale; the embedding scale is the
+    embedding module's, before the call) does not compute, or None."""
+    features = {f"the {cfg.norm_layout!r} norm layout": cfg.norm_layout not in ("pre", "sandwich", "post"),
                 f"the {cfg.activation} activation": cfg.activation not in _ACTIVATIONS,
                 "attention soft-capping": cfg.attn_softcap is not None,
                 "attention sinks": cfg.attn_sinks}
@@ -128,6 +127,14 @@ def _projections(layer: torch.nn.Module) -> list[Linear]:
     """q|k|v, o, gate|up, down of a decoder layer."""
     attn, mlp = layer.self_attn, layer.mlp
     return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _input_norms(layer: torch.nn.Module, layout: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The attention's and the MLP's input norm weights (LlamaDecoderLayer's layouts; "post" has none)."""
+    if layout == "post":
+        return None, None
+    mlp_norm = layer.pre_feedforward_layernorm if layout == "sandwich" else layer.post_attention_layernorm
+    return _weight(layer.input_layernorm), _weight(mlp_norm)
 
 
 def _weight(module: torch.nn.Module | None) -> torch.Tensor | None:
@@ -151,11 +158,12 @@ def build(model: LlamaForCausalLM):
         opts.window, opts.gelu = attn.attn.window or 0, c.activation == "gelu_tanh"
         opts.rope = not c.rope_layers or c.rope_layers[i]
         opts.local_rope = local is not None and m.windowed[i]
-        if c.norm_layout == "sandwich":
-            opts.pre_ff_norm = _weight(layer.pre_feedforward_layernorm)
-            opts.post_ff_norm = _weight(layer.post_feedforward_layernorm)
+        opts.qk_norm_full_width = c.qk_norm_full_width
+        input_norm, mlp_norm = _input_norms(layer, c.norm_layout)
+        if c.norm_layout != "pre":       # the branches' outputs are normed before the residual adds
+            opts.attn_out_norm = _weight(layer.post_attention_layernorm)
+            opts.mlp_out_norm = _weight(layer.post_feedforward_layernorm)
         step.add_layer_with(qkv.blocks, qkv.qtype, qkv_bias, o.blocks, o.qtype, gate_up.blocks, gate_up.qtype,
-                            down.blocks, down.qtype, _weight(layer.input_layernorm),
-                            _weight(layer.post_attention_layernorm), _weight(attn.q_norm),
+                            down.blocks, down.qtype, input_norm, mlp_norm, _weight(attn.q_norm),
                             _weight(attn.k_norm), opts)
     return step
