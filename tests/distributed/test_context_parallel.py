@@ -38,7 +38,8 @@ def model_dirs(tmp_path_factory, tiny_dirs):
             "minimax": with_index_value(make_minimax(str(root / "minimax"))),
             # issue #45's families: sliding layers with a local rope table; sinks in eager attention + MoE
             "gemma3": make_family_checkpoint("gemma3", str(root / "gemma3")),
-            "gpt_oss": make_family_checkpoint("gpt_oss", str(root / "gpt_oss"))}
+            "gpt_oss": make_family_checkpoint("gpt_oss", str(root / "gpt_oss")),
+            "deepseek_v2": make_family_checkpoint("deepseek_v2", str(root / "deepseek_v2"))}
 
 
 @pytest.fixture
@@ -84,10 +85,10 @@ def test_zigzag_layout():
 
 
 def _extra(arch: str) -> dict:
-    return dict(ep_size=2) if arch in ("kimi", "minimax", "gpt_oss") else {}
+    return dict(ep_size=2) if arch in ("kimi", "minimax", "gpt_oss", "deepseek_v2") else {}
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "kimi", "minimax", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "kimi", "minimax", "gemma3", "gpt_oss", "deepseek_v2"])
 def test_cp_equals_one_process(arch, model_dirs, shards, prefill_runs):
     path = model_dirs[arch]
     one = Engine(path, **COMMON)

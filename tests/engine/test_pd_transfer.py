@@ -37,7 +37,8 @@ def models(tmp_path_factory, tiny_dirs):
             "kimi": make_kimi(str(root / "kimi"), "kda_mla"),
             "minimax": with_index_value(make_minimax(str(root / "minimax"))),
             "gemma3": make_family_checkpoint("gemma3", str(root / "gemma3")),
-            "qwen3_moe": make_family_checkpoint("qwen3_moe", str(root / "qwen3_moe"))}
+            "qwen3_moe": make_family_checkpoint("qwen3_moe", str(root / "qwen3_moe")),
+            "deepseek_v2": make_family_checkpoint("deepseek_v2", str(root / "deepseek_v2"))}
 
 
 def _same(got: dict, want: dict) -> None:
@@ -47,7 +48,8 @@ def _same(got: dict, want: dict) -> None:
     torch.testing.assert_close(lp, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "windowed", "split", "kimi", "minimax", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "windowed", "split", "kimi", "minimax", "gemma3", "qwen3_moe",
+                                  "deepseek_v2"])
 def test_decode_continues_from_transferred_state(arch, models):
     path = models[arch]
     want = Engine(path, **KW).generate(input_ids=PROMPTS, sampling_params=SP)
