@@ -149,7 +149,13 @@ void attend(const sparkserve::decode::ChunkKernels& K, const float* qp, int64_t 
             o[k] = unused.data(), sum[k] = 0.f;
             continue;
           }
-          const float m = K.softmax(row, n, lo, hi, sc, &sum[k]);
+          float row_sc = sc;
+          if (kv.softcap > 0.f) {         // Gemma 2: the scaled scores soft-capped, then the softmax
+            const float cap = kv.softcap, in = sc / cap;
+            for (int64_t j = lo; j < hi; ++j) row[j] = cap * std::tanh(row[j] * in);
+            row_sc = 1.f;
+          }
+          const float m = K.softmax(row, n, lo, hi, row_sc, &sum[k]);
           if (!one_chunk(r, i)) o[k][D] = m, o[k][D + 1] = sum[k];
         }
       }

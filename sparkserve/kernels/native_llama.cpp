@@ -164,9 +164,10 @@ NativeLlama::NativeLlama(int64_t hidden, int64_t heads, int64_t kv_heads, int64_
   check_rope_table(cos_, sin_, head_dim);
 }
 
-void NativeLlama::set_model_options(double attn_scale, double residual_scale, std::optional<at::Tensor> local_cos,
-                                    std::optional<at::Tensor> local_sin) {
+void NativeLlama::set_model_options(double attn_scale, double attn_softcap, double residual_scale,
+                                    std::optional<at::Tensor> local_cos, std::optional<at::Tensor> local_sin) {
   if (attn_scale > 0) attn_scale_ = static_cast<float>(attn_scale);
+  attn_softcap_ = static_cast<float>(std::max(attn_softcap, 0.0));
   residual_scale_ = static_cast<float>(residual_scale);
   TORCH_CHECK(local_cos.has_value() == local_sin.has_value(), "native step: local cos and sin come together");
   if (local_cos.has_value()) {
@@ -355,7 +356,7 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
       store_kv(vb, s.loc[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D, kv_type_);
     }
     const PagedKV kv{kb, vb, k_[l].size(0), Hkv, s.idx.data_ptr<int64_t>(), s.idx.stride(0), s.start, L.window,
-                     causal, kv_type_};
+                     causal, kv_type_, attn_softcap_};
     paged_attention(qp, W, D, H, D, kv, seq_lens.data(), s.q_off.data(), B, attn_scale_, ap);
     run_proj(L.o, ap, T, tp, int8);
     for (int64_t t = 0; t < T; ++t) {

@@ -71,11 +71,12 @@ class NativeLlama {
                       std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
                       const NativeLayerOptions& options);
 
-  // Model-wide departures: the attention scale (<= 0: 1/sqrt(head_dim)), the factor both branches'
-  // outputs take before their residual add (Granite), and the local rope table (cos, sin as the
-  // global ones; needed by layers with local_rope).
-  void set_model_options(double attn_scale, double residual_scale, std::optional<at::Tensor> local_cos,
-                         std::optional<at::Tensor> local_sin);
+  // Model-wide departures: the attention scale (<= 0: 1/sqrt(head_dim)), the attention scores'
+  // soft-cap (<= 0: none; Gemma 2), the factor both branches' outputs take before their residual
+  // add (Granite), and the local rope table (cos, sin as the global ones; needed by layers with
+  // local_rope).
+  void set_model_options(double attn_scale, double attn_softcap, double residual_scale,
+                         std::optional<at::Tensor> local_cos, std::optional<at::Tensor> local_sin);
 
   // The pool's per-layer K and V buffers [slots, kv_heads, head_dim], fp32, contiguous, and the
   // layers that index a split pool's windowed slot space.
@@ -110,7 +111,7 @@ class NativeLlama {
   Rope rope_at(const NativeLayer& L, int64_t p) const;
 
   float eps_;
-  float attn_scale_, residual_scale_ = 1.0f;
+  float attn_scale_, attn_softcap_ = 0.0f, residual_scale_ = 1.0f;
   at::Tensor cos_, sin_, final_norm_, local_cos_, local_sin_;
   std::vector<NativeLayer> layers_;
   std::vector<at::Tensor> k_, v_;

@@ -26,6 +26,7 @@ struct PagedKV {
   int64_t idx_stride, kv_start, window;
   bool causal = true;
   KVType type = KVType::kFloat;
+  float softcap = 0.f;   // > 0: scores pass through softcap * tanh(score / softcap) (Gemma 2)
 };
 
 // Request b's queries are rows q_off[b] .. q_off[b+1] - 1 of q (row stride qs0, head stride qs1),

@@ -106,11 +106,10 @@ def unsupported(model: LlamaForCausalLM) -> str | None:
 def beyond_native(cfg: ModelConfig) -> str | None:
     """The first ModelConfig feature the native step (kernels/native_llama.cpp: pre-, sandwich or
     post norms, q/k norms per head or full-width, SiLU or GeGLU, a global and a local rope table,
-    partial rotary, NoPE layers, an attention and a residual scale; the embedding scale is the
-    embedding module's, before the call) does not compute, or None."""
+    partial rotary, NoPE layers, an attention scale and soft-cap, a residual scale; the embedding
+    scale is the embedding module's, before the call) does not compute, or None."""
     features = {f"the {cfg.norm_layout!r} norm layout": cfg.norm_layout not in ("pre", "sandwich", "post"),
                 f"the {cfg.activation} activation": cfg.activation not in _ACTIVATIONS,
-                "attention soft-capping": cfg.attn_softcap is not None,
                 "attention sinks": cfg.attn_sinks}
     return next((f"{name} is not in the native step" for name, on in features.items() if on), None)
 
@@ -148,7 +147,8 @@ def build(model: LlamaForCausalLM):
                            c.intermediate_size, c.rms_norm_eps, m.rotary.cos, m.rotary.sin, _weight(m.norm))
     local = m.local_rotary
     # the Python layer applies the residual scale on pre-norm layers only (LlamaDecoderLayer)
-    step.set_model_options(c.attn_scale or 0.0, c.residual_scale if c.norm_layout == "pre" else 1.0,
+    step.set_model_options(c.attn_scale or 0.0, c.attn_softcap or 0.0,
+                           c.residual_scale if c.norm_layout == "pre" else 1.0,
                            None if local is None else local.cos, None if local is None else local.sin)
     for i, layer in enumerate(m.layers):
         attn = layer.self_attn

@@ -73,7 +73,7 @@ def run_checked(path: str, ref, native: bool, monkeypatch) -> int:
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_logits_match_transformers(name, native, family_dirs, family_refs, monkeypatch):
     """Python path on the fp32 directory; native step (decode and small extends) on its bf16 copy,
-    which a MoE or Gemma model refuses (its bf16 copy then runs the Python path, still equal)."""
+    which a MoE model refuses (its bf16 copy then runs the Python path, still equal)."""
     path = family_dirs[f"{name}_bf16" if native else name]
     ran = run_checked(path, family_refs[name], native, monkeypatch)
     assert (ran >= 6) if native and name not in PYTHON_FAMILIES else ran == 0
