@@ -1,6 +1,6 @@
 // The native forward step of a Llama-family decoder (native_llama.h). Each piece is the kernel the
 // Python layer path calls too (block_linear, rms_row, paged_attention), so the two differ only
-// where the Python path uses torch's own elementwise ops (rotary, SiLU): by fp32 rounding.
+// where the Python path uses torch's own elementwise ops (rotary, SiLU, GeGLU, soft-cap): by fp32 rounding.
 // Rows are few (decode, VERIFY, small extends), so the elementwise work runs on the calling
 // thread and only the projections and attention split over the thread pool.
 #include "native_llama.h"
