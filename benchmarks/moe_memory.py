@@ -21,6 +21,7 @@ import gguf
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from random_gguf import embedded_tokenizer
 from results_io import machine_line, write_results  # noqa: E402
 
 QWEN3_30B_EXPERT_WEIGHTS = 48 * 128 * 3 * 2048 * 768
@@ -28,16 +29,9 @@ QWEN3_30B_EXPERT_WEIGHTS = 48 * 128 * 3 * 2048 * 768
 
 def write_random_moe(out: str, layers: int, experts: int, hidden: int, inter: int, qtype: str) -> int:
     """A Qwen3-MoE-shaped GGUF (top-4 of `experts`, q/k norm); returns its expert weight count."""
-    from sparkserve.embedded import default_model_path
-    src = gguf.GGUFReader(default_model_path())
-    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
     q = getattr(gguf.GGMLQuantizationType, qtype)
     w = gguf.GGUFWriter(out, "qwen3moe")
-    for field in src.fields.values():
-        if field.name.startswith("tokenizer."):
-            vtype = field.types[0]
-            w.add_key_value(field.name, field.contents(), vtype,
-                            sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    vocab = embedded_tokenizer(w)
     heads, kv, head_dim = hidden // 64, max(1, hidden // 256), 64
     w.add_context_length(4096), w.add_embedding_length(hidden), w.add_feed_forward_length(inter)
     w.add_block_count(layers), w.add_head_count(heads), w.add_head_count_kv(kv), w.add_key_length(head_dim)

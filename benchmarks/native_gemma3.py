@@ -25,6 +25,7 @@ import sparkserve  # noqa: F401  (before torch: its OpenMP threads must be told 
 import gguf
 import numpy as np
 import torch
+from random_gguf import embedded_tokenizer
 from results_io import machine_info, machine_line, sparkserve_kernels, write_results
 
 # name -> (hidden, intermediate, layers, heads, kv heads); head_dim 256 throughout
@@ -35,15 +36,8 @@ HEAD_DIM, WINDOW, PATTERN = 256, 512, 6
 def write_random_gemma3(out: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
                         seed: int = 0) -> None:
     """A Gemma 3 GGUF as convert_hf_to_gguf.py writes one (norms stored as 1 + w), Q8_0 matrices."""
-    from sparkserve.embedded import default_model_path
-    src = gguf.GGUFReader(default_model_path())
-    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
     w = gguf.GGUFWriter(out, "gemma3")
-    for field in src.fields.values():            # the tokenizer and the chat template
-        if field.name.startswith("tokenizer."):
-            vtype = field.types[0]
-            w.add_key_value(field.name, field.contents(), vtype,
-                            sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    vocab = embedded_tokenizer(w)
     w.add_name(f"random-gemma3-{hidden}x{layers}")
     w.add_context_length(8192), w.add_embedding_length(hidden), w.add_feed_forward_length(intermediate)
     w.add_block_count(layers), w.add_head_count(heads), w.add_head_count_kv(kv_heads)

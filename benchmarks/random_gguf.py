@@ -17,17 +17,22 @@ import gguf
 import numpy as np
 
 
-def write_random_llama(out: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
-                       seed: int = 0) -> None:
+def embedded_tokenizer(w: gguf.GGUFWriter) -> int:
+    """Copy the embedded SmolLM2's tokenizer and chat template into `w`; returns its vocab size."""
     from sparkserve.embedded import default_model_path
     src = gguf.GGUFReader(default_model_path())
-    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
-    w = gguf.GGUFWriter(out, "llama")
-    for field in src.fields.values():            # the tokenizer and the chat template
+    for field in src.fields.values():
         if field.name.startswith("tokenizer."):
             vtype = field.types[0]
             w.add_key_value(field.name, field.contents(), vtype,
                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    return len(src.fields["tokenizer.ggml.tokens"].contents())
+
+
+def write_random_llama(out: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                       seed: int = 0) -> None:
+    w = gguf.GGUFWriter(out, "llama")
+    vocab = embedded_tokenizer(w)
     w.add_name(f"random-llama-{hidden}x{layers}")
     w.add_context_length(8192), w.add_embedding_length(hidden), w.add_feed_forward_length(intermediate)
     w.add_block_count(layers), w.add_head_count(heads), w.add_head_count_kv(kv_heads)
