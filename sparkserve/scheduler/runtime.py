@@ -96,6 +96,25 @@ def pool_sizes(args: ServerArgs, cfg: ModelConfig, per_token: int, per_request: 
     return tokens, max(page, swa // page * page)
 
 
+# SGLang's name: a context past the trained positions is refused unless the user says they mean it.
+ALLOW_LONGER_CONTEXT = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+
+
+def check_longer_context(context_length: int, cfg: ModelConfig, warn: bool) -> None:
+    """A --context-length past the positions the model was trained for makes its rope extrapolate,
+    and quality drops past them: refused (as SGLang and vLLM do) unless the environment allows it,
+    then served with a warning (as llama.cpp's -c does)."""
+    if os.environ.get(ALLOW_LONGER_CONTEXT, "").strip().lower() not in ("1", "true", "yes"):
+        raise ValueError(f"--context-length {context_length} is past the {cfg.max_position_embeddings} "
+                         f"positions {cfg.architecture} was trained for: lower it, or set "
+                         f"{ALLOW_LONGER_CONTEXT}=1 to serve it anyway (the rope extrapolates, quality may "
+                         f"drop past them)")
+    if warn:
+        log.warning("--context-length %d is past the %d positions %s was trained for: its rope "
+                    "extrapolates, so quality may drop past them (%s is set)",
+                    context_length, cfg.max_position_embeddings, cfg.architecture, ALLOW_LONGER_CONTEXT)
+
+
 def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]:
     """This rank's model: threads and seed set, the world joined first when there are several
     ranks (layers take their shard of the weights as they are built)."""
@@ -105,10 +124,8 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
         torch.manual_seed(args.random_seed)
     cfg = load_config(args.model_path)
     if args.context_length:          # the rope tables (and LongRoPE's choice of factors) serve this
-        if args.context_length > cfg.max_position_embeddings and rank == 0:
-            log.warning("--context-length %d is past the %d positions %s was trained for: its rope "
-                        "extrapolates (as llama.cpp's -c does), so quality may drop past them",
-                        args.context_length, cfg.max_position_embeddings, cfg.architecture)
+        if args.context_length > cfg.max_position_embeddings:
+            check_longer_context(args.context_length, cfg, warn=rank == 0)
         cfg = dataclasses.replace(cfg, max_position_embeddings=args.context_length)
     pc = args.parallel_config()
     check_tp(cfg, args.tp_size, args.ep_size, model_class(cfg).tp_dims(cfg), pc.attn_tp_size)

@@ -520,10 +520,16 @@ def test_gpt_oss_mxfp4_gguf(family_dirs, tmp_path, monkeypatch):
     assert run_checked(path, ref, False, monkeypatch) == 0
 
 
-def test_context_length_past_trained_positions(family_dirs, family_refs, caplog):
-    """--context-length past the model's positions (256 here) sizes the rope tables to it: a 300-token
-    prompt decodes as transformers' (which rotates any position) does, with a warning that the rope
-    extrapolates (it crashed in the scheduler before)."""
+def test_context_length_past_trained_positions(family_dirs, family_refs, caplog, monkeypatch):
+    """--context-length past the model's positions (256 here) is refused at start-up, naming the
+    environment variable that allows it (as SGLang); allowed, it sizes the rope tables to it: a
+    300-token prompt decodes as transformers' (which rotates any position) does, with a warning that
+    the rope extrapolates."""
+    from sparkserve.scheduler.runtime import ALLOW_LONGER_CONTEXT
+    monkeypatch.delenv(ALLOW_LONGER_CONTEXT, raising=False)
+    with pytest.raises(ValueError, match=f"past the 256 positions.*{ALLOW_LONGER_CONTEXT}=1"):
+        Engine(family_dirs["qwen2_tied"], context_length=512, max_total_tokens=1024, **EXACT)
+    monkeypatch.setenv(ALLOW_LONGER_CONTEXT, "1")
     prompt = torch.randint(0, 320, (300,), generator=torch.Generator().manual_seed(9)).tolist()
     sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     with caplog.at_level("WARNING"):
