@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import TINY_CONFIGS, assert_no_kv_leak
 from dspark_fixtures import make_oracle_draft
+from family_fixtures import make_family_checkpoint
 from kimi_fixtures import VOCAB as KIMI_VOCAB
 from kimi_fixtures import make_kimi
 from minimax_fixtures import make_minimax, with_index_value
@@ -29,7 +30,8 @@ DP2 = dict(tp_size=2, dp_size=2, enable_dp_attention=True)
 def moe_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp_moe")
     return {"kimi": make_kimi(str(root / "kimi"), "kda_mla"),
-            "minimax": with_index_value(make_minimax(str(root / "minimax")))}
+            "minimax": with_index_value(make_minimax(str(root / "minimax"))),
+            "deepseek_v2": make_family_checkpoint("deepseek_v2", str(root / "deepseek_v2"))}
 
 
 def _groups_used(eng) -> set[int]:
@@ -37,12 +39,14 @@ def _groups_used(eng) -> set[int]:
 
 
 @pytest.mark.parametrize("arch,layout", [("llama", DP2), ("llama", dict(DP2, tp_size=4)),
-                                         ("kimi", dict(DP2, ep_size=2)), ("minimax", dict(DP2, ep_size=2))])
+                                         ("kimi", dict(DP2, ep_size=2)), ("minimax", dict(DP2, ep_size=2)),
+                                         ("deepseek_v2", dict(DP2, ep_size=2))])
 def test_dp_attention_equals_one_process(arch, layout, llama_dir, moe_dirs):
     """Round robin puts prompts 0 and 2 on group 0, 1 and 3 on group 1: the groups' steps hold
     different requests and token counts (prefill chunks beside decodes, one group finishing
     first and then running IDLE forwards), and prompt 3 reads prompt 1's prefix from group 1's
-    cache (Llama; the hybrid models keep recurrent state and run without it)."""
+    cache (Llama; the hybrid models keep recurrent state and run without it). DeepSeek-V2: MLA
+    latents with rope in each group's pool, its routed experts split over the two ranks."""
     path = llama_dir if arch == "llama" else moe_dirs[arch]
     want = run_mixed(Engine(path, **COMMON))
     with Engine(path, **layout, **COMMON) as eng:
@@ -90,17 +94,19 @@ def test_abandoned_requests_free_every_group(llama_dir):
         assert len(eng.generate(input_ids=PROMPTS[0], sampling_params=sp)["output_ids"]) == 30
 
 
-@pytest.mark.parametrize("arch", ["llama", "kimi"])
+@pytest.mark.parametrize("arch", ["llama", "kimi", "deepseek_v2"])
 def test_dspark_with_one_group_idle(arch, llama_dir, moe_dirs, tmp_path):
     """Every request on group 1: group 0 runs IDLE forwards while group 1 drafts and verifies
-    (Kimi: KDA state committed after each verify); then both groups speculate at once."""
-    path = llama_dir if arch == "llama" else moe_dirs["kimi"]
-    vocab = TINY_CONFIGS["llama"]["vocab_size"] if arch == "llama" else KIMI_VOCAB
+    (Kimi: KDA state committed after each verify; DeepSeek-V2: MLA latents); then both groups
+    speculate at once."""
+    path = llama_dir if arch == "llama" else moe_dirs[arch]
+    vocab = {"llama": TINY_CONFIGS["llama"]["vocab_size"], "kimi": KIMI_VOCAB,
+             "deepseek_v2": load_config(path).vocab_size}[arch]
     sp = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     plain = Engine(path, **COMMON).generate(input_ids=PROMPTS, sampling_params=sp)
     draft = make_oracle_draft(path, str(tmp_path / "draft"),
                               bigram_of(PROMPTS, [o["output_ids"] for o in plain], vocab), block_size=4)
-    layout = dict(DP2, ep_size=2) if arch == "kimi" else DP2
+    layout = DP2 if arch == "llama" else dict(DP2, ep_size=2)
     with Engine(path, **layout, speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
                 **COMMON) as eng:
         routed = eng.generate(input_ids=PROMPTS, sampling_params=sp, routed_dp_rank=1)
