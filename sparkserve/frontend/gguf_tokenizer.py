@@ -27,10 +27,31 @@ logger = logging.getLogger(__name__)
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp token types
 SPACE = "\u2581"
-# End-of-turn tokens that stop generation besides the file's eos/eot/eom ids (llama.cpp's EOG list).
-END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|im_end|>", "<|end|>", "<|END_OF_TURN_TOKEN|>",
-               "<|return|>", "<|call|>", "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|endoftext|>",
-               "<EOT>", "_<EOT>")
+# llama.cpp's end-of-generation tokens by name (llama-vocab.cpp): each stops generation and is made a control
+# token (matched whole in text, skipped on decode) whatever type the file gives it (a converter that types
+# `<end_of_turn>` normal still gets it matched whole by llama.cpp).
+END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
+                     "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>",
+                     "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>",
+                     "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[")
+# Further stops where the file types them control or user-defined.
+END_OF_TURN = ("<|END_OF_TURN_TOKEN|>",)
+# Fill-in-the-middle tokens llama.cpp finds by name where the file has no `tokenizer.ggml.<role>_token_id`
+# (made control tokens); the pad / repo / file-separator ones also end generation.
+_FIM_NAMES = {
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "\u2581<PRE>",
+                "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "\u2581<SUF>",
+                "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "\u2581<MID>",
+                "<|code_middle|>", "<|middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+_FIM_STOPS = ("fim_pad", "fim_rep", "fim_sep")
+# llama.cpp's ids for a SentencePiece vocabulary whose file names none (LLAMA_VOCAB_TYPE_SPM's defaults).
+_SPM_DEFAULT_IDS = {"bos_token_id": 1, "eos_token_id": 2, "unknown_token_id": 0}
 
 # ---- BPE pre-tokenizers: llama.cpp's regex lists per `tokenizer.ggml.pre` (each regex splits every piece
 # the previous one left, matches and gaps both kept). Where llama.cpp rewrites a tokenizer.json regex for its
@@ -214,6 +235,24 @@ def _sentencepiece(md: dict[str, Any], tokens: list[str], types: list[int]) -> R
     return tok
 
 
+def _found_by_name(md: dict[str, Any], tokens: list[str]) -> tuple[set[int], list[int]]:
+    """The tokens llama.cpp makes control tokens by their text (llama-vocab.cpp): every end-of-generation
+    name, and per fill-in-the-middle role the file gives no id for, the first token with one of its names
+    (the lowest id: llama.cpp's pick among several is its hash map's order). Also the FIM stops (pad, repo,
+    file separator: the file's ids or the ones found)."""
+    index = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    control = {index[t] for t in END_OF_GENERATION if t in index}
+    stops = []
+    for role, names in _FIM_NAMES.items():
+        tid = md.get(f"tokenizer.ggml.{role}_token_id")
+        if tid is None and (found := [index[t] for t in names if t in index]):
+            tid = min(found)
+            control.add(tid)
+        if role in _FIM_STOPS and isinstance(tid, int) and 0 <= tid < len(tokens):
+            stops.append(tid)
+    return control, stops
+
+
 @dataclass
 class GGUFTokenizerParts:
     backend: RustTokenizer
@@ -226,7 +265,10 @@ def build_gguf_tokenizer(md: dict[str, Any]) -> GGUFTokenizerParts:
     """The tokenizer a GGUF file's metadata describes (module docstring), with its stop ids and templates."""
     kind = md.get("tokenizer.ggml.model")
     tokens: list[str] = md["tokenizer.ggml.tokens"]
-    types: list[int] = md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    types: list[int] = list(md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    by_name, fim_stops = _found_by_name(md, tokens)
+    for i in by_name:           # as llama.cpp overrides their type
+        types[i] = CONTROL
     if kind == "gpt2":
         tok, spec = _byte_level(md, tokens, types)
         add_bos_default = spec.add_bos
@@ -237,7 +279,7 @@ def build_gguf_tokenizer(md: dict[str, Any]) -> GGUFTokenizerParts:
                          "'llama' (SentencePiece), 'gpt2' (byte-level BPE)")
 
     def ident(key: str) -> int | None:
-        tid = md.get(f"tokenizer.ggml.{key}")
+        tid = md.get(f"tokenizer.ggml.{key}", _SPM_DEFAULT_IDS.get(key) if kind == "llama" else None)
         return tid if isinstance(tid, int) and 0 <= tid < len(tokens) else None
 
     def name(key: str) -> str | None:
@@ -256,10 +298,10 @@ def build_gguf_tokenizer(md: dict[str, Any]) -> GGUFTokenizerParts:
         tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
     special = {"bos_token": name("bos_token_id"), "eos_token": name("eos_token_id"),
                "unk_token": name("unknown_token_id"), "pad_token": name("padding_token_id")}
-    stops = [i for i in (eos, ident("eot_token_id"), ident("eom_token_id")) if i is not None]
-    # by name, as llama.cpp finds them (some converters type them user-defined)
+    stops = [i for i in (eos, ident("eot_token_id"), ident("eom_token_id")) if i is not None] + fim_stops
+    # by name, as llama.cpp finds them (`by_name` made them control above)
     stops += [i for i, (t, ty) in enumerate(zip(tokens, types))
-              if ty in (CONTROL, USER_DEFINED) and t in END_OF_TURN]
+              if t in END_OF_GENERATION or (ty in (CONTROL, USER_DEFINED) and t in END_OF_TURN)]
     templates = {
         ("default" if k == "tokenizer.chat_template" else k[len("tokenizer.chat_template."):]): v
         for k, v in md.items()

@@ -73,7 +73,7 @@ def write_tokenizer_gguf(path: str, *, arch: str, model: str, tokens: list[str],
                          bos: int | None = None, eos: int | None = None, unk: int | None = None,
                          pad: int | None = None, eot: int | None = None, add_bos: bool | None = None,
                          add_eos: bool | None = None, add_space_prefix: bool | None = None,
-                         chat_template: str | None = None) -> str:
+                         chat_template: str | None = None, fim_pad: int | None = None) -> str:
     """The `tokenizer.ggml.*` keys (gguf-py's writer, as convert_hf_to_gguf.py's set_vocab writes them)."""
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(1)
@@ -91,6 +91,8 @@ def write_tokenizer_gguf(path: str, *, arch: str, model: str, tokens: list[str],
                        (pad, w.add_pad_token_id), (eot, w.add_eot_token_id)):
         if value is not None:
             add(value)
+    if fim_pad is not None:
+        w.add_uint32("tokenizer.ggml.fim_pad_token_id", fim_pad)
     for flag, add in ((add_bos, w.add_add_bos_token), (add_eos, w.add_add_eos_token),
                       (add_space_prefix, w.add_add_space_prefix)):
         if flag is not None:
@@ -577,3 +579,41 @@ def test_token_bytes_add_up_to_the_text(tmp_path, spm_vocab, bpe_vocab) -> None:
         assert b"".join(bpe.token_bytes(i) for i in ids) == text.encode(), text
     eos = spm.eos_token_id
     assert spm.token_bytes(eos) == spm.decode([eos], skip_special_tokens=False).encode()
+
+
+def test_end_of_generation_and_fim_names_are_control_whatever_their_type(tmp_path, bpe_vocab) -> None:
+    """llama.cpp (llama-vocab.cpp) makes a token control by its text: every end-of-generation name (then
+    matched whole in text, skipped on decode, a stop) and, per fill-in-the-middle role the file names no
+    id for, its token (pad / repo / file separator also stop). A converter that types them normal (as
+    convert_hf_to_gguf.py does a SentencePiece piece its tokenizer_config does not list) still gets them
+    so from llama.cpp: seen against the real library in benchmarks/gguf_conformance.py."""
+    tokens, types, merges = bpe_vocab
+    extra = ["<end_of_turn>", "<|fim_prefix|>", "<|fim_pad|>", "[PAD]"]
+    path = write_tokenizer_gguf(str(tmp_path / "normal.gguf"), arch="llama", model="gpt2", pre="qwen2",
+                                tokens=tokens + extra, types=types + [NORMAL] * 4, merges=merges,
+                                eos=tokens.index("<|im_end|>"))
+    ours = Tokenizer.from_gguf(path)
+    eot, pre, pad, pad2 = (len(tokens) + i for i in range(4))
+    x, y = tokens.index("x"), tokens.index("y")
+    assert ours.encode("x<end_of_turn>y") == [x, eot, y]
+    assert ours.encode("x<|fim_prefix|>y<|fim_pad|>") == [x, pre, y, pad]
+    assert ours.decode([x, eot, pre, y]) == "xy"
+    assert ours.encode("[PAD]") != [pad2]       # the FIM pad role went to the first of its names
+    assert {eot, pad} <= ours.eos_token_ids and pre not in ours.eos_token_ids
+    # a file that names the FIM pad role: its id stops, the names are left alone
+    named = write_tokenizer_gguf(str(tmp_path / "named.gguf"), arch="llama", model="gpt2", pre="qwen2",
+                                 tokens=tokens + extra, types=types + [NORMAL] * 4, merges=merges,
+                                 fim_pad=pad2)
+    theirs = Tokenizer.from_gguf(named)
+    assert pad2 in theirs.eos_token_ids and pad not in theirs.eos_token_ids
+    assert theirs.encode("<|fim_pad|>") != [pad]
+
+
+def test_sentencepiece_ids_default_as_llama_cpp(tmp_path, spm_vocab) -> None:
+    """A SentencePiece file without bos / eos / unk ids: llama.cpp's SPM defaults 1 / 2 / 0 (what it
+    added as BOS to the converter's Gemma file without ids, benchmarks/gguf_conformance.py)."""
+    path = _spm_gguf(tmp_path, spm_vocab, bos=None, eos=None, unk=None)
+    ours = Tokenizer.from_gguf(path)
+    assert ours.encode("hello", add_special_tokens=True)[0] == 1
+    assert 2 in ours.eos_token_ids
+    assert ours.encode("🦀") == ours.encode("🦀", add_special_tokens=True)[1:]
