@@ -12,6 +12,7 @@ from typing import Any
 from sparkserve.addresses import check_rendezvous_ip, is_loopback, split_host_port
 from sparkserve.dataclass_cli import add_dataclass_args, dataclass_from_args
 from sparkserve.embedded import EMBEDDED_NAME, default_model_path, is_embedded, shipped_draft_path
+from sparkserve.ngram_args import NGRAM_FLAGS, SpeculativeArgs
 from sparkserve.parallel_config import ParallelConfig
 
 VERIFY_MODES = ("full", "threshold", "adaptive")
@@ -34,7 +35,7 @@ def _opt(help_: str, **meta: Any) -> dict[str, Any]:
 
 
 @dataclass
-class ServerArgs:
+class ServerArgs(SpeculativeArgs):
     model_path: str | None = field(default=None, metadata=_opt(
         "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"))
     tokenizer_path: str | None = field(default=None, metadata=_opt(
@@ -136,7 +137,8 @@ class ServerArgs:
         choices=GRAMMAR_BACKENDS))
     # speculative decoding
     speculative_algorithm: str | None = field(default=None, metadata=_opt(
-        "DSPARK to enable DSpark speculative decoding"))
+        "DSPARK: DSpark speculative decoding (a draft model); NGRAM: drafts copied from the request's own "
+        "prompt and output where its latest tokens occurred before (no draft model)"))
     speculative_draft_model_path: str | None = field(default=None, metadata=_opt(
         "DSpark draft checkpoint (DeepSpec format) (default: the draft shipped for the embedded model)"))
     speculative_dspark_block_size: int | None = field(default=None, metadata=_opt(
@@ -294,10 +296,11 @@ class ServerArgs:
         need(os.path.exists(self.model_path), f"--model-path {self.model_path} does not exist")
         self._validate_chat(need)
         if self.speculative_algorithm is not None:
-            self._validate_dspark(need)
+            self._validate_speculative(need)
         else:
             need(self.speculative_draft_model_path is None,
                  "--speculative-draft-model-path needs --speculative-algorithm DSPARK")
+            self._refuse_flags(need, NGRAM_FLAGS, "needs --speculative-algorithm NGRAM")
         need(not self.enable_return_hidden_states or self.disable_radix_cache,
              "--enable-return-hidden-states needs --disable-radix-cache: a prompt prefix served from the "
              "cache is not recomputed, so it has no hidden states to return")

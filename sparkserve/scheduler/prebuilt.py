@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 class PromptHandover:
     def pools(self: "Scheduler") -> list[Pool]:
         """Every pool a request's state lives in: the model's, and the DSpark draft's KV."""
-        return [self.runner.kv_pool] + ([self.spec.pool] if self.spec is not None else [])
+        return [self.runner.kv_pool] + (self.spec.draft_pools() if self.spec is not None else [])
 
     def request_pages(self: "Scheduler", req: Req, n: int) -> RequestPages:
         """Where the first n positions of a running request live."""

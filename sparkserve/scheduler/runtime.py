@@ -202,7 +202,8 @@ def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None,
     cache = KVCacheManager(num_slots, args.page_size, num_rows, ctx + 1, no_radix,
                            window=pool.window, swa_slots=swa_slots, swa_window=pool.swa_window)
     runner = ModelRunner(model, pool, cache.req_to_token.table, cache.full_to_swa, mirror)
-    spec = build_dspark_worker(args, runner, num_slots, cache) if args.speculative_algorithm else None
+    spec = (build_ngram_worker(args, runner, cfg) if args.speculative_algorithm == "NGRAM"
+            else build_dspark_worker(args, runner, num_slots, cache) if args.speculative_algorithm else None)
     if args.hidden_state_layers is not None:
         model.set_aux_layers(args.hidden_state_layers)     # ranks get them with every forward
     eos = set(tokenizer.eos_token_ids) if tokenizer else set(cfg.eos_token_ids)
@@ -250,3 +251,16 @@ def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, c
         return DSparkWorker(draft, draft.new_kv_pool(num_slots, block_rows=block_rows), planner,
                             cache.req_to_token.table, torch.arange(num_slots + 1, num_slots + 1 + block_rows),
                             runner.device)
+
+
+def build_ngram_worker(args: ServerArgs, runner: ModelRunner, cfg: ModelConfig):
+    """NGRAM: no draft model; every draft found is verified (a miss costs no forward)."""
+    from sparkserve.speculative.ngram import NgramWorker
+    from sparkserve.speculative.planner import VerifyPlanner
+    drafts = args.speculative_num_draft_tokens - 1
+    log.info("NGRAM: up to %d drafts, match %d..%d tokens, %s", drafts,
+             args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
+             args.speculative_ngram_match_type)
+    return NgramWorker(drafts, args.speculative_ngram_min_match_window_size,
+                       args.speculative_ngram_max_match_window_size, args.speculative_ngram_match_type,
+                       VerifyPlanner("full"), cfg.vocab_size, runner.device)

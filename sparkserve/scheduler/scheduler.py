@@ -38,7 +38,7 @@ from sparkserve.speculative.grammar_drafts import cut_drafts, verify_masks
 from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
 
 if TYPE_CHECKING:
-    from sparkserve.speculative.dspark_worker import DSparkWorker
+    from sparkserve.speculative.worker import SpecWorker
 
 
 @dataclass
@@ -59,7 +59,7 @@ DRAFT_BACKOFF_MAX = 32       # longest plain-decode stretch of a request whose d
 class Scheduler(PromptHandover):
     def __init__(self, runner: ModelRunner, cache: KVCacheManager, cfg: SchedulerConfig,
                  eos_ids: set[int], decode_tail: Callable[[list[int]], str] | None = None,
-                 spec: "DSparkWorker | None" = None, grammar: GrammarBackend | None = None):
+                 spec: "SpecWorker | None" = None, grammar: GrammarBackend | None = None):
         self.runner = runner
         self.device = runner.device
         self.cache = cache
@@ -298,7 +298,8 @@ class Scheduler(PromptHandover):
             self.spec.observe_draft(time.perf_counter() - t0, len(spec_reqs))
             for r, p in zip(spec_reqs, proposals):
                 cut_drafts(r, p)            # drafts a grammar rejects are not verified
-                self._note_verify_budget(r, p.verify_len)
+                if p.tokens:                # (none found, as NGRAM may: no draft pass was wasted)
+                    self._note_verify_budget(r, p.verify_len)
                 if p.verify_len:            # a request verifying nothing decodes as plain ones do
                     props[r] = p
         t0 = time.perf_counter()

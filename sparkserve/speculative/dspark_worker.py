@@ -3,8 +3,6 @@ KV, then propose a block per request — one parallel backbone pass, a serial Ma
 samples the slots, and a confidence per slot — and pick each request's verify length."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from sparkserve.core.device import on_device
@@ -13,21 +11,14 @@ from sparkserve.executor.sampler import processed_probs, sample_from_probs
 from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.dspark_draft import DSparkDraft
 from sparkserve.speculative.planner import VerifyPlanner
+from sparkserve.speculative.worker import Proposal, SpecWorker
 
 # Most rows kept back (defer) before they are injected anyway: bounds the memory of requests that
 # do not draft (penalties, a batch too large to pay) and still batches the projections.
 MAX_BACKLOG_ROWS = 256
 
 
-@dataclass
-class Proposal:
-    tokens: list[int]                    # drafts d_1..d_G (the verify length cuts them)
-    confidence: torch.Tensor | None      # [G] P(slot accepted | prefix accepted)
-    q_probs: torch.Tensor | None         # [G, V] distributions the drafts were sampled from (target vocab)
-    verify_len: int = 0
-
-
-class DSparkWorker:
+class DSparkWorker(SpecWorker):
     def __init__(self, draft: DSparkDraft, pool: KVPool, planner: VerifyPlanner, req_to_token: torch.Tensor,
                  block_slots: torch.Tensor | None = None, device: torch.device = torch.device("cpu")):
         """`block_slots`: rows of `pool` no request uses, for the native block pass
@@ -49,6 +40,10 @@ class DSparkWorker:
         """What /server_info reports of the drafter."""
         return {"verify_mode": self.planner.mode, "block_size": self.draft.block_size,
                 "num_layers": self.draft.config.num_hidden_layers}
+
+    def draft_pools(self) -> list[KVPool]:
+        """The draft's KV: prompt rows computed on a PD prefill server travel with the target's."""
+        return [self.pool]
 
     @torch.inference_mode()
     def inject(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:

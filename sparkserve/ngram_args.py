@@ -1,0 +1,90 @@
+"""NGRAM's flags (SGLang's names) and the start-up checks of --speculative-algorithm: ServerArgs
+inherits them. sparkserve verifies one chain of drafts found in the request's own tokens, so a value
+that asks for a tree (breadth > 1) or for SGLang's n-gram cache shared by all requests is refused
+naming the flag, never ignored."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SPECULATIVE_ALGORITHMS = ("DSPARK", "NGRAM")
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
+# flags of one speculative algorithm, refused with the other (or with none)
+DSPARK_FLAGS = ("speculative_draft_model_path", "speculative_dspark_block_size",
+                "speculative_dspark_verify_mode", "speculative_dspark_confidence_threshold",
+                "speculative_dspark_sps_table_path")
+NGRAM_FLAGS = ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+               "speculative_ngram_max_match_window_size", "speculative_ngram_min_bfs_breadth",
+               "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type",
+               "speculative_ngram_branch_length", "speculative_ngram_capacity")
+SHARED_CACHE_FLAGS = ("speculative_ngram_branch_length", "speculative_ngram_capacity")
+BREADTH_FLAGS = ("speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class SpeculativeArgs:
+    speculative_num_draft_tokens: int | None = field(default=None, metadata={"help": (
+        "NGRAM: most tokens verified per step, the request's last token included (drafts: one fewer) "
+        "(default: --speculative-ngram-max-match-window-size, as SGLang)")})
+    speculative_ngram_min_match_window_size: int | None = field(default=None, metadata={"help": (
+        "NGRAM: fewest latest tokens that must have occurred before to draft (default 1)")})
+    speculative_ngram_max_match_window_size: int | None = field(default=None, metadata={"help": (
+        "NGRAM: most latest tokens matched; the longest match wins (default 12)")})
+    speculative_ngram_min_bfs_breadth: int | None = field(default=None, metadata={"help": (
+        "NGRAM: only 1 (one chain of drafts is verified, not a tree)")})
+    speculative_ngram_max_bfs_breadth: int | None = field(default=None, metadata={"help": (
+        "NGRAM: only 1 (one chain of drafts is verified, not a tree; SGLang's default is 10)")})
+    speculative_ngram_match_type: str | None = field(default=None, metadata={"help": (
+        "NGRAM: BFS drafts what followed the latest occurrence of the match (default); PROB what most "
+        "of its occurrences continue with, token by token"), "choices": NGRAM_MATCH_TYPES})
+    speculative_ngram_branch_length: int | None = field(default=None, metadata={"help": (
+        "NGRAM: SGLang's depth of its shared n-gram cache; refused (sparkserve searches each request's "
+        "own tokens)")})
+    speculative_ngram_capacity: int | None = field(default=None, metadata={"help": (
+        "NGRAM: SGLang's size of its shared n-gram cache; refused (sparkserve searches each request's "
+        "own tokens)")})
+
+    def _refuse_flags(self, need, flags: tuple[str, ...], why: str) -> None:
+        given = [_flag(f) for f in flags if getattr(self, f) is not None]
+        need(not given, f"{' '.join(given)}: {why}")
+
+    def _validate_speculative(self, need) -> None:
+        algo = self.speculative_algorithm.upper()
+        need(algo in SPECULATIVE_ALGORITHMS, f"--speculative-algorithm {self.speculative_algorithm}: use "
+                                             f"{' or '.join(SPECULATIVE_ALGORITHMS)}")
+        if algo == "DSPARK":
+            self._refuse_flags(need, NGRAM_FLAGS, "needs --speculative-algorithm NGRAM")
+            self._validate_dspark(need)
+            return
+        self.speculative_algorithm = "NGRAM"
+        self._refuse_flags(need, DSPARK_FLAGS, "needs --speculative-algorithm DSPARK (NGRAM has no draft "
+                                               "model and verifies every draft it finds)")
+        self._validate_ngram(need)
+
+    def _validate_ngram(self, need) -> None:
+        """NGRAM's flags, SGLang's defaults filled in."""
+        for flag in SHARED_CACHE_FLAGS:
+            need(getattr(self, flag) is None,
+                 f"{_flag(flag)}: sizes SGLang's n-gram cache shared by all requests; sparkserve's NGRAM "
+                 "searches each request's own prompt and output and has no such cache; drop the flag")
+        for flag in BREADTH_FLAGS:
+            value = getattr(self, flag)
+            need(value in (None, 1), f"{_flag(flag)} {value}: a breadth above 1 drafts a tree, and "
+                                     "sparkserve verifies one chain of drafts; give 1 (or leave it out)")
+        lo = self.speculative_ngram_min_match_window_size
+        hi = self.speculative_ngram_max_match_window_size
+        lo = self.speculative_ngram_min_match_window_size = 1 if lo is None else lo
+        hi = self.speculative_ngram_max_match_window_size = 12 if hi is None else hi
+        need(1 <= lo <= hi, f"--speculative-ngram-min-match-window-size {lo} / "
+                            f"--speculative-ngram-max-match-window-size {hi}: need 1 <= min <= max")
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = hi
+        need(self.speculative_num_draft_tokens >= 2,
+             f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens}: must be >= 2 (the "
+             "request's last token and at least one draft)")
+        mt = self.speculative_ngram_match_type = (self.speculative_ngram_match_type or "BFS").upper()
+        need(mt in NGRAM_MATCH_TYPES,
+             f"--speculative-ngram-match-type {mt}: use {' or '.join(NGRAM_MATCH_TYPES)}")
