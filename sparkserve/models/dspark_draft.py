@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -24,75 +23,9 @@ from sparkserve.loader.weights import WeightLoader, values_of
 from sparkserve.mem.heap import release_freed_memory
 from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.causal_lm import CausalLM
+from sparkserve.models.dspark_config import DSparkConfig
 from sparkserve.models.dspark_native import NativeDraftStep
-
-
-@dataclass
-class DSparkConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    block_size: int
-    target_layer_ids: list[int]
-    mask_token_id: int
-    markov_rank: int
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
-    attention_bias: bool = False
-    sample_from_anchor: bool = False      # speculators-format exports: slot j predicts anchor+j
-    rope_scaling: dict | None = None
-    draft_vocab_size: int | None = None   # reduced draft vocab (vLLM's d2t convention); None = full
-    raw: dict | None = None
-
-    @property
-    def out_vocab(self) -> int:
-        return self.draft_vocab_size or self.vocab_size
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DSparkConfig":
-        if d.get("speculators_model_type") == "dspark":      # speculators layout
-            inner = dict(d.get("transformer_layer_config") or {})
-            inner.update({k: v for k, v in d.items() if k != "transformer_layer_config"})
-            inner.setdefault("target_layer_ids", d.get("aux_hidden_state_layer_ids"))
-            d = inner
-        missing = [k for k in ("block_size", "target_layer_ids", "mask_token_id", "markov_rank")
-                   if d.get(k) is None]
-        if missing:
-            raise ValueError(f"DSpark draft config lacks {missing} (is this a DeepSpec DSpark checkpoint?)")
-        heads = d["num_attention_heads"]
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        kind = str(d.get("markov_head_type", "vanilla")).lower()
-        if kind not in ("vanilla", "gated"):
-            raise ValueError(f"markov_head_type {kind!r} is not supported (vanilla, gated)")
-        if int(d["markov_rank"]) <= 0:
-            raise ValueError(f"DSpark needs markov_rank > 0, got {d['markov_rank']}")
-        return cls(
-            hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            block_size=int(d["block_size"]), target_layer_ids=list(d["target_layer_ids"]),
-            mask_token_id=int(d["mask_token_id"]), markov_rank=int(d["markov_rank"]),
-            markov_head_type=kind,
-            enable_confidence_head=bool(d.get("enable_confidence_head", True)),
-            confidence_head_with_markov=bool(d.get("confidence_head_with_markov", True)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            sample_from_anchor=bool(d.get("sample_from_anchor", False)),
-            draft_vocab_size=(int(d["draft_vocab_size"]) if d.get("draft_vocab_size") not in
-                              (None, d["vocab_size"]) else None),
-            rope_scaling=(dict(rope) if rope.get("rope_type", rope.get("type", "default")) != "default"
-                          else None), raw=d)
+from sparkserve.models.dspark_pool import DraftKVPool
 
 
 class DSparkAttention(nn.Module):
@@ -186,8 +119,13 @@ class DSparkDraft(nn.Module):
         self.config = cfg
         n_taps = len(cfg.target_layer_ids)
         self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tap_norm = (nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in range(n_taps))
+                         if cfg.tap_norm else None)
         self.fc = Linear(n_taps * cfg.hidden_size, cfg.hidden_size)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # EAGLE-style fusion: the block rows start from their embedding plus this projection of
+        # the context row before the anchor (the newest target feature the draft has)
+        self.fuse_proj = Linear(cfg.hidden_size, cfg.hidden_size) if cfg.prev_context_fusion else None
         self.layers = nn.ModuleList(DSparkLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.out_vocab)
@@ -221,22 +159,46 @@ class DSparkDraft(nn.Module):
 
     def new_kv_pool(self, num_slots: int, dtype: torch.dtype = torch.float32, block_rows: int = 0) -> KVPool:
         """The draft's pool at the target's slots 1..num_slots, plus `block_rows` rows after them
-        that no allocator hands out (where the native step keeps the blocks' own K/V)."""
+        that no allocator hands out (where the native step keeps the blocks' own K/V); with
+        prev_context_fusion also each slot's fused context row (DraftKVPool)."""
         c = self.config
+        if c.prev_context_fusion:
+            return DraftKVPool(num_slots + block_rows, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                               c.hidden_size, dtype)
         return KVPool(num_slots + block_rows, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
 
     # ---- KV injection -----------------------------------------------------------------------
+    def normed_taps(self, taps: torch.Tensor) -> torch.Tensor:
+        """Taps side by side [T, n * d], each RMS-normed when the draft has tap_norm."""
+        if self.tap_norm is None:
+            return taps
+        parts = taps.split(self.config.hidden_size, dim=-1)
+        return torch.cat([norm(part.contiguous()) for norm, part in zip(self.tap_norm, parts)], dim=-1)
+
     def context_hidden(self, taps: list[torch.Tensor]) -> torch.Tensor:
-        """Fuse the tapped target hidden rows [T, d] each -> [T, d] draft context."""
-        return self.hidden_norm(self.fc(torch.cat(taps, dim=-1)))
+        """Fuse the tapped target hidden rows [T, d] each (or one [T, n * d] of them side by
+        side) -> [T, d] draft context."""
+        return self.hidden_norm(self.fc(self.normed_taps(torch.cat(taps, dim=-1))))
+
+    def fused_rows(self, x: torch.Tensor, prev_ctx: torch.Tensor) -> torch.Tensor:
+        """Block rows [B, G, d] plus fuse_proj of each block's context row before its anchor
+        [B, d] (prev_context_fusion); x itself otherwise."""
+        if self.fuse_proj is None:
+            return x
+        return x + self.fuse_proj(prev_ctx)[:, None, :]
 
     def inject(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
                pool: KVPool) -> None:
-        """Write the context K/V of target tokens at `positions` into `pool` at `slots`."""
+        """Write the context K/V of target tokens at `positions` into `pool` at `slots` (and,
+        with prev_context_fusion, their context rows)."""
+        ctx = None
+        if self.fuse_proj is not None:
+            ctx = self.context_hidden(taps)
+            pool.context[slots] = ctx.to(pool.context.dtype)
         if self.native is not None and taps[0].dtype == torch.float32 and self.native.ready(self):
-            self.native.inject(torch.cat(taps, dim=-1), positions, slots, pool)
+            self.native.inject(self.normed_taps(torch.cat(taps, dim=-1)).contiguous(), positions, slots, pool)
             return
-        ctx = self.context_hidden(taps)
+        ctx = self.context_hidden(taps) if ctx is None else ctx
         cos_sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(ctx, cos_sin)
@@ -256,7 +218,8 @@ class DSparkDraft(nn.Module):
         self.activation_quant = mode
         if mode != "int8":
             return
-        own = [self.fc, *([] if "lm_head" in self.shared_with_target else [self.lm_head])]
+        own = [self.fc, *([] if "lm_head" in self.shared_with_target else [self.lm_head]),
+               *([] if self.fuse_proj is None else [self.fuse_proj])]
         for layer in self.layers:
             attn = layer.self_attn
             own += [attn.q_proj, attn.kv_proj, attn.o_proj, layer.gate_up_proj, layer.down_proj]
@@ -283,7 +246,12 @@ class DSparkDraft(nn.Module):
         B, G = anchors.shape[0], self.block_size
         ids = torch.full((B, G), self.config.mask_token_id, dtype=torch.long)
         ids[:, 0] = anchors
-        x = self.embed_tokens(ids).view(B * G, -1)
+        x = self.embed_tokens(ids).view(B, G, -1)
+        if self.fuse_proj is not None:     # each request's last context row: position anchor - 1
+            n = torch.tensor(ctx_lens)
+            last = kv_indices[torch.arange(B), (n - 1).clamp_min(0)] * (n > 0)
+            x = self.fused_rows(x, pool.context[last].to(x.dtype))
+        x = x.reshape(B * G, -1)
         pos = (anchor_pos[:, None] + torch.arange(G)[None, :]).view(-1)
         self.rotary.cover(int(anchor_pos.max()) + G)
         if self.native is not None and self.native.applies(self, kv_indices, ctx_lens, block_slots):
@@ -389,8 +357,11 @@ def dspark_config_dict(target_cfg, num_layers: int = 1, block_size: int = 7,
                        target_layer_ids: list[int] | None = None, mask_token_id: int = 0,
                        markov_rank: int = 64, markov_head_type: str = "vanilla",
                        enable_confidence_head: bool = True,
-                       draft_vocab_size: int | None = None) -> dict[str, Any]:
-    """A DeepSpec-format config.json for a draft of `target_cfg` (a ModelConfig)."""
+                       draft_vocab_size: int | None = None, kv_heads: int | None = None,
+                       tap_norm: bool = False, prev_context_fusion: bool = False) -> dict[str, Any]:
+    """A DeepSpec-format config.json for a draft of `target_cfg` (a ModelConfig). `kv_heads`: the
+    draft's KV heads, the width of its context read (default: the target's); tap_norm /
+    prev_context_fusion: sparkserve's options, written only when on (DeepSpec's format otherwise)."""
     n = target_cfg.num_hidden_layers
     taps = target_layer_ids or (sorted({1, n // 2, n - 2}) if n > 2 else [0])
     return {
@@ -398,7 +369,7 @@ def dspark_config_dict(target_cfg, num_layers: int = 1, block_size: int = 7,
         "hidden_size": target_cfg.hidden_size, "intermediate_size": target_cfg.intermediate_size,
         "num_hidden_layers": num_layers, "num_target_layers": n,
         "num_attention_heads": target_cfg.num_attention_heads,
-        "num_key_value_heads": target_cfg.num_key_value_heads, "head_dim": target_cfg.head_dim,
+        "num_key_value_heads": kv_heads or target_cfg.num_key_value_heads, "head_dim": target_cfg.head_dim,
         "vocab_size": target_cfg.vocab_size, "rms_norm_eps": target_cfg.rms_norm_eps,
         "rope_theta": target_cfg.rope_theta, "rope_scaling": target_cfg.rope_scaling,
         "max_position_embeddings": target_cfg.max_position_embeddings,
@@ -407,6 +378,8 @@ def dspark_config_dict(target_cfg, num_layers: int = 1, block_size: int = 7,
         "enable_confidence_head": enable_confidence_head, "confidence_head_with_markov": True,
         "tie_word_embeddings": False, "layer_types": ["full_attention"] * num_layers,
         **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {}),
+        **({"tap_norm": True} if tap_norm else {}),
+        **({"prev_context_fusion": True} if prev_context_fusion else {}),
     }
 
 
@@ -417,8 +390,10 @@ def init_dspark_draft(config: dict[str, Any], target: CausalLM | None = None, se
     g = torch.Generator().manual_seed(seed)
     draft = DSparkDraft(DSparkConfig.from_dict(config))
     for name, p in draft.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") or name.startswith("tap_norm."):
             p.data.fill_(1.0)
+        elif name.startswith("fuse_proj."):
+            p.data.zero_()          # the fused draft starts as the plain one; training grows the fusion
         elif name.endswith("bias"):
             p.data.zero_()
         elif name == "markov_head.markov_w1.weight":

@@ -10,7 +10,9 @@ block attends to its injected context and to all of its own rows. The Python pat
 (DSparkDraft.block_hidden / inject, DSparkWorker._draft_pass) stays the reference and the
 fallback: a draft without half-precision / GGUF block weights, context with gaps (slots a
 sliding-window target gave up, which the Python path masks), more block rows than `block_slots`,
-or autograd."""
+or autograd. The draft's architecture options run around the native calls: per-tap norms in
+Python before the native inject, the fused rows (prev_context_fusion) added to the block's input
+rows before the native block pass."""
 from __future__ import annotations
 
 import logging
@@ -98,11 +100,12 @@ class NativeDraftStep:
         """A greedy draft pass in one call: the block at positions ctx_lens, the LM head over the
         drafts' rows, the Markov loop, the confidence head. Returns (target ids [B, G], P(slot
         accepted | prefix accepted) [B, G] or None without a confidence head); None where it does
-        not apply (the Python path runs the pieces then)."""
+        not apply (the Python path runs the pieces then), and for a fused draft
+        (prev_context_fusion: its mask rows differ per request, the call has one mask row)."""
         G = draft.block_size
         draft.rotary.cover(max(ctx_lens) + G)
-        if (block_slots is None or block_slots.numel() < len(ctx_lens) * G or not self.ready(draft)
-                or not self._set_heads(draft)):
+        if (draft.fuse_proj is not None or block_slots is None or block_slots.numel() < len(ctx_lens) * G
+                or not self.ready(draft) or not self._set_heads(draft)):
             return None
         self._use_pool(pool)
         emb = draft.embed_tokens(anchors).float().contiguous()

@@ -71,7 +71,12 @@ def blocks_forward(draft: DSparkDraft, seqs: list[BlockSeq], dropout: float = 0.
     same_blk = (q[:, None] // G == q[None, :] // G)[None] & q_real[:, None, :]
     same_blk = same_blk | ~q_real[:, :, None] & (q[:, None] == q[None, :])[None]   # a pad row sees itself
     mask = torch.cat([sees_ctx, same_blk], dim=2)[:, None]                 # [B, 1, Q, L + Q]
-    x = draft.embed_tokens(ids.reshape(-1))
+    x = draft.embed_tokens(ids)
+    if draft.fuse_proj is not None:        # each block's context row before its anchor: a - 1
+        ctx_off = torch.tensor([sum(ctx_lens[:b]) for b in range(B)], device=dev)
+        prev = (ctx_off[:, None] + q_anchor - 1).clamp_min(0).reshape(-1)
+        x = draft.fused_rows(x.view(B * Q, 1, -1), ctx[prev] * q_real.reshape(-1, 1)).view(B, Q, -1)
+    x = x.reshape(B * Q, -1)
     for layer in draft.layers:
         kc, vc = layer.self_attn.kv(ctx, cos_ctx)
         kp = kc.new_zeros(B * L, *kc.shape[1:]).index_copy(0, ctx_dst, kc).view(B, L, *kc.shape[1:])
