@@ -185,11 +185,17 @@ def _byte_level(md: dict[str, Any], tokens: list[str], types: list[int]) -> tupl
     )
     tok.decoder = decoders.ByteLevel()
     # A control token spelled outside the byte alphabet is a llama.cpp mislabel, left alone (as transformers).
+    strip = _rstrip(md, tokens, types)
     special = [t for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN) and set(t) <= alphabet]
-    user = [t for t, ty in zip(spelled, types) if ty == USER_DEFINED]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    user = [(s, t in strip) for t, s, ty in zip(tokens, spelled, types) if ty == USER_DEFINED]
+    _add_tokens(tok, [(t, t in strip) for t in special], user)
     return tok, spec
+
+
+def _add_tokens(tok: RustTokenizer, special: list[tuple[str, bool]], user: list[tuple[str, bool]]) -> None:
+    """Special and user-defined tokens, matched whole in raw text: (text, swallows the whitespace after)."""
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False, rstrip=r) for t, r in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False, rstrip=r) for t, r in user])
 
 
 def _spm_merges(tokens: list[str], rank: list[float]) -> list[tuple[str, str]]:
@@ -226,13 +232,24 @@ def _sentencepiece(md: dict[str, Any], tokens: list[str], types: list[int]) -> R
     tok.pre_tokenizer = None
     chain = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence([*chain, decoders.Strip(content=" ", left=1)] if prefix else chain)
+    strip = _rstrip(md, tokens, types)
     special = [t for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN)]
     # User-defined tokens match the raw text whole before any merge (SentencePiece's user_defined_symbols;
     # llama.cpp's converter writes their `▁` as spaces, so Gemma's space runs "  ", "   ", ... are such).
     user = [t for t, ty in zip(tokens, types) if ty == USER_DEFINED]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    _add_tokens(tok, [(t, t in strip) for t in special], [(t, t in strip) for t in user])
     return tok
+
+
+def _rstrip(md: dict[str, Any], tokens: list[str], types: list[int]) -> set[str]:
+    """The special tokens that swallow the whitespace after them: llama.cpp sets this per model (its token
+    attributes are not in the file), for a model whose `general.name` says Phi-3 every special token but
+    <unk>, <s> and <|endoftext|> (as Phi-3's own tokenizer marks them rstrip)."""
+    name = str(md.get("general.name", "")).lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return set()
+    special = {t for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED, UNKNOWN)}
+    return (special | {"</s>"}) - {"<unk>", "<s>", "<|endoftext|>"}
 
 
 def _found_by_name(md: dict[str, Any], tokens: list[str]) -> tuple[set[int], list[int]]:

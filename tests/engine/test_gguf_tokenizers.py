@@ -73,7 +73,8 @@ def write_tokenizer_gguf(path: str, *, arch: str, model: str, tokens: list[str],
                          bos: int | None = None, eos: int | None = None, unk: int | None = None,
                          pad: int | None = None, eot: int | None = None, add_bos: bool | None = None,
                          add_eos: bool | None = None, add_space_prefix: bool | None = None,
-                         chat_template: str | None = None, fim_pad: int | None = None) -> str:
+                         chat_template: str | None = None, fim_pad: int | None = None,
+                         name: str | None = None) -> str:
     """The `tokenizer.ggml.*` keys (gguf-py's writer, as convert_hf_to_gguf.py's set_vocab writes them)."""
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(1)
@@ -93,6 +94,8 @@ def write_tokenizer_gguf(path: str, *, arch: str, model: str, tokens: list[str],
             add(value)
     if fim_pad is not None:
         w.add_uint32("tokenizer.ggml.fim_pad_token_id", fim_pad)
+    if name is not None:
+        w.add_name(name)
     for flag, add in ((add_bos, w.add_add_bos_token), (add_eos, w.add_add_eos_token),
                       (add_space_prefix, w.add_add_space_prefix)):
         if flag is not None:
@@ -617,3 +620,16 @@ def test_sentencepiece_ids_default_as_llama_cpp(tmp_path, spm_vocab) -> None:
     assert ours.encode("hello", add_special_tokens=True)[0] == 1
     assert 2 in ours.eos_token_ids
     assert ours.encode("🦀") == ours.encode("🦀", add_special_tokens=True)[1:]
+
+
+def test_phi3_special_tokens_swallow_the_whitespace_after_them(tmp_path, spm_vocab) -> None:
+    """llama.cpp gives a model whose general.name says Phi-3 rstrip special tokens (all but <unk>, <s>,
+    <|endoftext|>): "<|user|>\\n  hi" tokenizes as "<|user|>hi" (the real llama.cpp does so on the
+    converter's Phi-3 file, benchmarks/gguf_conformance.py); other models keep the whitespace."""
+    phi3 = Tokenizer.from_gguf(_spm_gguf(tmp_path, spm_vocab, arch="phi3", name="Phi3 Mini 4k Instruct"))
+    other = Tokenizer.from_gguf(_spm_gguf(tmp_path, spm_vocab, arch="phi3", name="Some Model"))
+    text = "<|im_start|>\n  hi there <|im_end|>\n<|eot_id|> ok</s> x"
+    assert phi3.encode(text) == phi3.encode("<|im_start|>hi there <|im_end|><|eot_id|>ok</s>x")
+    assert other.encode(text) != phi3.encode(text)
+    assert phi3.encode("<s> hi") == other.encode("<s> hi")          # <s> keeps its whitespace
+    assert phi3.encode("<think> hi") == phi3.encode("<think>hi")    # user-defined tokens strip too
