@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 STAGES = ("prompts", "distill", "features", "train", "eval")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_DRAFT_VOCAB = 8192
+CE_TARGETS = ("hard", "soft")
 
 
 def _h(default, help_: str):
@@ -33,8 +34,17 @@ class TrainConfig:
     clip: float = _h(1.0, "gradient norm clip")
     decay_gamma: float = _h(4.0, "slot weights exp(-k / gamma)")
     ce_weight: float = _h(0.1, "weight of the cross-entropy term (DeepSpec: 0.1 CE + 0.9 L1 + 1.0 BCE)")
+    # The teacher's whole distribution carries more than its sampled token (a T > 0 answer's token
+    # may be one the target rated low); a one-hot teacher makes both the same loss.
+    ce_target: str = field(default="hard", metadata={
+        "help": "what the cross-entropy term learns: hard, the answer's next token (DeepSpec); soft, the "
+                "teacher's distribution (the target's softmax, restricted to a reduced draft vocab)",
+        "choices": CE_TARGETS})
     l1_weight: float = _h(0.9, "weight of the L1 distance to the target distribution")
     conf_weight: float = _h(1.0, "weight of the confidence head's BCE")
+    # With one backbone layer, the confidence loss pulls on the features the drafts come from.
+    conf_detach: bool = _h(False, "the confidence head's BCE trains the head only (its inputs, the "
+                                  "backbone's hidden rows and the Markov codes, detached)")
     seed: int = _h(0, "seed of anchor sampling and initialisation")
     stop_after: int | None = _h(None, "stop (checkpointed) after this step, the schedule still that of "
                                       "--steps: a run split in parts, e.g. resumed on another number "
@@ -74,6 +84,13 @@ class PipelineConfig:
     distill_batch: int = _h(32, "requests in flight while distilling")
     max_prompt_tokens: int = _h(1024, "skip longer prompts when distilling (prefill would dominate)")
     num_layers: int = _h(1, "draft depth")
+    # Architecture options (docs/design.md, the DSpark draft): stored in the draft's config.json.
+    draft_kv_heads: int | None = _h(None, "the draft's KV heads, the width of its read of the target "
+                                          "context (default: the target's; its attention heads = the "
+                                          "widest)")
+    tap_norm: bool = _h(False, "an RMSNorm per tap before fc (the taps enter at very different scales)")
+    prev_context_fusion: bool = _h(False, "EAGLE-style fusion: a projection of the context row before "
+                                          "the anchor added to every block row's input")
     block_size: int = _h(7, "gamma")
     markov_rank: int = _h(64, "rank of the Markov head")
     draft_vocab_size: int | None = _h(None, f"score only the most frequent response ids (default "

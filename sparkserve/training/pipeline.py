@@ -157,7 +157,8 @@ def draft_config(cfg: PipelineConfig, target_cfg, tokenizer) -> dict:
     size = DEFAULT_DRAFT_VOCAB if cfg.draft_vocab_size is None else cfg.draft_vocab_size
     reduced = size if size and size < target_cfg.vocab_size else None
     return dspark_config_dict(target_cfg, cfg.num_layers, cfg.block_size, cfg.target_layer_ids,
-                              mask, cfg.markov_rank, draft_vocab_size=reduced)
+                              mask, cfg.markov_rank, draft_vocab_size=reduced, kv_heads=cfg.draft_kv_heads,
+                              tap_norm=cfg.tap_norm, prev_context_fusion=cfg.prev_context_fusion)
 
 
 def stage_features(cfg: PipelineConfig, target: TargetSource, ranks: Ranks = Ranks()) -> None:

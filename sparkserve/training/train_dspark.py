@@ -4,7 +4,10 @@ Per sequence: random anchors a (anchor and next token in the response); block b 
 (G-1)] at positions a..a+G-1 sees the fused target context at positions < a plus its own block.
 Slot k predicts x_{a+k+1}. Markov bias teacher-forced on ground-truth previous tokens.
 Loss = 0.1 CE + 0.9 L1(p_draft - p_target) + 1.0 BCE(confidence, 1 - TV), each weighted by
-w_k = exp(-k / 4) over the valid prefix of each block and normalised by the summed weights."""
+w_k = exp(-k / 4) over the valid prefix of each block and normalised by the summed weights.
+Recipe options (TrainConfig): the CE term against the teacher's whole distribution (ce_target
+soft, with e.g. ce_weight 1 and a small l1_weight), the confidence BCE on detached inputs
+(conf_detach) or down-weighted (conf_weight), the anchors per sequence."""
 from __future__ import annotations
 
 import json
@@ -20,7 +23,7 @@ from sparkserve.layers.block_backed import BlockBacked
 from sparkserve.layers.linear import Linear
 from sparkserve.models.dspark_draft import DSparkDraft, save_dspark_draft
 from sparkserve.training.blocks import BlockSeq, blocks_forward
-from sparkserve.training.config import TrainConfig
+from sparkserve.training.config import CE_TARGETS, TrainConfig
 from sparkserve.training.feature_cache import FeatureCache
 from sparkserve.training.ranks import Ranks
 
@@ -137,16 +140,20 @@ def blocks_losses(draft: DSparkDraft, seqs: list[BlockSeq], cfg: TrainConfig,
             outside = (1 - p_t.sum(-1)).clamp_min(0)
     p_d = logp_d.exp()
     l1 = (p_d - p_t).abs().sum(-1) + outside       # teacher mass outside the draft vocab counts fully
-    labels = torch.where(from_greedy[safe_tgt], greedy[safe_tgt - 1], tokens[safe_tgt])
-    tgt = labels if teacher is None else teacher.t2d[labels]
-    in_vocab = tgt >= 0
-    ce = F.nll_loss(logp_d, tgt.clamp_min(0), reduction="none") * in_vocab
+    if cfg.ce_target == "soft":
+        ce = soft_cross_entropy(logp_d, p_t)
+    else:
+        labels = torch.where(from_greedy[safe_tgt], greedy[safe_tgt - 1], tokens[safe_tgt])
+        tgt = labels if teacher is None else teacher.t2d[labels]
+        ce = F.nll_loss(logp_d, tgt.clamp_min(0), reduction="none") * (tgt >= 0)
     w = (torch.exp(-k.float() / cfg.decay_gamma)[None, :] * valid).reshape(-1)
     out = {"ce": (ce * w).sum(), "l1": (l1 * w).sum(), "wsum": w.sum()}
     c_star = (1 - 0.5 * l1.detach()).clamp(0, 1)
     if draft.confidence_head is not None:
         head = draft.confidence_head
         feats = torch.cat([h, emb], -1) if head.with_markov else h
+        if cfg.conf_detach:
+            feats = feats.detach()
         conf_logit = head.proj(feats).squeeze(-1).float()
         bce = F.binary_cross_entropy_with_logits(conf_logit, c_star, reduction="none")
         out["conf"] = (bce * w).sum()
@@ -155,6 +162,13 @@ def blocks_losses(draft: DSparkDraft, seqs: list[BlockSeq], cfg: TrainConfig,
     out["tau_sum"] = (1 + surv.sum(1)).sum().detach()
     out["blocks"] = torch.tensor(float(A), device=dev)
     return out
+
+
+def soft_cross_entropy(logp_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
+    """-sum_v p_t(v) log p_d(v) per row: the cross-entropy against the teacher's distribution over
+    the draft's vocab (teacher mass outside it has no draft row to learn; a hard label outside it
+    is masked the same way). Equals the hard CE of a one-hot teacher."""
+    return -(p_t * logp_d).sum(-1)
 
 
 def _optimizer(draft: DSparkDraft, cfg: TrainConfig) -> tuple[list[torch.Tensor], torch.optim.AdamW]:
@@ -302,6 +316,8 @@ def _check_inputs(draft: DSparkDraft, cache: FeatureCache, cfg: TrainConfig, tar
                   ranks: Ranks, device: torch.device | str | None) -> torch.device:
     """What train() cannot run with, before it starts; returns the device it trains on (a CUDA one
     with its index, as the ranks and the draft's tensors name it)."""
+    if cfg.ce_target not in CE_TARGETS:
+        raise ValueError(f"ce_target must be one of {', '.join(CE_TARGETS)}, got {cfg.ce_target!r}")
     if not 0 <= cfg.walk_anchor_frac <= 1:
         raise ValueError(f"walk_anchor_frac must be within [0, 1], got {cfg.walk_anchor_frac}")
     if draft.d2t is not None and (target_head is None or cache.lse is None):
