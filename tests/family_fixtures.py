@@ -6,12 +6,14 @@ Every 1-D parameter (norm weights, biases) is moved away from its init value, so
 drops one shows; every value is rounded to bfloat16 (which float16 and float32 hold exactly), so
 the fp32 directory, its bf16 copy and the F32 / F16 GGUF files hold the same numbers.
 
-`write_gguf` MIRRORS what llama.cpp's convert_hf_to_gguf.py writes for these archs (TextModel /
+`write_gguf` MIRRORS what llama.cpp's convert_hf_to_gguf.py writes for these archs (checked against the
+real converter by benchmarks/gguf_conformance.py: metadata outside tokenizer.* / general.* and every
+tensor's name, type and bytes equal for each family and outtype; TextModel /
 LlamaModel / Qwen2Model / Qwen2MoeModel: metadata keys, tensor names, LlamaModel.permute of q/k rows
 and biases, generate_extra_tensors' llama3 `rope_freqs`, per-expert tensors stacked into `ffn_*_exps`,
 F32 for 1-D tensors and the router under f16; Qwen3-MoE's dense layer (`mlp_only_layers`, which
-llama.cpp's qwen3moe does not build) is written as a dense layer's ffn_gate/up/down); it does not run it
-(the converter ships only in llama-cpp-python's sdist, which the tests may not download)."""
+llama.cpp's qwen3moe does not build) is written as a dense layer's ffn_gate/up/down); the tests do not
+run the converter (it ships only in llama-cpp-python's sdist, which the tests may not download)."""
 from __future__ import annotations
 
 import json
@@ -113,6 +115,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                      attn_logit_softcapping=None, final_logit_softcapping=None)),
     # Gemma 3: 5 sliding layers (local rope base 1e4) then a full one (base 1e6, linear x8), q/k norms
     "gemma3": ("gemma3_text", dict(_GEMMA, num_hidden_layers=6, rope_parameters=GEMMA3_ROPE)),
+    # a local rope base of its own (GGUF rope.freq_base_swa, which newer converters write)
+    "gemma3_local_base": ("gemma3_text", dict(_GEMMA, num_hidden_layers=6, rope_parameters=dict(
+        GEMMA3_ROPE, sliding_attention={"rope_type": "default", "rope_theta": 40.0}))),
     "deepseek_v2": ("deepseek_v2", dict(_DEEPSEEK_V2, tie_word_embeddings=False)),
     # V2 (not Lite)'s kind: q through a low-rank q_a / q_b, group-limited routing (2 groups, best 1),
     # mscale != mscale_all_dim (cos/sin scaled too); tied
@@ -120,8 +125,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         _DEEPSEEK_V2, q_lora_rank=24, topk_method="group_limited_greedy", n_group=2, topk_group=1,
         tie_word_embeddings=True, rope_parameters=dict(_DEEPSEEK_V2["rope_parameters"], mscale=1.0,
                                                        mscale_all_dim=0.5))),
-    # what a GGUF file can say (greedy routing; mscale as mscale_all_dim) with q_lora and a tied head
-    "deepseek_v2_qlora_gguf": ("deepseek_v2", dict(_DEEPSEEK_V2, q_lora_rank=24, tie_word_embeddings=True)),
+    # what a GGUF file can say (mscale as mscale_all_dim; group-limited routing as expert_group_count /
+    # expert_group_used_count) with q_lora and a tied head
+    "deepseek_v2_qlora_gguf": ("deepseek_v2", dict(
+        _DEEPSEEK_V2, q_lora_rank=24, tie_word_embeddings=True, topk_method="group_limited_greedy", n_group=2,
+        topk_group=1)),
 }
 MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral", "gpt_oss", "gpt_oss_gguf", "deepseek_v2",
                 "deepseek_v2_qlora", "deepseek_v2_qlora_gguf"}
@@ -320,10 +328,19 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    if (theta := rope.get("rope_theta", hp.get("rope_theta"))) is not None:
-        w.add_rope_freq_base(theta)
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(rope[key])
+    if (theta := rope.get("rope_theta", hp.get("rope_theta"))) is not None and arch != "gemma2":
+        w.add_rope_freq_base(theta)     # (Gemma2Model writes its own parameters, no rope base)
+    local = (hp.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta")
+    if local is not None:       # TextModel: rope_parameters' sliding_attention base
+        w.add_rope_freq_base_swa(local)
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    if hp.get("head_dim") is not None and arch != "deepseek2":   # DeepSeek's own configs have none
+    # TextModel's head_dim (DeepSeek's own configs have none; GraniteModel drops it; Phi3MiniModel
+    # writes its own parameters)
+    if hp.get("head_dim") is not None and arch not in ("deepseek2", "granite", "phi3"):
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
     if (n_experts := hp.get("num_local_experts", hp.get("num_experts"))) is not None:
@@ -333,6 +350,10 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         n_experts = hp["n_routed_experts"]
     if (n_used := hp.get("num_experts_per_tok")) is not None:
         w.add_expert_used_count(n_used)
+    if hp.get("n_group") is not None:           # TextModel: DeepSeek's group-limited routing
+        w.add_expert_group_count(hp["n_group"])
+    if hp.get("topk_group") is not None:
+        w.add_expert_group_used_count(hp["topk_group"])
     if arch == "qwen3moe":      # Qwen2MoeModel.set_gguf_parameters
         w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
     if arch == "gpt-oss":       # GptOssModel.set_gguf_parameters

@@ -156,7 +156,10 @@ def _deepseek2_fields(get, n_heads: int, rope_dim: int, q_lora: bool) -> dict[st
     """The DeepseekV2Config keys of a deepseek2 GGUF (convert_hf_to_gguf.py DeepseekV2Model). Newer
     converters write the MLA head sizes as `key_length_mla` / `value_length_mla` (key_length is then
     the latent's), older ones as key_length / value_length; routed experts are never renormalised
-    and the file's head_count_kv (1: MLA as MQA) is not a config key here."""
+    and the file's head_count_kv (1: MLA as MQA) is not a config key here. `expert_group_count` /
+    `expert_group_used_count` (the converter's n_group / topk_group) > 1: DeepSeek-V2's
+    group-limited routing, groups ranked by their best expert as the model does (llama.cpp ranks
+    them by their best two, DeepSeek-V3's rule)."""
     key, value = get("attention.key_length_mla"), get("attention.value_length_mla")
     if key is None:
         key, value = get("attention.key_length"), get("attention.value_length")
@@ -174,7 +177,9 @@ def _deepseek2_fields(get, n_heads: int, rope_dim: int, q_lora: bool) -> dict[st
             "n_routed_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
             "n_shared_experts": get("expert_shared_count", 0),
             "moe_intermediate_size": get("expert_feed_forward_length"),
-            "routed_scaling_factor": get("expert_weights_scale", 1.0), "topk_method": "greedy",
+            "routed_scaling_factor": get("expert_weights_scale", 1.0),
+            "topk_method": "group_limited_greedy" if get("expert_group_count", 1) > 1 else "greedy",
+            "n_group": get("expert_group_count", 1), "topk_group": get("expert_group_used_count", 1),
             "num_experts": None, "mlp_only_layers": None, "norm_topk_prob": False}
 
 
@@ -187,8 +192,8 @@ def _gemma_fields(arch: str, get, n_layers: int, hidden: int, n_heads: int, head
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if (cap := get(key)) is not None:
                 fields[key] = cap
-    else:
-        fields["rope_local_base_freq"] = _GEMMA_LOCAL_ROPE_BASE
+    else:       # newer converters write the local base (rope_parameters' sliding_attention)
+        fields["rope_local_base_freq"] = get("rope.freq_base_swa", _GEMMA_LOCAL_ROPE_BASE)
     pattern = get("attention.sliding_window_pattern")     # where a file says it (else the family's)
     if isinstance(pattern, int):
         fields["sliding_window_pattern"] = pattern

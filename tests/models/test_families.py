@@ -26,8 +26,8 @@ from sparkserve.models.llama_native import unsupported
 
 # llama.cpp's qwen2 applies no sliding window (its converter writes none): the windowed variant is HF only.
 GGUF_FAMILIES = ["qwen2", "qwen2_tied", "qwen2_yarn", "llama3", "llama3_tied", "llama_linear", "qwen3_moe",
-                 "mixtral", "gemma2", "gemma3", "phi3", "phi3_longrope", "smollm3", "granite",
-                 "olmo2", "gpt_oss_gguf", "deepseek_v2", "deepseek_v2_qlora_gguf"]
+                 "mixtral", "gemma2", "gemma3", "gemma3_local_base", "phi3", "phi3_longrope", "smollm3",
+                 "granite", "olmo2", "gpt_oss_gguf", "deepseek_v2", "deepseek_v2_qlora_gguf"]
 
 
 @pytest.fixture(scope="module")
