@@ -37,7 +37,7 @@ MAX_HOST_CHARS = 253        # bootstrap_host: a DNS name is at most 253 characte
 MAX_GRAMMAR_CHARS = 1 << 20  # json_schema / regex / ebnf text: compiled (and cached) per request
 
 # Constrained decoding (SGLang's names): at most one of them; the grammar engine is sparkserve/constrained.
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 _ALIASES = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob")
@@ -90,6 +90,7 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None     # SGLang's: tags (begin, schema, end) triggers open in text
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:

@@ -39,8 +39,15 @@ class GrammarBackend:
                 self._tokenizer = ll_tokenizer(self._source, self.n_vocab)
             return self._tokenizer
 
+    def _special_tokens(self) -> dict[str, int]:
+        """Each special token's text -> its id (a structural tag's triggers may be such tokens)."""
+        src = self._source
+        return {src.token_bytes(t).decode("utf-8", "replace"): t
+                for t in src.all_special_ids if t < self.n_vocab}
+
     def _compile(self, field: str, text: str) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar_source(field, text))
+        special = self._special_tokens() if field == "structural_tag" else None
+        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar_source(field, text, special))
         if matcher.is_error():
             raise ValueError(f"{field}: invalid {field}: {matcher.get_error()}")
         scratch = torch.empty(1, self.words, dtype=torch.int32)

@@ -4,16 +4,19 @@ sees it. OpenAI's response_format maps onto the same json_schema field."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import llguidance
 
-from sparkserve.sampling_params import SamplingParams
+from sparkserve.constrained.structural_tag import structural_tag_lark
+from sparkserve.sampling_params import GRAMMAR_FIELDS, SamplingParams
 
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "none")
 ANY_JSON_OBJECT = '{"type": "object"}'      # response_format json_object, as SGLang maps it
 
-# llguidance's format for each SamplingParams field (ebnf: GBNF or Lark, as llguidance reads both)
+# llguidance's format for each SamplingParams field (ebnf: GBNF or Lark, as llguidance reads both;
+# structural_tag: structural_tag.py)
 _FORMATS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
 # JSON whitespace between tokens: flexible (a model's own pretty-printing passes) but at most this
 # much per gap, so a model that loops on newlines still has to write the object. A schema's own
@@ -21,8 +24,12 @@ _FORMATS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
 
 
-def grammar_source(field: str, text: str) -> str:
-    """The llguidance grammar of a constraint; ValueError (naming the field) when it cannot be made."""
+def grammar_source(field: str, text: str, special: Mapping[str, int] | None = None) -> str:
+    """The llguidance grammar of a constraint; ValueError (naming the field) when it cannot be made.
+    `special` (a special token's text -> id) lets a structural tag name special tokens; without it
+    (the request path's check) their text is taken as text."""
+    if field == "structural_tag":
+        return llguidance.LLMatcher.grammar_from_lark(structural_tag_lark(text, special))
     try:
         if field == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(
@@ -47,8 +54,10 @@ def check_grammar(params: SamplingParams, backend: str, has_tokenizer: bool) -> 
         raise ValueError(f"{field}: invalid {field}: {error.strip()}")
 
 
-def response_format_schema(rf: Any) -> str | None:
-    """OpenAI's response_format as a json_schema (None for text); ValueError naming the field."""
+def response_format_constraint(rf: Any) -> tuple[str, str] | None:
+    """OpenAI's response_format as (field, text) of the constraint: a json_schema, or SGLang's
+    structural_tag (its whole object, as SGLang passes it on); None for text. ValueError naming
+    the field."""
     if rf is None:
         return None
     if not isinstance(rf, dict):
@@ -57,9 +66,12 @@ def response_format_schema(rf: Any) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return ANY_JSON_OBJECT
+        return "json_schema", ANY_JSON_OBJECT
+    if kind == "structural_tag":
+        return "structural_tag", json.dumps(rf)
     if kind != "json_schema":
-        raise ValueError(f"response_format.type: {kind!r} is not one of text, json_object, json_schema")
+        raise ValueError(f"response_format.type: {kind!r} is not one of text, json_object, json_schema, "
+                         "structural_tag")
     spec = rf.get("json_schema")
     if not isinstance(spec, dict):
         raise ValueError("response_format.json_schema: an object {name, schema, strict} is required")
@@ -70,21 +82,22 @@ def response_format_schema(rf: Any) -> str | None:
         raise ValueError(f"response_format.json_schema.schema must be an object, got {type(schema).__name__}")
     if not isinstance(spec.get("strict", False), (bool, type(None))):
         raise ValueError("response_format.json_schema.strict must be a bool")
-    return json.dumps(schema)
+    return "json_schema", json.dumps(schema)
 
 
 def apply_response_format(req: Any, backend: str, has_tokenizer: bool) -> Any:
-    """An OpenAI request (pydantic) with its response_format as its json_schema (SGLang's extra-body
-    field, which the sampling params take); ValueError naming response_format when it cannot be."""
-    schema = response_format_schema(req.response_format)
-    if schema is None:
+    """An OpenAI request (pydantic) with its response_format as its json_schema or structural_tag
+    (SGLang's extra-body fields, which the sampling params take); ValueError naming response_format
+    when it cannot be."""
+    constraint = response_format_constraint(req.response_format)
+    if constraint is None:
         return req
-    given = [name for name, v in (("json_schema", req.json_schema), ("regex", req.regex),
-                                  ("ebnf", req.ebnf)) if v is not None]
+    given = [name for name in GRAMMAR_FIELDS if getattr(req, name) is not None]
     if given:
         raise ValueError(f"response_format: cannot be combined with {given[0]} (one constraint per request)")
+    field, text = constraint
     try:
-        check_grammar(SamplingParams(json_schema=schema).validate(), backend, has_tokenizer)
+        check_grammar(SamplingParams(**{field: text}).validate(), backend, has_tokenizer)
     except ValueError as e:
         raise ValueError(f"response_format: {e}") from None
-    return req.model_copy(update={"json_schema": schema})
+    return req.model_copy(update={field: text})

@@ -80,6 +80,12 @@ class GrammarMatcher:
             return 0
         return min(len(drafts), m.validate_tokens(list(drafts)) + 1)
 
+    def walker(self, output_ids: Sequence[int]) -> llguidance.LLMatcher | None:
+        """A copy of the state after `output_ids` to walk drafts with while they are drafted (the
+        matcher itself is left as it is); None when the matcher is in error."""
+        self.advance(output_ids)
+        return None if self._m is None or self._error is not None else self._m.deep_copy()
+
     def draft_masks(self, drafts: Sequence[int], output_ids: Sequence[int]) -> Tensor:
         """[len(drafts) + 1, words]: row k allows what may follow the output and drafts[:k]; rows
         past the first draft the grammar rejects allow everything (verify never reads them)."""

@@ -1,12 +1,18 @@
 """A chat request's tools and tool_choice: checked (a choice the server cannot honour is a 400,
 never a hope), constrained by a grammar where the choice forces calls (`required`, a named
-function), and the parser its answer is read with."""
+function) or a strict tool asks its calls checked (`auto`), and the parser its answer is read with."""
 from __future__ import annotations
 
 from sparkserve.constrained.check import check_grammar
 from sparkserve.entrypoints.openai_protocol import ApiError, ChatCompletionRequest, short_repr
 from sparkserve.frontend.tool_parsers import TOOL_PARSERS, ToolParser
-from sparkserve.frontend.tool_parsers.forced import NamedCallParser, RequiredCallsParser, forced_schema
+from sparkserve.frontend.tool_parsers.forced import (
+    NamedCallParser,
+    RequiredCallsParser,
+    forced_schema,
+    is_strict,
+    strict_calls_tag,
+)
 from sparkserve.sampling_params import SamplingParams
 
 
@@ -46,30 +52,46 @@ def checked_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> list
                             "tool_choice: none", "tools")
     return tools
 
-def forced_tools(req: ChatCompletionRequest, backend: str, has_tokenizer: bool) -> ChatCompletionRequest:
-    """tool_choice required or named: the request constrained by the calls' JSON schema (on the
-    grammar engine, as response_format is); the tools' own schemas must be valid ones."""
+def forced_tools(req: ChatCompletionRequest, backend: str, has_tokenizer: bool,
+                 parser: ToolParser | None) -> ChatCompletionRequest:
+    """The request constrained by its tools where they ask it (on the grammar engine, as
+    response_format is): tool_choice required or named by the calls' JSON schema; auto with a
+    `strict: true` tool by the structural tag of the parser's call form (free text, each call it
+    opens checked). The tools' own schemas must be valid ones."""
     choice = req.tool_choice
-    if not (choice == "required" or isinstance(choice, dict)):
+    forced = choice == "required" or isinstance(choice, dict)
+    strict = [i for i, t in enumerate(req.tools or []) if is_strict(t)]
+    if not forced and not (strict and choice in (None, "auto")):
         return req
+    what = (choice if isinstance(choice, str) else "a named function") if forced else \
+        "auto with strict tools"
+    field = "tool_choice" if forced else "tools"
     rf = req.response_format and req.response_format.get("type", "text") != "text"
     given = [n for n, v in (("response_format", rf), ("json_schema", req.json_schema),
-                            ("regex", req.regex), ("ebnf", req.ebnf)) if v]
+                            ("regex", req.regex), ("ebnf", req.ebnf),
+                            ("structural_tag", req.structural_tag)) if v]
     if given:
-        what = choice if isinstance(choice, str) else "a named function"
-        raise ApiError(400, f"tool_choice: {what} cannot be combined with {given[0]} (one constraint per "
-                            "request)", "tool_choice")
+        raise ApiError(400, f"{field}: tool_choice {what} cannot be combined with {given[0]} (one constraint "
+                            "per request)", field)
     if backend == "none":
-        raise ApiError(400, "tool_choice: required and named choices are enforced by a grammar, and this "
-                            "server has none (--grammar-backend none)", "tool_choice")
-    named = choice["function"]["name"] if isinstance(choice, dict) else None
-    schema = forced_schema(req.tools, named, req.parallel_tool_calls)
+        raise ApiError(400, f"{field}: tool_choice {what} is enforced by a grammar, and this server has "
+                            "none (--grammar-backend none)", field)
+    if forced:
+        named = choice["function"]["name"] if isinstance(choice, dict) else None
+        update = {"json_schema": forced_schema(req.tools, named, req.parallel_tool_calls)}
+    else:
+        assert parser is not None           # checked_tools refused auto without a parser
+        try:
+            update = {"structural_tag": strict_calls_tag(req.tools, parser, req.parallel_tool_calls)}
+        except ValueError as e:
+            raise ApiError(400, f"tools.{strict[0]}.function.strict: {e} (send strict: false, or "
+                                "tool_choice required)", "tools") from None
     try:
-        check_grammar(SamplingParams(json_schema=schema).validate(), backend, has_tokenizer)
+        check_grammar(SamplingParams(**update).validate(), backend, has_tokenizer)
     except ValueError as e:
         raise ApiError(400, f"tools: the tools' parameters cannot constrain the answer "
                             f"(tool_choice {short_repr(choice)}): {e}", "tools") from None
-    return req.model_copy(update={"json_schema": schema})
+    return req.model_copy(update=update)
 
 def tool_parser_for(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolParser | None:
     """How a request's answer is read for calls (None: it is not); build() checked the choice."""

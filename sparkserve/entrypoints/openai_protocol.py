@@ -135,10 +135,11 @@ class OpenAISampling(_Request):
     stop_token_ids: Ints | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    # SGLang: constrained decoding (at most one; response_format becomes json_schema)
+    # SGLang: constrained decoding (at most one; response_format becomes json_schema or structural_tag)
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
     rid: str | None = None
     # SGLang: each finished choice gets "hidden_states", the final normed hidden state of the
     # last position run (needs --enable-return-hidden-states; /generate returns every row)

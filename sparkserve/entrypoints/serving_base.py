@@ -31,7 +31,7 @@ _OPENAI_TO_SP = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
                  "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
                  "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
                  "logit_bias": "logit_bias", "json_schema": "json_schema", "regex": "regex",
-                 "ebnf": "ebnf"}
+                 "ebnf": "ebnf", "structural_tag": "structural_tag"}
 _SP_TO_OPENAI = {v: k for k, v in _OPENAI_TO_SP.items()}
 
 

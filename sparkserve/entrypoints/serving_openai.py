@@ -110,7 +110,7 @@ class ServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
         tools = checked_tools(req, self.tool_parser)        # the tools the template renders
-        req = forced_tools(req, self.tm.args.grammar_backend, self.tm.tokenizer is not None)
+        req = forced_tools(req, self.tm.args.grammar_backend, self.tm.tokenizer is not None, self.tool_parser)
         ids = self.tokenize(self.render(req, tools), "messages")
         self.check_length(ids, "messages", "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

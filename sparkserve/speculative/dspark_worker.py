@@ -10,6 +10,7 @@ from sparkserve.core.req import Req
 from sparkserve.executor.sampler import processed_probs, sample_from_probs
 from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.dspark_draft import DSparkDraft
+from sparkserve.speculative.grammar_drafts import DraftMasks
 from sparkserve.speculative.planner import VerifyPlanner
 from sparkserve.speculative.worker import Proposal, SpecWorker
 
@@ -106,7 +107,7 @@ class DSparkWorker(SpecWorker):
         d, B = self.draft, len(reqs)
         anchors = torch.tensor([r.output_ids[-1] for r in reqs])
         fused = None
-        if d.native is not None and all(r.params.is_greedy for r in reqs):
+        if d.native is not None and all(r.params.is_greedy and r.grammar is None for r in reqs):
             fused = d.native.propose_greedy(d, anchors, kv_indices, ctx_lens, self.pool, self.block_slots)
         if fused is not None:
             tokens, conf = fused
@@ -140,7 +141,8 @@ class DSparkWorker(SpecWorker):
         d, (B, G) = self.draft, base.shape[:2]
         head = d.markov_head
         sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
-        if not sampled and d.native is not None:
+        masks = DraftMasks.of(reqs, d.to_target_ids(torch.arange(base.shape[-1], device=base.device)).cpu())
+        if not sampled and d.native is not None and masks is None:
             native = d.native.markov_greedy(d, base, anchors)
             if native is not None:
                 return *native, [None] * B
@@ -152,6 +154,8 @@ class DSparkWorker(SpecWorker):
         for k in range(G):
             emb = embs[:, k] = head.prev_embedding(prev)
             logits = base[:, k] + head.bias(emb, hidden[:, k])
+            if masks is not None:           # constrained rows draft what their grammar allows
+                logits = masks.apply(logits)
             nxt = logits.argmax(-1)
             for i in sampled:
                 r = reqs[i]
@@ -159,4 +163,6 @@ class DSparkWorker(SpecWorker):
                 q_probs[i][k] = q[0]
                 nxt[i] = sample_from_probs(q, r.sampling.generator(q.device))[0]
             prev = tokens[:, k] = d.to_target_ids(nxt)
+            if masks is not None:
+                masks.take(prev)
         return tokens, embs, [q if q is None else d.to_target_probs(q) for q in q_probs]

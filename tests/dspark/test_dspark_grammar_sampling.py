@@ -1,11 +1,13 @@
 """DSpark sampling under a grammar is lossless: seeded continuations drawn with speculative decoding
 and a regex constraint follow the exact distribution of the grammar-masked target (enumerated from
-the transformers model with each position's allowed set), while drafts the grammar rejects are cut
-before verify. The tiny V=24 target and the related-but-unequal draft of test_dspark_sampling; its
+the transformers model with each position's allowed set), both with the draft proposing under the
+grammar (its distributions masked: no draft is cut) and without (drafts the grammar rejects are cut
+before verify). The tiny V=24 target and the related-but-unequal draft of test_dspark_sampling; its
 ids spell the letters a..w (id 23: EOS), so a regex constrains them. Chi-square at alpha 1e-3, fixed
 seeds: deterministic."""
 from __future__ import annotations
 
+import pytest
 import torch
 from dspark_fixtures import (
     dspark_single_thread,  # noqa: F401 (autouse)
@@ -18,6 +20,7 @@ from sparkserve.constrained.matcher import GrammarMatcher
 from sparkserve.entrypoints import engine as engine_mod
 from sparkserve.executor.sampler import processed_probs
 from sparkserve.sampling_params import SamplingParams
+from sparkserve.speculative import grammar_drafts
 
 N = 3000
 REGEX = "[a-p][b-q][a-w][c-r]"                 # MAX_NEW letters, then complete
@@ -55,8 +58,12 @@ def masked_distributions(hf, params: SamplingParams):
     return out
 
 
-def test_sampling_under_a_regex_matches_the_masked_target(hf_target, draft_dir, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("draft_masks", [True, False])
+def test_sampling_under_a_regex_matches_the_masked_target(hf_target, draft_dir, monkeypatch,  # noqa: F811
+                                                          draft_masks):
     target, hf = hf_target
+    if not draft_masks:
+        monkeypatch.setattr(grammar_drafts.DraftMasks, "of", staticmethod(lambda reqs, ids: None))
     eng = engine(target, draft_dir, "full", max_running_requests=256)
     eng.scheduler.grammar = GrammarBackend(Letters(), V)             # the target has no tokenizer
     monkeypatch.setattr(engine_mod, "check_grammar", lambda *a: None)
@@ -75,7 +82,10 @@ def test_sampling_under_a_regex_matches_the_masked_target(hf_target, draft_dir, 
     assert all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs)
     hist = eng.scheduler.accept_hist
     assert hist.get(0, 0) > 0 and sum(v for k, v in hist.items() if k > 0) > 0, hist
-    assert sum(cuts) > 0, "the grammar never cut a draft: the test would not see the cut"
+    if draft_masks:
+        assert sum(cuts) == 0, "a draft proposed under the grammar was cut"
+    else:
+        assert sum(cuts) > 0, "the grammar never cut a draft: the test would not see the cut"
     t = torch.tensor(seqs)
     for k, allowed in enumerate(ALLOWED):
         assert set(t[:, k].tolist()) <= set(allowed)

@@ -81,6 +81,16 @@ class ToolParser:
     # special tokens (they would vanish from the text)
     skip_special_tokens = True
 
+    # whether several calls written as `structure` in one answer read as parallel calls (False: the
+    # grammar of strict tools stops after the first)
+    parallel_structures = True
+
+    def structure(self, name: str) -> tuple[str, str, str] | None:
+        """(trigger, begin, end) around the arguments object of one call to `name`, as the grammar of
+        strict tools under tool_choice auto writes it (SGLang's structure_info); None where this
+        format has no such form."""
+        return None
+
     def split(self, text: str, final: bool) -> Split:
         """Where the calls are. Not `final` (streaming): the content leaves out an end that may be
         the start of a marker."""

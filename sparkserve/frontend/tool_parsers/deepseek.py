@@ -17,6 +17,9 @@ class DeepSeekV3Parser(ToolParser):
     name = "deepseekv3"
     skip_special_tokens = False          # the markers are added tokens; kept in the text either way
 
+    def structure(self, name: str) -> tuple[str, str, str]:
+        return CALL, f"{CALL}function{SEP}{name}\n```json\n", f"\n```{CALL_END}"
+
     def name_and_body(self, block: str) -> tuple[str, str] | None:
         """(name, raw arguments) of one block so far; None until the name is complete."""
         _, sep, tail = block.partition(SEP)
@@ -49,6 +52,9 @@ class DeepSeekV3Parser(ToolParser):
 
 class DeepSeekV31Parser(DeepSeekV3Parser):
     name = "deepseekv31"
+
+    def structure(self, name: str) -> tuple[str, str, str]:
+        return CALL, f"{CALL}{name}{SEP}", CALL_END
 
     def name_and_body(self, block: str) -> tuple[str, str] | None:
         name, sep, body = block.partition(SEP)

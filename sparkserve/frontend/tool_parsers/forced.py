@@ -1,6 +1,7 @@
 """Tool calls a grammar forces (tool_choice `required` or a named function), read the same way
 whatever the model's own format, as vLLM does: the grammar (`forced_schema`) makes the answer a
-JSON array of `{"name", "parameters"}` (required) or the named function's arguments object."""
+JSON array of `{"name", "parameters"}` (required) or the named function's arguments object.
+Strict tools under tool_choice auto keep the model's own format (`strict_calls_tag`)."""
 from __future__ import annotations
 
 import json
@@ -32,6 +33,33 @@ def forced_schema(tools: list[dict], named: str | None, parallel: bool = True) -
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     most = {} if parallel else {"maxItems": 1}
     return json.dumps({"type": "array", "minItems": 1, **most, "items": {"anyOf": calls}, **COMPACT})
+
+
+def is_strict(tool: dict) -> bool:
+    return tool["function"].get("strict") is True
+
+
+def strict_calls_tag(tools: list[dict], parser: ToolParser, parallel: bool = True) -> str:
+    """tool_choice auto with strict tools: the answer is free text, but each call the model opens
+    in its own format (`parser.structure`) is written whole, a strict tool's arguments following
+    its schema (the others' any object), as SGLang's structural tag for strict tools. Without
+    `parallel` (or where the format keeps parallel calls in one block) the answer ends after the
+    first call. ValueError where the format has no such form."""
+    tags, triggers = [], []
+    for t in tools:
+        name = t["function"]["name"]
+        form = parser.structure(name)
+        if form is None:
+            raise ValueError(f"--tool-call-parser {parser.name} has no call form a grammar can check")
+        trigger, begin, end = form
+        schema = {**(parameters_schema(t) if is_strict(t) else {"type": "object"}), **COMPACT}
+        tags.append({"type": "tag", "begin": begin, "end": end,
+                     "content": {"type": "json_schema", "json_schema": schema}})
+        if trigger not in triggers:
+            triggers.append(trigger)
+    one = not parallel or not parser.parallel_structures
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": triggers, "tags": tags, "stop_after_first": one}})
 
 
 class RequiredCallsParser(ToolParser):

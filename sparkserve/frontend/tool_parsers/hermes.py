@@ -2,6 +2,8 @@
 block per call (parallel calls are several blocks), text around them is content."""
 from __future__ import annotations
 
+import json
+
 from sparkserve.frontend.tool_parsers.base import Split, ToolParser, held_back
 
 START, END = "<tool_call>", "</tool_call>"
@@ -9,6 +11,9 @@ START, END = "<tool_call>", "</tool_call>"
 
 class HermesParser(ToolParser):
     name = "hermes"
+
+    def structure(self, name: str) -> tuple[str, str, str]:
+        return START, f'{START}\n{{"name": {json.dumps(name)}, "arguments": ', "}\n" + END
 
     def split(self, text: str, final: bool) -> Split:
         outside, bodies, pos, closed = [], [], 0, True

@@ -3,6 +3,8 @@ as the whole answer, several separated by `;`. Text before the tag is content; a
 does not start with `{` (or whose JSON is no call) is plain content."""
 from __future__ import annotations
 
+import json
+
 from sparkserve.frontend.tool_parsers.base import Split, ToolParser, held_back, objects_array
 
 TAG = "<|python_tag|>"
@@ -12,6 +14,9 @@ END_TOKENS = ("<|eom_id|>", "<|eot_id|>")
 class Llama3Parser(ToolParser):
     name = "llama3"
     skip_special_tokens = False          # <|python_tag|> is a special token
+
+    def structure(self, name: str) -> tuple[str, str, str]:
+        return TAG, f'{TAG}{{"name": {json.dumps(name)}, "parameters": ', "}"
 
     def split(self, text: str, final: bool) -> Split:
         i = text.find(TAG)
