@@ -113,14 +113,26 @@ class ConfidenceHead(nn.Module):
         return torch.sigmoid(self.proj(x).squeeze(-1).float())
 
 
+class TapNorm(nn.Module):
+    """An RMSNorm per tap over taps side by side [T, n * d]: weight [n, d], one row per tap."""
+
+    def __init__(self, n_taps: int, hidden: int, eps: float):
+        super().__init__()
+        self.n, self.d, self.eps = n_taps, hidden, eps
+        self.weight = nn.Parameter(torch.ones(n_taps, hidden))
+
+    def forward(self, taps: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.rms_norm(taps.reshape(-1, self.n, self.d), (self.d,), None, self.eps)
+        return (x * self.weight).view(taps.shape)
+
+
 class DSparkDraft(nn.Module):
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
         self.config = cfg
         n_taps = len(cfg.target_layer_ids)
         self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
-        self.tap_norm = (nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in range(n_taps))
-                         if cfg.tap_norm else None)
+        self.tap_norm = TapNorm(n_taps, cfg.hidden_size, cfg.rms_norm_eps) if cfg.tap_norm else None
         self.fc = Linear(n_taps * cfg.hidden_size, cfg.hidden_size)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # EAGLE-style fusion: the block rows start from their embedding plus this projection of
@@ -170,10 +182,7 @@ class DSparkDraft(nn.Module):
     # ---- KV injection -----------------------------------------------------------------------
     def normed_taps(self, taps: torch.Tensor) -> torch.Tensor:
         """Taps side by side [T, n * d], each RMS-normed when the draft has tap_norm."""
-        if self.tap_norm is None:
-            return taps
-        parts = taps.split(self.config.hidden_size, dim=-1)
-        return torch.cat([norm(part.contiguous()) for norm, part in zip(self.tap_norm, parts)], dim=-1)
+        return taps if self.tap_norm is None else self.tap_norm(taps)
 
     def context_hidden(self, taps: list[torch.Tensor]) -> torch.Tensor:
         """Fuse the tapped target hidden rows [T, d] each (or one [T, n * d] of them side by
@@ -390,7 +399,7 @@ def init_dspark_draft(config: dict[str, Any], target: CausalLM | None = None, se
     g = torch.Generator().manual_seed(seed)
     draft = DSparkDraft(DSparkConfig.from_dict(config))
     for name, p in draft.named_parameters():
-        if name.endswith("norm.weight") or name.startswith("tap_norm."):
+        if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         elif name.startswith("fuse_proj."):
             p.data.zero_()          # the fused draft starts as the plain one; training grows the fusion

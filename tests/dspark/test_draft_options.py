@@ -47,8 +47,8 @@ def make_draft(target_dir: str, option: str, seed: int = 0):
         draft.norm.weight.fill_(1.0)
         if draft.fuse_proj is not None:
             draft.fuse_proj.weight.copy_(torch.randn(draft.fuse_proj.weight.shape, generator=g) * 0.2)
-        for norm in draft.tap_norm or []:
-            norm.weight.copy_(1 + 0.3 * torch.randn(norm.weight.shape, generator=g))
+        if draft.tap_norm is not None:
+            draft.tap_norm.weight.copy_(1 + 0.3 * torch.randn(draft.tap_norm.weight.shape, generator=g))
     return draft
 
 
