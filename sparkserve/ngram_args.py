@@ -4,14 +4,16 @@ that asks for a tree (breadth > 1) or for SGLang's n-gram cache shared by all re
 naming the flag, never ignored."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 SPECULATIVE_ALGORITHMS = ("DSPARK", "NGRAM")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
+PLANNER_MODES = ("full", "threshold", "adaptive")     # args.VERIFY_MODES (speculative/planner.py)
 # flags of one speculative algorithm, refused with the other (or with none)
-DSPARK_FLAGS = ("speculative_draft_model_path", "speculative_dspark_block_size",
-                "speculative_dspark_verify_mode", "speculative_dspark_confidence_threshold",
-                "speculative_dspark_sps_table_path")
+# (the verify planner's flags, --speculative-dspark-verify-mode / -confidence-threshold /
+# -sps-table-path, serve NGRAM too: it plans with its drafts' measured acceptance)
+DSPARK_FLAGS = ("speculative_draft_model_path", "speculative_dspark_block_size")
 NGRAM_FLAGS = ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
                "speculative_ngram_max_match_window_size", "speculative_ngram_min_bfs_breadth",
                "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type",
@@ -61,7 +63,7 @@ class SpeculativeArgs:
             return
         self.speculative_algorithm = "NGRAM"
         self._refuse_flags(need, DSPARK_FLAGS, "needs --speculative-algorithm DSPARK (NGRAM has no draft "
-                                               "model and verifies every draft it finds)")
+                                               "model; --speculative-num-draft-tokens sets its drafts)")
         self._validate_ngram(need)
 
     def _validate_ngram(self, need) -> None:
@@ -88,3 +90,17 @@ class SpeculativeArgs:
         mt = self.speculative_ngram_match_type = (self.speculative_ngram_match_type or "BFS").upper()
         need(mt in NGRAM_MATCH_TYPES,
              f"--speculative-ngram-match-type {mt}: use {' or '.join(NGRAM_MATCH_TYPES)}")
+        self._validate_planner(need)
+
+    def _validate_planner(self, need) -> None:
+        """The verify planner's flags, which NGRAM shares with DSpark."""
+        mode, thr = self.speculative_dspark_verify_mode, self.speculative_dspark_confidence_threshold
+        need(mode in (None, *PLANNER_MODES),
+             f"--speculative-dspark-verify-mode {mode}: use {', '.join(PLANNER_MODES)}")
+        need(thr is None or 0.0 <= thr <= 1.0,
+             f"--speculative-dspark-confidence-threshold must be in [0, 1], got {thr}")
+        need(not (mode == "threshold" and thr is None),
+             "--speculative-dspark-verify-mode threshold needs --speculative-dspark-confidence-threshold")
+        table = self.speculative_dspark_sps_table_path
+        need(table is None or os.path.isfile(table),
+             f"--speculative-dspark-sps-table-path {table} does not exist")

@@ -202,7 +202,7 @@ def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None,
     cache = KVCacheManager(num_slots, args.page_size, num_rows, ctx + 1, no_radix,
                            window=pool.window, swa_slots=swa_slots, swa_window=pool.swa_window)
     runner = ModelRunner(model, pool, cache.req_to_token.table, cache.full_to_swa, mirror)
-    spec = (build_ngram_worker(args, runner, cfg) if args.speculative_algorithm == "NGRAM"
+    spec = (build_ngram_worker(args, runner, cfg, cache) if args.speculative_algorithm == "NGRAM"
             else build_dspark_worker(args, runner, num_slots, cache) if args.speculative_algorithm else None)
     if args.hidden_state_layers is not None:
         model.set_aux_layers(args.hidden_state_layers)     # ranks get them with every forward
@@ -253,14 +253,24 @@ def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, c
                             runner.device)
 
 
-def build_ngram_worker(args: ServerArgs, runner: ModelRunner, cfg: ModelConfig):
-    """NGRAM: no draft model; every draft found is verified (a miss costs no forward)."""
+def build_ngram_worker(args: ServerArgs, runner: ModelRunner, cfg: ModelConfig, cache: KVCacheManager):
+    """NGRAM: no draft model. The planner is DSpark's (adaptive by default: the step costs measured
+    at start-up against the acceptance NGRAM's drafts have had)."""
     from sparkserve.speculative.ngram import NgramWorker
-    from sparkserve.speculative.planner import VerifyPlanner
+    from sparkserve.speculative.planner import StepCostTable, VerifyPlanner
+    from sparkserve.speculative.profile import measure_step_costs
+    thr, table = args.speculative_dspark_confidence_threshold, args.speculative_dspark_sps_table_path
+    mode = args.speculative_dspark_verify_mode or ("threshold" if thr is not None else "adaptive")
     drafts = args.speculative_num_draft_tokens - 1
-    log.info("NGRAM: up to %d drafts, match %d..%d tokens, %s", drafts,
+    costs = None
+    if mode == "adaptive":
+        costs = (StepCostTable.load(table) if table else
+                 measure_step_costs(runner, cache, max_tokens=args.max_running_requests * (drafts + 1),
+                                    max_requests=args.max_running_requests))
+    log.info("NGRAM: up to %d drafts, match %d..%d tokens, %s, verify mode %s", drafts,
              args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
-             args.speculative_ngram_match_type)
+             args.speculative_ngram_match_type, mode)
+    planner = VerifyPlanner(mode, thr or 0.0, costs)
     return NgramWorker(drafts, args.speculative_ngram_min_match_window_size,
                        args.speculative_ngram_max_match_window_size, args.speculative_ngram_match_type,
-                       VerifyPlanner("full"), cfg.vocab_size, runner.device)
+                       planner, cfg.vocab_size, runner.device)

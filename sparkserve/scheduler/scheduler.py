@@ -298,7 +298,7 @@ class Scheduler(PromptHandover):
             self.spec.observe_draft(time.perf_counter() - t0, len(spec_reqs))
             for r, p in zip(spec_reqs, proposals):
                 cut_drafts(r, p)            # drafts a grammar rejects are not verified
-                if p.tokens:                # (none found, as NGRAM may: no draft pass was wasted)
+                if self.spec.backs_off:
                     self._note_verify_budget(r, p.verify_len)
                 if p.verify_len:            # a request verifying nothing decodes as plain ones do
                     props[r] = p

@@ -20,6 +20,7 @@ MAX_BACKLOG_ROWS = 256
 
 
 class DSparkWorker(SpecWorker):
+    backs_off = True        # a draft pass that comes to nothing costs a forward of the draft
     def __init__(self, draft: DSparkDraft, pool: KVPool, planner: VerifyPlanner, req_to_token: torch.Tensor,
                  block_slots: torch.Tensor | None = None, device: torch.device = torch.device("cpu")):
         """`block_slots`: rows of `pool` no request uses, for the native block pass

@@ -18,8 +18,8 @@ from sparkserve.speculative.planner import VerifyPlanner
 from sparkserve.speculative.worker import Proposal, SpecWorker
 
 MATCH_TYPES = ("BFS", "PROB")
-# Prior of a slot's acceptance odds before any verify of its match length was seen: one accepted
-# and one rejected draft (0.5), so the first verifies score a few LM head rows up front.
+# Prior of a draft's acceptance odds before any verify of its match length was seen: one accepted
+# and one rejected draft (0.5).
 PRIOR_ACCEPTED, PRIOR_SEEN = 1.0, 2.0
 
 
@@ -93,6 +93,7 @@ class _History:
 
 
 class NgramWorker(SpecWorker):
+    backs_off = False       # a lookup costs next to nothing: look again at every step
     def __init__(self, num_drafts: int, min_window: int, max_window: int, match_type: str,
                  planner: VerifyPlanner, vocab_size: int, device: torch.device = torch.device("cpu")):
         """`num_drafts`: most drafts a proposal holds; a match is min_window..max_window tokens
@@ -107,9 +108,9 @@ class NgramWorker(SpecWorker):
         self.vocab_size = vocab_size
         self.device = device
         self.histories: weakref.WeakKeyDictionary[Req, _History] = weakref.WeakKeyDictionary()
-        # per match length (1..max_window) and slot: drafts that slot reached / accepted
-        self.reached = np.zeros((max_window + 1, num_drafts))
-        self.accepted = np.zeros((max_window + 1, num_drafts))
+        # per match length (1..max_window): drafts verify reached / accepted
+        self.reached = np.zeros(max_window + 1)
+        self.accepted = np.zeros(max_window + 1)
 
     def describe(self) -> dict:
         return {"algorithm": "NGRAM", "verify_mode": self.planner.mode, "block_size": self.num_drafts,
@@ -177,11 +178,12 @@ class NgramWorker(SpecWorker):
         return q
 
     def _confidence(self, match_len: int, count: int) -> torch.Tensor:
-        """Per slot, the share of drafts after a match this long that were accepted once their
-        slot was reached (verify reads the LM head rows up front by these odds; adaptive verify
-        plans with them)."""
-        reached, accepted = self.reached[match_len, :count], self.accepted[match_len, :count]
-        return torch.from_numpy((accepted + PRIOR_ACCEPTED) / (reached + PRIOR_SEEN)).float()
+        """Per slot, the share of drafts after a match this long that were accepted once verify
+        reached them, the same for every slot (one rate learns from every slot verified, so the
+        planner's first short verifies teach it what longer ones would accept). Verify reads the
+        LM head rows up front by these odds; adaptive verify plans with them."""
+        rate = (self.accepted[match_len] + PRIOR_ACCEPTED) / (self.reached[match_len] + PRIOR_SEEN)
+        return torch.full((count,), float(rate))
 
     def _learn(self, req: Req, hist: _History) -> None:
         """The verdict on the request's previous proposal, read off the tokens it committed: the
@@ -197,6 +199,5 @@ class NgramWorker(SpecWorker):
             n += 1
         if not committed:
             return
-        reached = min(n + 1, prop.verify_len)
-        self.reached[k, :reached] += 1
-        self.accepted[k, :n] += 1
+        self.reached[k] += min(n + 1, prop.verify_len)
+        self.accepted[k] += n

@@ -24,6 +24,9 @@ class Proposal:
 @runtime_checkable
 class SpecWorker(Protocol):
     num_drafts: int                      # most drafts a proposal holds (decode memory is kept for them)
+    # Whether a request whose proposals get nothing verified drafts less often for a while (the
+    # scheduler's back-off): worth it where a proposal costs a draft pass, not a lookup.
+    backs_off: bool
 
     def describe(self) -> dict:
         """What /server_info reports of the drafter (verify_mode, block_size at least)."""

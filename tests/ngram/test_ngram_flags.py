@@ -33,8 +33,9 @@ BAD = [
     (dict(speculative_ngram_match_type="TREE"), "--speculative-ngram-match-type TREE", "BFS or PROB"),
     (dict(speculative_draft_model_path="/tmp"), "--speculative-draft-model-path",
      "needs --speculative-algorithm DSPARK"),
-    (dict(speculative_dspark_verify_mode="adaptive", speculative_dspark_block_size=4),
-     "--speculative-dspark-block-size --speculative-dspark-verify-mode", "DSPARK"),
+    (dict(speculative_dspark_block_size=4), "--speculative-dspark-block-size", "needs --speculative-algo"),
+    (dict(speculative_dspark_verify_mode="threshold"), "--speculative-dspark-verify-mode threshold needs",
+     "--speculative-dspark-confidence-threshold"),
 ]
 
 

@@ -11,6 +11,8 @@ chunked prefill, prefix-cache hits, page_size 4, retraction; every one checked a
 decoding and for KV leaks."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from dspark_fixtures import (
@@ -31,8 +33,10 @@ MAX_NEW = (40, 1, 2, 45, 36, 38)
 STOP_REQ, PENALTY_REQ = 3, 4
 
 
-def ngram_engine(target: str, **kw):
-    return engine(target, speculative_algorithm="NGRAM", **kw)
+def ngram_engine(target: str, mode: str = "full", **kw):
+    """full: every draft found is verified (the default, adaptive, plans with step costs measured
+    at start-up, which on a tiny model may verify none)."""
+    return engine(target, speculative_algorithm="NGRAM", speculative_dspark_verify_mode=mode, **kw)
 
 
 def copy_prompt(f: list[int], start: int, walk: int, filler: list[int]) -> list[int]:
@@ -96,6 +100,14 @@ def test_memory_paths(s, kw):
         assert eng.scheduler.num_retractions > 0
 
 
+def test_adaptive_with_measured_step_costs(s):
+    """The default: the planner measures the step costs at start-up and plans with the drafts'
+    acceptance so far (whatever it verifies, the output is plain decoding's)."""
+    eng = engine(s.target, speculative_algorithm="NGRAM")
+    assert eng.scheduler.spec.planner.mode == "adaptive" and eng.scheduler.spec.planner.costs is not None
+    check_run(s, eng)
+
+
 def test_prefix_cache_hit(s):
     """A repeated prompt and a continuation of a finished request hit the prefix cache; NGRAM
     reads the whole token history whatever the cache served."""
@@ -110,21 +122,27 @@ def test_prefix_cache_hit(s):
     assert_no_kv_leak(eng)
 
 
-def test_copy_heavy_prompt_verifies_several_tokens_per_step(s):
+@pytest.mark.parametrize("mode", ["full", "adaptive"])
+def test_copy_heavy_prompt_verifies_several_tokens_per_step(s, mode, tmp_path):
     """The copier continues a prompt that returns to its start by copying it: NGRAM drafts the
     copy from the prompt, and the verifies commit several tokens each (accept_hist), with the
-    output still plain decoding's; max_new_tokens cuts a block mid-way."""
+    output still plain decoding's; max_new_tokens cuts a block mid-way. Adaptive: a step-cost
+    table where a verify costs 1 + 0.1 per token, the planner learning the drafts' acceptance."""
     prompts = [copy_prompt(s.f, start, 30, [5, 6]) for start in (11, 40, 77)]
     params = [dict(temperature=0, max_new_tokens=m) for m in (24, 31, 7)]
     ref = generate_ids(s.copier_plain, prompts, params)
     for p, r in zip(prompts, ref):            # the reference really copies the walk
         assert r[:min(len(r), 20)] == p[1:1 + min(len(r), 20)]
-    eng = ngram_engine(s.copier)
+    table = tmp_path / "sps.json"
+    table.write_text(json.dumps({"tokens": [1, 64], "seconds": [1.0, 7.3]}))
+    eng = ngram_engine(s.copier, mode, **({"speculative_dspark_sps_table_path": str(table)}
+                                          if mode == "adaptive" else {}))
     assert generate_ids(eng, prompts, params) == ref
     hist = eng.scheduler.accept_hist
     verifies = sum(hist.values())
     committed = sum((k + 1) * v for k, v in hist.items())
-    assert verifies and committed / verifies > 3, hist
+    # (adaptive starts from short verifies while it learns how well these drafts do)
+    assert verifies and committed / verifies > (3 if mode == "full" else 2.5), hist
     assert_no_kv_leak(eng)
 
 
