@@ -84,8 +84,7 @@ class Engine:
         enable_priority_scheduling."""
         self._check_hidden_states(return_hidden_states)
         self._check_dp_rank(routed_dp_rank)
-        if priority not in (None, 0) and not self.args.enable_priority_scheduling:
-            raise ValueError(f"priority: {priority} needs enable_priority_scheduling=True")
+        self._check_priority(priority)
         if return_hidden_states and stream:
             raise ValueError("return_hidden_states is not available with stream=True")
         prompts, single = self._prompt_ids(prompt, input_ids, messages)
@@ -109,22 +108,31 @@ class Engine:
 
     def generate_many(self, prompts: Iterable[str | Sequence[int]],
                       sampling_params: dict | Sequence[dict] | None = None,
-                      max_in_flight: int = 32, return_hidden_states: bool = False) -> Iterator[dict]:
+                      max_in_flight: int = 32, return_hidden_states: bool = False,
+                      priority: int | Sequence[int] | None = None) -> Iterator[dict]:
         """Results for a long stream of prompts (text, or token id lists), yielded in input
         order, with up to `max_in_flight` requests in the scheduler at any time: a finished
         request is replaced at once, so the batch stays full while a long answer runs
         (generate() on a list waits for the whole list; offline distillation of thousands of
         prompts wants neither that nor all of them in the KV pool at once). sampling_params:
         one dict for all, or one per prompt; n = 1. A bad prompt raises when the stream reaches
-        it; the requests then in flight are aborted, as they are when the consumer stops early."""
+        it; the requests then in flight are aborted, as they are when the consumer stops early.
+        priority (as generate's): one for all, or one per prompt; in flight, higher ones run first
+        (with enable_priority_scheduling), results still come in input order."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self._check_hidden_states(return_hidden_states)
         per_prompt = isinstance(sampling_params, Sequence)
         shared = None if per_prompt else params_list(sampling_params, 1)[0]
-        if per_prompt and isinstance(prompts, Sequence) and len(prompts) != len(sampling_params):
-            raise ValueError(f"sampling_params: {len(sampling_params)} dicts for {len(prompts)} prompts")
-        items = zip(prompts, sampling_params, strict=True) if per_prompt else ((p, None) for p in prompts)
+        for name, given in (("sampling_params", sampling_params if per_prompt else None),
+                            ("priority", priority if isinstance(priority, Sequence) else None)):
+            if given is not None and isinstance(prompts, Sequence) and len(prompts) != len(given):
+                raise ValueError(f"{name}: {len(given)} values for {len(prompts)} prompts")
+        if not isinstance(priority, Sequence):
+            self._check_priority(priority)
+        pairs = zip(prompts, sampling_params, strict=True) if per_prompt else ((p, None) for p in prompts)
+        items = ((p, s, q) for (p, s), q in zip(pairs, priority, strict=True)) \
+            if isinstance(priority, Sequence) else ((p, s, priority) for p, s in pairs)
         return self._ordered_results(iter(items), shared, max_in_flight, return_hidden_states)
 
     def _ordered_results(self, items, shared, max_in_flight, return_hidden_states) -> Iterator[dict]:
@@ -143,7 +151,8 @@ class Engine:
                         raise ValueError("generate_many takes n=1")
                     check_prompt(ids, params, self.limits)
                     check_grammar(params, self.args.grammar_backend, self.tokenizer is not None)
-                    order.append(self._submit(ids, params, return_hidden_states)[0])
+                    self._check_priority(item[2])
+                    order.append(self._submit(ids, params, return_hidden_states, priority=item[2] or 0)[0])
                 while order and order[0].finished:
                     yield self._result(order.popleft())
                 if not order:
@@ -173,6 +182,12 @@ class Engine:
         self.shutdown()
 
     # ---- internals --------------------------------------------------------------------------
+    def _check_priority(self, priority: int | None) -> None:
+        if priority is not None and not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority not in (None, 0) and not self.args.enable_priority_scheduling:
+            raise ValueError(f"priority: {priority} needs enable_priority_scheduling=True")
+
     def _check_dp_rank(self, rank: int | None) -> None:
         groups = self.args.parallel_config().dp_size
         if rank is not None and not 0 <= rank < groups:

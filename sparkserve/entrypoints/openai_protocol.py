@@ -168,8 +168,10 @@ class ChatCompletionRequest(OpenAISampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # SGLang: with --reasoning-parser, thinking goes to reasoning_content (False: left in content)
+    # SGLang: with --reasoning-parser, thinking goes to reasoning_content (False: left in content);
+    # stream_reasoning False: streamed in one delta once whole, not as it is written
     separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class CompletionRequest(OpenAISampling):

@@ -174,7 +174,8 @@ class ServingChat(OpenAIServing):
         reasoning = self.reasoning_parser if req.separate_reasoning and thinking else None
         if tools is None and reasoning is None:
             return None
-        return ChatOutputParser(reasoning, tools, None if req.parallel_tool_calls else 1)
+        return ChatOutputParser(reasoning, tools, None if req.parallel_tool_calls else 1,
+                                stream_reasoning=req.stream_reasoning)
 
     def first_choices(self, seqs: list[GenerateReq]) -> list[dict]:
         return [{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -1,6 +1,7 @@
 """A chat answer's text as OpenAI's assistant message: reasoning apart (reasoning_parser.py), then
 tool calls out of the rest (tool_parsers/), whole or streamed. Streaming keeps the text so far
-and, at each step, sends how each part grew."""
+and, at each step, sends how each part grew (the reasoning, without stream_reasoning, only once
+it is whole)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ class ChatOutputParser:
     reasoning: ReasoningParser | HarmonyReasoningParser | None
     tools: ToolParser | None
     max_calls: int | None = None            # parallel_tool_calls: false -> 1 (later calls dropped)
+    # SGLang's stream_reasoning: False holds the reasoning back and sends it in one delta once
+    # it is whole (its end tag came, or the answer ended)
+    stream_reasoning: bool = True
 
     def parse(self, text: str) -> ChatOutput:
         reasoning, content = self.reasoning.split(text, final=True) if self.reasoning else (None, text)
@@ -65,7 +69,9 @@ class ChatOutputStream:
         else:
             reasoning, content = None, self.text
         sent = self.reasoning_sent
-        if reasoning and reasoning.startswith(sent) and len(reasoning) > len(sent):
+        whole = final or bool(reasoning) and self.parser.reasoning.thought(self.text, content)
+        if reasoning and (self.parser.stream_reasoning or whole) and reasoning.startswith(sent) \
+                and len(reasoning) > len(sent):
             out["reasoning_content"], self.reasoning_sent = reasoning[len(sent):], reasoning
         if self.tools is not None:
             text, calls = self.tools.finish(content) if final else self.tools.feed(content)

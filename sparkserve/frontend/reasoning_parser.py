@@ -37,6 +37,10 @@ class ReasoningParser:
             return reasoning.lstrip(), ""
         return body[:j].lstrip(), body[j + len(self.end):].lstrip()
 
+    def thought(self, text: str, content: str) -> bool:
+        """Whether the reasoning of `text` (split into `content`) is whole: its end tag came."""
+        return self.end in text
+
 
 CHANNEL, MESSAGE = "<|channel|>", "<|message|>"
 MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -84,6 +88,10 @@ class HarmonyReasoningParser:
                 break
             pos = stop + len(marker)
         return ("".join(reasoning) if reasoning is not None else None), "".join(content)
+
+    def thought(self, text: str, content: str) -> bool:
+        """Whether the reasoning is whole: a message on another channel began."""
+        return bool(content)
 
 
 REASONING_PARSERS = {p.name: p for p in (ReasoningParser("deepseek-r1", opened_by_template=True),

@@ -17,7 +17,7 @@ from server_harness import ServerProcess
 from tiny_chat_fixtures import CHATML, _bytes_to_unicode
 
 CALL, CALL_END = "<tool_call>", "</tool_call>"
-CALL_ID = 258                       # the first added token after the two ChatML markers
+CALL_ID = 258                       # (make_added_tokens_checkpoint)
 ARGS = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
         "properties": {"city": {"type": "string", "maxLength": 5},
                        "days": {"type": "integer", "minimum": 1, "maximum": 9}}}
@@ -29,9 +29,9 @@ def weather(strict: bool) -> dict:
     return {"type": "function", "function": {"name": "get_weather", "parameters": ARGS, "strict": strict}}
 
 
-def make_tool_tokens_checkpoint(path: str) -> str:
-    """tiny_chat_fixtures' byte-level tiny chat model with `<tool_call>` (id 258) and
-    `</tool_call>` as ordinary added tokens."""
+def make_added_tokens_checkpoint(path: str, added: list[str]) -> str:
+    """tiny_chat_fixtures' byte-level tiny chat model with `added` as ordinary added tokens (ids
+    258 on, after the two ChatML markers), as Qwen2.5's `<tool_call>` or `<think>` are."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     make_tiny_checkpoint("llama", path)
@@ -39,9 +39,9 @@ def make_tool_tokens_checkpoint(path: str) -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tok.add_tokens([CALL, CALL_END])
+    tok.add_tokens(added)
     tok.add_tokens([f"<x{i}>" for i in range(TINY_CONFIGS["llama"]["vocab_size"] - tok.get_vocab_size())])
-    assert tok.token_to_id(CALL) == CALL_ID
+    assert [tok.token_to_id(t) for t in added] == list(range(258, 258 + len(added)))
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"chat_template": CHATML, "eos_token": "<|im_end|>", "add_bos_token": False}, f)
@@ -50,7 +50,8 @@ def make_tool_tokens_checkpoint(path: str) -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = make_tool_tokens_checkpoint(str(tmp_path_factory.mktemp("tiny_tools") / "llama"))
+    path = make_added_tokens_checkpoint(str(tmp_path_factory.mktemp("tiny_tools") / "llama"),
+                                        [CALL, CALL_END])
     s = ServerProcess("--model-path", path, "--served-model-name", "tiny", "--max-total-tokens", "4096",
                       "--tool-call-parser", "hermes")
     yield s
