@@ -23,7 +23,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "nixl", "mooncake")
 MIN_SECRET_BYTES = 16        # a PD auth secret shorter than this is guessed too easily
 ACTIVATION_QUANTS = ("int8", "none")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
 # names of frontend/tool_parsers and frontend/reasoning_parser (test_tool_parsers checks they agree)
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "deepseekv3", "deepseekv31", "gpt-oss")
@@ -105,8 +105,10 @@ class ServerArgs(SpeculativeArgs):
         "tokens in the same memory, half the bytes a decode step's attention reads), rounding each "
         "K/V value once; float32 keeps the compute dtype. auto: float16 for a GGUF checkpoint of a "
         "Llama-family model (llama.cpp's default cache for the same file), else float32 (the "
-        "model's compute dtype on CPU, as vLLM and SGLang keep the model's). Half types: "
-        "Llama-family models", choices=KV_CACHE_DTYPES))
+        "model's compute dtype on CPU, as vLLM and SGLang keep the model's). int8 / fp8_e4m3 / "
+        "fp8_e5m2 store each K/V value in one byte with a float16 scale per block of 32 of a head's "
+        "row (llama.cpp's q8_0 cache): ~3.8x float32's tokens in the same memory. Half and quantized "
+        "types: Llama-family models", choices=KV_CACHE_DTYPES))
     device: str = field(default="auto", metadata=_opt(
         "where the model, its pools and the forward run: cpu (this project's own kernels) or cuda (torch's "
         "kernels, fp32 weights dequantized from GGUF); auto: cuda when torch sees a GPU, else cpu",

@@ -21,7 +21,7 @@ Count = Annotated[int, Field(ge=0, lt=1 << 40)]     # positions, rows, slots
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
 Dims = Annotated[tuple[Annotated[int, Field(ge=0, lt=1 << 40)], ...], Field(max_length=MAX_DIMS)]
 Dtype = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8",
-                "bool"]
+                "bool", "float8_e4m3fn", "float8_e5m2"]      # float8: quantized KV pools' elements
 
 
 class _Message(BaseModel):

@@ -19,11 +19,13 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor r, at::Tensor w, double eps);
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                             std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
-                            std::vector<int64_t> q_lens, const std::string& variant);
+                            std::vector<int64_t> q_lens, const std::string& variant,
+                            std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale);
 std::vector<std::string> decode_attention_variants();
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                              std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
-                             std::vector<int64_t> q_lens, const std::string& variant);
+                             std::vector<int64_t> q_lens, const std::string& variant,
+                             std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale);
 std::string prefill_attention_variant();
 bool prefill_attention_takes(int64_t H, int64_t Hkv, int64_t D);
 at::Tensor markov_pack(at::Tensor w2);
@@ -70,16 +72,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32, contiguous)");
   m.def("add_rms_norm", &add_rms_norm, "s = x + r; returns (s, rms_norm(s))");
   m.def("decode_attention", &decode_attention,
-        "paged causal attention of q_lens[b] (default 1) query tokens per request (GQA, fp32)",
+        "paged causal attention of q_lens[b] (default 1) query tokens per request (GQA, fp32); a quantized "
+        "pool (int8 / float8) with its float16 block scales k_scale / v_scale",
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indices"), py::arg("seq_lens"),
         py::arg("kv_start"), py::arg("window"), py::arg("scale"),
-        py::arg("q_lens") = std::vector<int64_t>(), py::arg("variant") = "");
+        py::arg("q_lens") = std::vector<int64_t>(), py::arg("variant") = "", py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   m.def("decode_attention_variants", &decode_attention_variants,
         "the decode_attention variants this CPU runs, best first (avx512, avx2)");
   m.def("prefill_attention", &prefill_attention,
         "decode_attention for prefill chunks, in tiles of query rows (GQA, fp32); variant: avx512 / avx2",
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indices"), py::arg("seq_lens"),
-        py::arg("kv_start"), py::arg("window"), py::arg("scale"), py::arg("q_lens"), py::arg("variant") = "");
+        py::arg("kv_start"), py::arg("window"), py::arg("scale"), py::arg("q_lens"), py::arg("variant") = "",
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("prefill_attention_variant", &prefill_attention_variant,
         "the variant prefill_attention runs (avx512, avx2), or empty where none can");
   m.def("prefill_attention_takes", &prefill_attention_takes,
@@ -109,6 +114,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer_with", &sparkserve::NativeLlama::add_layer_with)
       .def("set_model_options", &sparkserve::NativeLlama::set_model_options)
       .def("set_pool", &sparkserve::NativeLlama::set_pool)
+      .def("set_pool_scales", &sparkserve::NativeLlama::set_pool_scales)
       .def("forward", &sparkserve::NativeLlama::forward);
   py::class_<sparkserve::NativeDraft, sparkserve::NativeLlama>(
       m, "NativeDraft",

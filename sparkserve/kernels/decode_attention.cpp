@@ -9,7 +9,9 @@
 // thread pool (thread_pool.h), cut finer when few requests would leave threads idle. fp32
 // throughout: results differ from SDPA only by summation order and exp rounding (~1e-7
 // relative). A row's result depends only on its query and keys, not on the block or the threads
-// it runs with: a VERIFY row equals the decode step at its position bit for bit.
+// it runs with: a VERIFY row equals the decode step at its position bit for bit. A quantized pool
+// (int8 / fp8 with float16 block scales) is dequantized as each chunk reads its rows: the chunk's
+// scales converted first, the elements scaled in registers (decode_tile.h).
 // The arithmetic of a chunk is decode_tile.h's, on zmm registers where the CPU has AVX-512 and
 // the head dim is a multiple of 16 (decode_attention_avx512.cpp), else on ymm; one variant per
 // head dim, so decode and VERIFY rows stay equal.
@@ -23,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -118,7 +121,12 @@ void attend(const sparkserve::decode::ChunkKernels& K, const float* qp, int64_t 
     thread_local std::vector<float*> o;            // and their P V: the output, or a partial to merge
     thread_local std::vector<float> sum;           // each row's sum of exps
     thread_local std::vector<float> unused;        // P V of a row without keys in the chunk
+    thread_local std::vector<float> k_sc, v_sc;    // a quantized pool's block scales of the chunk's keys
     unused.resize(D);
+    const bool quant = kv_type >= 3;
+    const int64_t qb = quant ? sparkserve::quant_block(D) : D, nb = D / qb;
+    // e4m3 elements load as value / 256 (vec_ymm.h load_fp8): their scales carry the 256
+    const float sc_mul = kv_type == 4 ? 256.f : 1.f;
     // One key chunk of an item: its rows' partials, or the outputs of rows with no other chunk.
     auto chunk = [&](const Item& it, int64_t c) {
       const Request& r = req[it.b];
@@ -131,6 +139,17 @@ void attend(const sparkserve::decode::ChunkKernels& K, const float* qp, int64_t 
         TORCH_CHECK(slot >= 0 && slot < kv.slots, "paged attention: slot id out of range");
         rows[j - k0] = (slot * Hkv + h) * D;
       }
+      if (quant) {
+        k_sc.resize(n * nb), v_sc.resize(n * nb);
+        const auto* ks = static_cast<const uint16_t*>(kv.k_scale);
+        const auto* vs = static_cast<const uint16_t*>(kv.v_scale);
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t b = 0, at = rows[j] / qb; b < nb; ++b) {
+            k_sc[j * nb + b] = _cvtsh_ss(ks[at + b]) * sc_mul;
+            v_sc[j * nb + b] = _cvtsh_ss(vs[at + b]) * sc_mul;
+          }
+      }
+      const sparkserve::decode::ChunkKV ckv{kv.k, kv.v, kv_type, k_sc.data(), v_sc.data(), qb};
       const int64_t R = (it.i1 - it.i0) * G;
       q.resize(R), o.resize(R), sum.resize(R), s.resize(R * n);
       for (int64_t i = it.i0; i < it.i1; ++i)
@@ -139,7 +158,7 @@ void attend(const sparkserve::decode::ChunkKernels& K, const float* qp, int64_t 
           q[k] = qp + t * qs0 + head * qs1;
           o[k] = one_chunk(r, i) ? op + t * H * D + head * D : entry(r, i, head, c);
         }
-      K.scores(q.data(), R, rows.data(), n, kv.k, kv.v, kv_type, D, s.data());
+      K.scores(q.data(), R, rows.data(), n, ckv, D, s.data());
       for (int64_t i = it.i0; i < it.i1; ++i) {
         const int64_t e = last_key(r, i), lo = std::max(first(e), k0) - k0, hi = std::min(e, k1) - k0;
         for (int64_t k = (i - it.i0) * G; k < (i - it.i0 + 1) * G; ++k) {
@@ -159,7 +178,7 @@ void attend(const sparkserve::decode::ChunkKernels& K, const float* qp, int64_t 
           if (!one_chunk(r, i)) o[k][D] = m, o[k][D + 1] = sum[k];
         }
       }
-      K.pv(s.data(), R, n, kv.v, kv_type, rows.data(), o.data(), D);
+      K.pv(s.data(), R, n, ckv, rows.data(), o.data(), D);
       for (int64_t i = it.i0; i < it.i1; ++i) {
         if (!one_chunk(r, i)) continue;
         for (int64_t x = (i - it.i0) * G; x < (i - it.i0 + 1) * G; ++x) {
@@ -230,10 +249,7 @@ const Variant& variant_for(int64_t D, const std::string& name = "") {
   TORCH_CHECK(false, "decode attention: no variant ", name, " for head dim ", D, " runs here");
 }
 
-int kv_kind(sparkserve::KVType t) {
-  using sparkserve::KVType;
-  return t == KVType::kFloat ? 0 : t == KVType::kHalf ? 1 : 2;
-}
+int kv_kind(sparkserve::KVType t) { return static_cast<int>(t); }
 
 }  // namespace
 
@@ -241,6 +257,8 @@ namespace sparkserve {
 
 void paged_attention(const float* qp, int64_t qs0, int64_t qs1, int64_t H, int64_t D, const PagedKV& kv,
                      const int64_t* seq_lens, const int64_t* q_off, int64_t B, float sc, float* op) {
+  TORCH_CHECK(!is_quantized(kv.type) || (kv.k_scale != nullptr && kv.v_scale != nullptr),
+              "paged attention: a quantized pool needs its scale buffers");
   attend(variant_for(D).kernels, qp, qs0, qs1, H, D, kv, kv_kind(kv.type), seq_lens, q_off, B, sc, op);
 }
 
@@ -249,9 +267,27 @@ KVType kv_type_of(const at::Tensor& t) {
     case at::kFloat: return KVType::kFloat;
     case at::kHalf: return KVType::kHalf;
     case at::kBFloat16: return KVType::kBFloat16;
-    default: TORCH_CHECK(false, "paged attention: K/V buffers must be float32, float16 or bfloat16, not ",
-                         t.scalar_type());
+    case at::kChar: return KVType::kInt8;
+    case at::kFloat8_e4m3fn: return KVType::kFp8E4M3;
+    case at::kFloat8_e5m2: return KVType::kFp8E5M2;
+    default: TORCH_CHECK(false, "paged attention: K/V buffers must be float32, float16, bfloat16, int8, "
+                         "float8_e4m3fn or float8_e5m2, not ", t.scalar_type());
   }
+}
+
+std::pair<const void*, const void*> kv_scales(const at::Tensor& k_buf, const std::optional<at::Tensor>& k_scale,
+                                               const std::optional<at::Tensor>& v_scale, const char* who) {
+  if (!is_quantized(kv_type_of(k_buf))) {
+    TORCH_CHECK(!k_scale && !v_scale, who, ": scales given for a ", k_buf.scalar_type(), " pool");
+    return {nullptr, nullptr};
+  }
+  TORCH_CHECK(k_scale && v_scale, who, ": a ", k_buf.scalar_type(), " pool needs k_scale and v_scale");
+  const int64_t D = k_buf.size(2), nb = D / quant_block(D);
+  for (const at::Tensor* t : {&*k_scale, &*v_scale})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == k_buf.size(0) &&
+                    t->size(1) == k_buf.size(1) && t->size(2) == nb,
+                who, ": scales must be contiguous float16 [slots, Hkv, ", nb, "]");
+  return {k_scale->data_ptr(), v_scale->data_ptr()};
 }
 
 std::vector<int64_t> query_offsets(const std::vector<int64_t>& seq_lens, const std::vector<int64_t>& q_lens,
@@ -274,11 +310,13 @@ std::vector<int64_t> query_offsets(const std::vector<int64_t>& seq_lens, const s
 // q_lens is empty: decode), at positions seq_len - q_lens[b] .. seq_len - 1; the query at position p
 // sees positions max(kv_start, p - window + 1) .. p (causal; window <= 0: no window). The new K/V
 // of all of them are already in the pool, so VERIFY blocks and small extends need no gather either.
-// Returns [T, H * D]. `variant`: "" for the best one this CPU runs at this head dim, or one by name
+// A quantized pool (int8 / float8 buffers) comes with its float16 block scales k_scale / v_scale
+// [slots, Hkv, D / block]. Returns [T, H * D]. `variant`: "" for the best one this CPU runs at this head dim, or one by name
 // (decode_attention_variants()), for tests and benchmarks.
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                             std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
-                            std::vector<int64_t> q_lens, const std::string& variant) {
+                            std::vector<int64_t> q_lens, const std::string& variant,
+                            std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: q must be float32");
   TORCH_CHECK(v_buf.scalar_type() == k_buf.scalar_type(), "decode_attention: K and V buffers of one dtype");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "decode_attention: q must be [T, H, D], last dim contiguous");
@@ -294,9 +332,10 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at
   const auto q_off = sparkserve::query_offsets(seq_lens, q_lens, kv_start, kv_indices.size(1));
   TORCH_CHECK(q.size(0) == q_off[B], "decode_attention: q must have sum(q_lens) rows");
   auto out = at::empty({q_off[B], H * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto [ks, vs] = sparkserve::kv_scales(k_buf, k_scale, v_scale, "decode_attention");
   const sparkserve::PagedKV kv{k_buf.data_ptr(), v_buf.data_ptr(), k_buf.size(0), Hkv,
                                kv_indices.data_ptr<int64_t>(), kv_indices.stride(0), kv_start, window,
-                               true, sparkserve::kv_type_of(k_buf)};
+                               true, sparkserve::kv_type_of(k_buf), 0.f, ks, vs};
   attend(variant_for(D, variant).kernels, q.data_ptr<float>(), q.stride(0), q.stride(1), H, D, kv,
          kv_kind(kv.type), seq_lens.data(), q_off.data(), B, static_cast<float>(scale), out.data_ptr<float>());
   return out;

@@ -7,12 +7,15 @@
 
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "block_linear.h"
 #include "int8_common.h"
@@ -105,10 +108,45 @@ void add_scaled(float* acc, const float* x, float s, int64_t n) {
   for (; i < n; ++i) acc[i] += x[i] * s;
 }
 
+// Layer l's scale buffer of a quantized pool, null for a float pool.
+void* scale_of(const std::vector<at::Tensor>& scales, size_t l) {
+  return l < scales.size() ? scales[l].data_ptr() : nullptr;
+}
+
+// n fp32 values (whole blocks of qb) into a quantized pool buffer at element offset `at`, their
+// float16 block scales into `scales`: mem/kv_quant.py quantize's rounding step for step (scale
+// amax / qmax rounded to float16, values divided by it, int8 rounded half to even and clamped,
+// fp8 clamped then rounded by c10's conversion), so the native step and the layers store the same bytes.
+template <class E>
+void store_quantized(E* buf, c10::Half* scales, int64_t at, const float* x, int64_t n, int64_t qb, float qmax) {
+  for (int64_t b0 = 0; b0 < n; b0 += qb) {
+    float amax = 0.f;
+    for (int64_t i = b0; i < b0 + qb; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const c10::Half d(amax / qmax);
+    scales[(at + b0) / qb] = d;
+    const float df = d;
+    for (int64_t i = b0; i < b0 + qb; ++i) {
+      const float y = df > 0.f ? x[i] / df : 0.f;
+      if constexpr (std::is_same_v<E, int8_t>)
+        buf[at + i] = static_cast<int8_t>(std::clamp(std::nearbyint(y), -127.f, 127.f));
+      else
+        buf[at + i] = E(std::clamp(y, -qmax, qmax));
+    }
+  }
+}
+
 // n fp32 values into a pool buffer of element type `type` at element offset `at`, rounded to
-// nearest even as torch's .to() rounds them (the layer path's store), so both paths hold the same K/V.
-void store_kv(void* buf, int64_t at, const float* x, int64_t n, KVType type) {
+// nearest even as torch's .to() rounds them (the layer path's store), so both paths hold the same
+// K/V; a quantized type's block scales (qb values each) go to `scales`.
+void store_kv(void* buf, void* scales, int64_t at, const float* x, int64_t n, KVType type, int64_t qb) {
+  auto* sc = static_cast<c10::Half*>(scales);
   switch (type) {
+    case KVType::kInt8:
+      return store_quantized(static_cast<int8_t*>(buf), sc, at, x, n, qb, 127.f);
+    case KVType::kFp8E4M3:
+      return store_quantized(static_cast<c10::Float8_e4m3fn*>(buf), sc, at, x, n, qb, 448.f);
+    case KVType::kFp8E5M2:
+      return store_quantized(static_cast<c10::Float8_e5m2*>(buf), sc, at, x, n, qb, 448.f);   // kv_quant.py
     case KVType::kFloat:
       std::memcpy(static_cast<float*>(buf) + at, x, n * sizeof(float));
       break;
@@ -241,6 +279,20 @@ void NativeLlama::set_pool(std::vector<at::Tensor> k, std::vector<at::Tensor> v,
   }
   k_ = std::move(k);
   v_ = std::move(v);
+  k_scale_.clear(), v_scale_.clear();
+}
+
+void NativeLlama::set_pool_scales(std::vector<at::Tensor> k_scale, std::vector<at::Tensor> v_scale) {
+  TORCH_CHECK(is_quantized(kv_type_), "native step: scales for a pool that is not quantized");
+  TORCH_CHECK(k_scale.size() == k_.size() && v_scale.size() == k_.size(), "native step: one K and V scale per layer");
+  const int64_t nb = head_dim_ / quant_block(head_dim_);
+  for (size_t i = 0; i < k_.size(); ++i)
+    for (const at::Tensor* t : {&k_scale[i], &v_scale[i]})
+      TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == k_[i].size(0) &&
+                      t->size(1) == kv_heads_ && t->size(2) == nb,
+                  "native step: scales must be contiguous float16 [slots, kv_heads, ", nb, "]");
+  k_scale_ = std::move(k_scale);
+  v_scale_ = std::move(v_scale);
 }
 
 void NativeLlama::check_positions(const int64_t* pos, int64_t T) const {
@@ -269,6 +321,8 @@ void NativeLlama::store_kv_of(const float* x, int64_t T, const int64_t* pos, con
       TORCH_CHECK(slots[t] >= 0 && slots[t] < k_[l].size(0), "native step: slot ", slots[t], " out of range");
   }
   const SpinScope spinning;
+  const int64_t qb = quant_block(D);
+  TORCH_CHECK(!is_quantized(kv_type_) || k_scale_.size() == k_.size(), "native step: set_pool_scales first");
   at::Tensor kv = at::empty({T, KV}, at::kFloat);
   float* kvp = kv.data_ptr<float>();
   std::vector<float> rot(D);
@@ -278,8 +332,8 @@ void NativeLlama::store_kv_of(const float* x, int64_t T, const int64_t* pos, con
       float* row = kvp + t * KV;
       const NativeLayer& L = layers_[l];
       norm_rotate(row, Hkv, L.k_norm, L.qk_full_width, rope_at(L, pos[t]), D, eps_, rot.data());
-      store_kv(k_[l].data_ptr(), slots[t] * Hkv * D, row, Hkv * D, kv_type_);
-      store_kv(v_[l].data_ptr(), slots[t] * Hkv * D, row + Hkv * D, Hkv * D, kv_type_);
+      store_kv(k_[l].data_ptr(), scale_of(k_scale_, l), slots[t] * Hkv * D, row, Hkv * D, kv_type_, qb);
+      store_kv(v_[l].data_ptr(), scale_of(v_scale_, l), slots[t] * Hkv * D, row + Hkv * D, Hkv * D, kv_type_, qb);
     }
   }
 }
@@ -295,6 +349,8 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
               "native step: x must be float32 [T, hidden]");
   const int64_t T = x.size(0), B = static_cast<int64_t>(seq_lens.size());
   const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, I = intermediate_, W = (H + 2 * Hkv) * D;
+  const int64_t qb = quant_block(D);
+  TORCH_CHECK(!is_quantized(kv_type_) || k_scale_.size() == k_.size(), "native step: set_pool_scales first");
   TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indices.dim() == 2 && kv_indices.size(0) == B &&
               kv_indices.stride(1) == 1, "native step: kv_indices must be int64 [B, L], rows contiguous");
   const auto q_off = query_offsets(seq_lens, q_lens, kv_start, kv_indices.size(1));
@@ -347,16 +403,17 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
     run_proj(L.qkv, L.input_norm.defined() ? hp : rp, T, qp, int8);
     void* kb = k_[l].data_ptr();
     void* vb = v_[l].data_ptr();
+    void *ksb = scale_of(k_scale_, l), *vsb = scale_of(v_scale_, l);
     for (int64_t t = 0; t < T; ++t) {
       float* row = qp + t * W;
       const Rope rope = rope_at(L, pos[t]);
       norm_rotate(row, H, L.q_norm, L.qk_full_width, rope, D, eps_, rot.data());
       norm_rotate(row + H * D, Hkv, L.k_norm, L.qk_full_width, rope, D, eps_, rot.data());
-      store_kv(kb, s.loc[t] * Hkv * D, row + H * D, Hkv * D, kv_type_);
-      store_kv(vb, s.loc[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D, kv_type_);
+      store_kv(kb, ksb, s.loc[t] * Hkv * D, row + H * D, Hkv * D, kv_type_, qb);
+      store_kv(vb, vsb, s.loc[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D, kv_type_, qb);
     }
     const PagedKV kv{kb, vb, k_[l].size(0), Hkv, s.idx.data_ptr<int64_t>(), s.idx.stride(0), s.start, L.window,
-                     causal, kv_type_, attn_softcap_};
+                     causal, kv_type_, attn_softcap_, ksb, vsb};
     paged_attention(qp, W, D, H, D, kv, seq_lens.data(), s.q_off.data(), B, attn_scale_, ap);
     run_proj(L.o, ap, T, tp, int8);
     for (int64_t t = 0; t < T; ++t) {

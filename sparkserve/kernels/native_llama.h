@@ -81,6 +81,9 @@ class NativeLlama {
   // The pool's per-layer K and V buffers [slots, kv_heads, head_dim], fp32, contiguous, and the
   // layers that index a split pool's windowed slot space.
   void set_pool(std::vector<at::Tensor> k, std::vector<at::Tensor> v, std::vector<int64_t> swa_layers);
+  // A quantized pool's (int8 / float8 K/V buffers) per-layer float16 block scales [slots, kv_heads,
+  // head_dim / block], after set_pool: the step stores its K/V quantized as mem/kv_quant.py does.
+  void set_pool_scales(std::vector<at::Tensor> k_scale, std::vector<at::Tensor> v_scale);
 
   // x: [T, hidden] embeddings of the batch's tokens (request after request, q_lens[b] each, at
   // positions seq_lens[b] - q_lens[b] ..). Writes the new K/V at out_loc (a windowed layer of a
@@ -115,6 +118,7 @@ class NativeLlama {
   at::Tensor cos_, sin_, final_norm_, local_cos_, local_sin_;
   std::vector<NativeLayer> layers_;
   std::vector<at::Tensor> k_, v_;
+  std::vector<at::Tensor> k_scale_, v_scale_;   // a quantized pool's block scales (set_pool_scales)
   KVType kv_type_ = KVType::kFloat;   // what the pool buffers hold
   std::vector<bool> own_slots_;   // per layer: reads and writes the windowed slot space
   std::vector<BlockProj> kv_;     // per layer: the k|v rows of q|k|v (store_kv_of; made on first use)

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,11 +67,13 @@ bool prefill_attention_takes(int64_t H, int64_t Hkv, int64_t D) {
 
 // decode_attention's arguments and result (q [T, H, D], pool buffers [slots, Hkv, D], kv_indices
 // [B, >= L], request b's q_lens[b] queries at positions seq_len - q_lens[b] .. seq_len - 1, causal,
-// window <= 0: none), for heads the variant takes (prefill_attention_takes). `variant` names one to
+// window <= 0: none; a quantized pool's float16 block scales k_scale / v_scale), for heads the
+// variant takes (prefill_attention_takes). `variant` names one to
 // use instead of the best (it must run on this CPU).
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                              std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
-                             std::vector<int64_t> q_lens, const std::string& variant) {
+                             std::vector<int64_t> q_lens, const std::string& variant,
+                             std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
   const Variant* use = nullptr;
   for (const Variant& v : variants())
     if (use == nullptr && (variant.empty() || variant == v.name)) use = &v;
@@ -91,6 +94,7 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, a
   const auto q_off = sparkserve::query_offsets(seq_lens, q_lens, kv_start, kv_indices.size(1));
   TORCH_CHECK(q.size(0) == q_off[B], "prefill_attention: q must have sum(q_lens) rows");
   const int kv_type = static_cast<int>(sparkserve::kv_type_of(k_buf));
+  const auto [k_sc, v_sc] = sparkserve::kv_scales(k_buf, k_scale, v_scale, "prefill_attention");
   const int64_t G = H / Hkv, per_tile = use->rows / G, slots = k_buf.size(0);
   const int64_t* idx = kv_indices.data_ptr<int64_t>();
   std::vector<Item> items;
@@ -123,7 +127,9 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, a
                                   op + t0 * H * D + it.h * G * D, H * D, D,
                                   it.nq, G, D, k_buf.data_ptr(), v_buf.data_ptr(), kv_type,
                                   idx + it.b * kv_indices.stride(0), Hkv, it.h,
-                                  seq_lens[it.b] - kv_start - q_lens[it.b] + it.i0 + 1, window, sc, aligned};
+                                  seq_lens[it.b] - kv_start - q_lens[it.b] + it.i0 + 1, window, sc, aligned,
+                                  static_cast<const uint16_t*>(k_sc), static_cast<const uint16_t*>(v_sc),
+                                  sparkserve::quant_block(D)};
       use->tile(t);
     }
   });

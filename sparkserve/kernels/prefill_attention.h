@@ -23,11 +23,14 @@ struct Tile {
   int64_t nq, G, D;
   const void* k;
   const void* v;
-  int kv_type;               // 0 float32, 1 float16, 2 bfloat16
+  int kv_type;               // 0 float32, 1 float16, 2 bfloat16, 3 int8, 4 fp8 e4m3, 5 fp8 e5m2
   const int64_t* slots;
   int64_t Hkv, h, end0, window;
   float scale;
   float* scratch;            // scratch_floats(D) floats, 64-byte aligned
+  const uint16_t* k_scale = nullptr;   // kv_type 3..5: float16 scales [slots, Hkv, D / qb]
+  const uint16_t* v_scale = nullptr;
+  int64_t qb = 0;                      // values per scale
 };
 
 // Floats of scratch a tile needs: queries transposed [D][rows], outputs [rows][D], one block's

@@ -24,9 +24,10 @@ inline int64_t lo_of(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t hi_of(int64_t a, int64_t b) { return a > b ? a : b; }
 
 // Keys j0 .. j0 + n - 1 of the tile's kv head as fp32 rows [kBlockKeys][D], zeros past n up to a
-// multiple of 8 (the score tiles' width).
+// multiple of 8 (the score tiles' width); a quantized pool's rows dequantized with their block
+// scales `scale` (exactly: an fp16 scale times an int8 / fp8 element).
 template <class V>
-void load_block(const Tile& t, const void* base, int64_t j0, int64_t n, float* dst) {
+void load_block(const Tile& t, const void* base, const uint16_t* scale, int64_t j0, int64_t n, float* dst) {
   const int64_t D = t.D;
   for (int64_t x = 0; x < n; ++x) {
     const int64_t row = (t.slots[j0 + x] * t.Hkv + t.h) * D;
@@ -34,9 +35,21 @@ void load_block(const Tile& t, const void* base, int64_t j0, int64_t n, float* d
     if (t.kv_type == 0) {
       const float* s = static_cast<const float*>(base) + row;
       for (int64_t c = 0; c < D; c += V::W) V::storeu(d + c, V::loadu(s + c));
-    } else {
+    } else if (t.kv_type <= 2) {
       const uint16_t* s = static_cast<const uint16_t*>(base) + row;
       for (int64_t c = 0; c < D; c += V::W) V::storeu(d + c, V::load_half(s + c, t.kv_type));
+    } else {
+      // e4m3 elements load as value / 256 (vec_ymm.h load_fp8), so their scale carries the 256
+      const float mul = t.kv_type == 4 ? 256.f : 1.f;
+      for (int64_t c = 0; c < D; c += t.qb) {
+        const typename V::F sc = V::set1(_cvtsh_ss(scale[(row + c) / t.qb]) * mul);
+        for (int64_t e = c; e < c + t.qb; e += V::W) {
+          const typename V::F x8 = t.kv_type == 3 ? V::load_i8(static_cast<const int8_t*>(base) + row + e)
+                                                  : V::load_fp8(static_cast<const uint8_t*>(base) + row + e,
+                                                                t.kv_type == 4);
+          V::storeu(d + e, V::mul(x8, sc));
+        }
+      }
     }
   }
   for (int64_t x = n; x < ((n + 7) & ~int64_t{7}); ++x)
@@ -121,8 +134,8 @@ void attend_tile(const Tile& t) {
   const int64_t last_end = t.end0 + t.nq - 1;
   for (int64_t j0 = t.window > 0 ? hi_of(0, t.end0 - t.window) : 0; j0 < last_end; j0 += kBlockKeys) {
     const int64_t n = lo_of(kBlockKeys, last_end - j0), n8 = (n + 7) & ~int64_t{7};
-    load_block<V>(t, t.k, j0, n, kb);
-    load_block<V>(t, t.v, j0, n, vb);
+    load_block<V>(t, t.k, t.k_scale, j0, n, kb);
+    load_block<V>(t, t.v, t.v_scale, j0, n, vb);
     for (int64_t x = 0; x < n8; x += V::kKeys) score_tile<V>(qt, kb + x * D, D, s + x * R);
     // only blocks across some row's first or last key need the mask
     if (j0 + n8 > t.end0 || (t.window > 0 && j0 < last_end - t.window))

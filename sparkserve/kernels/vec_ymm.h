@@ -32,6 +32,20 @@ struct Ymm {
     if (kv_type == 1) return _mm256_cvtph_ps(raw);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
   }
+  // Eight int8 values as fp32 (a quantized pool's elements, before their block scale).
+  static F load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // Eight fp8 values as fp32 through float16 bits: e5m2 is a float16's high byte; e4m3 (`e4m3`)
+  // moved into float16's fields reads as its value / 256 (normal and subnormal alike), which the
+  // caller's scale makes up for. Exact either way.
+  static F load_fp8(const uint8_t* p, bool e4m3) {
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = e4m3 ? _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7),
+                                          _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8))
+                           : _mm_slli_epi16(w, 8);
+    return _mm256_cvtph_ps(h);
+  }
   // s where key j is among the row's keys (j < end, j >= end - window), else -inf.
   static F hide_unseen(F s, int32_t j, I end, int32_t window) {
     const I jv = _mm256_set1_epi32(j);

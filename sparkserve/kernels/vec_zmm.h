@@ -31,6 +31,17 @@ struct Zmm {
     if (kv_type == 1) return _mm512_cvtph_ps(raw);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
+  // Sixteen int8 / fp8 values as fp32, as Ymm's.
+  static F load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F load_fp8(const uint8_t* p, bool e4m3) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = e4m3 ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                                             _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8))
+                           : _mm256_slli_epi16(w, 8);
+    return _mm512_cvtph_ps(h);
+  }
   // s where key j is among the row's keys (j < end, j >= end - window), else -inf.
   static F hide_unseen(F s, int32_t j, I end, int32_t window) {
     const I jv = _mm512_set1_epi32(j);

@@ -11,7 +11,10 @@ queries (not at the end of their requests), do too through the prefill kernel
 nothing; SDPA takes them where it cannot run (kernels unavailable, or heads its tiles do not take:
 a head_dim not a multiple of 16, more query heads per kv head than a tile's rows). A batch with
 both (decodes riding a prefill chunk, a prefill of long and short prompts) runs each part its own
-way, so a VERIFY row stays bit for bit the decode step at its position."""
+way, so a VERIFY row stays bit for bit the decode step at its position.
+A quantized pool (--kv-cache-dtype int8 / fp8_*: mem/kv_quant.py) is written quantized with its
+block scales, and read as it is: the kernels dequantize the rows they fetch, the torch paths the
+rows they gather, so no dequantized copy of the pool is ever made."""
 from __future__ import annotations
 
 import torch
@@ -19,12 +22,18 @@ from torch import nn
 
 from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.kernels.build import load_extension
+from sparkserve.mem.kv_pool import KVPool
+from sparkserve.mem.kv_quant import dequantize, quantize
 
 # Most query tokens per request for the decode kernel: it keeps every score of a request's block,
 # so longer prefill chunks go to the prefill kernel's blocked, online-softmax tiles.
 KERNEL_MAX_Q = 16
-# What the kernels read from the pool (converting to fp32 as they load).
-KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What the kernels read from the pool (converting to fp32 as they load; the quantized ones with
+# their block scales).
+KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn,
+                    torch.float8_e5m2)
+
+Scales = tuple[torch.Tensor, torch.Tensor] | None     # a quantized pool's K and V block scales
 
 
 class PagedAttention(nn.Module):
@@ -46,43 +55,52 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H*D]; sinks: [H] (this rank's heads)."""
-        k_buf, v_buf = batch.kv_pool.layer(self.layer_id)
-        batch.store(k_buf, k, self.window)
-        batch.store(v_buf, v, self.window)
+        pool = batch.kv_pool
+        k_buf, v_buf = pool.layer(self.layer_id)
+        sc = pool.layer_scales(self.layer_id) if isinstance(pool, KVPool) else None
+        if sc is None:
+            batch.store(k_buf, k, self.window)
+            batch.store(v_buf, v, self.window)
+        else:
+            for buf, scale, rows in ((k_buf, sc[0], k), (v_buf, sc[1], v)):
+                elems, scales = quantize(rows, buf.dtype)
+                batch.store(buf, elems, self.window)
+                batch.store(scale, scales, self.window)
         if self.softcap is not None or sinks is not None:
-            return self._eager(q, k_buf, v_buf, batch, sinks)
+            return self._eager(q, k_buf, v_buf, batch, sinks, sc)
         ext = self._kernel_extension(q, k_buf, v_buf, batch)
         if ext is None:
-            return self._sdpa(q, k_buf, v_buf, batch)
+            return self._sdpa(q, k_buf, v_buf, batch, sc)
         # a context-parallel share's queries are not all at the end of their requests: only the
         # prefill kernel (by runs of positions) or SDPA takes them
         if batch.cp is None and max(batch.extend_lens) <= KERNEL_MAX_Q:   # decode, VERIFY
-            return self._decode(ext, q, k_buf, v_buf, batch)
+            return self._decode(ext, q, k_buf, v_buf, batch, sc)
         prefill = self._prefill_kernel(ext)
         if batch.cp is not None or min(batch.extend_lens) > KERNEL_MAX_Q:
-            return self._long(prefill, q, k_buf, v_buf, batch)
+            return self._long(prefill, q, k_buf, v_buf, batch, sc)
         # e.g. decodes riding a prefill chunk
         (short_rows, short), (long_rows, long) = batch.split_by_query_len(KERNEL_MAX_Q)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        out[short_rows] = self._decode(ext, q[short_rows], k_buf, v_buf, short)
-        out[long_rows] = self._long(prefill, q[long_rows], k_buf, v_buf, long)
+        out[short_rows] = self._decode(ext, q[short_rows], k_buf, v_buf, short, sc)
+        out[long_rows] = self._long(prefill, q[long_rows], k_buf, v_buf, long, sc)
         return out
 
     def _long(self, prefill, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-              batch: ForwardBatch) -> torch.Tensor:
+              batch: ForwardBatch, sc: Scales) -> torch.Tensor:
         """Prefill chunks: the prefill kernel over each run of consecutive query positions as a
         request ending at its last query (`ForwardBatch.query_runs`), or SDPA where it cannot run."""
         if prefill is None:
-            return self._sdpa(q, k_buf, v_buf, batch)
+            return self._sdpa(q, k_buf, v_buf, batch, sc)
         req, ends, lens = batch.query_runs()
         _, kv_indices, kv_start = batch.kv_view(self.window)
-        return prefill(q, k_buf, v_buf, kv_indices[req], ends, kv_start, self.window or 0, self.scale, lens)
+        return prefill(q, k_buf, v_buf, kv_indices[req], ends, kv_start, self.window or 0, self.scale, lens,
+                       **_scale_args(sc))
 
     def _decode(self, ext, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, sc: Scales) -> torch.Tensor:
         _, kv_indices, kv_start = batch.kv_view(self.window)
         return ext.decode_attention(q, k_buf, v_buf, kv_indices, batch.seq_lens, kv_start, self.window or 0,
-                                    self.scale, batch.extend_lens)
+                                    self.scale, batch.extend_lens, **_scale_args(sc))
 
     def _prefill_kernel(self, ext):
         """The prefill kernel where it runs here and takes this layer's heads, else None."""
@@ -91,17 +109,17 @@ class PagedAttention(nn.Module):
         return None
 
     def _sdpa(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-              batch: ForwardBatch) -> torch.Tensor:
+              batch: ForwardBatch, sc: Scales = None) -> torch.Tensor:
         """Gather each request's keys into a padded batch and attend under one mask."""
-        qp, kp, vp, mask = self._gathered(q, k_buf, v_buf, batch)
+        qp, kp, vp, mask = self._gathered(q, k_buf, v_buf, batch, sc)
         out = torch.nn.functional.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return self._flat(out, batch)
 
     def _eager(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, batch: ForwardBatch,
-               sinks: torch.Tensor | None) -> torch.Tensor:
+               sinks: torch.Tensor | None, sc: Scales = None) -> torch.Tensor:
         """_sdpa's gather, the scores soft-capped before the mask and the sinks in the softmax."""
-        qp, kp, vp, mask = self._gathered(q, k_buf, v_buf, batch)
+        qp, kp, vp, mask = self._gathered(q, k_buf, v_buf, batch, sc)
         group = self.num_heads // self.num_kv_heads
         kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
         scores = qp @ kp.transpose(-1, -2) * self.scale
@@ -115,14 +133,19 @@ class PagedAttention(nn.Module):
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         return self._flat(probs @ vp, batch)
 
-    def _gathered(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, batch: ForwardBatch
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Queries [B, H, Qmax, D], keys and values [B, Hkv, L, D] padded per request, the mask."""
+    def _gathered(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, batch: ForwardBatch,
+                  sc: Scales = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Queries [B, H, Qmax, D], keys and values [B, Hkv, L, D] padded per request (a quantized
+        pool's gathered rows dequantized), the mask."""
         _, kv_indices, _ = batch.kv_view(self.window)
         q_index, _ = batch.query_layout()
         qp = q.view(batch.batch_size, -1, *q.shape[1:]) if q_index is None else q[q_index]
-        kp = k_buf[kv_indices].transpose(1, 2).to(q.dtype)
-        vp = v_buf[kv_indices].transpose(1, 2).to(q.dtype)
+        if sc is None:
+            kp, vp = k_buf[kv_indices].to(q.dtype), v_buf[kv_indices].to(q.dtype)
+        else:
+            kp = dequantize(k_buf[kv_indices], sc[0][kv_indices], q.dtype)
+            vp = dequantize(v_buf[kv_indices], sc[1][kv_indices], q.dtype)
+        kp, vp = kp.transpose(1, 2), vp.transpose(1, 2)
         return qp.transpose(1, 2), kp, vp, batch.attn_mask(self.window)
 
     def _flat(self, out: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -142,3 +165,8 @@ class PagedAttention(nn.Module):
                 or not (k_buf.is_contiguous() and v_buf.is_contiguous())):
             return None
         return load_extension()
+
+
+def _scale_args(sc: Scales) -> dict[str, torch.Tensor]:
+    """The kernels' keyword arguments for a quantized pool's scales (none for a float pool)."""
+    return {} if sc is None else {"k_scale": sc[0], "v_scale": sc[1]}

@@ -1,4 +1,5 @@
-"""Token-indexed KV pool: per layer one K and one V buffer of [slots, kv_heads, head_dim].
+"""Token-indexed KV pool: per layer one K and one V buffer of [slots, kv_heads, head_dim], and for a
+quantized dtype (mem/kv_quant.py) their float16 block scales [slots, kv_heads, blocks].
 Slot 0 is a dummy that padding reads from and never holds a real token."""
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 from sparkserve.core.pool import Pool, PoolComponent, Split
 from sparkserve.mem.heap import lazy_zeros
+from sparkserve.mem.kv_quant import SCALE_DTYPE, block_size, is_quantized, scale_component
 
 
 def uniform_window(layer_windows: list[int | None]) -> int | None:
@@ -52,26 +54,43 @@ class KVPool(Pool):
         self.owned = list(owned)
         rows = [(swa_slots if i in self.swa_layers else num_slots) + 1 if i in owned else 1
                 for i in range(num_layers)]
+        self.dtype = dtype
         self.k = [lazy_zeros((n, num_kv_heads, head_dim), dtype) for n in rows]
         self.v = [lazy_zeros((n, num_kv_heads, head_dim), dtype) for n in rows]
+        self.quantized = is_quantized(dtype)
+        scales = [(n, num_kv_heads, head_dim // block_size(head_dim)) for n in rows] if self.quantized else []
+        self.k_scale = [lazy_zeros(shape, SCALE_DTYPE) for shape in scales]
+        self.v_scale = [lazy_zeros(shape, SCALE_DTYPE) for shape in scales]
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer_id], self.v[layer_id]
 
+    def layer_scales(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A quantized pool's K and V block scales of one layer; None for a float pool."""
+        return (self.k_scale[layer_id], self.v_scale[layer_id]) if self.quantized else None
+
     def components(self) -> list[PoolComponent]:
-        """The owned layers' K and V (a pipeline stage's others hold only the dummy slot)."""
-        item = self.k[0][0].numel() * self.k[0].element_size()
+        """The owned layers' K and V, and a quantized pool's scales (a pipeline stage's others
+        hold only the dummy slot)."""
         full = [i for i in self.owned if i not in self.swa_layers]
         if not self.swa_layers:
             kind = "token_page" if self.window is None else "window_page"
-            return [PoolComponent("k", kind, [self.k[i] for i in full], item, full, self.split),
-                    PoolComponent("v", kind, [self.v[i] for i in full], item, full, self.split)]
+            return self._components("", kind, full)
         swa = [i for i in self.swa_layers if i in self.owned]
-        return [PoolComponent("k", "token_page", [self.k[i] for i in full], item, full, self.split),
-                PoolComponent("v", "token_page", [self.v[i] for i in full], item, full, self.split),
-                PoolComponent("swa_k", "window_page", [self.k[i] for i in swa], item, swa, self.split),
-                PoolComponent("swa_v", "window_page", [self.v[i] for i in swa], item, swa, self.split)]
+        return self._components("", "token_page", full) + self._components("swa_", "window_page", swa)
+
+    def _components(self, prefix: str, kind: str, layers: list[int]) -> list[PoolComponent]:
+        bufs = {"k": self.k, "v": self.v}
+        if self.quantized:
+            bufs[scale_component("k", self.dtype)] = self.k_scale
+            bufs[scale_component("v", self.dtype)] = self.v_scale
+        return [PoolComponent(prefix + name, kind, [b[i] for i in layers], b[0][0].nbytes, layers, self.split)
+                for name, b in bufs.items()]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        """K and V of one token in every layer, with a quantized pool's float16 block scales."""
+        row = head_dim * torch.empty((), dtype=dtype).element_size()
+        if is_quantized(dtype):
+            row += head_dim // block_size(head_dim) * torch.empty((), dtype=SCALE_DTYPE).element_size()
+        return 2 * num_layers * num_kv_heads * row

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from sparkserve.core.pool import Pool, Split
+from sparkserve.mem.kv_quant import format_of
 
 RowKey = tuple[int, str, int]          # (pool index, component name, layer id)
 Rows = dict[RowKey, torch.Tensor]      # [positions or 1 request row, *item]
@@ -75,11 +76,23 @@ def shapes(pools: list[Pool]) -> Shapes:
 
 def check_shapes(sent: Shapes, held: Shapes) -> None:
     """The buffers a side sends fit the ones the other holds; it may send more only from pools
-    past the model's (a DSpark draft on the sending side only)."""
+    past the model's (a DSpark draft on the sending side only). Quantized KV pools first: their
+    elements and scales move as they are, so both sides must hold the same format."""
+    formats = [_kv_format(s) for s in (sent, held)]
+    if formats[0] != formats[1]:
+        raise ValueError(f"the KV caches differ: --kv-cache-dtype {formats[0]} on the prefill side, "
+                         f"{formats[1]} on the decode side; a quantized pool's rows and scales move as "
+                         "they are, so both sides need the same --kv-cache-dtype")
     for key in sorted(held.keys() | {k for k in sent if k[0] == 0}):
         if sent.get(key) != held.get(key):
             raise ValueError(f"{_name(key)} is {sent.get(key, 'missing')} on the prefill side, "
                              f"{held.get(key, 'missing')} here: the two sides run different models")
+
+
+def _kv_format(s: Shapes) -> str:
+    """The model's pool's quantized KV format (its scale components say it), or the float types'."""
+    found = {f for key in s if key[0] == 0 and (f := format_of(key[1])) is not None}
+    return ", ".join(sorted(found)) or "float32 / float16 / bfloat16"
 
 
 def check_rows(rows: Rows, held: Shapes, lo: int, positions: int) -> None:

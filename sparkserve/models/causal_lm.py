@@ -19,6 +19,7 @@ from sparkserve.distributed.sharding import Dim
 from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.rotary import RotaryEmbedding
 from sparkserve.layers.vocab_parallel import ParallelLMHead
+from sparkserve.mem.kv_quant import kv_dtype_name
 from sparkserve.models.aux_capture import AuxCaptureMixin
 
 
@@ -189,7 +190,7 @@ class CausalLM(AuxCaptureMixin, nn.Module):
     def set_kv_cache_dtype(self, dtype: torch.dtype) -> None:
         """What make_pool's K/V buffers hold (--kv-cache-dtype), set before the pool is sized."""
         if dtype not in self.KV_CACHE_DTYPES:
-            name = str(dtype).removeprefix("torch.")
+            name = kv_dtype_name(dtype)
             raise ValueError(f"--kv-cache-dtype {name}: {type(self).__name__} keeps its pools in float32; "
                              "use --kv-cache-dtype float32 or auto")
         self.kv_dtype = dtype

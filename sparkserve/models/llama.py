@@ -173,7 +173,9 @@ class LlamaForCausalLM(CausalLM):
     stacked_params = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"),
                       ".v_proj.": (".qkv_proj.", "v"), ".gate_proj.": (".gate_up_proj.", "gate"),
                       ".up_proj.": (".gate_up_proj.", "up")}
-    KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # the kernel converts on load
+    # the kernels convert on load (quantized pools: mem/kv_quant.py, dequantized as rows are read)
+    KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn,
+                       torch.float8_e5m2)
     DEVICES = ("cpu", "cuda")
 
     def __init__(self, cfg: ModelConfig):

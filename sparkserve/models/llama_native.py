@@ -67,6 +67,8 @@ class NativeStep:
         pool = batch.kv_pool
         if pool is not self._pool:
             self._step.set_pool(pool.k, pool.v, pool.swa_layers)
+            if pool.quantized:     # the step stores its K/V quantized and attends through the scales
+                self._step.set_pool_scales(pool.k_scale, pool.v_scale)
             self._pool = pool
         x = model.model.embed_tokens(input_ids)
         aux = model.aux_layer_set

@@ -20,6 +20,7 @@ from sparkserve.executor.model_runner import ModelRunner
 from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.mem.kv_pool import split_windows, uniform_window
+from sparkserve.mem.kv_quant import kv_dtype
 from sparkserve.models.causal_lm import CausalLM
 from sparkserve.models.registry import load_config, load_model, model_class
 from sparkserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -157,7 +158,7 @@ def kv_cache_dtype(args: ServerArgs, model: CausalLM) -> torch.dtype:
     as llama.cpp caches the same file (a decode step's attention reads half the bytes); else
     float32, the compute dtype on CPU, as vLLM and SGLang keep the model's."""
     if args.kv_cache_dtype != "auto":
-        return getattr(torch, args.kv_cache_dtype)
+        return kv_dtype(args.kv_cache_dtype)
     gguf = args.model_path.endswith(".gguf") and torch.float16 in model.KV_CACHE_DTYPES
     return torch.float16 if gguf else torch.float32
 

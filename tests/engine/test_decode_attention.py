@@ -310,7 +310,7 @@ def test_half_precision_pool_reads_as_its_float32_values(ext, variant, dtype):
         half = ext.decode_attention(q[:n], k16, v16, *args)
         full = ext.decode_attention(q[:n], k16.float(), v16.float(), *args)
         assert torch.equal(half, full), (seq, n, window)
-    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
+    with pytest.raises(RuntimeError, match="float32, float16, bfloat16, int8, float8_e4m3fn or float8_e5m2"):
         ext.decode_attention(q[:1], k16.double(), v16.double(), kv_indices, [L], 0, 0, D ** -0.5)
 
 
