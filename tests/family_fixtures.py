@@ -379,6 +379,11 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         w.add_logit_scale(hp["logits_scaling"])
     if gemma:                   # Gemma2Model / Gemma3Model.set_gguf_parameters
         w.add_sliding_window(hp["sliding_window"])
+    if arch == "olmo2" and "sliding_window" in hp:      # Olmo2Model (OLMo 3's checkpoints): every 4th full
+        w.add_sliding_window(hp["sliding_window"])
+        types = hp.get("layer_types")
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in types] if types else
+                                     [(i + 1) % 4 != 0 for i in range(hp["num_hidden_layers"])])
     if arch == "gemma2":
         w.add_attn_logit_softcapping(hp["attn_logit_softcapping"])
         w.add_final_logit_softcapping(hp["final_logit_softcapping"])

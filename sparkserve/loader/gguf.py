@@ -110,6 +110,10 @@ def gguf_config(path: str) -> ModelConfig:
     if rope_dims != head_dim and arch in _PERMUTED:
         raise ValueError(f"GGUF {arch}.rope.dimension_count = {rope_dims}: partial rotary is not supported "
                          f"for {arch} (supported: the whole head, {head_dim})")
+    if arch == "olmo2" and window:
+        raise ValueError(f"GGUF olmo2.attention.sliding_window = {window} (OLMo 3: windowed layers, every "
+                         "4th full, the windowed ones with unscaled rope, as llama.cpp runs it) is not "
+                         "supported (supported: OLMo 2, no window)")
     n_layers, n_experts = get("block_count"), get("expert_count", 0)
     model_type = "mixtral" if arch == "llama" and n_experts else _MODEL_TYPES.get(arch, arch)
     hf: dict[str, Any] = {

@@ -219,6 +219,23 @@ def test_unsupported_rope_or_architecture_fails_at_start_up(tmp_path, family_dir
             load_config(path)
 
 
+def test_olmo3_gguf_refused(family_dirs, tmp_path):
+    """An olmo2 GGUF with a sliding window is OLMo 3's (the converter writes Olmo3ForCausalLM as olmo2 with
+    a window on 3 layers of 4, which llama.cpp runs with unscaled rope there): refused at start-up, never
+    served with the window on every layer."""
+    import json
+    import shutil
+
+    from sparkserve.models.registry import load_config
+    olmo3 = tmp_path / "olmo3"
+    shutil.copytree(family_dirs["olmo2"], olmo3)
+    cfg = json.loads((olmo3 / "config.json").read_text())
+    (olmo3 / "config.json").write_text(json.dumps(dict(cfg, sliding_window=8)))
+    path = write_gguf(str(olmo3), str(tmp_path / "olmo3.gguf"))
+    with pytest.raises(ValueError, match=r"olmo2\.attention\.sliding_window = 8 \(OLMo 3.*not supported"):
+        load_config(path)
+
+
 def test_moe_config_fields():
     """The router rule is a named field: Mixtral always renormalises its top-k, Qwen3-MoE when
     norm_topk_prob (transformers' default: off); Qwen3-MoE's dense layers are mlp_only_layers and
