@@ -146,7 +146,9 @@ class ServerArgs(SpeculativeArgs):
     speculative_dspark_block_size: int | None = field(default=None, metadata=_opt(
         "draft block size gamma (default: the checkpoint's block_size)"))
     speculative_dspark_verify_mode: str | None = field(default=None, metadata=_opt(
-        "which drafts to verify (default: threshold if a threshold is given, else full)",
+        "which drafts to verify: full (all), threshold, adaptive (those that pay, by the step costs measured "
+        "at start-up; never slower than plain decoding) (default: threshold if a threshold is given, else "
+        "adaptive)",
         choices=VERIFY_MODES))
     speculative_dspark_confidence_threshold: float | None = field(default=None, metadata=_opt(
         "verify the leading drafts whose confidence is >= this"))
@@ -253,10 +255,11 @@ class ServerArgs(SpeculativeArgs):
 
     @property
     def verify_mode(self) -> str:
-        """The DSpark verify mode in force (threshold when only a threshold is given)."""
+        """The DSpark verify mode in force (threshold when only a threshold is given; else adaptive,
+        the mode that never loses to plain decoding)."""
         if self.speculative_dspark_verify_mode:
             return self.speculative_dspark_verify_mode
-        return "threshold" if self.speculative_dspark_confidence_threshold is not None else "full"
+        return "threshold" if self.speculative_dspark_confidence_threshold is not None else "adaptive"
 
     def _validate_grammar_backend(self, need) -> None:
         name = self.grammar_backend

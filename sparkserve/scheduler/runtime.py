@@ -231,6 +231,10 @@ def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, c
     if args.speculative_dspark_block_size:
         draft.config.block_size = args.speculative_dspark_block_size
     thr, mode = args.speculative_dspark_confidence_threshold, args.verify_mode
+    if mode == "adaptive" and draft.confidence_head is None and args.speculative_dspark_verify_mode is None:
+        mode = "full"               # the default, on a draft that cannot say which drafts will pass
+        log.warning("DSpark: %s has no confidence head: verify mode full (drafting may cost more than it "
+                    "saves)", path)
     if mode != "full" and draft.confidence_head is None:
         raise ValueError(f"--speculative-dspark-verify-mode {mode} needs a draft with a confidence head "
                          f"(enable_confidence_head); {path} has none")

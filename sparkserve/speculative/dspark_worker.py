@@ -3,6 +3,9 @@ KV, then propose a block per request — one parallel backbone pass, a serial Ma
 samples the slots, and a confidence per slot — and pick each request's verify length."""
 from __future__ import annotations
 
+import operator
+from itertools import accumulate
+
 import torch
 
 from sparkserve.core.device import on_device
@@ -37,6 +40,8 @@ class DSparkWorker(SpecWorker):
         # draft context not injected yet (defer): (taps rows, positions, slots) of several steps
         self.backlog: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]] = []
         self.backlog_rows = 0
+        # the latest proposals planned on confidences, with their requests' accepted drafts then
+        self._planned: list[tuple[Req, int, Proposal]] = []
 
     def describe(self) -> dict:
         """What /server_info reports of the drafter."""
@@ -81,6 +86,17 @@ class DSparkWorker(SpecWorker):
         """A verify cycle after its draft pass (forward, acceptance, commits) took `seconds`: the
         planner charges what it cost beyond a plain step to the next plans."""
         self.planner.observe_cycle(seconds, requests, drafting, tokens)
+        self._observe_acceptance()
+
+    def _observe_acceptance(self) -> None:
+        """The cycle just committed: drafts its requests accepted vs the survivals their plans
+        summed (the planner's calibration of the confidence head)."""
+        planned = [(r, before, p) for r, before, p in self._planned if p.verify_len]
+        self._planned = []
+        if planned:
+            expected = sum(sum(accumulate(p.confidence[:p.verify_len].tolist(), operator.mul))
+                           for _, _, p in planned)
+            self.planner.observe_acceptance(expected, sum(r.spec_accept_token_num - b for r, b, _ in planned))
 
     def observe_plain(self, seconds: float, requests: int) -> None:
         """A plain decode step (no request drafted) of `requests` requests took `seconds`: what a
@@ -119,7 +135,10 @@ class DSparkWorker(SpecWorker):
         confs = [conf[i] if conf is not None else None for i in range(B)]
         lens = self.planner.plan(confs, caps, plain_tokens)
         toks = tokens.tolist()
-        return [Proposal(toks[i], confs[i], q_probs[i], lens[i]) for i in range(B)]
+        props = [Proposal(toks[i], confs[i], q_probs[i], lens[i]) for i in range(B)]
+        self._planned = [(r, r.spec_accept_token_num, p) for r, p in zip(reqs, props)
+                         if p.confidence is not None]
+        return props
 
     def _draft_pass(self, reqs: list[Req], anchors: torch.Tensor, kv_indices: torch.Tensor,
                     ctx_lens: list[int]):

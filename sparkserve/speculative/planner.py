@@ -10,7 +10,10 @@ measured on plain steps) and `draft` what drafting adds: the draft pass, the LM 
 reads (the table's draft_seconds, or the scheduler's measurements if larger). When even the best
 plan yields fewer tokens per second than plain decoding (R / (step + cost(R, R))), it verifies
 nothing, so the scheduler backs the requests off drafting for a while; and where that would be so
-with drafts sure to pass (`may_pay`), the scheduler does not run the draft pass at all."""
+with drafts sure to pass (`may_pay`), the scheduler does not run the draft pass at all. The
+survivals are scaled by how many drafts recent cycles accepted per draft they expected
+(`calibration`), so a confidence head that promises too much (or too little) is corrected by what
+the target actually accepted."""
 from __future__ import annotations
 
 import bisect
@@ -26,6 +29,9 @@ import torch
 MODES = ("full", "threshold", "adaptive")
 # How many recent steps the running cost estimates look at.
 RECENT_STEPS = 32
+# Neutral evidence the acceptance calibration starts from (drafts expected and accepted alike):
+# a few cycles' worth, so one unlucky block does not reprice the draft.
+CALIBRATION_PRIOR = 4.0
 
 
 def _piecewise(xs: list[int], ys: list[float], x: float) -> float:
@@ -92,6 +98,8 @@ class VerifyPlanner:
         self._drafts: deque[float] = deque(maxlen=RECENT_STEPS)
         self._cycles: deque[float] = deque(maxlen=RECENT_STEPS)
         self._first_cycle = True
+        # (drafts the confidences expected to be accepted, drafts accepted) of recent verify cycles
+        self._accepts: deque[tuple[float, int]] = deque(maxlen=RECENT_STEPS)
 
     def observe_plain(self, seconds: float, requests: int) -> None:
         """A plain decode step of `requests` requests took `seconds`."""
@@ -111,6 +119,19 @@ class VerifyPlanner:
             return
         beyond = seconds - self._forward(requests, tokens) - self.step_seconds(requests)
         self._cycles.append(max(0.0, beyond) / drafting)
+
+    def observe_acceptance(self, expected: float, accepted: int) -> None:
+        """A verify cycle accepted `accepted` drafts where its plans' survivals summed to `expected`."""
+        self._accepts.append((expected, accepted))
+
+    def calibration(self) -> float:
+        """Drafts accepted per draft the confidence head expected, over recent cycles (1 before
+        any): a head that promises more than the target grants (traffic unlike its training data,
+        code where it learnt chat) would have every plan verify rows that do not pay. The plans
+        scale each survival by it."""
+        expected = sum(e for e, _ in self._accepts)
+        accepted = sum(a for _, a in self._accepts)
+        return (accepted + CALIBRATION_PRIOR) / (expected + CALIBRATION_PRIOR)
 
     def _forward(self, requests: int, tokens: int) -> float:
         return self.costs.batch_cost(requests, tokens) if self.costs is not None else 0.0
@@ -149,13 +170,26 @@ class VerifyPlanner:
         plan it would make were every draft sure to pass beats plain decoding. Where even that
         plan verifies nothing (a large batch, whose forward is bound by the arithmetic of its rows),
         the pass would cost its time and come to nothing, and the scheduler skips it. The batch, not
-        the draft, decides this, so it does not back the requests off drafting."""
+        the draft, decides this, so it does not back the requests off drafting.
+        It is asked at every decode step, so it is priced without building a plan: k sure drafts
+        bring k tokens for cost(R, R + k), and on each linear piece of the table that rate is
+        monotone in k, so only the pieces' ends need a look (a handful of lookups, where the plan
+        ranked every slot of the batch)."""
         if self.mode != "adaptive":
             return True
-        return any(self._adaptive([torch.ones(cap) for cap in caps], caps, plain_tokens))
+        drafts = sum(caps)
+        if not drafts:
+            return False
+        R = len(caps) + plain_tokens
+        step, draft = self.step_seconds(R), self.draft_seconds(len(caps))
+        plain_rate = R / (step + self.costs.batch_cost(R, R))
+        ends = {1, drafts, *(n - 1 for n in self.costs.tokens if 1 < n <= drafts + 1)}
+        return any((R + k) / (step + draft + self.costs.batch_cost(R, R + k)) > plain_rate for k in ends)
 
     def _adaptive(self, confidences, caps, plain_tokens) -> list[int]:
-        survival = [list(accumulate(c[:cap].tolist(), operator.mul)) for c, cap in zip(confidences, caps)]
+        k = self.calibration()
+        survival = [[min(1.0, a * k) for a in accumulate(c[:cap].tolist(), operator.mul)]
+                    for c, cap in zip(confidences, caps)]
         ranked = sorted(((a, r, j) for r, s in enumerate(survival) for j, a in enumerate(s)),
                         key=lambda x: (-x[0], x[2]))
         lens = [0] * len(caps)

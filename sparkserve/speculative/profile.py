@@ -1,6 +1,7 @@
 """Measure the target's step cost per number of verified tokens and of requests (for adaptive verify)."""
 from __future__ import annotations
 
+import statistics
 import time
 
 from sparkserve.core.forward_batch import ForwardMode
@@ -20,6 +21,10 @@ def _doublings(top: int) -> list[int]:
 # block of drafts, a few requests' decode step): timed over more rounds, taking turns.
 SMALL_TOKENS = 32
 SMALL_ROUNDS = 9
+# Largest forward timed: beyond it the table goes on with its last slope. What a plan weighs is a
+# few requests' blocks of drafts; a verify of hundreds of rows never pays, and timing forwards of
+# 256 and 512 rows took most of the start-up's measurement (seconds on a loaded CPU).
+MAX_MEASURED_TOKENS = 64
 
 
 def _timed(runner: ModelRunner, batches: dict[int, list[ScheduledReq]], reps: int,
@@ -29,9 +34,11 @@ def _timed(runner: ModelRunner, batches: dict[int, list[ScheduledReq]], reps: in
     Small forwards run slower right after other work (start-up, a large forward on torch's OpenMP
     threads, whose workers go on spinning), and a cost(1) above cost(2) made drafting look cheaper
     than plain decoding: so the batches run from the largest down, each once untimed first, as a
-    decode step follows decode steps. The small ones then take turns over SMALL_ROUNDS rounds, so
-    that the machine's drift between them (a shared CPU's load comes and goes) does not decide
-    what one more verified row seems to cost. A forward over more never costs less."""
+    decode step follows decode steps. The small ones then take turns over SMALL_ROUNDS rounds, and
+    each is priced by its ratio to the smallest one's time in the same round (the median of the
+    rounds' ratios): the machine's drift (a shared CPU's load comes and goes) slows a round's
+    forwards alike and cancels in the ratio, so it does not decide what one more verified row
+    seems to cost. A forward over more never costs less."""
     def once(key: int) -> float:
         fb = runner.build_batch(ForwardMode.VERIFY, batches[key])
         t = time.perf_counter()
@@ -46,8 +53,10 @@ def _timed(runner: ModelRunner, batches: dict[int, list[ScheduledReq]], reps: in
             times = [once(key) for _ in range(reps + 1)]
             median[key] = sorted(times[1:])[reps // 2]       # the first one warms up
     rounds = [[once(key) for key in small] for _ in range(max(reps, SMALL_ROUNDS) + 1)][1:]
-    for i, key in enumerate(small):
-        median[key] = sorted(r[i] for r in rounds)[len(rounds) // 2]
+    if small:
+        base = statistics.median(r[-1] for r in rounds)        # the smallest batch's own time
+        for i, key in enumerate(small):
+            median[key] = base * statistics.median(r[i] / r[-1] for r in rounds)
     out: list[float] = []
     for key in batches:
         out.append(max(median[key], out[-1] if out else floor))
@@ -60,14 +69,16 @@ def _tokens(reqs: list[ScheduledReq]) -> int:
 
 def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: int, context: int = 64,
                        reps: int = 3, max_requests: int = 1) -> StepCostTable:
-    """Time forwards of one request over n = 1, 2, 4, ... max_tokens tokens, and decode steps of
+    """Time forwards of one request over n = 1, 2, 4, ... max_tokens tokens (at most
+    MAX_MEASURED_TOKENS: larger ones are extrapolated), and decode steps of
     r = 1, 2, 4, ... max_requests requests, after a `context`-token prefix each, with the LM head
     over one row a request: a verify scores the rows after the anchor's only as far as its drafts
     are accepted (speculative/verify.py), so an unaccepted slot costs just its forward."""
     free = cache.allocator.free_slots
     if cache.split:                   # the windowed layers' slots are allocated alongside
         free = min(free, cache.allocator.swa_free_slots)
-    sizes = [n for n in _doublings(max_tokens) if context + n <= min(free, cache.req_to_token.table.shape[1])]
+    top = min(max_tokens, MAX_MEASURED_TOKENS)
+    sizes = [n for n in _doublings(top) if context + n <= min(free, cache.req_to_token.table.shape[1])]
     sizes = sizes or [1]
     counts = [r for r in _doublings(max_requests)
               if (r - 1) * (context + 1) <= free - context - sizes[-1] and r <= cache.req_to_token.available]
@@ -89,6 +100,9 @@ def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: i
             cache.allocator.free(slots)
         for row in rows:
             cache.req_to_token.free(row)
+    # n tokens in one forward never cost more than n forwards of one (each reads every weight):
+    # a table above that is noise, and it would price every draft out.
+    seconds = [min(s, n * seconds[0]) for n, s in zip(sizes, seconds)]
     if len(sizes) == 1:
         sizes, seconds = [1, 2], [seconds[0], seconds[0]]
     return StepCostTable(sizes, seconds, requests=[1, *many] if many else [],

@@ -135,7 +135,7 @@ def test_dspark_with_dp_attention_and_cp(arch, model_dirs, shards, tmp_path):
                               bigram_of(prompts, [o["output_ids"] for o in plain], vocab), block_size=4)
     extra = dict(ep_size=4) if arch == "kimi" else {}
     with Engine(path, **DP2_CP2, **extra, speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
-                **COMMON) as eng:
+                speculative_dspark_verify_mode="full", **COMMON) as eng:
         routed = eng.generate(input_ids=prompts, sampling_params=sp, routed_dp_rank=1)
         both = eng.generate(input_ids=prompts, sampling_params=sp)
         assert shards                                       # group 0 split LONG in the second run

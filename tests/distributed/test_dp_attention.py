@@ -108,7 +108,7 @@ def test_dspark_with_one_group_idle(arch, llama_dir, moe_dirs, tmp_path):
                               bigram_of(PROMPTS, [o["output_ids"] for o in plain], vocab), block_size=4)
     layout = DP2 if arch == "llama" else dict(DP2, ep_size=2)
     with Engine(path, **layout, speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
-                **COMMON) as eng:
+                speculative_dspark_verify_mode="full", **COMMON) as eng:
         routed = eng.generate(input_ids=PROMPTS, sampling_params=sp, routed_dp_rank=1)
         assert eng.scheduler.local.num_forwards == 0            # group 0 only ran IDLE forwards
         both = eng.generate(input_ids=PROMPTS, sampling_params=sp)

@@ -196,7 +196,7 @@ def test_dspark_kimi_under_tp(moe_dirs, tmp_path):
     draft = make_oracle_draft(path, str(tmp_path / "draft"),
                               bigram_of(PROMPTS, [o["output_ids"] for o in plain], KIMI_VOCAB), block_size=4)
     with Engine(path, **TP2, speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
-                **COMMON) as eng:
+                speculative_dspark_verify_mode="full", **COMMON) as eng:
         got = eng.generate(input_ids=PROMPTS, sampling_params=sp)
         hist = dict(eng.scheduler.accept_hist)
     assert [g["output_ids"] for g in got] == [o["output_ids"] for o in plain]

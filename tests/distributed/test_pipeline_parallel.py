@@ -78,7 +78,7 @@ def _dspark_case(path: str, draft_dir: str, vocab: int, misses: bool = True, **k
                               block_size=4)
     args = dict(COMMON, **kw)
     with Engine(path, pp_size=2, pp_micro_batch_min_tokens=1, speculative_algorithm="DSPARK",
-                speculative_draft_model_path=draft, **args) as eng:
+                speculative_draft_model_path=draft, speculative_dspark_verify_mode="full", **args) as eng:
         got = eng.generate(input_ids=PROMPTS, sampling_params=sp)
         hist, retracted = dict(eng.scheduler.accept_hist), eng.scheduler.num_retractions
     assert [g["output_ids"] for g in got] == [o["output_ids"] for o in plain]
@@ -105,7 +105,8 @@ def test_hidden_states_under_pp(llama_dir, tmp_path):
     from dspark_fixtures import make_random_draft
     draft = make_random_draft(llama_dir, str(tmp_path / "draft"), target_layer_ids=[0, 1])
     kw = dict(COMMON, disable_radix_cache=True, enable_return_hidden_states=True,
-              speculative_algorithm="DSPARK", speculative_draft_model_path=draft)
+              speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
+              speculative_dspark_verify_mode="full")
     sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     want = Engine(llama_dir, **kw).generate(input_ids=PROMPTS[:3], sampling_params=sp,
                                             return_hidden_states=True)

@@ -101,7 +101,7 @@ def test_dspark_under_tp_is_lossless(llama_dir, tmp_path):
     bigram = bigram_of(PROMPTS, [o["output_ids"] for o in plain], TINY_CONFIGS["llama"]["vocab_size"])
     draft = make_oracle_draft(llama_dir, str(tmp_path / "draft"), bigram, block_size=4)
     with Engine(llama_dir, tp_size=2, speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
-                **COMMON) as eng:
+                speculative_dspark_verify_mode="full", **COMMON) as eng:
         got = eng.generate(input_ids=PROMPTS, sampling_params=sp)
         hist = eng.scheduler.accept_hist
     assert [g["output_ids"] for g in got] == [o["output_ids"] for o in plain]
@@ -119,7 +119,8 @@ def test_draft_gets_full_vocab_under_tp(arch, tiny_dirs, tmp_path):
     ckpt = load_file(f"{path}/model.safetensors")
     tied = TINY_CONFIGS[arch]["tie_word_embeddings"]
     head = ckpt["model.embed_tokens.weight" if tied else "lm_head.weight"]
-    kw = dict(COMMON, speculative_algorithm="DSPARK", speculative_draft_model_path=draft)
+    kw = dict(COMMON, speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
+              speculative_dspark_verify_mode="full")
     sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     one = Engine(path, **kw)
     want, want_hist = one.generate(input_ids=PROMPTS, sampling_params=sp), dict(one.scheduler.accept_hist)

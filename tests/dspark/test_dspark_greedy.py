@@ -174,6 +174,29 @@ def test_adaptive_with_measured_step_costs(setups):
     assert eng.plan_log and planner.draft_seconds(1) > 0
 
 
+def test_default_verify_mode_is_adaptive(setups, tmp_path):
+    """--speculative-algorithm DSPARK with no verify mode verifies adaptively, by step costs
+    measured at start-up (the mode that never loses to plain decoding), token-identical to plain;
+    a draft without a confidence head, which cannot tell which drafts will pass, falls back to full
+    verify under the default, and asking for adaptive with it is refused."""
+    from sparkserve import Engine
+    s = setups["llama"]
+    kw = dict(max_total_tokens=4096, activation_quant="none", speculative_algorithm="DSPARK")
+    eng = Engine(s.target, speculative_draft_model_path=s.drafts["fitted"], **kw)
+    spec = eng.scheduler.spec
+    assert spec.planner.mode == "adaptive" and spec.describe()["verify_mode"] == "adaptive"
+    assert spec.planner.costs is not None and spec.planner.costs.seconds[0] > 0     # measured
+    assert generate_ids(eng, s.prompts, s.params) == s.ref
+    assert_no_kv_leak(eng)
+    noconf = make_random_draft(s.target, str(tmp_path / "noconf"), block_size=GAMMA,
+                               enable_confidence_head=False)
+    eng = Engine(s.target, speculative_draft_model_path=noconf, **kw)
+    assert eng.scheduler.spec.planner.mode == "full"
+    assert generate_ids(eng, s.prompts, s.params) == s.ref
+    with pytest.raises(ValueError, match="confidence head"):
+        Engine(s.target, speculative_draft_model_path=noconf, speculative_dspark_verify_mode="adaptive", **kw)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_chunked_prefill(setups, arch):
     """Prompts prefilled 4 tokens per step: every chunk's taps become draft context."""

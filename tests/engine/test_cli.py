@@ -54,5 +54,5 @@ def test_embedded_dspark_resolves_the_shipped_draft():
     args = ServerArgs(speculative_algorithm="DSPARK").validate()
     assert args.speculative_draft_model_path == shipped_draft_path(args.model_path)
     assert os.path.isfile(os.path.join(args.speculative_draft_model_path, "config.json"))
-    assert args.served_model_name == "SmolLM2-135M-Instruct" and args.verify_mode == "full"
+    assert args.served_model_name == "SmolLM2-135M-Instruct" and args.verify_mode == "adaptive"
     assert ServerArgs(speculative_dspark_confidence_threshold=0.5).verify_mode == "threshold"

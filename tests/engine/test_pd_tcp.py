@@ -120,7 +120,8 @@ def test_dspark_pair_drafts_from_the_first_step(arch, models, tmp_path):
     vocab = ModelConfig.from_hf_dir(path).vocab_size
     draft = make_oracle_draft(path, str(tmp_path / "d"),
                               bigram_of(PROMPTS, [o["output_ids"] for o in plain], vocab), block_size=4)
-    kw = dict(speculative_algorithm="DSPARK", speculative_draft_model_path=draft)
+    kw = dict(speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
+              speculative_dspark_verify_mode="full")
     colocated = Engine(path, **KW, **kw).generate(input_ids=PROMPTS, sampling_params=sp)
     pair = Pair(path, **kw)
     try:

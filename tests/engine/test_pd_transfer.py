@@ -102,7 +102,8 @@ def test_dspark_drafts_from_the_first_decode_step(arch, models, tmp_path):
     vocab = TINY_CONFIGS["llama"]["vocab_size"] if arch == "llama" else KIMI_VOCAB
     draft = make_oracle_draft(path, str(tmp_path / "d"), bigram_of(PROMPTS, [o["output_ids"] for o in plain],
                                                                    vocab), block_size=4)
-    kw = dict(KW, speculative_algorithm="DSPARK", speculative_draft_model_path=draft)
+    kw = dict(KW, speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
+              speculative_dspark_verify_mode="full")
     colocated = Engine(path, **kw).generate(input_ids=PROMPTS, sampling_params=sp)
     prefill, decode = Engine(path, **kw), Engine(path, **kw)
     got = [disaggregated(prefill, decode, ids, sp) for ids in PROMPTS]

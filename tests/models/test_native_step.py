@@ -207,7 +207,8 @@ def test_dspark_verify_runs_natively(monkeypatch):
                         lambda self, *a: blocks.append(out := native_pass(self, *a)) or out)
     msgs = [[{"role": "user", "content": "Write a Python function that adds two numbers."}]]
     params = dict(GREEDY, max_new_tokens=40)
-    with Engine(max_total_tokens=2048, speculative_algorithm="DSPARK") as spec:
+    with Engine(max_total_tokens=2048, speculative_algorithm="DSPARK",
+                speculative_dspark_verify_mode="full") as spec:
         got = spec.generate(messages=msgs, sampling_params=params)[0]["output_ids"]
         assert_no_kv_leak(spec.scheduler.cache)
     verifies = sum(m == ForwardMode.VERIFY for m, _ in count.calls)

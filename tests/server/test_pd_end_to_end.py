@@ -31,7 +31,8 @@ def pd(request, tmp_path_factory):
         path = make_tiny_chat_checkpoint(str(tmp_path_factory.mktemp("tiny_chat") / "llama"))
         model = ("--model-path", path)
     else:       # exact activations: the colocated run may batch the prompts otherwise (kernel-notes)
-        model = ("--speculative-algorithm", "DSPARK", "--activation-quant", "none")
+        model = ("--speculative-algorithm", "DSPARK", "--speculative-dspark-verify-mode", "full",
+                 "--activation-quant", "none")
     port = free_port()
     common = (*model, "--max-total-tokens", "2048", "--log-level", "info")
     prefill = ServerProcess(*common, "--disaggregation-mode", "prefill",

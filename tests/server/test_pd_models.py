@@ -49,7 +49,8 @@ def test_model_through_both_routers(name, tmp_path, tiny_dirs):
     vocab = ModelConfig.from_hf_dir(path).vocab_size
     draft = make_oracle_draft(path, str(tmp_path / "draft"),
                               bigram_of(PROMPTS, [w["output_ids"] for w in want], vocab), block_size=4)
-    dspark = ("--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", draft)
+    dspark = ("--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", draft,
+              "--speculative-dspark-verify-mode", "full")
     prefill_layout, on_layout, off_layout, on_router = CASES[name]
     port = free_port()
     model = ("--model-path", path, *COMMON)

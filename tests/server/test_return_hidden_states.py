@@ -62,7 +62,7 @@ def test_hidden_states_of_dspark_verify_cycles(llama_dir, tmp_path):
     """Only the committed rows of a verify (anchor + accepted drafts) are kept."""
     draft = make_random_draft(llama_dir, str(tmp_path / "draft"), target_layer_ids=TAPS)
     eng = _engine(llama_dir, max_total_tokens=4096, speculative_algorithm="DSPARK",
-                  speculative_draft_model_path=draft)
+                  speculative_draft_model_path=draft, speculative_dspark_verify_mode="full")
     prompts = _prompts(4)
     outs = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_hidden_states=True)
     assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
@@ -148,7 +148,8 @@ def test_http_generate_returns_hidden_states(llama_dir, tmp_path):
     server = ServerProcess("--model-path", llama_dir, "--max-total-tokens", "4096",
                            "--enable-return-hidden-states",
                            "--disable-radix-cache", "--speculative-algorithm", "DSPARK",
-                           "--speculative-draft-model-path", draft)
+                           "--speculative-draft-model-path", draft,
+                           "--speculative-dspark-verify-mode", "full")
     try:
         info = httpx.get(server.url + "/server_info", timeout=10).json()     # what runs, resolved
         assert info["speculative_draft_model_path"] == draft

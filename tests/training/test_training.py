@@ -84,7 +84,7 @@ def test_training_learns_and_serves_losslessly(bigram_target, distilled, tmp_pat
     assert last["tau_est"] > first["tau_est"]
     assert os.path.exists(os.path.join(out, "model.safetensors"))
     spec = Engine(path, max_total_tokens=4096, speculative_algorithm="DSPARK",
-                  speculative_draft_model_path=out)
+                  speculative_draft_model_path=out, speculative_dspark_verify_mode="full")
     got = spec.generate(input_ids=prompts[:8], sampling_params={"temperature": 0, "max_new_tokens": 32,
                                                                 "ignore_eos": True})
     assert [g["output_ids"] for g in got] == [o["output_ids"] for o in outs[:8]]
@@ -93,7 +93,7 @@ def test_training_learns_and_serves_losslessly(bigram_target, distilled, tmp_pat
     from sparkserve.models.dspark_draft import save_dspark_draft
     save_dspark_draft(init_dspark_draft(dcfg, target), untrained_dir)
     base = Engine(path, max_total_tokens=4096, speculative_algorithm="DSPARK",
-                  speculative_draft_model_path=untrained_dir)
+                  speculative_draft_model_path=untrained_dir, speculative_dspark_verify_mode="full")
     base.generate(input_ids=prompts[:8], sampling_params={"temperature": 0, "max_new_tokens": 32,
                                                           "ignore_eos": True})
     untrained = _mean_accepted(base.scheduler.accept_hist)
@@ -114,7 +114,7 @@ def test_offline_acceptance_replays_serving(bigram_target, distilled, tmp_path):
     train(init_dspark_draft(dcfg, target), FeatureCache.open(fc_dir), out,
           TrainConfig(steps=30, seqs_per_step=4, anchors_per_seq=16, lr=1e-2, save_every=30))
     spec = Engine(path, max_total_tokens=4096, speculative_algorithm="DSPARK",
-                  speculative_draft_model_path=out)
+                  speculative_draft_model_path=out, speculative_dspark_verify_mode="full")
     got = spec.generate(input_ids=prompts[:8], sampling_params={"temperature": 0, "max_new_tokens": 32,
                                                                 "ignore_eos": True})
     hist = spec.scheduler.accept_hist
@@ -147,7 +147,7 @@ def test_walk_anchors_step_like_serving(bigram_target, distilled, tmp_path):
           TrainConfig(steps=30, seqs_per_step=4, anchors_per_seq=16, lr=1e-2, save_every=30))
     draft = load_dspark_draft(out, target)
     spec = Engine(path, max_total_tokens=4096, speculative_algorithm="DSPARK",
-                  speculative_draft_model_path=out)
+                  speculative_draft_model_path=out, speculative_dspark_verify_mode="full")
     spec.generate(input_ids=prompts[:8], sampling_params={"temperature": 0, "max_new_tokens": 32,
                                                           "ignore_eos": True})
     assert len(spec.scheduler.accept_hist) >= 3, spec.scheduler.accept_hist
@@ -520,7 +520,7 @@ def test_reduced_vocab_draft_trains_and_serves_losslessly(bigram_target, distill
     assert torch.equal(small.d2t, loaded.d2t)
     torch.testing.assert_close(small.fc.weight, loaded.fc.weight.half().float(), rtol=0, atol=0)
     spec = Engine(path, max_total_tokens=4096, speculative_algorithm="DSPARK",
-                  speculative_draft_model_path=out)
+                  speculative_draft_model_path=out, speculative_dspark_verify_mode="full")
     got = spec.generate(input_ids=prompts[:8], sampling_params={"temperature": 0, "max_new_tokens": 32,
                                                                 "ignore_eos": True})
     assert [g["output_ids"] for g in got] == [o["output_ids"] for o in outs[:8]]
