@@ -19,6 +19,7 @@ VERIFY_MODES = ("full", "threshold", "adaptive")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "none")    # as SGLang's --grammar-backend
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+MOE_A2A_BACKENDS = ("none", "a2a")     # SGLang's --moe-a2a-backend; a2a: torch.distributed all-to-all
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "nixl", "mooncake")
 MIN_SECRET_BYTES = 16        # a PD auth secret shorter than this is guessed too easily
@@ -167,8 +168,12 @@ class ServerArgs(SpeculativeArgs):
         "fewest tokens a pipeline micro-batch keeps; smaller steps run whole (a step of few tokens is bound "
         "by reading the stage's weights, which every micro-batch reads again)"))
     ep_size: int = field(default=1, metadata=_opt(
-        "expert parallel size: MoE models' routed experts split over each tensor-parallel group (1 or "
-        "--tp-size)"))
+        "expert parallel size: MoE models' routed experts split over each tensor-parallel group (--tp-size); "
+        "1: every rank holds a slice of every expert's width (TP MoE)"))
+    moe_a2a_backend: str = field(default="none", metadata=_opt(
+        "how MoE layers meet their experts under --ep-size: none (every rank routes every token, one "
+        "all-reduce) or a2a (each rank routes its own tokens, dispatched to and combined back from the ranks "
+        "owning their experts with all-to-alls)", choices=MOE_A2A_BACKENDS))
     dp_size: int = field(default=1, metadata=_opt(
         "data parallel size: with --enable-dp-attention, attention groups of --tp-size / --dp-size ranks"))
     enable_dp_attention: bool = field(default=False, metadata=_opt(
@@ -383,6 +388,11 @@ class ServerArgs(SpeculativeArgs):
         need(self.ep_size in (1, self.tp_size),
              f"--ep-size {self.ep_size}: experts split over a tensor-parallel group; use 1 or --tp-size "
              f"({self.tp_size})")
+        need(self.moe_a2a_backend in MOE_A2A_BACKENDS,
+             f"--moe-a2a-backend {self.moe_a2a_backend}: use one of {', '.join(MOE_A2A_BACKENDS)}")
+        need(self.moe_a2a_backend == "none" or self.ep_size > 1,
+             f"--moe-a2a-backend {self.moe_a2a_backend} dispatches tokens to the ranks owning their experts; "
+             f"give --ep-size {max(2, self.tp_size)} (= --tp-size) as well")
         need(self.pp_layer_partition is None or len(self.pp_layer_partition) == self.pp_size,
              f"--pp-layer-partition needs one layer count per stage (--pp-size {self.pp_size})")
         world = self.parallel_config().world_size
@@ -434,7 +444,8 @@ class ServerArgs(SpeculativeArgs):
         partition = tuple(self.pp_layer_partition) if self.pp_layer_partition else None
         return ParallelConfig(self.tp_size, self.pp_size, self.nnodes, self.node_rank, partition,
                               self.ep_size, self.dp_size if self.enable_dp_attention else 1,
-                              self.attn_cp_size, self.dist_socket_ifname, self.dist_allow_public_bind)
+                              self.attn_cp_size, self.dist_socket_ifname, self.dist_allow_public_bind,
+                              self.moe_a2a_backend)
 
     def _validate_dspark(self, need) -> None:
         """DSpark flags, and the draft checked before any model loads (a one-line error, not a

@@ -107,6 +107,9 @@ class SchedulerLoad:
     max_total_num_tokens: int = 0
     num_retractions: int = 0
     spec_accept_hist: dict[int, int] = field(default_factory=dict)   # accepted drafts -> verifies
+    # MoE load since start: (token, slot) rows each routed expert got, and per expert-parallel rank
+    moe_expert_tokens: list[int] = field(default_factory=list)
+    moe_rank_tokens: list[int] = field(default_factory=list)
 
     @property
     def token_usage(self) -> float:

@@ -19,6 +19,7 @@ class ParallelConfig:
     attn_cp_size: int = 1      # ranks of an attention group that split long prefills by tokens
     socket_ifname: str | None = None   # --dist-socket-ifname: the interface the ranks talk over
     allow_public_bind: bool = False    # --dist-allow-public-bind
+    moe_a2a_backend: str = "none"      # --moe-a2a-backend: a2a sends MoE tokens to their experts' ranks
 
     @property
     def world_size(self) -> int:

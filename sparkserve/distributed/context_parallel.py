@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
 from sparkserve.distributed import parallel_state as ps
@@ -78,20 +79,20 @@ class ContextShard:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty(self.full.num_tokens, *x.shape[1:])
-        out[self.order] = ps.cp_gather(x, self.counts)
+        out[self.order] = cp_gather(x, self.counts)
         return out
 
     def mine(self, x: torch.Tensor) -> torch.Tensor:
-        return x[self.rows[ps.cp_rank()]]
+        return x[self.rows[cp_rank()]]
 
     def batch(self) -> ForwardBatch:
         """The batch of this rank's tokens."""
-        return subset(self.full, self.rows[ps.cp_rank()], self)
+        return subset(self.full, self.rows[cp_rank()], self)
 
     def run_in_sequence(self, layer: Recurrent, x: torch.Tensor, state: list[torch.Tensor]) -> torch.Tensor:
         """`layer` over this rank's rows x, the recurrence carried across the ranks in sequence
         order (module docstring); `state`: the layer's request-row pool buffers."""
-        full, me, C = self.full, ps.cp_rank(), self.size
+        full, me, C = self.full, cp_rank(), self.size
         mine = self.rows[me]
         out: torch.Tensor | None = None
         starts = [0] + list(torch.tensor(full.extend_lens).cumsum(0).tolist())
@@ -120,11 +121,11 @@ class ContextShard:
                 continue
             if b > 0 and order[b - 1] != me:
                 for buf in state:
-                    buf[cut_rows] = ps.recv(tuple(buf[cut_rows].shape), ps.cp_peer(order[b - 1]))
+                    buf[cut_rows] = ps.recv(tuple(buf[cut_rows].shape), cp_peer(order[b - 1]))
             run(blocks(b))
             if b < 2 * C - 1 and order[b + 1] != me:
                 for buf in state:
-                    ps.PendingSend(buf[cut_rows], ps.cp_peer(order[b + 1])).wait()
+                    ps.PendingSend(buf[cut_rows], cp_peer(order[b + 1])).wait()
         for r in range(C):           # each request's state from the rank of its last block
             last = [full.req_rows[i] for i in whole if owner[i] == r]
             rows = torch.stack(last) if last else cut_rows[:0]
@@ -133,7 +134,7 @@ class ContextShard:
             if not len(rows):        # the same on every rank: the plan is
                 continue
             for buf in state:
-                buf[rows] = ps.cp_broadcast(buf[rows].contiguous(), r)
+                buf[rows] = cp_broadcast(buf[rows].contiguous(), r)
         return out
 
 
@@ -163,7 +164,35 @@ def subset(full: ForwardBatch, rows: torch.Tensor, cp: ContextShard | None = Non
 
 def shard(full: ForwardBatch) -> ForwardBatch | None:
     """This rank's share of a prefill under context parallel, or None when it runs whole."""
-    if ps.cp_size() == 1 or full.mode != ForwardMode.EXTEND:
+    if cp_size() == 1 or full.mode != ForwardMode.EXTEND:
         return None
-    rows = owned_rows(full.extend_lens, ps.cp_size())
+    rows = owned_rows(full.extend_lens, cp_size())
     return None if rows is None else ContextShard(full, rows).batch()
+
+
+# ---- the cp group (this rank's attention group under CP) -------------------------------------------
+def cp_rank() -> int:
+    return ps.group_of("cp").rank
+
+
+def cp_size() -> int:
+    return ps.group_of("cp").size
+
+
+def cp_peer(index: int) -> int:
+    """The global rank of cp rank `index` of this rank's group."""
+    return ps.group_of("cp").ranks[index]
+
+
+def cp_broadcast(x: torch.Tensor, index: int) -> torch.Tensor:
+    """cp rank `index`'s x on every rank of the cp group (in place)."""
+    cp = ps.group_of("cp")
+    if index == cp.rank:
+        ps.count_sent(x.numel() * x.element_size())
+    dist.broadcast(x, cp.ranks[index], group=cp.handle)
+    return x
+
+
+def cp_gather(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Every cp rank's rows of x (counts[r] each), concatenated in cp-rank order."""
+    return ps.gather_rows(x, counts, ps.group_of("cp"))

@@ -76,6 +76,7 @@ class _State:
     ep_size: int = 1                # experts split over the mlp group (1: every rank has them all)
     timeout: datetime.timedelta = datetime.timedelta(seconds=300)
     sent_bytes: int = 0             # payload this rank put into collectives and sends (benchmarks)
+    moe_a2a: bool = False           # --moe-a2a-backend a2a: MoE tokens dispatched to their experts' ranks
 
 
 _state = _State()
@@ -194,7 +195,8 @@ def _build_groups(cfg: ParallelConfig, rank: int, timeout_s: float) -> None:
         dp = _group(drivers, rank, CONTROL_TIMEOUT) or Group(rank // n, cfg.dp_size)
         dp_data = _group(drivers, rank, timeout)
     _state.__init__(cfg.world_size, tp, mlp, None, control, dp, dp_data, cp, rank // cfg.tp_size, cfg.pp_size,
-                    cfg.pp_layer_partition, data_group, cfg.ep_size, timeout)
+                    cfg.pp_layer_partition, data_group, cfg.ep_size, timeout,
+                    moe_a2a=cfg.moe_a2a_backend == "a2a" and cfg.ep_size > 1)
 
 
 def destroy() -> None:
@@ -204,8 +206,8 @@ def destroy() -> None:
 
 
 def layer_group() -> Group:
-    """The group a layer being built now splits over: the MLP's inside mlp_scope(), else the tp
-    group (a layer keeps it for its all-reduce)."""
+    """The group a layer being built now splits over: the MLP's inside mlp_scope(), none inside
+    replicated_scope(), else the tp group (a layer keeps it for its all-reduce)."""
     return _state.building or _state.tp
 
 
@@ -226,6 +228,22 @@ def mlp_scope():
         yield
     finally:
         _state.building = None
+
+
+@contextlib.contextmanager
+def replicated_scope():
+    """Build layers whole on every rank inside this (the shared experts of an all-to-all MoE,
+    which each rank runs on its own tokens)."""
+    saved, _state.building = _state.building, Group()
+    try:
+        yield
+    finally:
+        _state.building = saved
+
+
+def moe_a2a() -> bool:
+    """Whether MoE layers dispatch their tokens to the experts' ranks (--moe-a2a-backend a2a)."""
+    return _state.moe_a2a
 
 
 def ep_rank() -> int:
@@ -295,6 +313,15 @@ def recv(shape: tuple[int, ...], src: int) -> torch.Tensor:
     x = torch.empty(shape)
     dist.recv(x, src, group=_state.data_group)
     return x
+
+
+def count_sent(nbytes: int) -> None:
+    _state.sent_bytes += nbytes
+
+
+def group_of(kind: str) -> Group:
+    """This rank's group of `kind`: "tp", "mlp" or "cp" (for the collectives of other modules)."""
+    return {"tp": _state.tp, "mlp": _state.mlp, "cp": _state.cp}[kind]
 
 
 def sent_bytes() -> int:
@@ -457,33 +484,6 @@ def group_leader_index() -> int:
 
 def mlp_index() -> int:
     return _state.mlp.rank
-
-
-# ---- context parallel -------------------------------------------------------------------------
-def cp_rank() -> int:
-    return _state.cp.rank
-
-
-def cp_size() -> int:
-    return _state.cp.size
-
-
-def cp_peer(index: int) -> int:
-    """The global rank of cp rank `index` of this rank's group."""
-    return _state.cp.ranks[index]
-
-
-def cp_broadcast(x: torch.Tensor, index: int) -> torch.Tensor:
-    """cp rank `index`'s x on every rank of the cp group (in place)."""
-    if index == _state.cp.rank:
-        _state.sent_bytes += x.numel() * x.element_size()
-    dist.broadcast(x, _state.cp.ranks[index], group=_state.cp.handle)
-    return x
-
-
-def cp_gather(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Every cp rank's rows of x (counts[r] each), concatenated in cp-rank order."""
-    return gather_rows(x, counts, _state.cp)
 
 
 def _wait(work, bounded: bool) -> None:

@@ -1,7 +1,8 @@
 """How a model's dimensions split over the tensor-parallel ranks, written once: query heads (MLA,
 KDA and full attention alike) and MLP widths divide by --tp-size; KV heads and MiniMax-M3's index
 heads divide too, or are replicated when there are fewer of them than ranks (rank r keeps head
-r * heads // tp); routed experts divide by --ep-size, which MoE models set to --tp-size; the
+r * heads // tp); routed experts divide by --ep-size when MoE models set it to --tp-size, or, with
+--ep-size 1, every expert's intermediate channels divide by --tp-size (TP MoE); the
 vocabulary (embedding and LM head rows) is padded up to a multiple of --tp-size and split, so any
 vocab size splits. Each model lists its dimensions (`tp_dims`) and `check_tp` refuses, at start-up,
 what does not split."""
@@ -21,12 +22,14 @@ class Dim:
     """A dimension a model splits: `what` names it in errors (plural), `size` is its count;
     `serves` (the query heads they serve) marks KV-like heads, replicated when fewer than the ranks;
     `flag` is the flag that splits it; `mlp` marks the MLP / MoE's dimensions, which DP attention
-    splits over the whole tp group while attention's split over one attention group."""
+    splits over the whole tp group while attention's split over one attention group; `width` (the
+    experts' dimension) their intermediate channels, which split instead under --ep-size 1."""
     what: str
     size: int
     serves: int = 0
     flag: str = "--tp-size"
     mlp: bool = False
+    width: int = 0
 
 
 def _divisors(n: int) -> str:
@@ -49,18 +52,17 @@ def check_tp(cfg: ModelConfig, tp: int, ep: int, dims: list[Dim], attn_tp: int |
     """Start-up check of --tp-size / --ep-size against the model's `dims`, naming the flags and
     the sizes that work. With DP attention or context parallel, attention splits over `attn_tp`
     ranks only (--tp-size / (--dp-size x --attn-cp-size)), the MLP over all of them. Experts are
-    checked first (a MoE model splits them with its heads)."""
+    checked first: by count under --ep-size, by width without it."""
     has_experts = any(d.flag == "--ep-size" for d in dims)
     if ep > 1 and not has_experts:
         raise ValueError(f"--ep-size {ep}: {cfg.architecture} has no experts to split; run with --ep-size 1")
     if tp == 1:
         return
-    if has_experts and ep != tp:
-        raise ValueError(f"--tp-size {tp}: {cfg.architecture} splits its experts over the ranks "
-                         f"(--ep-size {tp}) as it splits its heads; give --ep-size {tp}")
     attn_tp = tp if attn_tp is None else attn_tp
     for d in sorted(dims, key=lambda d: d.flag != "--ep-size"):
-        if d.flag == "--ep-size":
+        if d.flag == "--ep-size" and ep == 1:
+            _check_dim(Dim("expert channels", d.width), tp, f"--tp-size {tp} --ep-size 1 (experts by width)")
+        elif d.flag == "--ep-size":
             _check_dim(d, ep, f"--ep-size {ep}")
         elif d.mlp or attn_tp == tp:
             _check_dim(d, tp, f"--tp-size {tp}")

@@ -52,6 +52,12 @@ class Metrics:
         self.spec_verify_ct = gauge("sglang:spec_verify_count", "Speculative verify cycles so far")
         self.spec_accept_hist = Gauge("sparkserve:spec_accepted_drafts", "Verify cycles by accepted drafts",
                                       ["model_name", "accepted"], registry=self.registry)
+        self.moe_expert_tokens = Gauge("sparkserve:moe_expert_tokens",
+                                       "Tokens routed to each MoE expert since start, summed over the layers",
+                                       ["model_name", "expert"], registry=self.registry)
+        self.moe_rank_tokens = Gauge("sparkserve:moe_rank_tokens",
+                                     "Tokens routed to each expert-parallel rank's experts since start",
+                                     ["model_name", "ep_rank"], registry=self.registry)
         self._model_name = model_name
         self.ttft = hist("sglang:time_to_first_token_seconds",
                          "Histogram of time to first token in seconds.", _TTFT)
@@ -77,6 +83,10 @@ class Metrics:
             self.spec_accept_length.set(sum((k + 1) * v for k, v in hist.items()) / cycles)
             for k, v in hist.items():
                 self.spec_accept_hist.labels(self._model_name, str(k)).set(v)
+        for e, n in enumerate(load.moe_expert_tokens):
+            self.moe_expert_tokens.labels(self._model_name, str(e)).set(n)
+        for r, n in enumerate(load.moe_rank_tokens):
+            self.moe_rank_tokens.labels(self._model_name, str(r)).set(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

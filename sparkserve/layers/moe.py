@@ -7,20 +7,29 @@ Expert weights are stacked 3-D tensors, as transformers 5 keeps them: `gate_up_w
 rows first, then up) and `down_w[E, d, I]`; or, served with int8 activations from a quantized GGUF,
 each expert's checkpoint blocks in a block Linear (`Experts.load_blocks`), so a quantized MoE is
 held at its file's size, never in fp32. Tokens are grouped per expert so each expert runs one
-GEMM over all of its tokens instead of one GEMV per (token, slot)."""
+GEMM over all of its tokens instead of one GEMV per (token, slot).
+
+Parallel: with --ep-size = --tp-size each rank keeps E / ranks whole experts; with --ep-size 1 and
+--tp-size N (SGLang's TP MoE) every rank keeps a 1/N slice of every expert's width. Either way
+the default backend routes every token on every rank and sums partial outputs with one
+all-reduce; --moe-a2a-backend a2a dispatches tokens to their experts' ranks (layers/moe_a2a.py)."""
 from __future__ import annotations
 
+import contextlib
+import weakref
 from typing import Callable
 
 import torch
 from torch import nn
 
+from sparkserve.distributed import expert_parallel as ep
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import experts_shard, width_shard
 from sparkserve.kernels import BlockWeight
 from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.block_backed import ServesActivationQuant
 from sparkserve.layers.linear import FusedLinear, Linear, RowParallelLinear
+from sparkserve.layers.moe_a2a import a2a_moe
 from sparkserve.layers.sharded import Sharded
 
 
@@ -164,18 +173,23 @@ class Router(nn.Module):
 
 class Experts(Sharded, ServesActivationQuant):
     """Stacked routed-expert weights; `activation` as in fused_experts. Expert parallel: this
-    rank keeps experts first .. first + local - 1, runs them for every token routed to them (the
-    tokens are on every rank of the group); `forward` returns this rank's partial sum and the MoE
-    block sums the group's (one all-reduce, shared experts' partial sums included)."""
+    rank keeps experts first .. first + local - 1 and runs them for the tokens routed to them.
+    TP MoE (--ep-size 1 over several ranks): it keeps every expert's slice `width_index` of
+    `width_parts` of the intermediate channels (gate and up rows, down columns). `forward`
+    returns this rank's partial sum and the MoE block sums the group's (one all-reduce, shared
+    experts' partial sums included); GPT-OSS's biases stay whole (gate|up's slice is cut as it is
+    added, down's added by width slice 0 only)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
                  activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul, bias: bool = False):
         """`bias`: each expert's gate|up and down projections add one (GPT-OSS)."""
         super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.first, self.local = experts_shard(num_experts)
-        self.gate_up_proj = nn.Parameter(torch.empty(self.local, 2 * intermediate, hidden),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(self.local, hidden, intermediate), requires_grad=False)
+        self.width_index, self.width_parts, width = (width_shard(intermediate) if ps.ep_size() == 1
+                                                     else (0, 1, intermediate))
+        self.gate_up_proj = nn.Parameter(torch.empty(self.local, 2 * width, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(self.local, hidden, width), requires_grad=False)
         def maybe(*shape: int) -> nn.Parameter | None:
             return nn.Parameter(torch.empty(self.local, *shape), requires_grad=False) if bias else None
         self.gate_up_proj_bias, self.down_proj_bias = maybe(2 * intermediate), maybe(hidden)
@@ -186,6 +200,14 @@ class Experts(Sharded, ServesActivationQuant):
         self.block_experts: nn.ModuleList | None = None
         self.activation_quant = "none"
 
+    @property
+    def width(self) -> int:
+        return self.intermediate // self.width_parts
+
+    def _channels(self) -> tuple[int, int]:
+        """This rank's intermediate channels [k0, k1) of every expert."""
+        return self.width_index * self.width, (self.width_index + 1) * self.width
+
     def set_activation_quant(self, mode: str) -> None:
         """The mode block Linears built from now on serve (load_model sets it before the weights
         load; the built ones are BlockBacked modules of their own)."""
@@ -193,14 +215,19 @@ class Experts(Sharded, ServesActivationQuant):
 
     def takes_blocks(self, blocks: BlockWeight) -> bool:
         """Whether an expert tensor with these blocks is held as blocks (load_blocks) rather than
-        as fp32 values: when its Linear would never read an fp32 weight."""
-        return Linear.reads_only_blocks(blocks, self.activation_quant)
+        as fp32 values: when its Linear would never read an fp32 weight (and, split by width,
+        when the down projection's slice falls on block edges)."""
+        return Linear.reads_only_blocks(blocks, self.activation_quant) and \
+            (self.width_parts == 1 or self.width % 32 == 0)
 
     def load_blocks(self, part: str, blocks: BlockWeight, expert: int) -> list[int]:
         """As load_part for one expert's gate | up | down, held as its checkpoint blocks."""
         i = self.local_index(expert)
         if i is None:
             return []
+        if self.width_parts > 1:
+            k0, k1 = self._channels()
+            blocks = blocks.cols(k0, k1) if part == "down" else blocks.rows(torch.arange(k0, k1))
         self.blocks[i, part] = blocks
         if len(self.blocks) == 3 * self.local:
             self._build_block_experts()
@@ -226,8 +253,24 @@ class Experts(Sharded, ServesActivationQuant):
         return i if 0 <= i < self.local else None
 
     def local_shard(self, tensor: torch.Tensor, blocks=None) -> tuple[torch.Tensor, None]:
-        """This rank's experts of a stacked [num_experts, ...] checkpoint tensor."""
-        return tensor[self.first:self.first + self.local], None
+        """This rank's part of a stacked [num_experts, ...] checkpoint parameter: its experts, and
+        split by width its channels of gate_up_proj [E, 2I, d] (gate rows, up rows) and
+        down_proj [E, d, I] (the biases [E, n] stay whole)."""
+        t = tensor[self.first:self.first + self.local]
+        if self.width_parts == 1 or t.dim() != 3:
+            return t, None
+        k0, k1 = self._channels()
+        if t.shape[1:] == (2 * self.intermediate, self.hidden):
+            I = self.intermediate
+            return torch.cat([t[:, k0:k1], t[:, I + k0:I + k1]], 1), None
+        return t[:, :, k0:k1], None
+
+    def _width_part(self, part: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's channels of one expert's 2-D gate / up [I, d] or down [d, I] tensor."""
+        if self.width_parts == 1:
+            return t
+        k0, k1 = self._channels()
+        return t[:, k0:k1] if part == "down" else t[k0:k1]
 
     def load_part(self, part: str, tensor: torch.Tensor, expert: int | None = None) -> list[int]:
         """Fill `part` (gate | up | down) of global expert `expert` from its 2-D checkpoint tensor,
@@ -235,15 +278,24 @@ class Experts(Sharded, ServesActivationQuant):
         ranks keep are skipped. Returns the local indices filled."""
         I = self.down_proj.shape[2]
         if expert is None:
-            pairs = [(i, t) for i, t in enumerate(self.local_shard(tensor)[0])]
+            pairs = list(enumerate(tensor[self.first:self.first + self.local]))
         else:
             pairs = [] if (i := self.local_index(expert)) is None else [(i, tensor)]
         for i, t in pairs:
+            t = self._width_part(part, t)
             if part == "down":
                 self.down_proj.data[i].copy_(t)
             else:
                 self.gate_up_proj.data[i, (0 if part == "gate" else I):][:I].copy_(t)
         return [i for i, _ in pairs]
+
+    def _biases(self, e: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Expert e's gate|up bias slice and its down bias (None on width slices but the first)."""
+        b = self.gate_up_proj_bias[e]
+        if self.width_parts > 1:
+            k0, k1 = self._channels()
+            b = torch.cat([b[k0:k1], b[self.intermediate + k0:self.intermediate + k1]])
+        return b, self.down_proj_bias[e] if self.width_index == 0 else None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.block_experts is None and self.down_proj_bias is None:
@@ -251,36 +303,93 @@ class Experts(Sharded, ServesActivationQuant):
                                  self.activation)
 
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-            if self.block_experts is None:
-                gate_up = torch.nn.functional.linear(xs, self.gate_up_proj[e], self.gate_up_proj_bias[e])
-                return torch.nn.functional.linear(self.activation(gate_up), self.down_proj[e],
-                                                  self.down_proj_bias[e])
-            gate_up, down = self.block_experts[e]
             if self.down_proj_bias is None:
+                gate_up, down = self.block_experts[e]
                 return down(self.activation(gate_up(xs)))
-            return down(self.activation(gate_up(xs) + self.gate_up_proj_bias[e])) + self.down_proj_bias[e]
+            gate_up_bias, down_bias = self._biases(e)
+            if self.block_experts is None:
+                gate_up = torch.nn.functional.linear(xs, self.gate_up_proj[e], gate_up_bias)
+                return torch.nn.functional.linear(self.activation(gate_up), self.down_proj[e], down_bias)
+            gate_up, down = self.block_experts[e]
+            out = down(self.activation(gate_up(xs) + gate_up_bias))
+            return out if down_bias is None else out + down_bias
         return grouped_experts(x, weights, ids - self.first, self.local, expert)
 
+    def run_rows(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Each row through its own expert (local_ids [R]: this rank's expert index of each row):
+        the all-to-all backend's received rows."""
+        return self(rows, rows.new_ones(rows.shape[0], 1), (local_ids + self.first).unsqueeze(1))
 
-class SharedExpertMoE(nn.Module):
+
+def shared_experts_scope():
+    """Where a MoE block builds its shared experts: split by width with the routed experts'
+    partial sums (one all-reduce), or whole on every rank under the all-to-all backend, where each
+    rank runs them on its own tokens."""
+    return ps.replicated_scope() if ps.moe_a2a() else contextlib.nullcontext()
+
+
+class MoEBlock(nn.Module):
+    """Routed experts (`gate` routes, `experts` run) plus optional always-on shared experts,
+    summed. Backend none: every rank routes all the rows it is given and adds its experts' and
+    shared experts' partial sums, one all-reduce over the group. Backend a2a: the rows are
+    dispatched (moe_a2a.py); `holders` are the ranks that hold the same rows (run_mlp passes
+    them). Every call counts the (token, slot) rows each expert got: `routed_tokens`, summed over
+    the whole group's tokens, which /metrics reports."""
+
+    def __init__(self, gate: nn.Module, experts: Experts, shared_experts: nn.Module | None):
+        super().__init__()
+        self.gate, self.experts, self.shared_experts = gate, experts, shared_experts
+        self.a2a = ps.moe_a2a()
+        self.group = ps.layer_group()
+        self.routed_tokens: torch.Tensor | None = None     # [experts], made at the first forward
+
+    def _count(self, per_expert: torch.Tensor) -> None:
+        if self.routed_tokens is None:
+            self.routed_tokens = torch.zeros_like(per_expert)
+        self.routed_tokens += per_expert
+
+    def forward(self, x: torch.Tensor, holders: ps.Group | None = None) -> torch.Tensor:
+        E = self.experts.num_experts
+        if self.a2a:
+            y, counts = a2a_moe(x, holders or ep.row_holders(False), self.gate, self.experts.run_rows, E,
+                                self.shared_experts)
+            self._count(counts.sum(0))
+            return y
+        weights, ids = self.gate(x)
+        self._count(torch.bincount(ids.reshape(-1), minlength=E))
+        out = self.experts(x, weights, ids)
+        return ps.all_reduce(out if self.shared_experts is None else out + self.shared_experts(x), self.group)
+
+
+_moe_blocks: weakref.WeakKeyDictionary[nn.Module, list[MoEBlock]] = weakref.WeakKeyDictionary()
+
+
+def routed_token_counts(model: nn.Module) -> list[int]:
+    """(token, slot) rows each expert received so far, summed over the model's MoE layers on this
+    rank's pipeline stage (empty for a model without experts)."""
+    if model not in _moe_blocks:        # read every step (the scheduler's load): found once
+        _moe_blocks[model] = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    counts = [m.routed_tokens for m in _moe_blocks[model] if m.routed_tokens is not None]
+    return torch.stack(counts).sum(0).tolist() if counts else []
+
+
+def expert_rank_tokens(per_expert: list[int]) -> list[int]:
+    """per_expert summed over each expert-parallel rank's experts (one entry under --ep-size 1)."""
+    n = ps.ep_size()
+    per = len(per_expert) // n
+    return [sum(per_expert[r * per:(r + 1) * per]) for r in range(n)] if per_expert else []
+
+
+class SharedExpertMoE(MoEBlock):
     """Routed experts plus always-on shared experts (one wide SwiGLU MLP; none when num_shared is 0,
-    as Mixtral and Qwen3-MoE), summed: both are
-    partial sums under tensor parallelism (experts split, shared width split), added on each rank
-    and summed over the group by one all-reduce."""
+    as Mixtral and Qwen3-MoE)."""
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, top_k: int,
                  num_shared: int, num_groups: int = 1, topk_groups: int = 1,
                  renormalize: bool = True, scaling: float = 1.0, router: str = "sigmoid_grouped",
                  activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
                  expert_bias: bool = False):
-        super().__init__()
-        self.gate = Router(hidden, num_experts, top_k, num_groups, topk_groups, renormalize, scaling, router)
-        self.experts = Experts(num_experts, hidden, intermediate, activation, expert_bias)
-        self.shared_experts = (GatedMLP(hidden, intermediate * num_shared, reduce=False) if num_shared
-                               else None)
-        self.group = ps.layer_group()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        return ps.all_reduce(out if self.shared_experts is None else out + self.shared_experts(x), self.group)
+        with shared_experts_scope():
+            shared = GatedMLP(hidden, intermediate * num_shared, reduce=False) if num_shared else None
+        gate = Router(hidden, num_experts, top_k, num_groups, topk_groups, renormalize, scaling, router)
+        super().__init__(gate, Experts(num_experts, hidden, intermediate, activation, expert_bias), shared)

@@ -130,7 +130,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         moe = [a.is_moe(i) for i in range(cfg.num_hidden_layers)]
         dims = [Dim("attention heads", cfg.num_attention_heads)]
         if any(moe):
-            dims.insert(0, Dim("experts", a.num_experts, flag="--ep-size", mlp=True))
+            dims.insert(0, Dim("experts", a.num_experts, flag="--ep-size", mlp=True,
+                               width=a.moe_intermediate))
             if a.num_shared:
                 dims.append(Dim("shared-expert channels", a.moe_intermediate * a.num_shared, mlp=True))
         if not all(moe):

@@ -157,7 +157,7 @@ class KimiLinearForCausalLM(CausalLM):
         a = KimiArgs.from_raw(cfg.raw, cfg.num_hidden_layers)
         dims = []
         if "sparse" in a.mlp_types:
-            dims.append(Dim("experts", a.num_experts, flag="--ep-size", mlp=True))
+            dims.append(Dim("experts", a.num_experts, flag="--ep-size", mlp=True, width=a.moe_intermediate))
         if any(t != "linear_attention" for t in a.layer_types):
             dims.append(Dim("attention heads", cfg.num_attention_heads))
         if "linear_attention" in a.layer_types:
@@ -244,11 +244,7 @@ class KimiLinearForCausalLM(CausalLM):
                 ex, e = modules[m[1]], modules[m[1]].local_index(int(m[2]))
                 if e is None:
                     continue                           # another expert-parallel rank's expert
-                I = ex.down_proj.shape[2]
-                if m[3] == "w2":
-                    ex.down_proj.data[e].copy_(t)
-                else:
-                    ex.gate_up_proj.data[e, (0 if m[3] == "w1" else I):][:I].copy_(t)
+                ex.load_part({"w1": "gate", "w3": "up", "w2": "down"}[m[3]], t, int(m[2]))
                 piece_of = {"w2": "down_proj"}.get(m[3], "gate_up_proj")
                 parts = 1 if m[3] == "w2" else 2
                 self._mark_piece(pieces, f"{m[1]}.{piece_of}", (e, m[3]),

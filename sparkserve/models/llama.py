@@ -197,7 +197,8 @@ class LlamaForCausalLM(CausalLM):
         h = cfg.num_attention_heads
         dims = [Dim("attention heads", h), Dim("KV heads", cfg.num_key_value_heads, serves=h)]
         if any(cfg.moe_layers):
-            dims.insert(0, Dim("experts", cfg.num_experts, flag="--ep-size", mlp=True))
+            dims.insert(0, Dim("experts", cfg.num_experts, flag="--ep-size", mlp=True,
+                                width=cfg.moe_intermediate_size))
         if not all(cfg.moe_layers):
             dims.append(Dim("MLP channels", cfg.intermediate_size, mlp=True))
         return dims

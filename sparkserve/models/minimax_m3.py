@@ -32,7 +32,7 @@ from sparkserve.layers.activation import swiglu_oai
 from sparkserve.layers.attention import PagedAttention
 from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.linear import ColumnParallelLinear, FusedLinear, RowParallelLinear
-from sparkserve.layers.moe import Experts, Router
+from sparkserve.layers.moe import Experts, MoEBlock, Router, shared_experts_scope
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from sparkserve.layers.sparse_attention import BlockSparseAttention
@@ -131,20 +131,16 @@ class OAIMLP(nn.Module):
         return self.down_proj(self.activation(self.gate_up_proj(x)))
 
 
-class M3MoE(nn.Module):
+class M3MoE(MoEBlock):
     """Sigmoid routing with a bias correction (choice only), renormalised top-k weights times
     `routed_scaling_factor`, plus one always-on shared expert."""
 
     def __init__(self, cfg: ModelConfig, spec: M3Spec):
-        super().__init__()
-        self.gate = Router(cfg.hidden_size, spec.num_experts, spec.top_k, scaling=spec.routed_scaling)
-        self.experts = Experts(spec.num_experts, cfg.hidden_size, cfg.intermediate_size, spec.activation())
-        self.shared_experts = OAIMLP(cfg.hidden_size, spec.shared_intermediate, spec, reduce=False)
-        self.group = ps.layer_group()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        return ps.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x), self.group)
+        with shared_experts_scope():
+            shared = OAIMLP(cfg.hidden_size, spec.shared_intermediate, spec, reduce=False)
+        super().__init__(Router(cfg.hidden_size, spec.num_experts, spec.top_k, scaling=spec.routed_scaling),
+                         Experts(spec.num_experts, cfg.hidden_size, cfg.intermediate_size, spec.activation()),
+                         shared)
 
 
 class M3Attention(nn.Module):
@@ -229,7 +225,7 @@ class MiniMaxM3ForCausalLM(CausalLM):
         if not all(s.moe):
             dims.append(Dim("dense MLP channels", s.dense_intermediate, mlp=True))
         if any(s.moe):
-            dims += [Dim("experts", s.num_experts, flag="--ep-size", mlp=True),
+            dims += [Dim("experts", s.num_experts, flag="--ep-size", mlp=True, width=cfg.intermediate_size),
                      Dim("shared-expert channels", s.shared_intermediate, mlp=True)]
         return dims
 

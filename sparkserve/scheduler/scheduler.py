@@ -26,6 +26,7 @@ from sparkserve.core.forward_batch import ForwardMode
 from sparkserve.core.req import Req
 from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
 from sparkserve.executor.sampler import Sampler
+from sparkserve.layers.moe import expert_rank_tokens, routed_token_counts
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.mem.transfer import Shapes
 from sparkserve.messages import SchedulerLoad
@@ -133,11 +134,13 @@ class Scheduler(PromptHandover):
     def load(self) -> SchedulerLoad:
         """The load and KV usage, for /metrics and /server_info."""
         cache, by_requests = self.cache, self.cache.num_slots - self.cache.available_tokens
+        experts = routed_token_counts(self.runner.model)
         return SchedulerLoad(
             num_running_reqs=self.num_running, num_queue_reqs=len(self.waiting),
             num_used_tokens=by_requests, num_cached_tokens=max(0, cache.used_tokens - by_requests),
             max_total_num_tokens=cache.num_slots, num_retractions=self.num_retractions,
-            spec_accept_hist=dict(self.accept_hist))
+            spec_accept_hist=dict(self.accept_hist), moe_expert_tokens=experts,
+            moe_rank_tokens=expert_rank_tokens(experts))
 
     @property
     def max_sequence_tokens(self) -> int:

@@ -172,12 +172,6 @@ def test_llama_moe_split_ranks_equal_one_process(family_moe_dirs, name):
     assert_same(got, want)
 
 
-def test_llama_moe_needs_expert_parallel(family_moe_dirs):
-    """Without --ep-size every rank would hold all experts and the all-reduce would count each twice."""
-    with pytest.raises(ValueError, match="--tp-size 2: Qwen3MoeForCausalLM splits its experts .* --ep-size"):
-        Engine(family_moe_dirs["qwen3_moe"], tp_size=2, **COMMON)
-
-
 def test_rank1_keeps_its_experts_qwen3_moe(family_moe_dirs, monkeypatch):
     m, ck = _rank1(monkeypatch, family_moe_dirs["qwen3_moe"])
     ex, c = m.model.layers[2].mlp.experts, "model.layers.2.mlp.experts."
@@ -204,9 +198,7 @@ def test_dspark_kimi_under_tp(moe_dirs, tmp_path):
 
 
 def test_bad_expert_layouts(moe_dirs, llama_dir):
-    with pytest.raises(ValueError,
-                       match="--tp-size 2: KimiLinearForCausalLM splits its experts .* --ep-size 2"):
-        Engine(moe_dirs["kimi"], tp_size=2, **COMMON)
+    """(--tp-size 2 alone splits every expert by width: tests/distributed/test_moe_a2a.py.)"""
     with pytest.raises(ValueError, match="--ep-size 2: LlamaForCausalLM has no experts"):
         Engine(llama_dir, tp_size=2, ep_size=2, **COMMON)
     with pytest.raises(ValueError, match="--ep-size 3: the model's 4 experts do not split over 3 ranks"):
