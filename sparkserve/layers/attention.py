@@ -64,7 +64,8 @@ class PagedAttention(nn.Module):
         else:
             for buf, scale, rows in ((k_buf, sc[0], k), (v_buf, sc[1], v)):
                 elems, scales = quantize(rows, buf.dtype)
-                batch.store(buf, elems, self.window)
+                # as bytes: a context-parallel gather (gloo) has no float8
+                batch.store(buf.view(torch.uint8), elems.view(torch.uint8), self.window)
                 batch.store(scale, scales, self.window)
         if self.softcap is not None or sinks is not None:
             return self._eager(q, k_buf, v_buf, batch, sinks, sc)
