@@ -32,6 +32,8 @@ RECENT_STEPS = 32
 # Neutral evidence the acceptance calibration starts from (drafts expected and accepted alike):
 # a few cycles' worth, so one unlucky block does not reprice the draft.
 CALIBRATION_PRIOR = 4.0
+# Neutral evidence (drafts expected and accepted alike) a plan that verifies nothing adds.
+AGEING_EVIDENCE = 0.25
 
 
 def _piecewise(xs: list[int], ys: list[float], x: float) -> float:
@@ -208,4 +210,10 @@ class VerifyPlanner:
             tau += a
             B += 1
             best = theta
-        return lens if best > plain_rate else [0] * len(caps)
+        if best > plain_rate:
+            return lens
+        # Nothing verified, so no cycle will say what the target now accepts: a calibration left
+        # where a past stretch of traffic put it could bar drafting for good. Each such plan adds
+        # a little neutral evidence, so the plans try again after a few back-offs.
+        self._accepts.append((AGEING_EVIDENCE, AGEING_EVIDENCE))
+        return [0] * len(caps)
