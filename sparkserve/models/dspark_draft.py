@@ -45,10 +45,14 @@ class DSparkAttention(nn.Module):
         k = apply_rotary(self.k_norm(k.reshape(-1, self.hkv, self.d)), *cos_sin)
         return k, v.reshape(-1, self.hkv, self.d)
 
+    def queries(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
+        """Q rows (normed, rotated) [T, H, D] of hidden rows x [T, d]."""
+        return apply_rotary(self.q_norm(self.q_proj(x).view(-1, self.h, self.d)), *cos_sin)
+
     def forward(self, x: torch.Tensor, cos_sin, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
                 mask: torch.Tensor | None, B: int) -> torch.Tensor:
         """x: [B*G, d] block rows; ctx_k/v: [B, L, Hkv, D] injected context."""
-        q = apply_rotary(self.q_norm(self.q_proj(x).view(-1, self.h, self.d)), *cos_sin)
+        q = self.queries(x, cos_sin)
         k, v = self.kv(x, cos_sin)
         k = torch.cat([ctx_k, k.view(B, -1, self.hkv, self.d)], dim=1).transpose(1, 2)
         v = torch.cat([ctx_v, v.view(B, -1, self.hkv, self.d)], dim=1).transpose(1, 2)
@@ -70,7 +74,11 @@ class DSparkLayer(nn.Module):
 
     def forward(self, x, cos_sin, ctx_k, ctx_v, mask, B):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, ctx_k, ctx_v, mask, B)
-        return x + self.down_proj(silu_and_mul(self.gate_up_proj(self.post_attention_layernorm(x))))
+        return x + self.mlp(x)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP branch (its pre-norm included) of residual rows x."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(self.post_attention_layernorm(x))))
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:

@@ -31,6 +31,9 @@ class TrainConfig:
     walk_anchor_frac: float = _h(0.0, "share of training anchors moved to their greedy walk successor "
                                       "(where serving anchors: right after the draft's miss); needs "
                                       "greedy distillation")
+    # Many anchors: the dense block mask's [Q, Q] part (Q = 7 x anchors) is zero off the diagonal.
+    block_attention: bool = _h(False, "attention of the training blocks without the dense [blocks x blocks] "
+                                      "part (same values up to rounding; faster with many anchors)")
     clip: float = _h(1.0, "gradient norm clip")
     decay_gamma: float = _h(4.0, "slot weights exp(-k / gamma)")
     ce_weight: float = _h(0.1, "weight of the cross-entropy term (DeepSpec: 0.1 CE + 0.9 L1 + 1.0 BCE)")

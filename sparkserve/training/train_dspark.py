@@ -81,10 +81,10 @@ class Teacher:
 
 
 def block_forward(draft: DSparkDraft, tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor,
-                  dropout: float = 0.0):
+                  dropout: float = 0.0, dense: bool = True):
     """blocks_forward for one sequence: (h [A*G, d], logits [A*G, V_draft], Markov embeddings
     [A*G, r], valid [A, G], target positions [A*G])."""
-    return blocks_forward(draft, [BlockSeq(tokens, taps, anchors)], dropout)
+    return blocks_forward(draft, [BlockSeq(tokens, taps, anchors)], dropout, dense)
 
 
 def consistent_slots(tokens: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor,
@@ -117,7 +117,7 @@ def blocks_losses(draft: DSparkDraft, seqs: list[BlockSeq], cfg: TrainConfig,
     G, A = draft.block_size, sum(s.anchors.shape[0] for s in seqs)
     dev = seqs[0].tokens.device
     k = torch.arange(G, device=dev)
-    h, logits, emb, valid, safe_tgt = blocks_forward(draft, seqs, cfg.dropout)
+    h, logits, emb, valid, safe_tgt = blocks_forward(draft, seqs, cfg.dropout, not cfg.block_attention)
     tokens, final = torch.cat([s.tokens for s in seqs]), torch.cat([s.final for s in seqs])
     lse = torch.cat([s.lse for s in seqs]) if teacher is not None else None
     # labels: the answer's next token, or the target's greedy one for prefill-labelled sequences

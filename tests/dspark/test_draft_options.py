@@ -86,9 +86,9 @@ def serving_logits(draft, tokens, taps, anchors, native: bool):
     return draft.lm_head(h) + draft.markov_head.bias(emb, h)
 
 
-def training_logits(draft, tokens, taps, anchors):
+def training_logits(draft, tokens, taps, anchors, dense: bool = True):
     from sparkserve.training.blocks import BlockSeq, blocks_forward
-    return blocks_forward(draft, [BlockSeq(tokens, taps, anchors)])[1]
+    return blocks_forward(draft, [BlockSeq(tokens, taps, anchors)], dense=dense)[1]
 
 
 def native_calls(monkeypatch) -> list[str]:
@@ -115,6 +115,9 @@ def test_training_and_python_serving_compute_one_draft(target_dir, option):
     serve = serving_logits(draft, tokens, taps, anchors, native=False)
     assert train.shape == serve.shape == (len(anchors) * GAMMA, draft.config.out_vocab)
     torch.testing.assert_close(serve, train, atol=2e-4, rtol=1e-4)
+    # training's block attention (TrainConfig.block_attention) too
+    torch.testing.assert_close(training_logits(draft, tokens, taps, anchors, dense=False), serve, atol=2e-4,
+                               rtol=1e-4)
     # the option is in the computation: the draft without it computes other logits
     if option != "base":
         base = training_logits(make_draft(target_dir, "base"), tokens, taps, anchors)

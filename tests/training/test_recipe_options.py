@@ -1,8 +1,8 @@
 """The training recipe's options (TrainConfig): cross-entropy against the teacher's distribution
 (ce_target soft), a confidence head whose loss trains the head only (conf_detach), more anchors
-per sequence; and the draft's architecture options trained from scratch. Short runs on the
-bigram target's cache (test_training.py) must lower the loss; the soft CE of a one-hot teacher
-must be the hard CE."""
+per sequence (with the block attention); and the draft's architecture options trained from
+scratch. Short runs on the bigram target's cache (test_training.py) must lower the loss; the soft
+CE of a one-hot teacher must be the hard CE."""
 import json
 import os
 
@@ -82,7 +82,7 @@ def test_detached_confidence_loss_trains_the_head_only(distilled, detach):  # no
 RECIPES = {
     "soft_ce": (dict(ce_target="soft", ce_weight=1.0, l1_weight=0.1), {}),
     "conf_detach": (dict(conf_detach=True, conf_weight=0.3), {}),
-    "anchors_64": (dict(anchors_per_seq=64), {}),
+    "anchors_64": (dict(anchors_per_seq=64, block_attention=True), {}),
     "options": (dict(ce_target="soft", ce_weight=1.0, l1_weight=0.1, conf_detach=True),
                 dict(num_layers=2, tap_norm=True, prev_context_fusion=True, kv_heads=4)),
 }
