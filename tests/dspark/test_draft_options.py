@@ -159,6 +159,25 @@ def test_fused_draft_keeps_its_context_rows(target_dir):
     assert not torch.allclose(draft.block_hidden(*args), ref)
 
 
+@torch.inference_mode()
+def test_fused_rows_move_with_a_pd_transfer(target_dir):
+    """A request's rows read from one fused draft's pool (mem/transfer.py, as a PD transfer sends
+    them) and written at other slots of another pool give the same block there."""
+    from sparkserve.mem.transfer import RequestPages, read_request, write_request
+    draft = make_draft(target_dir, "fusion").eval()
+    tokens, taps, _ = sequence(draft)
+    src, dst = draft.new_kv_pool(40), draft.new_kv_pool(40)
+    here, there = torch.arange(1, 20), torch.arange(21, 40)
+    draft.inject([taps[:19]], torch.arange(19), here, src)
+    write_request([dst], RequestPages(there, None, 0), read_request([src], RequestPages(here, None, 0)), 0)
+    block = [draft.block_hidden(tokens[19:20], torch.tensor([19]), s[None], [19], pool)
+             for s, pool in ((here, src), (there, dst))]
+    assert torch.equal(block[0], block[1])
+    dst.context[there[-1]] = 0                           # without the row the block differs
+    assert not torch.allclose(draft.block_hidden(tokens[19:20], torch.tensor([19]), there[None], [19], dst),
+                              block[0])
+
+
 def test_default_config_is_deepspecs(target_dir):
     """No option asked: the config holds no key of them (a DeepSpec checkpoint, as before)."""
     from sparkserve.config import ModelConfig
