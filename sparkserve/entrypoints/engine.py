@@ -15,7 +15,7 @@ from sparkserve.core.req import Req
 from sparkserve.core.sampling_state import RequestSamplingState
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.entrypoints.ranks import start_worker_ranks
-from sparkserve.frontend.output_stream import OutputStream
+from sparkserve.frontend.output_stream import OutputStream, stop_token
 from sparkserve.frontend.prepare import (
     Limits,
     as_batch,
@@ -264,7 +264,7 @@ class Engine:
             new = req.output_ids[sent:]
             sent = len(req.output_ids)
             if new or req.finished:
-                text = out.push(new, req.finished) if out else ""
+                text = out.push(new, req.finished, stop_token(req.finished_reason)) if out else ""
                 yield {"text": text, "output_ids": new, "finished": req.finished,
                        "meta_info": self._meta(req)}
             if req.finished:
@@ -273,7 +273,8 @@ class Engine:
     def _result(self, req: Req) -> dict:
         text = ""
         if self.tokenizer is not None:
-            text = OutputStream(self.tokenizer, req.params).push(req.output_ids, True)
+            text = OutputStream(self.tokenizer, req.params).push(req.output_ids, True,
+                                                                 stop_token(req.finished_reason))
         meta = self._meta(req)
         rows = req.pop_hidden_states()
         if rows is not None:

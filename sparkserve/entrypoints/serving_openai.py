@@ -9,7 +9,6 @@ from itertools import accumulate
 from typing import Any, AsyncIterator
 
 from sparkserve.constrained.check import apply_response_format
-from sparkserve.core.finish_reason import FINISH_MATCHED_TOKEN
 from sparkserve.entrypoints.chat_tools import checked_tools, forced_tools, tool_parser_for
 from sparkserve.entrypoints.openai_protocol import (
     ApiError,
@@ -152,11 +151,23 @@ class ServingChat(OpenAIServing):
                                 "request's own fields)", "chat_template_kwargs")
         tok, opening = self.tokenizer("messages"), req.add_generation_prompt
 
-        def render(messages: list[dict]) -> str:
+        def render_as_given(messages: list[dict]) -> str:
             if self.template is not None:
                 return render_chat_template(self.template, messages, add_generation_prompt=opening,
                                             tools=tools, special_tokens=tok.special_tokens, **kwargs)
             return tok.apply_chat_template(messages, add_generation_prompt=opening, tools=tools, **kwargs)
+
+        def render(messages: list[dict]) -> str:
+            """A template that cannot take an assistant turn without content (one of only
+            tool_calls: `content: null`, or none) gets "" there, as vLLM and SGLang give it."""
+            try:
+                return render_as_given(messages)
+            except Exception:
+                given = [m.get("role") != "assistant" or isinstance(m.get("content"), (str, list))
+                         for m in messages]
+                if all(given):
+                    raise
+                return render_as_given([m if ok else {**m, "content": ""} for m, ok in zip(messages, given)])
         try:
             return continue_final(render, req.messages) if cont else render(req.messages)
         except ValueError as e:
@@ -189,7 +200,7 @@ class ServingChat(OpenAIServing):
         else:
             if o.index not in state:
                 state[o.index] = parser.stream()
-            delta = state[o.index].feed(self.visible_text(req, o), final)
+            delta = state[o.index].feed(o.text, final)
         if delta or (req.logprobs and o.token_ids):
             lp = {"content": self._logprobs(o)} if req.logprobs else None
             out.append({"index": o.index, "delta": delta or {"content": ""}, "logprobs": lp,
@@ -209,16 +220,8 @@ class ServingChat(OpenAIServing):
         return req.skip_special_tokens and parser is not None and any(
             p is not None and not p.skip_special_tokens for p in (parser.tools, parser.reasoning))
 
-    def visible_text(self, req: ChatCompletionRequest, o: SeqOut) -> str:
-        """`o`'s text without the stop token's own text where build() kept special tokens for a
-        format's markers (the client did not ask for them; SGLang trims a matched stop token too)."""
-        fr = o.finish_reason
-        if not isinstance(fr, FINISH_MATCHED_TOKEN) or req.no_stop_trim or not self.keeps_special_tokens(req):
-            return o.text
-        return o.text.removesuffix(self.tm.need_tokenizer().decode([fr.matched], skip_special_tokens=False))
-
     def full_choice(self, req: ChatCompletionRequest, index: int, parts: list[SeqOut]) -> dict:
-        text = "".join(o.text for o in parts[:-1]) + self.visible_text(req, parts[-1])
+        text = "".join(o.text for o in parts)
         parser = self.output_parser(req)
         reason = finish_reason(parts[-1].finish_reason)
         if parser is None:

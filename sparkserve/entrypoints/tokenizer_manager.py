@@ -20,7 +20,7 @@ import zmq.asyncio
 from sparkserve.args import ServerArgs
 from sparkserve.core.finish_reason import FINISH_ABORT, FINISH_MATCHED_STR, BaseFinishReason
 from sparkserve.entrypoints.metrics import Metrics
-from sparkserve.frontend.output_stream import OutputStream
+from sparkserve.frontend.output_stream import OutputStream, stop_token
 from sparkserve.frontend.prepare import Limits
 from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.messages import (
@@ -351,7 +351,7 @@ class TokenizerManager:
             finished = o.finished_reason
             text = ""
             if st.stream is not None:
-                text = st.stream.push(o.new_token_ids, finished is not None)
+                text = st.stream.push(o.new_token_ids, finished is not None, stop_token(finished))
                 if st.stream.done and finished is None:  # stop string seen here first
                     finished = FINISH_MATCHED_STR(st.stream.stops[0] if st.stream.stops else None)
                     self._send(AbortReq(o.rid, "stop string"))

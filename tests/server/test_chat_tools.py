@@ -77,7 +77,7 @@ USER = [{"role": "user", "content": "Weather in Paris, and the time?"}]
 
 class ScriptedApp:
     """The HTTP app over a scheduler link that answers every sequence with `self.answer`'s tokens,
-    one per step, then a stop (or length when `self.length_cut`)."""
+    one per step, then EOS (the stop token; or a length cut after the answer when `self.length_cut`)."""
 
     def __init__(self, path: str, **args):
         self.args = ServerArgs(model_path=path, served_model_name="tiny", **args).validate()
@@ -95,7 +95,7 @@ class ScriptedApp:
     def send_pyobj(self, msg, *a) -> None:
         if isinstance(msg, GenerateReq):
             self.sent.append(msg)
-            ids = self.tok.encode(self.answer)
+            ids = self.tok.encode(self.answer) + ([] if self.length_cut else [self.tok.eos_token_id])
             for k, t in enumerate(ids):
                 last = k == len(ids) - 1
                 end = (FINISH_LENGTH(k + 1) if self.length_cut else FINISH_MATCHED_TOKEN(t)) if last else None
@@ -384,24 +384,23 @@ def test_llama3_markers_need_special_tokens(model_dir):
     """llama3's <|python_tag|> and end tokens are special tokens: the answer is detokenized with
     them, and the stop token's own text (here the tiny tokenizer's <|im_end|>) is not content."""
     app = ScriptedApp(model_dir, tool_call_parser="llama3")
-    call = '<|python_tag|>{"name": "get_time", "parameters": {"tz": "UTC"}}<|im_end|>'
+    call = '<|python_tag|>{"name": "get_time", "parameters": {"tz": "UTC"}}'      # then EOS, <|im_end|>
     for answer, content, calls in [(call, None, [("get_time", {"tz": "UTC"})]),
-                                   ("Hello!<|im_end|>", "Hello!", [])]:
+                                   ("Hello!", "Hello!", [])]:
         app.say(answer)
         r = app.client.chat.completions.create(model="tiny", messages=USER, tools=[TIME])
         assert app.sent[0].params.skip_special_tokens is False
         assert (r.choices[0].message.content, calls_of(r.choices[0].message)) == (content, calls)
         s = streamed(app, messages=USER, tools=[TIME]).choices[0]
         assert (s.message.content or None, calls_of(s.message)) == (content, calls)   # role chunk: ""
-    app.say("Hello!<|im_end|>")
+    app.say("Hello!")
     r = app.client.chat.completions.create(model="tiny", messages=USER)      # no tools: as asked
     assert app.sent[0].params.skip_special_tokens is True and r.choices[0].message.content == "Hello!"
 
 
 def test_gpt_oss_reasoning_keeps_its_markers(model_dir):
     app = ScriptedApp(model_dir, reasoning_parser="gpt-oss")
-    app.say("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Sunny."
-            "<|im_end|>")
+    app.say("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.")
     r = app.client.chat.completions.create(model="tiny", messages=USER)
     assert app.sent[0].params.skip_special_tokens is False
     msg = r.model_dump()["choices"][0]["message"]
