@@ -41,7 +41,8 @@ def disaggregated(prefill: Engine, decode: Engine, ids: list[int], sp: dict) -> 
               output_top_logprobs=list(src.output_top_logprobs))
     dst.sampling.resume_rng(src.sampling.rng_state())   # seeded sampling goes on
     assert decode.scheduler.add_prebuilt(dst, data)
-    if decode.scheduler.spec is not None:       # the draft's KV rows arrived where decode reads them
+    if decode.scheduler.spec is not None and decode.scheduler.spec.draft_pools():   # the draft's KV rows
+        # arrived where decode reads them (NGRAM has none)
         here = decode.scheduler.request_rows(dst, len(ids)).read(0, True)
         draft = [key for key in data if key[0] == 1]
         assert draft
