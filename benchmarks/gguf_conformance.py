@@ -1,6 +1,7 @@
 """Every GGUF family sparkserve serves, converted by llama.cpp's OWN convert_hf_to_gguf.py and checked
 three ways: sparkserve's logits from the GGUF vs transformers on the HF checkpoint, vs llama.cpp's own
-logits on the same GGUF, and sparkserve's GGUF tokenizer vs llama.cpp's tokenization of hard strings.
+logits on the same GGUF, and sparkserve's GGUF tokenizer vs llama.cpp's tokenization of hard strings
+(on each family's file, and for every pre-tokenizer name sparkserve supports on vocab-only files).
 
 The test fixtures (tests/family_fixtures.py write_gguf) mirror the converter by hand; this runs the real
 one, so a metadata quirk (a key it writes or leaves out, a tensor layout) shows here.
@@ -65,6 +66,7 @@ CASES: dict[str, tuple[str, str]] = {
     "qwen3moe": ("qwen3_moe_raw", "qwen2"),
 }
 OUTTYPES = ("f32", "f16", "q8_0")
+QUANTIZED = "Q4_K_M"      # llama-quantize's type, from the f32 file
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXTS = [
     "Hello, world!", " leading space", "  two leading spaces and trailing   ",
@@ -99,6 +101,9 @@ NOTES = [
     "refuses a smaller file without attention.q_lora_rank; sparkserve reads the q_lora tensors.",
     "deepseek2 q_lora (group-limited routing, 2 groups): llama.cpp ranks groups by their best two experts "
     "(DeepSeek-V3's rule), DeepSeek-V2 by its best one; sparkserve follows the model.",
+    "Q4_K_M rows: llama-quantize's mix on rows this narrow is mostly its Q5_0 / Q8_0 fallbacks; sparkserve "
+    "computes with the file's exact weights in fp32, llama.cpp with its quantized activations (MoE routing "
+    "can flip where two experts' scores are close).",
     "Architectures the converter has that sparkserve does not load from GGUF: kimi-linear "
     "(KimiLinearForCausalLM), minimax / minimax-m2 / minimax-m3 (served from HF directories only).",
 ]
@@ -135,6 +140,7 @@ def llamacpp_worker(jobs_path: str) -> None:
     """llama.cpp's logits for each job's ids (every position, f32 KV cache) and its tokenization of TEXTS
     (parse_special, no BOS; and with BOS as the vocabulary asks)."""
     sys.path.insert(0, SDIST)
+    import llama_cpp
     import numpy as np
     from llama_cpp import Llama
     with open(jobs_path) as f:
@@ -142,11 +148,15 @@ def llamacpp_worker(jobs_path: str) -> None:
     for job in jobs:
         try:
             llm = Llama(job["gguf"], n_ctx=64, n_batch=64, n_ubatch=64, n_threads=1, logits_all=True,
-                        type_k=0, type_v=0, verbose=False, seed=0)
-            llm.eval(job["ids"])
-            job["logits"] = np.asarray(llm.scores[:len(job["ids"])], dtype=np.float32).tolist()
+                        type_k=0, type_v=0, verbose=False, seed=0, vocab_only=not job["ids"])
+            if job["ids"]:
+                llm.eval(job["ids"])
+                job["logits"] = np.asarray(llm.scores[:len(job["ids"])], dtype=np.float32).tolist()
             job["tokens"] = [llm.tokenize(t.encode(), add_bos=False, special=True) for t in TEXTS]
             job["tokens_bos"] = [llm.tokenize(t.encode(), add_bos=True, special=True) for t in TEXTS[:3]]
+            vocab = llama_cpp.llama_model_get_vocab(llm.model)
+            job["eog"] = [i for i in range(llama_cpp.llama_vocab_n_tokens(vocab))
+                          if llama_cpp.llama_vocab_is_eog(vocab, i)]
             job["error"] = None
             del llm
         except Exception as e:      # noqa: BLE001
@@ -295,7 +305,7 @@ def _diff(a, b) -> dict:
             "top1": f"{int((a.argmax(-1) == b.argmax(-1)).sum())}/{len(b)}"}
 
 
-def _tokenizer_report(gguf_path: str, hf_dir: str, cpp: dict) -> dict:
+def _tokenizer_report(gguf_path: str, hf_dir: str | None, cpp: dict) -> dict:
     """sparkserve's GGUF tokenizer vs llama.cpp's tokenization (and the HF tokenizer's, for reference)."""
     from transformers import AutoTokenizer
 
@@ -305,13 +315,17 @@ def _tokenizer_report(gguf_path: str, hf_dir: str, cpp: dict) -> dict:
     mine_bos = [ours.encode(t, add_special_tokens=True) for t in TEXTS[:3]]
     bad = [TEXTS[i] for i, (a, b) in enumerate(zip(mine, cpp["tokens"])) if a != b]
     bad += [f"(BOS) {TEXTS[i]}" for i, (a, b) in enumerate(zip(mine_bos, cpp["tokens_bos"])) if a != b]
+    if ours.eos_token_ids != set(cpp["eog"]):
+        bad.append(f"stop ids {sorted(ours.eos_token_ids)} vs llama.cpp's end-of-generation {cpp['eog']}")
     try:
+        if hf_dir is None:
+            raise FileNotFoundError("no HF directory")
         hf = AutoTokenizer.from_pretrained(hf_dir)
         hf_agree = sum(hf.encode(t, add_special_tokens=False) == c for t, c in zip(TEXTS, cpp["tokens"]))
         hf_note = f"{hf_agree}/{len(TEXTS)}"
     except Exception as e:      # noqa: BLE001  (the reference only)
         hf_note = f"n/a ({type(e).__name__})"
-    return {"agree": f"{len(TEXTS) + 3 - len(bad)}/{len(TEXTS) + 3}", "differ": bad,
+    return {"agree": f"{len(TEXTS) + 4 - len(bad)}/{len(TEXTS) + 4}", "differ": bad,
             "hf_vs_llamacpp": hf_note,
             "first_diff": None if not bad else _first_diff(ours, mine, mine_bos, cpp)}
 
@@ -335,7 +349,7 @@ def fixture_vs_converter(fixture: str, hf_dir: str, converted: str, outtype: str
     from family_fixtures import FAMILIES, write_gguf
 
     from sparkserve.loader.gguf_file import GGUFFile
-    if fixture not in FAMILIES:
+    if fixture not in FAMILIES or outtype not in OUTTYPES:     # (llama-quantize's files: no fixture)
         return "-"
     mine = converted.replace(".gguf", ".fixture.gguf")
     write_gguf(hf_dir, mine, outtype)
@@ -360,13 +374,93 @@ def fixture_vs_converter(fixture: str, hf_dir: str, converted: str, outtype: str
     return "; ".join(out) if out else "equal"
 
 
+def _tokenizer_gguf(base: str, out: str, pre: str, vocab: tuple[list[str], list[str]]) -> str:
+    """`base`'s metadata (a converted llama file) with another vocabulary and `tokenizer.ggml.pre`, no
+    tensors: what llama.cpp loads with vocab_only."""
+    import gguf
+    reader = gguf.GGUFReader(base)
+    w = gguf.GGUFWriter(out, "llama")
+    tokens, merges = vocab
+    for field in reader.fields.values():
+        if field.name.startswith(("GGUF.", "general.architecture", "tokenizer.ggml.")):
+            continue
+        vtype = field.types[0]
+        w.add_key_value(field.name, field.contents(), vtype,
+                        sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _bpe_vocab(size: int = 1200) -> tuple[list[str], list[str]]:
+    """A byte-level BPE trained on TRAIN split as GPT-2 does (every pre-tokenizer then runs its own
+    splits over the same merges)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(TRAIN * 3, trainers.BpeTrainer(
+        vocab_size=size, min_frequency=1, show_progress=False, special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = json.loads(tok.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    return tokens, [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+
+
+def pre_tokenizer_sweep(base: str, work: str) -> list[dict]:
+    """Every pre-tokenizer sparkserve supports, on one BPE vocabulary: sparkserve's ids vs llama.cpp's."""
+    from sparkserve.frontend.gguf_tokenizer import SUPPORTED_PRE
+    from sparkserve.frontend.tokenizer import load_tokenizer
+    vocab = _bpe_vocab()
+    files = {pre: _tokenizer_gguf(base, os.path.join(work, f"pre-{pre}.gguf"), pre, vocab)
+             for pre in SUPPORTED_PRE}
+    cpp = _run_worker(sys.executable, "--llamacpp", [{"gguf": f, "ids": []} for f in files.values()],
+                      _peer_env(), timeout=1800)
+    rows = []
+    for pre, job in zip(files, cpp):
+        if job["error"] is not None:
+            rows.append({"pre": pre, "error": job["error"]})
+            continue
+        ours = load_tokenizer(files[pre])
+        bad = [t for t, ids in zip(TEXTS, job["tokens"]) if ours.encode(t) != ids]
+        if ours.eos_token_ids != set(job["eog"]):
+            bad.append(f"stop ids {sorted(ours.eos_token_ids)} vs {job['eog']}")
+        rows.append({"pre": pre, "agree": f"{len(TEXTS) - len(bad)}/{len(TEXTS)}", "differ": bad,
+                     "llamacpp": json.dumps(job["tokens"])})
+    return rows
+
+
+def _peer_env() -> dict[str, str]:
+    from results_io import peer_env
+    return peer_env(LLAMA_CPP_LIB_PATH=LIB)
+
+
+def quantize(job: dict, qtype: str) -> dict:
+    """The converter's f32 file re-quantized by llama.cpp's llama-quantize (its mix for `qtype`; rows too
+    narrow for a K-quant fall back to the types llama.cpp picks)."""
+    from results_io import peer_env
+    out = job["out"].replace(".f32.gguf", f".{qtype.lower()}.gguf")
+    r = subprocess.run([os.path.join(LIB, "llama-quantize"), job["out"], out, qtype], capture_output=True,
+                       text=True, env=peer_env(), timeout=600)
+    return dict(job, out=out, outtype=f"{qtype} (llama-quantize)",
+                error=None if r.returncode == 0 else "llama-quantize: " + " | ".join(
+                    line for line in (r.stdout + r.stderr).splitlines() if "failed to quantize:" in line))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", help="comma-separated families (CASES keys)")
     ap.add_argument("--keep", help="keep the checkpoints and GGUFs in this directory")
     a = ap.parse_args()
     import torch
-    from results_io import machine_line, peer_env, write_results
+    from results_io import machine_line, write_results
     torch.set_num_threads(1)
     cases = {k: v for k, v in CASES.items() if not a.only or k in a.only.split(",")}
     work = a.keep or tempfile.mkdtemp(prefix="gguf_conformance_")
@@ -381,6 +475,8 @@ def main() -> None:
     t = time.time()
     converted = _run_worker(CONVERTER_PYTHON, "--convert", jobs, dict(os.environ), timeout=3600)
     print(f"converted {len(jobs)} files in {time.time() - t:.0f} s", file=sys.stderr)
+    converted += [quantize(job, QUANTIZED) for job in list(converted)
+                  if job["outtype"] == "f32" and job["error"] is None]
     gen = torch.Generator().manual_seed(0)
     rows, cpp_jobs = [], []
     for job in converted:
@@ -389,8 +485,8 @@ def main() -> None:
         job["ids"] = torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist()
         if job["error"] is None:
             cpp_jobs.append({"gguf": job["out"], "ids": job["ids"]})
-    cpp = {j["gguf"]: j for j in _run_worker(sys.executable, "--llamacpp", cpp_jobs,
-                                               peer_env(LLAMA_CPP_LIB_PATH=LIB), timeout=3600)}
+    cpp_out = _run_worker(sys.executable, "--llamacpp", cpp_jobs, _peer_env(), timeout=3600)
+    cpp = {j["gguf"]: j for j in cpp_out}
     for job in converted:
         row = {"family": job["case"], "outtype": job["outtype"], "convert_error": job["error"]}
         rows.append(row)
@@ -428,7 +524,8 @@ def main() -> None:
              "prefill; "
              "sparkserve with fp32 activations and KV; llama.cpp with an f32 KV cache, 1 thread.", "",
              "Cells: max |Δlogit| (relative to the reference's largest |logit|) and top-1 agreement over the "
-             "positions. Tokenizer: sparkserve's ids equal llama.cpp's (TEXTS, parse_special; +3 with BOS); "
+             "positions. Tokenizer: sparkserve's ids equal llama.cpp's (TEXTS, parse_special; +3 with BOS; "
+             "+1 sparkserve's stop ids = llama.cpp's end-of-generation set); "
              "HF: the trained HF tokenizer equal to llama.cpp's.", "",
              "| family | outtype | sparkserve vs HF | sparkserve vs llama.cpp | llama.cpp vs HF | tokenizer "
              "(sparkserve = llama.cpp) | HF = llama.cpp | test fixture = converter |",
@@ -440,8 +537,28 @@ def main() -> None:
                      f"{cell(r, 'llamacpp_vs_hf')} | {tok.get('agree', '')} | "
                      f"{tok.get('hf_vs_llamacpp', '')} | {r.get('fixture', '')} |"
                      + (f" error: {err[:160]}" if err else ""))
+    from sparkserve.embedded import default_model_path
+    real = _run_worker(sys.executable, "--llamacpp", [{"gguf": default_model_path(), "ids": []}], _peer_env(),
+                       timeout=600)[0]
+    real_row = (_tokenizer_report(default_model_path(), None, real) if real["error"] is None
+                else {"agree": real["error"], "differ": []})
+    lines += ["", f"A real converted file, the embedded SmolLM2-135M-Instruct GGUF (pre `smollm`): "
+              f"{real_row['agree']} {'; '.join(real_row['differ'])[:300]}"]
+    base = next((j["out"] for j in converted if j["error"] is None and j["outtype"] == "f32"
+                 and cases[j["case"]][1] == "llama-bpe"), None)
+    pre_rows = pre_tokenizer_sweep(base, work) if base else []
+    ok = [r for r in pre_rows if r.get("agree") and not r["differ"]]
+    distinct = len({r["llamacpp"] for r in pre_rows if "llamacpp" in r})
+    lines += ["", "Pre-tokenizers (`tokenizer.ggml.pre`), every name sparkserve supports on one byte-level "
+              f"BPE vocabulary (vocab-only files, TEXTS): {len(ok)}/{len(pre_rows)} names give llama.cpp's "
+              f"ids exactly ({distinct} distinct llama.cpp tokenizations among them)."]
+    lines += [f"- {r['pre']}: {r.get('error') or r['agree'] + ' ' + '; '.join(r['differ'])[:200]}"
+              for r in pre_rows if r not in ok]
     lines += ["", "Notes:", *(f"- {n}" for n in NOTES)]
-    write_results("gguf_conformance", {"machine": machine_line(), "rows": rows, "notes": NOTES}, lines)
+    for r in pre_rows:
+        r.pop("llamacpp", None)
+    write_results("gguf_conformance", {"machine": machine_line(), "rows": rows, "pre_tokenizers": pre_rows,
+                                       "smollm2_tokenizer": real_row, "notes": NOTES}, lines)
 
 
 if __name__ == "__main__":
