@@ -302,9 +302,11 @@ def stage_eval(cfg: PipelineConfig) -> dict:
             "humaneval": humaneval_prompts()[:cfg.eval_prompts]}
     best = _path(cfg, "draft", "best")
     draft_dir = best if os.path.exists(os.path.join(best, "config.json")) else _path(cfg, "draft")
+    # verify mode full: tau is the draft's acceptance (adaptive may not draft where it cannot pay)
     with Engine(cfg.model_path, speculative_algorithm="DSPARK", speculative_draft_model_path=draft_dir,
-                tp_size=cfg.tp_size, pp_size=cfg.pp_size, activation_quant=cfg.activation_quant,
-                kv_cache_dtype=cfg.kv_cache_dtype, device=cfg.device) as eng:
+                speculative_dspark_verify_mode="full", tp_size=cfg.tp_size, pp_size=cfg.pp_size,
+                activation_quant=cfg.activation_quant, kv_cache_dtype=cfg.kv_cache_dtype,
+                device=cfg.device) as eng:
         res = _eval_sets(cfg, eng, sets, draft_dir)
     with open(_path(cfg, "eval.json"), "w") as f:
         json.dump(res, f, indent=1)
