@@ -100,7 +100,8 @@ NOTES = [
     "deepseek2 (V2-Lite layout, no q_lora): llama.cpp takes `is_lite` from the layer count (27) and "
     "refuses a smaller file without attention.q_lora_rank; sparkserve reads the q_lora tensors.",
     "deepseek2 q_lora (group-limited routing, 2 groups): llama.cpp ranks groups by their best two experts "
-    "(DeepSeek-V3's rule), DeepSeek-V2 by its best one; sparkserve follows the model.",
+    "(DeepSeek-V3's rule), DeepSeek-V2 by its best one; sparkserve follows the model (with llama.cpp's "
+    "rule, sparkserve equals llama.cpp to 5e-6).",
     "Q4_K_M rows: llama-quantize's mix on rows this narrow is mostly its Q5_0 / Q8_0 fallbacks; sparkserve "
     "computes with the file's exact weights in fp32, llama.cpp with its quantized activations (MoE routing "
     "can flip where two experts' scores are close).",
