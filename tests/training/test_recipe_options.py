@@ -121,3 +121,17 @@ def test_pipeline_flags_write_the_options_into_the_draft_config(bigram_target): 
     assert {k: v for k, v in cfg.items() if plain.get(k) != v} == {
         "num_hidden_layers": 2, "layer_types": ["full_attention"] * 2, "num_key_value_heads": 4,
         "tap_norm": True, "prev_context_fusion": True}
+
+
+def test_option_flags_parse():
+    from sparkserve.cli import _parser
+    from sparkserve.dataclass_cli import dataclass_from_args
+    from sparkserve.training.config import PipelineConfig
+    argv = ["train-draft", "--out", "OUT", "--ce-target", "soft", "--conf-detach", "--block-attention",
+            "--tap-norm", "--prev-context-fusion", "--draft-kv-heads", "9", "--num-layers", "2"]
+    ns = _parser().parse_args(argv)
+    cfg = dataclass_from_args(PipelineConfig, ns, train=dataclass_from_args(TrainConfig, ns))
+    assert (cfg.train.ce_target, cfg.train.conf_detach, cfg.train.block_attention) == ("soft", True, True)
+    assert (cfg.tap_norm, cfg.prev_context_fusion, cfg.draft_kv_heads, cfg.num_layers) == (True, True, 9, 2)
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["train-draft", "--out", "OUT", "--ce-target", "medium"])
