@@ -58,15 +58,8 @@ class PagedAttention(nn.Module):
         pool = batch.kv_pool
         k_buf, v_buf = pool.layer(self.layer_id)
         sc = pool.layer_scales(self.layer_id) if isinstance(pool, KVPool) else None
-        if sc is None:
-            batch.store(k_buf, k, self.window)
-            batch.store(v_buf, v, self.window)
-        else:
-            for buf, scale, rows in ((k_buf, sc[0], k), (v_buf, sc[1], v)):
-                elems, scales = quantize(rows, buf.dtype)
-                # as bytes: a context-parallel gather (gloo) has no float8
-                batch.store(buf.view(torch.uint8), elems.view(torch.uint8), self.window)
-                batch.store(scale, scales, self.window)
+        store_rows(batch, k_buf, None if sc is None else sc[0], k, self.window)
+        store_rows(batch, v_buf, None if sc is None else sc[1], v, self.window)
         if self.softcap is not None or sinks is not None:
             return self._eager(q, k_buf, v_buf, batch, sinks, sc)
         ext = self._kernel_extension(q, k_buf, v_buf, batch)
@@ -166,6 +159,18 @@ class PagedAttention(nn.Module):
                 or not (k_buf.is_contiguous() and v_buf.is_contiguous())):
             return None
         return load_extension()
+
+
+def store_rows(batch: ForwardBatch, buf: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor,
+               window: int | None = None) -> None:
+    """batch.store of a pool item's new rows; a quantized buffer takes them quantized, their block
+    scales into `scale` (as bytes: a context-parallel gather over gloo has no float8)."""
+    if scale is None:
+        batch.store(buf, rows, window)
+        return
+    elems, scales = quantize(rows, buf.dtype)
+    batch.store(buf.view(torch.uint8), elems.view(torch.uint8), window)
+    batch.store(scale, scales, window)
 
 
 def _scale_args(sc: Scales) -> dict[str, torch.Tensor]:

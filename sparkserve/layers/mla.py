@@ -28,10 +28,12 @@ from torch import nn
 
 from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.distributed.sharding import heads_shard, shard_rows
+from sparkserve.layers.attention import store_rows
 from sparkserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import apply_rotary
 from sparkserve.layers.sharded import Sharded
+from sparkserve.mem.kv_quant import dequantize, is_quantized, scale_component
 
 
 def rope_rows_to_halves(w: torch.Tensor, rope_dim: int, head_width: int) -> torch.Tensor:
@@ -94,14 +96,18 @@ class MLAttention(nn.Module):
             q = torch.cat([q[..., :self.nope], apply_rotary(q[..., self.nope:], *rope)], -1)
             k_pe = apply_rotary(k_pe.unsqueeze(1), *rope).squeeze(1)
         buf = batch.kv_pool.get("kv_latent", self.layer_id)
-        batch.store(buf, torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1))
+        scale = (batch.kv_pool.get(scale_component("kv_latent", buf.dtype), self.layer_id)
+                 if is_quantized(buf.dtype) else None)     # --kv-cache-dtype int8 / fp8 (DeepSeek-V2)
+        store_rows(batch, buf, scale, torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1))
         w = self.kv_b_proj.weight.view(H, self.nope + self.vd, r)
         q_lat = torch.einsum("thn,hnr->thr", q[..., :self.nope], w[:, :self.nope])
         q = torch.cat([q_lat, q[..., self.nope:]], -1)                      # [T, H, r + rope]
         q_index, flat_index = batch.query_layout()
         B = batch.batch_size
         qp = (q.view(B, -1, H, self.latent_dim) if q_index is None else q[q_index]).transpose(1, 2)
-        kv = buf[batch.kv_indices].unsqueeze(1)                              # [B, 1, L, r + rope]
+        idx = batch.kv_indices          # a quantized latent: only the gathered rows dequantized
+        kv = buf[idx] if scale is None else dequantize(buf[idx], scale[idx])
+        kv = kv.unsqueeze(1)                                                 # [B, 1, L, r + rope]
         out = torch.nn.functional.scaled_dot_product_attention(
             qp, kv, kv[..., :r], attn_mask=batch.attn_mask(None), scale=self.scale, enable_gqa=True)
         out = out.transpose(1, 2).reshape(-1, H, r)                          # [B*Qmax, H, r]

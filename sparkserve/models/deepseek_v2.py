@@ -28,6 +28,7 @@ from sparkserve.layers.rotary import RotaryEmbedding
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
 from sparkserve.loader.weights import WeightLoader, values_of
 from sparkserve.mem.hybrid_pool import HybridPool
+from sparkserve.mem.kv_quant import SCALE_DTYPE, block_size, is_quantized, scale_component
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
 from sparkserve.models.llama import _EXPERT_PART, _EXPERT_TENSOR, LlamaForCausalLM
 
@@ -142,13 +143,26 @@ class DeepseekV2ForCausalLM(CausalLM):
     def _latent_dim(self) -> int:
         return self.args.kv_lora_rank + self.args.rope_dim
 
+    # the latent may be quantized (--kv-cache-dtype int8 / fp8: mem/kv_quant.py), with its block scales
+    KV_CACHE_DTYPES = (torch.float32, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
     def make_pool(self, num_slots: int, num_rows: int, swa_slots: int = 0) -> HybridPool:
         pool = HybridPool(num_slots, num_rows)
-        pool.add("kv_latent", "token_page", list(self.layer_range), (self._latent_dim(),))
+        for name, shape, dtype in self._pool_buffers():
+            pool.add(name, "token_page", list(self.layer_range), shape, dtype)
         return pool
 
     def pool_bytes_per_token(self) -> int:
-        return HybridPool.token_bytes([(len(self.layer_range), (self._latent_dim(),), torch.float32)])
+        n = len(self.layer_range)
+        return HybridPool.token_bytes([(n, shape, dtype) for _, shape, dtype in self._pool_buffers()])
+
+    def _pool_buffers(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """The latent, and a quantized latent's block scales (layers/mla.py)."""
+        d, dtype = self._latent_dim(), self.kv_dtype
+        out = [("kv_latent", (d,), dtype)]
+        if is_quantized(dtype):
+            out.append((scale_component("kv_latent", dtype), (d // block_size(d),), SCALE_DTYPE))
+        return out
 
     # ---- loading ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
