@@ -139,6 +139,46 @@ def test_native_serving_computes_the_training_draft(target_dir, option, tmp_path
     torch.testing.assert_close(native, training_logits(draft, tokens, taps, anchors), atol=3e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("option", ["base", "fusion", "all"])
+@torch.inference_mode()
+def test_native_greedy_pass_proposes_what_the_pieces_do(target_dir, option, tmp_path):
+    """The one-call greedy pass (NativeDraftStep.propose_greedy) against the piece-by-piece
+    reference (DSparkWorker._draft_pass) for one request, alternating with another context so a
+    fused draft's mask row must follow its request; a fused draft leaves two requests to the
+    pieces."""
+    from sparkserve.core.req import Req
+    from sparkserve.core.sampling_state import RequestSamplingState
+    from sparkserve.models.dspark_draft import load_dspark_draft, save_dspark_draft
+    from sparkserve.sampling_params import SamplingParams
+    from sparkserve.speculative.dspark_worker import DSparkWorker
+    from sparkserve.speculative.planner import VerifyPlanner
+    save_dspark_draft(make_draft(target_dir, option), str(tmp_path), include_shared=True, dtype=torch.float16)
+    draft = load_dspark_draft(str(tmp_path))
+    draft.enable_native_step(True)
+    tokens, taps, _ = sequence(draft, S=30)
+    pool = draft.new_kv_pool(64, block_rows=2 * GAMMA)
+    table = torch.stack([torch.arange(1, 31), torch.arange(31, 61)])
+    for row, shift in ((0, 0), (1, 7)):
+        draft.inject([taps.roll(shift, 0)], torch.arange(30), table[row], pool)
+    params = SamplingParams(temperature=0.0, max_new_tokens=100)
+    reqs = []
+    for row, n in ((0, 17), (1, 29)):
+        req = Req(f"r{row}", [1], params, RequestSamplingState(params))
+        req.row, req.kv_len, req.output_ids = row, n, [int(tokens[n])]
+        reqs.append(req)
+    worker = DSparkWorker(draft, pool, VerifyPlanner("full"), table, torch.arange(65, 65 + 2 * GAMMA))
+    for req in reqs + reqs:
+        n = req.kv_len
+        args = (torch.tensor([req.output_ids[-1]]), table[req.row:req.row + 1, :n], [n])
+        native = draft.native.propose_greedy(draft, *args, pool, worker.block_slots)
+        ref_tokens, ref_conf, _ = worker._draft_pass([req], *args)
+        assert native is not None and torch.equal(native[0], ref_tokens)
+        torch.testing.assert_close(native[1], ref_conf, atol=1e-5, rtol=1e-5)
+    both = draft.native.propose_greedy(draft, torch.tensor([5, 6]), table[:, :17], [17, 17], pool,
+                                       worker.block_slots)
+    assert (both is None) == (option != "base")
+
+
 @torch.inference_mode()
 def test_fused_draft_keeps_its_context_rows(target_dir):
     """prev_context_fusion: the pool holds each injected slot's fused context row (a component
@@ -234,7 +274,8 @@ def test_option_serves_greedy_as_plain(target_dir, plain, option, dtype, tmp_pat
     if dtype == torch.float32:
         assert calls == []
     else:                            # a fused draft's blocks differ per request: the block pass alone
-        assert "inject" in calls and ("block_hidden" if option in ("fusion", "all") else "propose") in calls
+        assert "inject" in calls and "propose" in calls        # fused: one request's cycles
+        assert ("block_hidden" in calls) == (option in ("fusion", "all"))   # fused: several requests
 
 
 def install_fused_row_check(eng, hf_model) -> None:
