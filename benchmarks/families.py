@@ -13,7 +13,9 @@ round), the ratio per family and the median ratio.
     CONVERTER_PYTHON=/work/llamacpp/venv/bin/python PYTHONPATH=. \\
     python benchmarks/families.py [--threads 1] [--reps 3] [--new-tokens 64] [--only a,b]
 
-writes benchmarks/results/families.{json,md}."""
+writes benchmarks/results/families.{json,md} (families_<N>t.* with --threads N > 1). One thread by
+default: on the shared 2-core machines, with other processes on the cores, llama.cpp's 2-thread pool
+collapsed (llama-bench tg64 2-21 tok/s at load average 17, against ~250 on one thread)."""
 from __future__ import annotations
 
 import argparse
@@ -168,9 +170,10 @@ def main() -> None:
     if ratios:
         lines += ["", f"Median ratio over {len(ratios)} families: {statistics.median(ratios):.2f}x "
                       f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)."]
-    write_results("families", {"machine": machine_line(), "threads": a.threads, "new_tokens": a.new_tokens,
-                               "reps": a.reps, "shape": SHAPE, "rows": rows,
-                               "median_ratio": statistics.median(ratios) if ratios else None}, lines)
+    name = "families" if a.threads == 1 else f"families_{a.threads}t"
+    write_results(name, {"machine": machine_line(), "threads": a.threads, "new_tokens": a.new_tokens,
+                         "reps": a.reps, "shape": SHAPE, "rows": rows,
+                         "median_ratio": statistics.median(ratios) if ratios else None}, lines)
 
 
 if __name__ == "__main__":
