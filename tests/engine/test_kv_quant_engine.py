@@ -133,3 +133,16 @@ def test_refused_at_start_up_naming_the_flag(tmp_path):
     with pytest.raises(ValueError, match="--kv-cache-dtype q8_0: use one of auto, float32, float16, "
                                          "bfloat16, int8, fp8_e4m3, fp8_e5m2"):
         Engine(path, kv_cache_dtype="q8_0", max_total_tokens=256)
+
+
+def test_dspark_stays_lossless_on_an_int8_pool(smollm2_path):
+    """VERIFY rows read the quantized pool through the same kernel as decode steps (a row's bits do
+    not depend on its block), so DSpark's greedy tokens equal plain decoding's on an int8 pool."""
+    sp = dict(GREEDY, max_new_tokens=48)
+    outs = []
+    for extra in ({}, {"speculative_algorithm": "DSPARK"}):
+        with Engine(smollm2_path, kv_cache_dtype="int8", max_total_tokens=2048, **extra) as eng:
+            outs.append([o["output_ids"] for o in eng.generate(prompt=PROMPTS[:3], sampling_params=sp)])
+            if extra:
+                assert eng.scheduler.spec is not None and eng.scheduler.runner.kv_pool.quantized
+    assert outs[0] == outs[1]
