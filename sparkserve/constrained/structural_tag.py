@@ -1,36 +1,30 @@
-"""SGLang's `structural_tag` (xgrammar's structural tags) as an llguidance Lark grammar: free text,
-where each trigger starts one of its tags, `begin` + content + `end`, then free text again (the
-tool calls of an answer that may also talk). Both shapes SGLang takes:
+"""SGLang's `structural_tag` (xgrammar's structural tags) as an llguidance Lark grammar. Both shapes
+SGLang takes:
 
 - legacy: `{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...],
-  "at_least_one": false}`: each structure's begin starts with one of the triggers;
-- xgrammar's: `{"type": "structural_tag", "format": {"type": "triggered_tags", "triggers", "tags":
-  [{"type": "tag", "begin", "content", "end"}], "at_least_one", "stop_after_first"}}`, a content
-  being `json_schema`, `const_string`, `regex` or `any_text` (other formats are refused, naming them).
+  "at_least_one": false}`, read as xgrammar's `triggered_tags` of those tags;
+- xgrammar's: `{"type": "structural_tag", "format": FORMAT}`, a FORMAT being `const_string`,
+  `json_schema`, `regex`, `any_text`, `sequence`, `or`, `tag` (`begin` + content + `end`),
+  `triggered_tags` (free text, where each trigger opens one of its tags, then free text again: the
+  tool calls of an answer that may also talk; `at_least_one`, `stop_after_first`) or
+  `tags_with_separator`.
 
-A trigger is found in the text lazily (the first time it appears the tag starts), and the free text
-after the last tag may not contain a trigger, so every tag the model opens is checked. Text that is
-one of the tokenizer's special tokens (`special`: text -> id) is written as that token, not as its
-spelling (a special token is no text the model can spell)."""
+A trigger is found in the text lazily (the first time it appears its tag starts), and the free text
+after the last tag may not contain a trigger, so every tag the model opens is checked. `any_text`
+runs up to what follows it (a tag's end: lazily) or to the end of the answer; elsewhere it is
+refused, as is free text after triggered tags. Text that is one of the tokenizer's special tokens
+(`special`: text -> id) is written as that token, not as its spelling (no text spells one)."""
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 FIELD = "structural_tag"
 ANY = r"(.|\n)*"
 # JSON whitespace inside a tag's schema, unless the schema sets its own (as json_schema's default)
 TAG_JSON_WHITESPACE = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
-
-
-@dataclass
-class Tag:
-    begin: str          # starts with its trigger
-    content: str        # Lark for what goes between begin and end
-    end: str
 
 
 def _obj(value: Any, where: str) -> dict:
@@ -53,6 +47,13 @@ def _bool(d: dict, key: str, where: str) -> bool:
     return v
 
 
+def _list(d: dict, key: str, where: str) -> list:
+    v = d.get(key)
+    if not isinstance(v, list) or not v:
+        raise ValueError(f"{where}.{key}: a non-empty list is required")
+    return v
+
+
 def _json_content(schema: Any, where: str) -> str:
     if schema is None:
         schema = {}
@@ -68,69 +69,139 @@ def _json_content(schema: Any, where: str) -> str:
     return "%json " + json.dumps(schema)
 
 
-def _content(fmt: Any, where: str, special: Mapping[str, int]) -> str:
-    """Lark of one xgrammar content format (any_text: its lazy end is added by the tag)."""
-    fmt = _obj(fmt, where)
-    kind = fmt.get("type")
-    if kind == "json_schema":
-        return _json_content(fmt.get("json_schema"), f"{where}.json_schema")
-    if kind == "const_string":
-        return _literal(_str(fmt, "value", where), special) or '""'
-    if kind == "regex":
-        pattern = _str(fmt, "pattern", where)
-        return "/" + pattern.replace("/", "\\/") + "/"
-    if kind == "any_text":
-        return ""
-    raise ValueError(f"{where}.type: {kind!r} is not supported here (json_schema, const_string, regex or "
-                     "any_text)")
+class _Grammar:
+    """Lark rules made while compiling one structural tag."""
+
+    def __init__(self, special: Mapping[str, int]):
+        self.special = special
+        self.lines = ["%llguidance {}"]
+        self.n = 0
+
+    def rule(self, body: str, lazy: bool = False) -> str:
+        name = f"r{self.n}"
+        self.n += 1
+        self.lines.append(f"{name}{'[lazy]' if lazy else ''}: {body}")
+        return name
+
+    def token(self, body: str) -> str:
+        """A lexeme (Lark's upper-case rules: `&` and `~` combine only those)."""
+        name = f"TEXT{self.n}"
+        self.n += 1
+        self.lines.append(f"{name}: {body}")
+        return name
+
+    def literal(self, text: str) -> str:
+        """Lark matching `text` exactly, its special tokens as those tokens ('' for no text)."""
+        if not text:
+            return ""
+        names = sorted((s for s in self.special if s and s in text), key=len, reverse=True)
+        if not names:
+            return json.dumps(text)
+        parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text)
+        return " ".join(f"<[{self.special[p]}]>" if p in names else json.dumps(p) for p in parts if p)
+
+    def format(self, fmt: Any, where: str, at_end: bool) -> str:
+        """A rule for one format; `at_end`: nothing follows it (free text may run to the end)."""
+        fmt = _obj(fmt, where)
+        kind = fmt.get("type")
+        if kind == "const_string":
+            return self.rule(self.literal(_str(fmt, "value", where)) or '""')
+        if kind == "json_schema":
+            return self.rule(_json_content(fmt.get("json_schema"), f"{where}.json_schema"))
+        if kind == "regex":
+            return self.rule("/" + _str(fmt, "pattern", where).replace("/", "\\/") + "/")
+        if kind == "any_text":
+            if not at_end:
+                raise ValueError(f"{where}: any_text must be a tag's content or end the format")
+            return self.rule(f"/{ANY}/")
+        if kind == "sequence":
+            elements = _list(fmt, "elements", where)
+            last = len(elements) - 1
+            return self.rule(" ".join(self.format(e, f"{where}.elements.{i}", at_end and i == last)
+                                      for i, e in enumerate(elements)))
+        if kind == "or":
+            return self.rule(" | ".join(self.format(e, f"{where}.elements.{i}", at_end)
+                                        for i, e in enumerate(_list(fmt, "elements", where))))
+        if kind == "tag":
+            return self.tag(fmt, where, 0)
+        if kind == "triggered_tags":
+            if not at_end:
+                raise ValueError(f"{where}: triggered_tags must end the format (free text follows them)")
+            return self.triggered(fmt, where)
+        if kind == "tags_with_separator":
+            tags = [self.tag(t, f"{where}.tags.{i}", 0) for i, t in enumerate(_list(fmt, "tags", where))]
+            one = self.rule(" | ".join(tags))
+            if _bool(fmt, "stop_after_first", where):
+                return self.rule(one if _bool(fmt, "at_least_one", where) else f"{one}?")
+            sep = self.literal(_str(fmt, "separator", where))
+            many = f"{one} ({sep} {one})*" if sep else f"{one}+"
+            return self.rule(many if _bool(fmt, "at_least_one", where) else f"({many})?")
+        raise ValueError(f"{where}.type: {kind!r} is not supported (const_string, json_schema, regex, "
+                         "any_text, sequence, or, tag, triggered_tags, tags_with_separator)")
+
+    def tag(self, fmt: Any, where: str, skip: int) -> str:
+        """`begin` (less its first `skip` characters: the trigger already read) + content + `end`."""
+        fmt = _obj(fmt, where)
+        if fmt.get("type", "tag") != "tag":
+            raise ValueError(f"{where}.type: {fmt.get('type')!r} is not supported here (tag is)")
+        begin, end = _str(fmt, "begin", where), _str(fmt, "end", where)
+        content = _obj(fmt.get("content"), f"{where}.content")
+        head = self.literal(begin[skip:])
+        if content.get("type") == "any_text":          # up to the end's first appearance
+            if not end:
+                raise ValueError(f"{where}.end: an any_text tag needs a non-empty end")
+            return self.rule(f"{head} {self.rule(f'/{ANY}/ {self.literal(end)}', lazy=True)}")
+        return self.rule(f"{head} {self.format(content, f'{where}.content', False)} {self.literal(end)}")
+
+    def triggered(self, fmt: dict, where: str) -> str:
+        triggers = fmt.get("triggers")
+        if not isinstance(triggers, list) or not triggers or \
+                not all(isinstance(t, str) and t for t in triggers):
+            raise ValueError(f"{where}.triggers: a non-empty list of non-empty strings is required")
+        by_trigger: dict[str, list[str]] = {t: [] for t in triggers}
+        for i, t in enumerate(_list(fmt, "tags", where)):
+            begin = _str(_obj(t, f"{where}.tags.{i}"), "begin", f"{where}.tags.{i}")
+            # the longest trigger it starts with (a trigger that is a prefix of another picks the longer)
+            own = max((g for g in triggers if begin.startswith(g)), key=len, default=None)
+            if own is None:
+                raise ValueError(f"{where}.tags.{i}: its begin {begin!r} does not start with any of the "
+                                 f"triggers {triggers}")
+            by_trigger[own].append(self.tag(t, f"{where}.tags.{i}", len(own)))
+        text_triggers = [t for t in by_trigger if by_trigger[t] and t not in self.special]
+        free = f"/{ANY}/" if not text_triggers else f"/{ANY}/ & ~/{ANY}(" + "|".join(
+            re.escape(t).replace("/", "\\/") for t in text_triggers) + f"){ANY}/"
+        text = self.token(free)
+        calls = []
+        for trigger, tags in by_trigger.items():
+            if not tags:
+                continue
+            if trigger in self.special:
+                opened = self.rule(f"{text} <[{self.special[trigger]}]>")
+            else:
+                opened = self.rule(f"/{ANY}/ {json.dumps(trigger)}", lazy=True)
+            calls.append(f"{opened} ({' | '.join(tags)})")
+        call = self.rule(" | ".join(calls))
+        at_least_one = _bool(fmt, "at_least_one", where)
+        if _bool(fmt, "stop_after_first", where):
+            return self.rule(call if at_least_one else f"{text} | {call}")
+        return self.rule(f"{call}{'+' if at_least_one else '*'} {text}")
 
 
-def _literal(text: str, special: Mapping[str, int]) -> str:
-    """Lark matching `text` exactly, its special tokens as those tokens (empty text: '')."""
-    if not text:
-        return ""
-    names = sorted((s for s in special if s and s in text), key=len, reverse=True)
-    if not names:
-        return json.dumps(text)
-    parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text)
-    return " ".join(f"<[{special[p]}]>" if p in names else json.dumps(p) for p in parts if p)
-
-
-def _parse(spec: dict, special: Mapping[str, int]) -> tuple[list[str], list[Tag], bool, bool]:
-    """(triggers, tags, at_least_one, stop_after_first) of either shape."""
-    if "format" in spec:
-        fmt = _obj(spec["format"], f"{FIELD}.format")
-        where = f"{FIELD}.format"
-        if fmt.get("type") != "triggered_tags":
-            raise ValueError(f"{where}.type: {fmt.get('type')!r} is not supported (triggered_tags is)")
-        raw_tags = fmt.get("tags")
-        if not isinstance(raw_tags, list) or not raw_tags:
-            raise ValueError(f"{where}.tags: a non-empty list is required")
-        tags = []
-        for i, t in enumerate(raw_tags):
-            w = f"{where}.tags.{i}"
-            t = _obj(t, w)
-            if t.get("type", "tag") != "tag":
-                raise ValueError(f"{w}.type: {t.get('type')!r} is not supported (tag is)")
-            tags.append(Tag(_str(t, "begin", w), _content(t.get("content"), f"{w}.content", special),
-                            _str(t, "end", w)))
-        return (fmt.get("triggers"), tags, _bool(fmt, "at_least_one", where),
-                _bool(fmt, "stop_after_first", where))
-    raw = spec.get("structures")
-    if not isinstance(raw, list) or not raw:
-        raise ValueError(f"{FIELD}.structures: a non-empty list is required (or xgrammar's `format`)")
+def _legacy(spec: dict) -> dict:
+    """SGLang's legacy shape as xgrammar's triggered_tags."""
     tags = []
-    for i, s in enumerate(raw):
+    for i, s in enumerate(_list(spec, "structures", FIELD)):
         w = f"{FIELD}.structures.{i}"
         s = _obj(s, w)
-        content = _json_content(s.get("schema"), f"{w}.schema")
-        tags.append(Tag(_str(s, "begin", w), content, _str(s, "end", w)))
-    return spec.get("triggers"), tags, _bool(spec, "at_least_one", FIELD), False
+        _json_content(s.get("schema"), f"{w}.schema")           # its own error names the structure
+        tags.append({"type": "tag", "begin": _str(s, "begin", w), "end": _str(s, "end", w),
+                     "content": {"type": "json_schema", "json_schema": s.get("schema") or {}}})
+    return {"type": "triggered_tags", "triggers": spec.get("triggers"), "tags": tags,
+            "at_least_one": _bool(spec, "at_least_one", FIELD)}
 
 
 def structural_tag_lark(text: str, special: Mapping[str, int] | None = None) -> str:
     """The Lark grammar of a structural_tag (JSON text); ValueError naming the field."""
-    special = special or {}
     try:
         spec = json.loads(text)
     except ValueError as e:
@@ -138,47 +209,8 @@ def structural_tag_lark(text: str, special: Mapping[str, int] | None = None) -> 
     spec = _obj(spec, FIELD)
     if spec.get("type", FIELD) != FIELD:
         raise ValueError(f"{FIELD}.type: must be \"structural_tag\", got {spec.get('type')!r}")
-    triggers, tags, at_least_one, stop_after_first = _parse(spec, special)
-    where = f"{FIELD}.triggers"
-    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
-        raise ValueError(f"{where}: a non-empty list of non-empty strings is required")
-    by_trigger: dict[str, list[Tag]] = {t: [] for t in triggers}
-    for i, tag in enumerate(tags):
-        # the longest trigger it starts with (a trigger that is a prefix of another picks the longer)
-        own = max((t for t in triggers if tag.begin.startswith(t)), key=len, default=None)
-        if own is None:
-            raise ValueError(f"{FIELD}: tag {i}'s begin {tag.begin!r} does not start with any of the "
-                             f"triggers {triggers}")
-        by_trigger[own].append(tag)
-    text_triggers = [t for t in by_trigger if by_trigger[t] and t not in special]
-    free = f"/{ANY}/" if not text_triggers else \
-        f"/{ANY}/ & ~/{ANY}(" + "|".join(re.escape(t).replace("/", "\\/") for t in text_triggers) + f"){ANY}/"
-    lines = ["%llguidance {}", f"TEXT: {free}"]
-    calls, k = [], 0
-    for j, (trigger, own_tags) in enumerate(by_trigger.items()):
-        if not own_tags:
-            continue
-        if trigger in special:
-            lines.append(f"trig_{j}: TEXT <[{special[trigger]}]>")
-        else:
-            lines.append(f"trig_{j}[lazy]: /{ANY}/ {json.dumps(trigger)}")
-        bodies = []
-        for tag in own_tags:
-            rest = _literal(tag.begin[len(trigger):], special)
-            if tag.content:
-                body = f"{rest} {tag.content} {_literal(tag.end, special)}"
-            else:       # any_text: up to the end's first appearance
-                if not tag.end:
-                    raise ValueError(f"{FIELD}: an any_text tag needs a non-empty end")
-                lines.append(f"text_{k}[lazy]: /{ANY}/ {_literal(tag.end, special)}")
-                body = f"{rest} text_{k}"
-            lines.append(f"tag_{k}: {body}")
-            bodies.append(f"tag_{k}")
-            k += 1
-        calls.append(f"trig_{j} ({' | '.join(bodies)})")
-    lines.append("call: " + " | ".join(calls))
-    if stop_after_first:
-        lines.append("start: call" if at_least_one else "start: TEXT | call")
-    else:
-        lines.append(f"start: call{'+' if at_least_one else '*'} TEXT")
-    return "\n".join(lines) + "\n"
+    g = _Grammar(special or {})
+    where = f"{FIELD}.format" if "format" in spec else FIELD
+    top = g.format(spec["format"] if "format" in spec else _legacy(spec), where, at_end=True)
+    g.lines.append(f"start: {top}")
+    return "\n".join(g.lines) + "\n"

@@ -57,7 +57,8 @@ def forced_tools(req: ChatCompletionRequest, backend: str, has_tokenizer: bool,
     """The request constrained by its tools where they ask it (on the grammar engine, as
     response_format is): tool_choice required or named by the calls' JSON schema; auto with a
     `strict: true` tool by the structural tag of the parser's call form (free text, each call it
-    opens checked). The tools' own schemas must be valid ones."""
+    opens checked; with a response_format, its JSON or calls). The tools' own schemas must be
+    valid ones."""
     choice = req.tool_choice
     forced = choice == "required" or isinstance(choice, dict)
     strict = [i for i, t in enumerate(req.tools or []) if is_strict(t)]
@@ -70,7 +71,9 @@ def forced_tools(req: ChatCompletionRequest, backend: str, has_tokenizer: bool,
     given = [n for n, v in (("response_format", rf), ("json_schema", req.json_schema),
                             ("regex", req.regex), ("ebnf", req.ebnf),
                             ("structural_tag", req.structural_tag)) if v]
-    if given:
+    answer = req.json_schema if not forced and given[:1] in (["response_format"], ["json_schema"]) and \
+        not any((req.regex, req.ebnf, req.structural_tag)) else None
+    if given and answer is None:
         raise ApiError(400, f"{field}: tool_choice {what} cannot be combined with {given[0]} (one constraint "
                             "per request)", field)
     if backend == "none":
@@ -81,8 +84,9 @@ def forced_tools(req: ChatCompletionRequest, backend: str, has_tokenizer: bool,
         update = {"json_schema": forced_schema(req.tools, named, req.parallel_tool_calls)}
     else:
         assert parser is not None           # checked_tools refused auto without a parser
-        try:
-            update = {"structural_tag": strict_calls_tag(req.tools, parser, req.parallel_tool_calls)}
+        try:        # with a response_format: its JSON, or the calls
+            update = {"structural_tag": strict_calls_tag(req.tools, parser, req.parallel_tool_calls, answer),
+                      "json_schema": None}
         except ValueError as e:
             raise ApiError(400, f"tools.{strict[0]}.function.strict: {e} (send strict: false, or "
                                 "tool_choice required)", "tools") from None

@@ -96,7 +96,10 @@ def test_special_token_trigger(tok, llt):
 @pytest.mark.parametrize("spec,where", [
     ({"type": "structural_tag", "triggers": ["<a>"], "structures": [{"begin": "<b>", "end": ""}]}, "trigger"),
     ({"type": "structural_tag", "structures": []}, "structural_tag.structures"),
-    ({"type": "structural_tag", "format": {"type": "sequence"}}, "structural_tag.format.type"),
+    ({"type": "structural_tag", "format": {"type": "qwen_xml_parameter"}}, "structural_tag.format.type"),
+    ({"type": "structural_tag", "format": {"type": "sequence"}}, "structural_tag.format.elements"),
+    ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "any_text"}, {"type": "const_string", "value": "x"}]}}, "structural_tag.format.elements.0"),
     ({"type": "json_schema"}, "structural_tag.type"),
 ])
 def test_bad_structural_tags_name_the_field(spec, where):
@@ -134,3 +137,30 @@ def test_gpt_oss_has_no_strict_form():
     tools = [{"type": "function", "function": {"name": "w", "parameters": ARGS, "strict": True}}]
     with pytest.raises(ValueError, match="gpt-oss"):
         strict_calls_tag(tools, TOOL_PARSERS["gpt-oss"]())
+
+
+def test_xgrammar_combinators(tok, llt):
+    """or / sequence / const_string / tags_with_separator, and the JSON-or-calls shape strict tools
+    take beside a response_format (calls from the start, free text after the first)."""
+    tag = {"type": "tag", "begin": "<f>", "end": "</f>",
+           "content": {"type": "json_schema", "json_schema": ARGS}}
+    seq = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "Answer: "}, {"type": "or", "elements": [
+            {"type": "regex", "pattern": "[0-9]+"}, tag]}]}}
+    assert reads(tok, llt, seq, "Answer: 42") == (True, True)
+    assert reads(tok, llt, seq, 'Answer: <f>{"city": "x"}</f>') == (True, True)
+    assert reads(tok, llt, seq, "Answer: yes")[0] is False
+    sep = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": [tag],
+                                                 "separator": ",", "at_least_one": True}}
+    two = '<f>{"city": "x"}</f>,<f>{"city": "y"}</f>'
+    assert reads(tok, llt, sep, two) == (True, True)
+    assert reads(tok, llt, sep, two + " and")[0] is False
+    assert reads(tok, llt, sep, "") == (True, False)
+    tools = [{"type": "function", "function": {"name": "w", "parameters": ARGS, "strict": True}}]
+    answer = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                         "additionalProperties": False})
+    both = json.loads(strict_calls_tag(tools, TOOL_PARSERS["hermes"](), True, answer))
+    assert reads(tok, llt, both, '{"ok": true}') == (True, True)
+    assert reads(tok, llt, both, W + " then " + W) == (True, True)
+    assert reads(tok, llt, both, "Sure: " + W)[0] is False             # talk first: neither shape
+    assert reads(tok, llt, both, '{"ok": 1}')[0] is False

@@ -39,12 +39,15 @@ def is_strict(tool: dict) -> bool:
     return tool["function"].get("strict") is True
 
 
-def strict_calls_tag(tools: list[dict], parser: ToolParser, parallel: bool = True) -> str:
+def strict_calls_tag(tools: list[dict], parser: ToolParser, parallel: bool = True,
+                     answer: str | None = None) -> str:
     """tool_choice auto with strict tools: the answer is free text, but each call the model opens
     in its own format (`parser.structure`) is written whole, a strict tool's arguments following
     its schema (the others' any object), as SGLang's structural tag for strict tools. Without
     `parallel` (or where the format keeps parallel calls in one block) the answer ends after the
-    first call. ValueError where the format has no such form."""
+    first call. With an `answer` JSON schema (response_format), the answer is either that JSON or
+    calls from its start on (free text after the first). ValueError where the format has no such
+    form."""
     tags, triggers = [], []
     for t in tools:
         name = t["function"]["name"]
@@ -58,8 +61,13 @@ def strict_calls_tag(tools: list[dict], parser: ToolParser, parallel: bool = Tru
         if trigger not in triggers:
             triggers.append(trigger)
     one = not parallel or not parser.parallel_structures
-    return json.dumps({"type": "structural_tag", "format": {
-        "type": "triggered_tags", "triggers": triggers, "tags": tags, "stop_after_first": one}})
+    calls = {"type": "triggered_tags", "triggers": triggers, "tags": tags, "stop_after_first": one}
+    if answer is not None:
+        first = {"type": "or", "elements": tags}
+        calls = {"type": "or", "elements": [
+            {"type": "json_schema", "json_schema": json.loads(answer)},
+            first if one else {"type": "sequence", "elements": [first, calls]}]}
+    return json.dumps({"type": "structural_tag", "format": calls})
 
 
 class RequiredCallsParser(ToolParser):
