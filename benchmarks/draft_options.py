@@ -5,9 +5,9 @@ heads of 64, a 4,096-id draft vocab, gamma 7), per option, as a ratio to the bas
 
 Random fp16 weights (what the native step runs; the time does not depend on the values), int8
 activations as `serve` runs them by default, the native step on, requests with `--context`
-tokens of context each; the options are timed in alternating short rounds. On a shared machine
-other processes only ever add time, so the best round of each is compared (the medians' ratio
-beside it).
+tokens of context each; the options are timed in alternating short rounds, by this process's CPU
+time (one thread: the work done, which a shared, loaded machine inflates far less than the wall
+clock); the best round of each is compared (the medians' ratio beside it).
 
     PYTHONPATH=. python benchmarks/draft_options.py [--threads 1] [--context 256] [--rounds 5]
 writes benchmarks/results/draft_options.{json,md} (SPARKSERVE_BENCH_RESULTS=DIR sends them elsewhere)."""
@@ -116,10 +116,10 @@ def main() -> None:
                 cycle.run()                       # warm: native steps built, pages touched
         for _ in range(args.rounds):
             for key, cycle in cycles.items():
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 for _ in range(args.reps):
                     cycle.run()
-                times[key].append((time.perf_counter() - t0) / args.reps * 1e3)
+                times[key].append((time.process_time() - t0) / args.reps * 1e3)
     med = {key: statistics.median(v) for key, v in times.items()}
     best = {key: min(v) for key, v in times.items()}
     rows = [{"option": name, "batch": B, "best_ms": round(best[(name, B)], 3),
@@ -130,17 +130,18 @@ def main() -> None:
              machine_line(), "",
              f"SmolLM2-135M-shaped draft (the shipped draft's config), fp16 weights, int8 activations, "
              f"native step on; {args.context} tokens of context per request, {COMMITTED} rows injected per "
-             f"request, then the greedy draft pass (gamma 7); {args.threads} thread(s); the best of "
+             f"request, then the greedy draft pass (gamma 7); {args.threads} thread(s); CPU time, best of "
              f"{args.rounds} alternating rounds of {args.reps} cycles (ratio of the medians in brackets). "
              f"`benchmarks/draft_options.py`.", "",
-             "| option | " + " | ".join(f"batch {B}: best ms, ratio (medians)" for B in BATCHES) + " |",
+             "| option | " + " | ".join(f"batch {B}: best CPU ms, ratio (medians)" for B in BATCHES) + " |",
              "|---|" + "---:|" * len(BATCHES)]
     for name in OPTIONS:
         cells = [f"{best[(name, B)]:.2f}, {best[(name, B)] / best[('base', B)]:.2f}x "
                  f"({med[(name, B)] / med[('base', B)]:.2f}x)" for B in BATCHES]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "fusion runs the block pass natively but the LM head, Markov loop and confidence head "
-              "from Python (the one-call native pass has one mask row for every request)."]
+    lines += ["", "fusion: one request runs the one-call native pass (its fused row on its anchor's and "
+              "the mask row); several run the block pass natively, the LM head, Markov loop and confidence "
+              "head from Python (the one-call pass has one mask row for all requests)."]
     write_results("draft_options", {"args": vars(args), "rows": rows}, lines)
 
 
