@@ -161,6 +161,19 @@ def draft_config(cfg: PipelineConfig, target_cfg, tokenizer) -> dict:
                               tap_norm=cfg.tap_norm, prev_context_fusion=cfg.prev_context_fusion)
 
 
+def check_init_draft_options(cfg: PipelineConfig, init_cfg: dict) -> None:
+    """--init-draft takes its draft's architecture: an option flag that draft lacks is refused
+    (its weights would have to start untrained beside trained ones), not silently dropped."""
+    for key, asked in (("tap_norm", cfg.tap_norm), ("prev_context_fusion", cfg.prev_context_fusion)):
+        if asked and not init_cfg.get(key):
+            raise ValueError(f"--{key.replace('_', '-')} with --init-draft: the draft in {cfg.init_draft} "
+                             f"has no {key} (its config sets the architecture); train a new draft to add it")
+    heads = init_cfg.get("num_key_value_heads")
+    if cfg.draft_kv_heads is not None and cfg.draft_kv_heads != heads:
+        raise ValueError(f"--draft-kv-heads {cfg.draft_kv_heads} with --init-draft: the draft in "
+                         f"{cfg.init_draft} has {heads}")
+
+
 def stage_features(cfg: PipelineConfig, target: TargetSource, ranks: Ranks = Ranks()) -> None:
     """The feature cache from the rows logged while distilling; by a prefill pass of the target
     over every sequence (split over the ranks) when that log is missing or incomplete (e.g.
@@ -235,6 +248,7 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
     if cfg.init_draft:
         with open(os.path.join(cfg.init_draft, "config.json")) as f:
             init_cfg = json.load(f)
+        check_init_draft_options(cfg, init_cfg)
         dcfg = dict(init_cfg)
         if cfg.draft_vocab_size is not None:
             if not 0 < cfg.draft_vocab_size < engine.model_config.vocab_size:

@@ -135,3 +135,16 @@ def test_option_flags_parse():
     assert (cfg.tap_norm, cfg.prev_context_fusion, cfg.draft_kv_heads, cfg.num_layers) == (True, True, 9, 2)
     with pytest.raises(SystemExit):
         _parser().parse_args(["train-draft", "--out", "OUT", "--ce-target", "medium"])
+
+
+def test_init_draft_refuses_options_its_draft_lacks(bigram_target):  # noqa: F811
+    from sparkserve.training.config import PipelineConfig
+    from sparkserve.training.pipeline import check_init_draft_options
+    tc = ModelConfig.from_hf_dir(bigram_target[0])
+    plain, fused = dspark_config_dict(tc), dspark_config_dict(tc, tap_norm=True, prev_context_fusion=True)
+    for flags in (dict(tap_norm=True), dict(prev_context_fusion=True), dict(draft_kv_heads=4)):
+        with pytest.raises(ValueError, match="--init-draft"):
+            check_init_draft_options(PipelineConfig(out="x", init_draft="D", **flags), plain)
+    check_init_draft_options(PipelineConfig(out="x", init_draft="D", tap_norm=True, prev_context_fusion=True,
+                                            draft_kv_heads=tc.num_key_value_heads), fused)
+    check_init_draft_options(PipelineConfig(out="x", init_draft="D"), fused)     # no flag: the draft's own
