@@ -18,9 +18,10 @@ from sparkserve.speculative.planner import VerifyPlanner
 from sparkserve.speculative.worker import Proposal, SpecWorker
 
 MATCH_TYPES = ("BFS", "PROB")
-# Prior of a draft's acceptance odds before any verify of its match length was seen: one accepted
-# and one rejected draft (0.5).
-PRIOR_ACCEPTED, PRIOR_SEEN = 1.0, 2.0
+# Prior of a draft's acceptance odds after a match of k tokens, before verifies of such drafts were
+# seen: k / (k + 1), worth PRIOR_SEEN drafts (a long match is likely a copy; a planner that started
+# from odds too low to verify anything would never learn otherwise).
+PRIOR_SEEN = 2.0
 
 
 def longest_suffix_match(h: np.ndarray, n: int, min_len: int, max_len: int) -> tuple[int, np.ndarray]:
@@ -182,7 +183,8 @@ class NgramWorker(SpecWorker):
         reached them, the same for every slot (one rate learns from every slot verified, so the
         planner's first short verifies teach it what longer ones would accept). Verify reads the
         LM head rows up front by these odds; adaptive verify plans with them."""
-        rate = (self.accepted[match_len] + PRIOR_ACCEPTED) / (self.reached[match_len] + PRIOR_SEEN)
+        prior = PRIOR_SEEN * match_len / (match_len + 1)
+        rate = (self.accepted[match_len] + prior) / (self.reached[match_len] + PRIOR_SEEN)
         return torch.full((count,), float(rate))
 
     def _learn(self, req: Req, hist: _History) -> None:
