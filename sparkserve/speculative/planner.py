@@ -3,12 +3,13 @@
 full: verify every draft. threshold: verify the leading drafts whose confidence is >= the
 threshold. adaptive (the paper's Alg. 1): rank every (request, slot) of the batch by its
 survival a = prod of confidences up to that slot, and admit slots while the expected tokens
-per second  tau / (step + draft + cost(R, B))  rises, with tau = R + sum_r sum_{j<=l_r} a_rj over
-the forward's R requests, B = R + sum_r l_r its tokens, cost(R, B) the measured seconds of such a
-forward, `step` what a step of R requests costs beyond its forward (sampling, commits, scheduling:
-measured on plain steps) and `draft` what drafting adds: the draft pass, the LM head rows acceptance
-reads (the table's draft_seconds, or the scheduler's measurements if larger). When even the best
-plan yields fewer tokens per second than plain decoding (R / (step + cost(R, R))), it verifies
+per second  tau / (draft + s * cost(R, B))  rises, with tau = R + sum_r sum_{j<=l_r} a_rj over
+the forward's R requests, B = R + sum_r l_r its tokens, cost(R, B) the seconds of such a forward
+measured at start-up, s what recent plain steps took per second of their table forward (what a step
+adds to its forward, and the load now against the load then: `scale`) and `draft` what drafting
+adds: the draft pass, the LM head rows acceptance reads (the table's draft_seconds, or the
+scheduler's measurements if larger). When even the best plan yields fewer tokens per second than
+plain decoding (R / (s * cost(R, R))), it verifies
 nothing, so the scheduler backs the requests off drafting for a while; and where that would be so
 with drafts sure to pass (`may_pay`), the scheduler does not run the draft pass at all. The
 survivals are scaled by how many drafts recent cycles accepted per draft they expected
@@ -34,6 +35,8 @@ RECENT_STEPS = 32
 CALIBRATION_PRIOR = 4.0
 # Neutral evidence (drafts expected and accepted alike) a plan that verifies nothing adds.
 AGEING_EVIDENCE = 0.25
+# Most drafting steps in a row before one plain step re-measures what a step costs now.
+PROBE_EVERY = 32
 
 
 def _piecewise(xs: list[int], ys: list[float], x: float) -> float:
@@ -56,6 +59,9 @@ class StepCostTable:
     draft_seconds: float = 0.0
     requests: list[int] = field(default_factory=list)
     request_seconds: list[float] = field(default_factory=list)
+    # measured by this process at start-up (profile.py): its seconds are scaled to what steps take
+    # now (VerifyPlanner.scale); a table given as a file is taken as it is
+    measured: bool = False
 
     def cost(self, n: int) -> float:
         """One request's forward over n tokens."""
@@ -93,10 +99,11 @@ class VerifyPlanner:
         if mode == "adaptive" and costs is None:
             raise ValueError("adaptive verify needs a step cost table")
         self.mode, self.threshold, self.costs = mode, threshold, costs
-        # Recent costs per request: of a plain step beyond its forward; of a draft pass (whether or
-        # not its drafts were then verified); of a verify cycle beyond a plain step, its draft pass
-        # left out.
+        # Recent plain steps' seconds per second of the table's forward (scale); recent costs per
+        # request of a draft pass (whether or not its drafts were then verified) and of a verify
+        # cycle beyond what the scaled table gives its forward, the draft pass left out.
         self._plain: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._since_plain = PROBE_EVERY         # drafting steps since the latest plain one
         self._drafts: deque[float] = deque(maxlen=RECENT_STEPS)
         self._cycles: deque[float] = deque(maxlen=RECENT_STEPS)
         self._first_cycle = True
@@ -105,11 +112,13 @@ class VerifyPlanner:
 
     def observe_plain(self, seconds: float, requests: int) -> None:
         """A plain decode step of `requests` requests took `seconds`."""
-        beyond = seconds - self._forward(requests, requests)
-        self._plain.append(max(0.0, beyond) / requests)
+        self._since_plain = 0
+        if self.costs is not None and self.costs.measured:
+            self._plain.append(seconds / self.costs.batch_cost(requests, requests))
 
     def observe_draft(self, seconds: float, requests: int) -> None:
         """A draft pass (propose) for `requests` requests took `seconds`."""
+        self._since_plain += 1
         self._drafts.append(seconds / requests)
 
     def observe_cycle(self, seconds: float, requests: int, drafting: int, tokens: int) -> None:
@@ -119,7 +128,7 @@ class VerifyPlanner:
         if self._first_cycle:
             self._first_cycle = False
             return
-        beyond = seconds - self._forward(requests, tokens) - self.step_seconds(requests)
+        beyond = seconds - self.step_cost(requests, tokens)
         self._cycles.append(max(0.0, beyond) / drafting)
 
     def observe_acceptance(self, expected: float, accepted: int) -> None:
@@ -135,12 +144,18 @@ class VerifyPlanner:
         accepted = sum(a for _, a in self._accepts)
         return (accepted + CALIBRATION_PRIOR) / (expected + CALIBRATION_PRIOR)
 
-    def _forward(self, requests: int, tokens: int) -> float:
-        return self.costs.batch_cost(requests, tokens) if self.costs is not None else 0.0
+    def scale(self) -> float:
+        """Seconds recent plain steps took per second the table gives their forward (median; 1
+        before any): what a step adds to its forward (sampling, commits, scheduling), and the
+        machine's load now against the load the table was measured under. Draft passes and cycles
+        are timed now, so the table is too: on a shared CPU whose load came and went since
+        start-up, unscaled it made drafting look cheap (the table measured under load) or dear."""
+        return statistics.median(self._plain) if self._plain else 1.0     # (empty: a table file)
 
-    def step_seconds(self, requests: int) -> float:
-        """What a plain step of `requests` requests recently cost beyond its forward (0 before any)."""
-        return requests * statistics.median(self._plain) if self._plain else 0.0
+    def step_cost(self, requests: int, tokens: int) -> float:
+        """Seconds a step whose forward runs `requests` requests over `tokens` tokens takes now,
+        drafting left out (0 without a table)."""
+        return self.scale() * self.costs.batch_cost(requests, tokens) if self.costs is not None else 0.0
 
     def draft_seconds(self, requests: int) -> float:
         """What drafting for `requests` requests adds to a step: the draft pass, plus what a verify
@@ -176,17 +191,18 @@ class VerifyPlanner:
         It is asked at every decode step, so it is priced without building a plan: k sure drafts
         bring k tokens for cost(R, R + k), and on each linear piece of the table that rate is
         monotone in k, so only the pieces' ends need a look (a handful of lookups, where the plan
-        ranked every slot of the batch)."""
+        ranked every slot of the batch). Every PROBE_EVERY drafting steps (and before the first) it
+        says no once, so that a plain step re-measures what steps cost now (`scale`)."""
         if self.mode != "adaptive":
             return True
         drafts = sum(caps)
-        if not drafts:
+        if not drafts or (self.costs.measured and self._since_plain >= PROBE_EVERY):
             return False
         R = len(caps) + plain_tokens
-        step, draft = self.step_seconds(R), self.draft_seconds(len(caps))
-        plain_rate = R / (step + self.costs.batch_cost(R, R))
+        draft = self.draft_seconds(len(caps))
+        plain_rate = R / self.step_cost(R, R)
         ends = {1, drafts, *(n - 1 for n in self.costs.tokens if 1 < n <= drafts + 1)}
-        return any((R + k) / (step + draft + self.costs.batch_cost(R, R + k)) > plain_rate for k in ends)
+        return any((R + k) / (draft + self.step_cost(R, R + k)) > plain_rate for k in ends)
 
     def _adaptive(self, confidences, caps, plain_tokens) -> list[int]:
         k = self.calibration()
@@ -197,13 +213,13 @@ class VerifyPlanner:
         lens = [0] * len(caps)
         R = len(caps) + plain_tokens            # the forward's requests, a token each before drafts
         tau, B = float(R), R
-        step, draft = self.step_seconds(R), self.draft_seconds(len(caps))
-        plain_rate = tau / (step + self.costs.batch_cost(R, B))
-        best = tau / (step + draft + self.costs.batch_cost(R, B))
+        draft = self.draft_seconds(len(caps))
+        plain_rate = tau / self.step_cost(R, B)
+        best = tau / (draft + self.step_cost(R, B))
         for a, r, j in ranked:
             if j != lens[r]:          # survival is non-increasing along a block: keep prefixes
                 continue
-            theta = (tau + a) / (step + draft + self.costs.batch_cost(R, B + 1))
+            theta = (tau + a) / (draft + self.step_cost(R, B + 1))
             if theta <= best:
                 break
             lens[r] += 1

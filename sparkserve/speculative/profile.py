@@ -106,4 +106,4 @@ def measure_step_costs(runner: ModelRunner, cache: KVCacheManager, max_tokens: i
     if len(sizes) == 1:
         sizes, seconds = [1, 2], [seconds[0], seconds[0]]
     return StepCostTable(sizes, seconds, requests=[1, *many] if many else [],
-                         request_seconds=request_seconds)
+                         request_seconds=request_seconds, measured=True)

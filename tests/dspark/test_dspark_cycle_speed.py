@@ -151,21 +151,23 @@ def test_adaptive_plan_counts_the_draft_and_backs_off():
     """With what drafting measurably adds to a step (the draft pass; a verify cycle's cost beyond
     a plain step's) in the cost, a weak draft's best plan is slower than plain decoding: the
     planner verifies nothing (so the scheduler backs off drafting); without it, or with a strong
-    draft, it verifies. What plain steps cost beyond their forward is charged to both sides."""
+    draft, it verifies. What plain steps take per second of their table forward (what a step adds,
+    the load now against the load at start-up) scales the table on both sides."""
     from sparkserve.speculative.planner import StepCostTable, VerifyPlanner
-    planner = VerifyPlanner("adaptive", costs=StepCostTable([1, 2, 8], [0.018, 0.021, 0.041]))
+    planner = VerifyPlanner("adaptive", costs=StepCostTable([1, 2, 8], [0.018, 0.021, 0.041], measured=True))
     weak, strong = [torch.full((7,), 0.28)], [torch.full((7,), 0.9)]
     assert planner.plan(weak, [7]) == [1]          # (1 + .28) / 21 ms > 1 / 18 ms
-    for _ in range(3):                             # plain steps take 6 ms beyond their forward
+    for _ in range(3):                             # plain steps take 24 ms for an 18 ms forward
         planner.observe_plain(0.024, 1)
-    assert planner.plan(weak, [7]) == [1]          # (1 + .28) / (6 + 21) ms > 1 / (6 + 18) ms
+    assert planner.scale() == pytest.approx(4 / 3)
+    assert planner.plan(weak, [7]) == [1]          # (1 + .28) / (21 * 4/3) ms > 1 / 24 ms
     planner.observe_cycle(0.5, 1, 1, 2)            # the first cycle also set the kernels up: not kept
     assert planner.plan(weak, [7]) == [1]
-    planner.observe_cycle(0.034, 1, 1, 2)          # 7 ms beyond a plain step and its 21 ms forward
-    assert planner.plan(weak, [7]) == [0]          # (1 + .28) / (6 + 7 + 21) ms < 1 / 24 ms
+    planner.observe_cycle(0.034, 1, 1, 2)          # 6 ms beyond its forward's 28 ms (scaled)
+    assert planner.plan(weak, [7]) == [0]          # (1 + .28) / (6 + 28) ms < 1 / 24 ms
     assert planner.plan(strong, [7]) == [7]
     for _ in range(3):                             # 1 ms: the median of recent cycles counts
-        planner.observe_cycle(0.028, 1, 1, 2)
+        planner.observe_cycle(0.029, 1, 1, 2)
     assert planner.plan(weak, [7]) == [1]
     planner.observe_cycle(0.5, 1, 1, 2)            # so a slow one (the core was taken) stops nothing
     assert planner.plan(weak, [7]) == [1]
@@ -173,7 +175,7 @@ def test_adaptive_plan_counts_the_draft_and_backs_off():
         planner.observe_draft(0.005, 1)
     assert planner.draft_seconds(1) == pytest.approx(0.006)
     assert planner.draft_seconds(4) == pytest.approx(0.024)      # a pass per request
-    assert planner.plan(weak, [7]) == [0]          # (1 + .28) / (6 + 6 + 21) ms < 1 / 24 ms
+    assert planner.plan(weak, [7]) == [0]          # (1 + .28) / (6 + 28) ms < 1 / 24 ms
     assert planner.plan(strong, [7]) == [7]
 
 def test_adaptive_runs_no_draft_pass_that_cannot_pay():
@@ -182,8 +184,11 @@ def test_adaptive_runs_no_draft_pass_that_cannot_pay():
     row 0.3 s), `may_pay` says so, and no plan of any confidences verifies there; the other modes
     always draft."""
     from sparkserve.speculative.planner import StepCostTable, VerifyPlanner
-    costs = StepCostTable([1, 64], [1.0, 1.0 + 63 * 0.3], requests=[1, 6], request_seconds=[1.0, 1.25])
+    costs = StepCostTable([1, 64], [1.0, 1.0 + 63 * 0.3], requests=[1, 6], request_seconds=[1.0, 1.25],
+                          measured=True)
     planner = VerifyPlanner("adaptive", costs=costs)
+    assert not planner.may_pay([7])       # before any plain step: one, to measure what steps cost
+    planner.observe_plain(1.0, 1)
     assert [planner.may_pay([7] * r) for r in range(1, 7)] == [True] * 3 + [False] * 3
     assert not planner.may_pay([7], plain_tokens=3)       # plain rows of the batch count
     assert not planner.may_pay([0])                        # no draft allowed: nothing to pay for

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+import pytest
 import torch
 
 from sparkserve.speculative.planner import StepCostTable, VerifyPlanner
 
 # One request's forward: 10 ms, and 1 ms per row beyond the first (a CPU's decode step).
-TABLE = StepCostTable([1, 2, 4, 8], [0.010, 0.011, 0.013, 0.017])
+TABLE = StepCostTable([1, 2, 4, 8], [0.010, 0.011, 0.013, 0.017], measured=True)
 
 
 def survivals(confidence: torch.Tensor, n: int) -> float:
@@ -29,6 +30,7 @@ def test_an_overconfident_head_is_corrected_by_what_was_accepted():
         planner.observe_acceptance(survivals(conf[0], before[0]), 0)
     assert planner.calibration() < 0.1
     assert planner.plan(conf, [7]) == [0]
+    planner.observe_plain(0.010, 1)
     assert planner.may_pay([7])              # whether the batch lets drafts pay is another matter
     # No cycle then says what the target accepts now: each plan that verifies nothing ages the
     # evidence, so after some back-offs the planner tries again (not at once).
@@ -75,18 +77,51 @@ def test_may_pay_prices_sure_drafts_exactly():
         steps = [rng.uniform(0, 0.012) * (b - a) for a, b in zip(tokens, tokens[1:])]
         seconds = list(accumulate([0.01] + steps))
         costs = StepCostTable(tokens, seconds, rng.choice([0.0, 0.002]), [1, 4, 16],
-                              sorted(rng.uniform(0.01, 0.05) for _ in range(3)))
+                              sorted(rng.uniform(0.01, 0.05) for _ in range(3)), measured=True)
         costs.request_seconds[0] = 0.01
         planner = VerifyPlanner("adaptive", costs=costs)
-        for _ in range(rng.randrange(3)):
+        for _ in range(1 + rng.randrange(3)):
             planner.observe_plain(rng.uniform(0.01, 0.02), 1)
         caps = [rng.randrange(8) for _ in range(rng.randint(1, 6))]
         plain = rng.randrange(3)
         R = len(caps) + plain
-        step, draft = planner.step_seconds(R), planner.draft_seconds(len(caps))
-        plain_rate = R / (step + costs.batch_cost(R, R))
-        want = any((R + k) / (step + draft + costs.batch_cost(R, R + k)) > plain_rate
+        scale, draft = planner.scale(), planner.draft_seconds(len(caps))
+        plain_rate = R / (scale * costs.batch_cost(R, R))
+        want = any((R + k) / (draft + scale * costs.batch_cost(R, R + k)) > plain_rate
                    for k in range(1, sum(caps) + 1))
         assert planner.may_pay(caps, plain) == want, (seconds, caps, plain)
-    assert not VerifyPlanner("adaptive", costs=StepCostTable([1, 8], [0.01, 0.08], 0.001)).may_pay([7])
-    assert VerifyPlanner("adaptive", costs=StepCostTable([1, 8], [0.01, 0.01])).may_pay([7])
+    dear, flat = (VerifyPlanner("adaptive", costs=StepCostTable([1, 8], [0.01, x], 0.001, measured=True))
+                  for x in (0.08, 0.01))
+    for planner in (dear, flat):
+        planner.observe_plain(0.01, 1)
+    assert not dear.may_pay([7]) and flat.may_pay([7])
+
+
+def test_a_table_measured_under_load_is_scaled_to_the_steps_now():
+    """The step costs were measured while the shared CPU ran 3x slower (30 ms a forward); draft
+    passes are timed now (6 ms). Unscaled, a draft pass looks a fifth of a step and a draft of
+    0.5 confidence looks worth verifying; once plain steps show what a step takes now (10 ms) the
+    table is scaled by it, and the same draft does not pay. Every PROBE_EVERY drafting steps one
+    plain step re-measures it (may_pay says no once), and before the first one too. (A table given
+    as a file is taken as it is.)"""
+    from sparkserve.speculative.planner import PROBE_EVERY
+    planner = VerifyPlanner("adaptive", costs=StepCostTable([1, 2, 8], [0.030, 0.033, 0.051],
+                                                                      measured=True))
+    conf = [torch.full((7,), 0.5)]
+    assert not planner.may_pay([7])
+    for _ in range(3):
+        planner.observe_draft(0.006, 1)
+    assert planner.plan(conf, [7])[0] >= 1         # (1 + .5) / (6 + 33) ms > 1 / 30 ms
+    for _ in range(3):
+        planner.observe_plain(0.010, 1)
+    assert planner.scale() == pytest.approx(1 / 3)
+    assert planner.plan(conf, [7]) == [0]          # (1 + .5) / (6 + 11) ms < 1 / 10 ms, and longer too
+    assert planner.may_pay([7])                    # drafts sure to pass would
+    for _ in range(PROBE_EVERY):
+        planner.observe_draft(0.006, 1)
+    assert not planner.may_pay([7])                # a plain step is due
+    planner.observe_plain(0.010, 1)
+    assert planner.may_pay([7])
+    file_table = VerifyPlanner("adaptive", costs=StepCostTable([1, 2, 8], [0.030, 0.033, 0.051]))
+    file_table.observe_plain(0.010, 1)
+    assert file_table.scale() == 1 and file_table.may_pay([7])
