@@ -143,7 +143,7 @@ def chat_tools(req: ResponsesRequest) -> dict:
             if t.get("type") != "function" or not isinstance(t.get("name"), str):
                 raise ApiError(400, f"tools.{i}: only function tools (type function, with a name) are "
                                     f"supported, got type {short_repr(t.get('type'))}", "tools")
-            fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+            fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
             tools.append({"type": "function", "function": fn})
         out["tools"] = tools
     choice = req.tool_choice

@@ -81,6 +81,18 @@ def test_named_tool_choice_is_a_function_call(client):
     assert streamed[-1].response.output[-1].arguments == args
 
 
+def test_function_tool_fields_reach_the_chat_path():
+    """A function tool's `strict` (and name, description, parameters) reach the chat request the
+    Responses API is served as: strict asks every call checked under tool_choice auto, or a 400 naming
+    it where the tool parser cannot (it was dropped, so silently ignored)."""
+    from sparkserve.entrypoints.serving_responses import ResponsesRequest, chat_tools
+    for strict in (True, False):
+        req = ResponsesRequest(input="hi", tools=[dict(TOOL, strict=strict)], tool_choice="auto")
+        assert chat_tools(req) == {"tools": [{"type": "function", "function": dict(CHAT_TOOL["function"],
+                                                                                     strict=strict)}],
+                                   "tool_choice": "auto"}
+
+
 def test_stream_adds_up_to_the_full_answer(client):
     kw = dict(model=MODEL, input="Tell me about the sea.", max_output_tokens=20, temperature=0)
     full = client.responses.create(**kw)
