@@ -6,6 +6,7 @@
 #include <tuple>
 #include <vector>
 
+#include "moe_experts.h"
 #include "native_draft.h"
 #include "native_llama.h"
 
@@ -124,4 +125,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("inject", &sparkserve::NativeDraft::inject)
       .def("set_heads", &sparkserve::NativeDraft::set_heads)
       .def("propose", &sparkserve::NativeDraft::propose);
+  py::class_<sparkserve::MoEExperts>(m, "MoEExperts", "a MoE layer's routed experts run for a few rows in one call")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, std::optional<at::Tensor>,
+                    std::optional<at::Tensor>, int64_t, double, double>())
+      .def("forward", &sparkserve::MoEExperts::forward);
 }

@@ -30,6 +30,7 @@ from sparkserve.layers.activation import silu_and_mul
 from sparkserve.layers.block_backed import ServesActivationQuant
 from sparkserve.layers.linear import FusedLinear, Linear, RowParallelLinear
 from sparkserve.layers.moe_a2a import a2a_moe
+from sparkserve.layers.moe_decode import decode_experts
 from sparkserve.layers.sharded import Sharded
 
 
@@ -298,6 +299,8 @@ class Experts(Sharded, ServesActivationQuant):
         return b, self.down_proj_bias[e] if self.width_index == 0 else None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if (y := decode_experts(self, x, weights, ids - self.first)) is not None:    # a few rows: one call
+            return y
         if self.block_experts is None and self.down_proj_bias is None:
             return fused_experts(x, weights, ids - self.first, self.gate_up_proj, self.down_proj,
                                  self.activation)
