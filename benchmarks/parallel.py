@@ -16,6 +16,9 @@ Also the expert-parallel combine on 2 gloo ranks: one all-reduce of every token'
 (what layers/moe.py does, attention being replicated) against an all-to-all of the partial rows
 followed by an all-gather of the summed halves (what a dispatch/combine layout pays).
 
+MoE under DP attention (--only moe-a2a, benchmarks/parallel_moe.py): TP MoE against expert
+parallel with an all-reduce or with all-to-all dispatch / combine, at 2 and 4 ranks.
+
 DP attention vs plain TP (--only dp-attention): batch-32 decode and the 16 x 128 prefill in one
 process with 2 threads, TP=2, and TP=2 with --dp-size 2 --enable-dp-attention (each rank its own
 attention group: no attention all-reduces, each group attends and keeps KV for its own half of the
@@ -33,7 +36,7 @@ tokens), the fixed overhead; rank 0's payload per prompt token, and whether the 
 token (and its log-probability) agrees between the layouts.
 
     python benchmarks/parallel.py [--reps 3] [--new-tokens 64]
-        [--only layouts|ep-combine|dp-attention|cp-prefill] [--cp-tokens 4096] [--cp-short 64]
+        [--only layouts|ep-combine|dp-attention|cp-prefill|moe-a2a] [--cp-tokens 4096] [--cp-short 64]
         [--cp-chunks 512,4096] [--no-write]
 
 Decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)); medians of --reps, layouts alternating.
@@ -49,6 +52,7 @@ import tempfile
 import time
 
 import torch
+from parallel_moe import moe_a2a
 from results_io import RESULTS, write_results
 
 CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
@@ -90,9 +94,10 @@ def main() -> int:
     ap.add_argument("--cp-short", type=int, default=64, help="cp-prefill: tokens of the short prompt")
     ap.add_argument("--cp-chunks", type=lambda v: [int(x) for x in v.split(",")], default=[512, 4096],
                     help="cp-prefill: comma-separated --chunked-prefill-size values")
+    ap.add_argument("--moe-max-ranks", type=int, default=4, help="moe-a2a: 2 ranks, and 4 unless this is 2")
     ap.add_argument("--no-write", action="store_true", help="print the tables; leave results/ alone")
     a = ap.parse_args()
-    own_model = a.only not in ("ep-combine", "cp-prefill")
+    own_model = a.only not in ("ep-combine", "cp-prefill", "moe-a2a")
     path = make_model(tempfile.mkdtemp(prefix="parallel-bench-")) if own_model else ""
     if a.only:
         data, lines = SECTIONS[a.only](path, a)
@@ -102,7 +107,7 @@ def main() -> int:
             write_section(data, lines)
         return 0
     data, lines = layouts(path, a)
-    for run in (ep_combine, dp_attention, cp_prefill):
+    for run in (ep_combine, dp_attention, cp_prefill, moe_a2a):
         more, more_lines = run(path, a)
         data.update(more)
         lines += more_lines
@@ -353,7 +358,7 @@ def cp_table(res: dict, load: list[float], wall: float, a) -> list[str]:
 
 
 SECTIONS = {"layouts": layouts, "ep-combine": ep_combine, "dp-attention": dp_attention,
-            "cp-prefill": cp_prefill}
+            "cp-prefill": cp_prefill, "moe-a2a": moe_a2a}
 
 
 def write_section(data: dict, lines: list[str]) -> None:

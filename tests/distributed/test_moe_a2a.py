@@ -258,6 +258,6 @@ def test_tp_moe_widths_that_do_not_split(moe_dirs):
 def test_a2a_flags_are_checked(moe_dirs):
     def refused(match: str, **kw) -> None:
         with pytest.raises(ValueError, match=match):
-            ServerArgs(moe_dirs["kimi"], **kw).validate()
+            ServerArgs(model_path=moe_dirs["kimi"], **kw).validate()
     refused("--moe-a2a-backend a2a dispatches .* give --ep-size 2", tp_size=2, moe_a2a_backend="a2a")
     refused("--moe-a2a-backend deepep: use one of none, a2a", tp_size=2, ep_size=2, moe_a2a_backend="deepep")
