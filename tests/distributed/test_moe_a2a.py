@@ -261,3 +261,20 @@ def test_a2a_flags_are_checked(moe_dirs):
             ServerArgs(model_path=moe_dirs["kimi"], **kw).validate()
     refused("--moe-a2a-backend a2a dispatches .* give --ep-size 2", tp_size=2, moe_a2a_backend="a2a")
     refused("--moe-a2a-backend deepep: use one of none, a2a", tp_size=2, ep_size=2, moe_a2a_backend="deepep")
+
+
+def test_tp_moe_keeps_quantized_experts_as_blocks(family_dirs, tmp_path):
+    """A Q8_0 Mixtral GGUF with one tensor per expert, served with int8 activations: under TP MoE
+    each rank holds its slice of every expert as the file's blocks (gate / up block rows, down block
+    columns: 64 of 128 channels, two blocks), and the tokens stay the single-process engine's."""
+    path = write_gguf(family_dirs["mixtral"].removesuffix(".gguf"), str(tmp_path / "q8.gguf"), "q8_0",
+                      per_expert=True)
+    common = dict(COMMON, kv_cache_dtype="float32")
+    want = run_mixed(Engine(path, **common))
+    with Engine(path, tp_size=2, **common) as eng:
+        ex = [m.experts for m in eng.scheduler.runner.model.modules() if isinstance(m, MoEBlock)]
+        assert ex and all(e.block_experts is not None and e.width_parts == 2 for e in ex)
+        gate_up, down = ex[0].block_experts[0]
+        assert (gate_up.out_features, down.in_features) == (2 * ex[0].width, ex[0].width)
+        got = run_mixed(eng)
+    assert_same(got, want)
