@@ -91,6 +91,9 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None     # SGLang's: tags (begin, schema, end) triggers open in text
+    # the constraint starts after this token's first appearance in the output (a reasoning model's
+    # `</think>`: it thinks freely first, as SGLang's reasoning grammar lets it)
+    grammar_after_token: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -179,16 +182,22 @@ class SamplingParams:
             raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
         self._validate_stop(vocab_size)
         self._validate_logit_bias(vocab_size)
-        self._validate_grammar()
+        self._validate_grammar(vocab_size)
         return self
 
-    def _validate_grammar(self) -> None:
+    def _validate_grammar(self, vocab_size: int | None) -> None:
         """Shape only (one constraint, a string, JSON for json_schema): whether the grammar compiles
         is the grammar engine's to say (sparkserve/constrained/check.py, in the request path)."""
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"{given[0]}: give at most one of {', '.join(GRAMMAR_FIELDS)}, got "
                              f"{' and '.join(given)}")
+        after = self.grammar_after_token
+        if after is not None:
+            if not given:
+                raise ValueError(f"grammar_after_token: needs a constraint ({', '.join(GRAMMAR_FIELDS)})")
+            if not (_is_int(after) and 0 <= after < (vocab_size if vocab_size is not None else 2**31)):
+                raise ValueError(f"grammar_after_token must be a token id in the vocabulary, got {after!r}")
         if not given:
             return
         name = given[0]

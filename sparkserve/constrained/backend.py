@@ -66,8 +66,8 @@ class GrammarBackend:
             self._cache.move_to_end(key)
         return fut
 
-    def matcher(self, field: str, text: str) -> GrammarMatcher:
-        return GrammarMatcher(field, self.compiled(field, text), self.words)
+    def matcher(self, field: str, text: str, after_token: int | None = None) -> GrammarMatcher:
+        return GrammarMatcher(field, self.compiled(field, text), self.words, after_token)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -87,5 +87,5 @@ def attach_grammar(req: Req, backend: GrammarBackend | None) -> bool:
         req.finished_reason = FINISH_ABORT(f"{field}: constrained decoding is off on this server", 400)
         return False
     if req.grammar is None:
-        req.grammar = backend.matcher(field, text)
+        req.grammar = backend.matcher(field, text, req.params.grammar_after_token)
     return True

@@ -22,10 +22,10 @@ from sparkserve.entrypoints.tokenizer_manager import SeqOut, Submission, Tokeniz
 from sparkserve.frontend.chat_output import ChatOutputParser
 from sparkserve.frontend.chat_template import continue_final, load_chat_template, render_chat_template
 from sparkserve.frontend.prepare import room_left
-from sparkserve.frontend.reasoning_parser import REASONING_PARSERS
+from sparkserve.frontend.reasoning_parser import REASONING_PARSERS, ReasoningParser
 from sparkserve.frontend.tool_parsers import TOOL_PARSERS
 from sparkserve.messages import GenerateReq
-from sparkserve.sampling_params import MAX_MESSAGES
+from sparkserve.sampling_params import MAX_MESSAGES, SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # what the server itself hands the chat template (chat_template_kwargs may not override them)
@@ -39,6 +39,10 @@ def last_hidden(req: OpenAISampling, o: SeqOut) -> dict:
         return {}
     return {"hidden_states": o.hidden_states[-1] if o.hidden_states else []}
 
+
+def thinking(req: ChatCompletionRequest) -> bool:
+    """Whether the answer may think: unless the template was told enable_thinking: false."""
+    return (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
 
 class OpenAIServing(ServingBase):
     object_name = ""            # of a full response; a chunk's is object_name + ".chunk" (chat) or the same
@@ -117,9 +121,20 @@ class ServingChat(OpenAIServing):
         names = {"top_logprobs_num": "top_logprobs"}
         if self.keeps_special_tokens(req):
             req = req.model_copy(update={"skip_special_tokens": False})
-        return self.fan(rid, [(ids, self.openai_params(req, ids, max_tokens, None, top, names))],
-                        req.return_hidden_states, dp_rank=self.dp_rank(req.routed_dp_rank),
-                        boots=self.bootstraps(req, 1), priority=req.priority)
+        params = self.openai_params(req, ids, max_tokens, None, top, names)
+        params.grammar_after_token = self.thinking_end(req, params)
+        return self.fan(rid, [(ids, params)], req.return_hidden_states,
+                        dp_rank=self.dp_rank(req.routed_dp_rank), boots=self.bootstraps(req, 1),
+                        priority=req.priority)
+
+    def thinking_end(self, req: ChatCompletionRequest, params: SamplingParams) -> int | None:
+        """SGLang's reasoning grammar: a reasoning model (--reasoning-parser, thinking on) thinks
+        freely, and its constraint (response_format, forced or strict tools) starts after its end tag
+        when that is one token (Qwen3's and DeepSeek-R1's `</think>` are)."""
+        parser = self.reasoning_parser
+        if params.grammar is None or not isinstance(parser, ReasoningParser) or not thinking(req):
+            return None
+        return self.tm.tokenizer.token_to_id(parser.end)
 
     def check_messages(self, messages: list[dict]) -> None:
         if len(messages) > MAX_MESSAGES:
@@ -181,8 +196,7 @@ class ServingChat(OpenAIServing):
         """How this request's answers are read: tool calls when tool_parser_for says so, thinking
         apart unless separate_reasoning is off or the template was told enable_thinking: false."""
         tools = tool_parser_for(req, self.tool_parser)
-        thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
-        reasoning = self.reasoning_parser if req.separate_reasoning and thinking else None
+        reasoning = self.reasoning_parser if req.separate_reasoning and thinking(req) else None
         if tools is None and reasoning is None:
             return None
         return ChatOutputParser(reasoning, tools, None if req.parallel_tool_calls else 1,

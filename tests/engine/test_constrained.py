@@ -199,3 +199,42 @@ def test_draft_masks_leave_the_matcher_as_it_was(tiny):
     assert torch.equal(bits[0], bits[1])
     m.advance([x, y, x])
     assert m.terminated and m.error is None
+
+
+def test_constraint_after_a_token(tiny):
+    """grammar_after_token (a reasoning model's </think>): every token is free until it comes, the
+    constraint applies from the token after it (in the output, in drafts crossing it, and in the
+    verify masks of the rows after it), and it holds the same on the Engine: free text first."""
+    backend, tok = tiny.scheduler.grammar, tiny.tokenizer
+    x, y, z = (tok.encode(c)[0] for c in "xyz")
+    end = tok.encode("!")[0]
+    m = backend.matcher("regex", "xyx", after_token=end)
+    everything = torch.full((1, backend.words), -1, dtype=torch.int32)
+    bits = torch.empty(1, backend.words, dtype=torch.int32)
+    m.fill(bits, 0, [z, y])
+    assert torch.equal(bits, everything) and not m.terminated and m.walker([z, y]) is None
+    assert m.cut_drafts([z, z, z], [z]) == 3               # no end among them: all free
+    assert m.cut_drafts([z, end, x, y, y, x], [z]) == 5    # free up to the end, then x y, y the first refused
+    rows = m.draft_masks([z, end, x], [z])
+    allowed = mask_rows(torch.zeros(4, backend.n_vocab), rows)
+    assert torch.isfinite(allowed[:2]).all()                          # before the end: free
+    assert torch.isfinite(allowed[2]).sum() == 1 and torch.isfinite(allowed[2, x])   # after: x only
+    assert torch.isfinite(allowed[3]).sum() == 1 and torch.isfinite(allowed[3, y])
+    m.advance([z, y, end, x, y])
+    assert m.error is None and not m.terminated
+    m.fill(bits, 0, [z, y, end, x, y])
+    assert torch.isfinite(mask_rows(torch.zeros(1, backend.n_vocab), bits)).sum() == 1
+    m.advance([z, y, end, x, y, x])
+    assert m.terminated
+    with pytest.raises(ValueError, match="grammar_after_token: needs a constraint"):
+        tiny.generate("q", {"grammar_after_token": end})
+    sp = {"regex": "xyx", "grammar_after_token": end, "temperature": 1, "max_new_tokens": 40,
+          "logit_bias": {end: 4.0}}
+    ended = 0
+    for seed in range(4):
+        out = tiny.generate("q", dict(sp, seed=seed))
+        ids = out["output_ids"]
+        if end in ids:
+            ended += 1
+            assert tok.decode(ids[ids.index(end) + 1:]).startswith("xyx")
+    assert ended >= 2

@@ -62,3 +62,24 @@ def test_stream_reasoning_and_separate_reasoning(client):
             assert not any(c for _, c in held[:with_reasoning[0]])     # nothing of the answer before it
             pieces += sum(1 for r, _ in live if r) > 1                   # (streamed live: in pieces)
     assert pieces >= 2
+
+
+def test_response_format_applies_after_the_thinking(client):
+    """SGLang's reasoning grammar: a response_format constrains the answer, not the thinking: the
+    model thinks freely (here: until the biased </think>), then writes JSON valid by the schema (the
+    grammar from the first token would have left no </think> at all: every answer all reasoning)."""
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}}, "required": ["a"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    answered = 0
+    for seed in range(4):
+        choice = client.chat.completions.create(**body(seed, response_format=fmt)).choices[0]
+        msg = choice.message.model_dump()
+        if choice.finish_reason == "stop":
+            answered += 1
+            jsonschema.validate(json.loads(msg["content"]), schema)
+            assert msg["reasoning_content"] is not None
+    assert answered >= 2
