@@ -104,6 +104,22 @@ def llama_bench(path: str, n_new: int, threads: int) -> float:
     return float(json.loads(r.stdout)[0]["avg_ts"])
 
 
+def merged_rows(name: str, rows: list[dict], a) -> tuple[list[dict], str]:
+    """--only: the families measured now in place of theirs in the last full results (same threads,
+    tokens and rounds; the others kept), and a sentence saying which rows came from this later run."""
+    path = os.path.join(HERE, "results", f"{name}.json")
+    if not os.path.exists(path):
+        return rows, ""
+    with open(path) as f:
+        old = json.load(f)
+    if (old["threads"], old["new_tokens"], old["reps"]) != (a.threads, a.new_tokens, a.reps):
+        return rows, ""
+    new = {r["family"]: r for r in rows}
+    kept = [new.pop(r["family"], r) for r in old["rows"]]
+    names = ", ".join(r["family"] for r in rows)
+    return kept + list(new.values()), f" Rows {names}: a later run (--only), their own alternating rounds."
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -152,6 +168,8 @@ def main() -> None:
         if len(med) == 2:
             row["ratio"] = med["sparkserve"] / med["llama.cpp"]
         print(json.dumps(row), file=sys.stderr, flush=True)
+    name = "families" if a.threads == 1 else f"families_{a.threads}t"
+    rows, rerun = merged_rows(name, rows, a) if a.only else (rows, "")
     ratios = [r["ratio"] for r in rows if "ratio" in r]
     lines = [f"# Batch-1 decode per family: sparkserve vs llama.cpp (llama-bench), {a.threads} thread(s)", "",
              machine_line(), "",
@@ -159,7 +177,8 @@ def main() -> None:
              f"fixtures grown to hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} layers, "
              f"vocab {SHAPE['vocab_size']} (MoE: 8 experts, top 2); {a.new_tokens} new tokens; medians of "
              f"{a.reps} alternating rounds. sparkserve: Engine, int8 activations, (N-1)/(t(N)-t(1)); "
-             f"llama.cpp: llama-bench tg{a.new_tokens}. Shared 2-core machine: ratios within one run only.",
+             f"llama.cpp: llama-bench tg{a.new_tokens}. Shared 2-core machine: ratios within one run only."
+             + rerun,
              "", "| family | GGUF MB | sparkserve tok/s | llama.cpp tok/s | ratio |", "|---|---|---|---|---|"]
     for r in rows:
         m = r.get("median", {})
@@ -170,7 +189,6 @@ def main() -> None:
     if ratios:
         lines += ["", f"Median ratio over {len(ratios)} families: {statistics.median(ratios):.2f}x "
                       f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)."]
-    name = "families" if a.threads == 1 else f"families_{a.threads}t"
     write_results(name, {"machine": machine_line(), "threads": a.threads, "new_tokens": a.new_tokens,
                          "reps": a.reps, "shape": SHAPE, "rows": rows,
                          "median_ratio": statistics.median(ratios) if ratios else None}, lines)

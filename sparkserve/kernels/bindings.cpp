@@ -114,6 +114,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &sparkserve::NativeLlama::add_layer)
       .def("add_layer_with", &sparkserve::NativeLlama::add_layer_with)
       .def("set_model_options", &sparkserve::NativeLlama::set_model_options)
+      .def("set_layer_moe", &sparkserve::NativeLlama::set_layer_moe)
       .def("set_pool", &sparkserve::NativeLlama::set_pool)
       .def("set_pool_scales", &sparkserve::NativeLlama::set_pool_scales)
       .def("forward", &sparkserve::NativeLlama::forward);

@@ -5,7 +5,7 @@
 // ~30 small torch calls per layer, which at batch 1 cost far more than the experts' arithmetic.
 #include "moe_experts.h"
 
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -76,13 +76,16 @@ at::Tensor MoEExperts::forward(at::Tensor x, at::Tensor weights, at::Tensor ids,
   x = x.contiguous();
   weights = weights.contiguous();
   ids = ids.contiguous();
-  const int64_t T = x.size(0), k = ids.size(1), E = static_cast<int64_t>(gate_up_.size());
-  const int64_t d = hidden_, I = inter_;
-  const float *xp = x.data_ptr<float>(), *wp = weights.data_ptr<float>();
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  at::Tensor out = at::zeros({T, d}, x.options());
-  float* op = out.data_ptr<float>();
+  at::Tensor out = at::empty({x.size(0), hidden_}, x.options());
+  run(x.data_ptr<float>(), x.size(0), weights.data_ptr<float>(), ids.data_ptr<int64_t>(), ids.size(1), int8,
+      out.data_ptr<float>());
+  return out;
+}
 
+void MoEExperts::run(const float* xp, int64_t T, const float* wp, const int64_t* ip, int64_t k, bool int8,
+                     float* op) const {
+  const int64_t E = static_cast<int64_t>(gate_up_.size()), d = hidden_, I = inter_;
+  std::fill_n(op, T * d, 0.0f);
   // (token, slot) pairs by expert, in token order within an expert (as the stable argsort)
   std::vector<std::vector<int64_t>> rows(E);
   for (int64_t r = 0; r < T * k; ++r)
@@ -116,7 +119,6 @@ at::Tensor MoEExperts::forward(at::Tensor x, at::Tensor weights, at::Tensor ids,
       for (int64_t c = 0; c < d; ++c) o[c] += w * y[c];
     }
   }
-  return out;
 }
 
 }  // namespace sparkserve

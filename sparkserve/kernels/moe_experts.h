@@ -24,6 +24,12 @@ class MoEExperts {
   // sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x [T, hidden]; ids outside [0, experts)
   // (another rank's) contribute nothing. int8: activations quantized as block_linear_int8 does.
   at::Tensor forward(at::Tensor x, at::Tensor weights, at::Tensor ids, bool int8) const;
+  // The same on raw rows (the native step's MoE layers): x [T, hidden], weights / ids [T, k],
+  // out [T, hidden] overwritten.
+  void run(const float* x, int64_t T, const float* weights, const int64_t* ids, int64_t k, bool int8,
+           float* out) const;
+  int64_t hidden() const { return hidden_; }
+  int64_t num_experts() const { return static_cast<int64_t>(gate_up_.size()); }
 
  private:
   std::vector<at::Tensor> gate_up_, down_;

@@ -250,18 +250,74 @@ void NativeLlama::add_layer_with(at::Tensor qkv, int64_t qkv_type, std::optional
   TORCH_CHECK(options.attn_out_norm.has_value() == options.mlp_out_norm.has_value(),
               "native step: attn_out_norm and mlp_out_norm come together");
   const bool wide = options.qk_norm_full_width;
+  const bool dense = gate_up.numel() > 0;     // else a MoE layer (set_layer_moe)
   NativeLayer l{block_proj(qkv, qkv_type, qkv_bias, hidden_), block_proj(o, o_type, std::nullopt, heads_ * D),
-                block_proj(gate_up, gate_up_type, std::nullopt, hidden_),
-                block_proj(down, down_type, std::nullopt, I),
+                dense ? block_proj(gate_up, gate_up_type, std::nullopt, hidden_) : BlockProj{},
+                dense ? block_proj(down, down_type, std::nullopt, I) : BlockProj{},
                 optional_norm(input_norm, hidden_), optional_norm(mlp_norm, hidden_),
                 optional_norm(options.attn_out_norm, hidden_), optional_norm(options.mlp_out_norm, hidden_),
                 optional_norm(q_norm, wide ? heads_ * D : D), optional_norm(k_norm, wide ? kv_heads_ * D : D),
                 wide, options.gelu, options.rope, options.local_rope, options.window};
-  TORCH_CHECK(l.qkv.n == (heads_ + 2 * kv_heads_) * D && l.o.n == hidden_ && l.gate_up.n == 2 * I &&
-              l.down.n == hidden_, "native step: projection shapes do not match the config");
+  TORCH_CHECK(l.qkv.n == (heads_ + 2 * kv_heads_) * D && l.o.n == hidden_ &&
+                  (!dense || (l.gate_up.n == 2 * I && l.down.n == hidden_)),
+              "native step: projection shapes do not match the config");
   TORCH_CHECK(!l.local_rope || local_cos_.defined(), "native step: set_model_options(local rope table) first");
   layers_.push_back(std::move(l));
 }
+
+void NativeLlama::set_layer_moe(int64_t layer, const MoEExperts& experts, at::Tensor router, int64_t top_k,
+                                bool renormalize, at::Tensor routed_counts) {
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "native step: bad MoE layer ", layer);
+  const int64_t E = experts.num_experts();
+  TORCH_CHECK(experts.hidden() == hidden_ && top_k > 0 && top_k <= E, "native step: MoE shapes do not match");
+  TORCH_CHECK(router.scalar_type() == at::kFloat && router.dim() == 2 && router.size(0) == E &&
+                  router.size(1) == hidden_,
+              "native step: router weight must be float32 [experts, hidden]");
+  TORCH_CHECK(routed_counts.scalar_type() == at::kLong && routed_counts.is_contiguous() &&
+                  routed_counts.numel() == E,
+              "native step: routed_counts must be a contiguous int64 [experts]");
+  NativeLayer& L = layers_[layer];
+  L.moe = std::make_shared<const MoEExperts>(experts);
+  L.router = router.contiguous();
+  L.routed_counts = routed_counts;
+  L.top_k = top_k;
+  L.renormalize = renormalize;
+}
+
+namespace {
+// Mixtral / Qwen3-MoE routing of rows x [T, d] (moe.py softmax_topk): softmax over every expert's
+// logit, the top_k best (ties: the lower index), weights renormalized to sum 1 when asked.
+void route_softmax_topk(const NativeLayer& L, const float* x, int64_t T, int64_t d, float* weights,
+                        int64_t* ids) {
+  const int64_t E = L.router.size(0), k = L.top_k;
+  const float* w = L.router.data_ptr<float>();
+  int64_t* counts = L.routed_counts.data_ptr<int64_t>();
+  std::vector<float> p(E);
+  std::vector<int64_t> order(E);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = x + t * d;
+    float mx = -INFINITY;
+    for (int64_t e = 0; e < E; ++e) {
+      float acc = 0.0f;
+      for (int64_t c = 0; c < d; ++c) acc += row[c] * w[e * d + c];
+      p[e] = acc;
+      mx = std::max(mx, acc);
+    }
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - mx));
+    for (int64_t e = 0; e < E; ++e) p[e] /= sum, order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float picked = 0.0f;
+    for (int64_t j = 0; j < k; ++j) picked += p[order[j]];
+    for (int64_t j = 0; j < k; ++j) {
+      ids[t * k + j] = order[j];
+      weights[t * k + j] = L.renormalize ? p[order[j]] / picked : p[order[j]];
+      ++counts[order[j]];
+    }
+  }
+}
+}  // namespace
 
 void NativeLlama::set_pool(std::vector<at::Tensor> k, std::vector<at::Tensor> v, std::vector<int64_t> swa_layers) {
   TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "native step: one K and V per layer");
@@ -390,6 +446,10 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
   float *ap = attn.data_ptr<float>(), *gp = gu.data_ptr<float>(), *cp = act.data_ptr<float>();
   float* tp = tmp.data_ptr<float>();
   std::vector<float> rot(D);
+  int64_t max_k = 0;
+  for (const NativeLayer& L : layers_) max_k = std::max(max_k, L.top_k);
+  std::vector<float> route_w(T * max_k);
+  std::vector<int64_t> route_ids(T * max_k);
   const float rs = residual_scale_;
   std::vector<at::Tensor> out(1);
 
@@ -422,12 +482,19 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
       add_scaled(r, a, rs, hidden_);
       if (L.mlp_norm.defined()) rms_row(r, L.mlp_norm.data_ptr<float>(), hp + t * hidden_, hidden_, eps_);
     }
-    run_proj(L.gate_up, L.mlp_norm.defined() ? hp : rp, T, gp, int8);
-    for (int64_t t = 0; t < T; ++t) {
-      const float* g = gp + t * 2 * I;
-      (L.gelu ? gelu_tanh_mul : silu_mul)(g, g + I, cp + t * I, I);
+    const float* mlp_in = L.mlp_norm.defined() ? hp : rp;
+    if (L.moe) {
+      route_softmax_topk(L, mlp_in, T, hidden_, route_w.data(), route_ids.data());
+      L.moe->run(mlp_in, T, route_w.data(), route_ids.data(), L.top_k, int8, tp);
+    } else {
+      TORCH_CHECK(L.gate_up.blocks.defined(), "native step: layer ", l, " has neither an MLP nor experts");
+      run_proj(L.gate_up, mlp_in, T, gp, int8);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* g = gp + t * 2 * I;
+        (L.gelu ? gelu_tanh_mul : silu_mul)(g, g + I, cp + t * I, I);
+      }
+      run_proj(L.down, cp, T, tp, int8);
     }
-    run_proj(L.down, cp, T, tp, int8);
     if (L.mlp_out_norm.defined())
       for (int64_t t = 0; t < T; ++t)
         rms_row(tp + t * hidden_, L.mlp_out_norm.data_ptr<float>(), tp + t * hidden_, hidden_, eps_);

@@ -10,9 +10,11 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
+#include "moe_experts.h"
 #include "paged_attention.h"
 
 namespace sparkserve {
@@ -51,6 +53,13 @@ struct NativeLayer {
   at::Tensor input_norm, mlp_norm, attn_out_norm, mlp_out_norm, q_norm, k_norm;
   bool qk_full_width, gelu, rope, local_rope;
   int64_t window;
+  // A MoE layer's MLP (set_layer_moe; null: the dense gate_up / down): its routed experts, the
+  // router's fp32 weight [experts, hidden] (softmax over every expert, the top_k best, renormalized
+  // to sum 1 when `renormalize`: Mixtral / Qwen3-MoE), and the per-expert (token, slot) counts it adds to.
+  std::shared_ptr<const MoEExperts> moe = nullptr;
+  at::Tensor router = {}, routed_counts = {};
+  int64_t top_k = 0;
+  bool renormalize = false;
 };
 
 class NativeLlama {
@@ -70,6 +79,12 @@ class NativeLlama {
                       int64_t down_type, std::optional<at::Tensor> input_norm, std::optional<at::Tensor> mlp_norm,
                       std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
                       const NativeLayerOptions& options);
+
+  // Layer `layer` (added with empty gate_up / down blocks) computes its MLP as a mixture of experts.
+  // routed_counts: int64 [experts], incremented in place per (token, slot) routed (the MoE block's
+  // routed_tokens, which /metrics reads).
+  void set_layer_moe(int64_t layer, const MoEExperts& experts, at::Tensor router, int64_t top_k,
+                     bool renormalize, at::Tensor routed_counts);
 
   // Model-wide departures: the attention scale (<= 0: 1/sqrt(head_dim)), the attention scores'
   // soft-cap (<= 0: none; Gemma 2), the factor both branches' outputs take before their residual

@@ -7,7 +7,9 @@ activations (Experts.load_blocks: a quantized GGUF served as `sparkserve serve` 
 hands the same block weights to one kernel call that groups the rows per expert and runs the same
 block kernels (block_linear_int8), so the two differ only by fp32 rounding (activation, the order
 of the weighted sum). Anything else (fp32 experts, fp32 activations, experts split by width,
-an activation the kernel does not compute, many rows) stays on the Python path."""
+an activation the kernel does not compute, many rows) stays on the Python path. The native step
+(models/llama_native.py) runs the same kernel object for the MoE layers of Mixtral / Qwen3-MoE,
+routing in C++ (`native_moe_unsupported` says when it can)."""
 from __future__ import annotations
 
 import functools
@@ -20,7 +22,7 @@ from sparkserve.kernels.build import load_extension
 from sparkserve.layers.activation import silu_and_mul, swiglu_oai
 
 if TYPE_CHECKING:
-    from sparkserve.layers.moe import Experts
+    from sparkserve.layers.moe import Experts, MoEBlock
 
 # Most tokens per call: decode and VERIFY-sized batches (as the native step's NATIVE_MAX_TOKENS);
 # larger ones are prefill chunks, where per-expert GEMMs over many rows amortize the Python loop.
@@ -67,6 +69,19 @@ def _build(experts: Experts):
                           down[0].qtype, bias(experts.gate_up_proj_bias), bias(experts.down_proj_bias), *code)
 
 
+def experts_kernel(experts: Experts):
+    """The kernel object (ext.MoEExperts) over `experts`' block weights, made on first use and
+    again when they change form; None when the path does not apply."""
+    if experts.block_experts is None:
+        return None
+    first = experts.block_experts[0][0].inference_blocks()
+    cached = _kernels.get(experts)
+    if cached is None or cached[0] is not first:      # first use, or the blocks changed form / mode
+        cached = (first, _build(experts))
+        _kernels[experts] = cached
+    return cached[1]
+
+
 def decode_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor,
                    local_ids: torch.Tensor) -> torch.Tensor | None:
     """Experts.forward of x [T, d] (local_ids: this rank's expert index per (token, slot)) in one
@@ -74,12 +89,22 @@ def decode_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor,
     if (x.shape[0] > MAX_TOKENS or x.dtype != torch.float32 or x.device.type != "cpu"
             or experts.block_experts is None or torch.is_grad_enabled()):
         return None
-    first = experts.block_experts[0][0].inference_blocks()
-    cached = _kernels.get(experts)
-    if cached is None or cached[0] is not first:      # first use, or the blocks changed form / mode
-        cached = (first, _build(experts))
-        _kernels[experts] = cached
-    kernel = cached[1]
-    if kernel is None:
-        return None
-    return kernel.forward(x, weights.float(), local_ids, True)
+    kernel = experts_kernel(experts)
+    return None if kernel is None else kernel.forward(x, weights.float(), local_ids, True)
+
+
+# The routers the native step computes itself (kernels/native_llama.cpp route_softmax_topk).
+NATIVE_ROUTERS = ("softmax_topk", "softmax_topk_renorm")
+
+
+def native_moe_unsupported(block: MoEBlock) -> str | None:
+    """Why the native step cannot run this MoE block (its router, its experts), or None."""
+    if block.a2a:
+        return "the all-to-all MoE backend is not in the native step"
+    if block.shared_experts is not None:
+        return "shared experts are not in the native step"
+    if block.gate.rule not in NATIVE_ROUTERS:
+        return f"the {block.gate.rule!r} MoE router is not in the native step"
+    if experts_kernel(block.experts) is None:
+        return "a MoE layer's experts are not block weights under int8 activations"
+    return None

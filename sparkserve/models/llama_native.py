@@ -21,6 +21,7 @@ from sparkserve.kernels.build import load_extension
 from sparkserve.layers.attention import KERNEL_MAX_Q
 from sparkserve.layers.linear import Linear
 from sparkserve.layers.moe import SharedExpertMoE
+from sparkserve.layers.moe_decode import experts_kernel, native_moe_unsupported
 from sparkserve.mem.kv_pool import KVPool
 
 if TYPE_CHECKING:
@@ -95,8 +96,8 @@ def unsupported(model: LlamaForCausalLM) -> str | None:
     if (beyond := beyond_native(model.config)) is not None:
         return beyond
     for layer in model.model.layers:
-        if isinstance(layer.mlp, SharedExpertMoE):
-            return "a layer's MLP is a mixture of experts"
+        if isinstance(layer.mlp, SharedExpertMoE) and (why := native_moe_unsupported(layer.mlp)) is not None:
+            return why
         projs = _projections(layer)
         if any(lin.inference_blocks() is None for lin in projs):
             return "a projection has no block weights"
@@ -125,9 +126,24 @@ def _int8(model: LlamaForCausalLM) -> bool:
 
 
 def _projections(layer: torch.nn.Module) -> list[Linear]:
-    """q|k|v, o, gate|up, down of a decoder layer."""
+    """q|k|v, o, gate|up, down of a decoder layer (a MoE layer: q|k|v, o)."""
     attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(mlp, SharedExpertMoE):
+        return [attn.qkv_proj, attn.o_proj]
     return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+_NO_BLOCKS = torch.empty(0, dtype=torch.uint8)     # a MoE layer's dense MLP blocks (none)
+
+
+def _set_moe(step, i: int, block: SharedExpertMoE) -> None:
+    """Layer i's MLP as its experts' kernel object and its router (as moe.py Router computes it)."""
+    gate = block.gate
+    if block.routed_tokens is None:     # the counts /metrics reads: the step adds to them in place
+        block.routed_tokens = torch.zeros(block.experts.num_experts, dtype=torch.long)
+    router = gate.weight.detach().float().contiguous()
+    renormalize = gate.rule == "softmax_topk_renorm"
+    step.set_layer_moe(i, experts_kernel(block.experts), router, gate.top_k, renormalize, block.routed_tokens)
 
 
 def _input_norms(layer: torch.nn.Module, layout: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -154,7 +170,10 @@ def build(model: LlamaForCausalLM):
                            None if local is None else local.cos, None if local is None else local.sin)
     for i, layer in enumerate(m.layers):
         attn = layer.self_attn
-        qkv, o, gate_up, down = (lin.inference_blocks() for lin in _projections(layer))
+        moe = isinstance(layer.mlp, SharedExpertMoE)
+        qkv, o, *mlp = (lin.inference_blocks() for lin in _projections(layer))
+        gate_up_blocks, gate_up_type, down_blocks, down_type = (_NO_BLOCKS, 0, _NO_BLOCKS, 0) if moe else \
+            (mlp[0].blocks, mlp[0].qtype, mlp[1].blocks, mlp[1].qtype)
         qkv_bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach()
         opts = ext.NativeLayerOptions()
         opts.window, opts.gelu = attn.attn.window or 0, c.activation == "gelu_tanh"
@@ -165,7 +184,9 @@ def build(model: LlamaForCausalLM):
         if c.norm_layout != "pre":       # the branches' outputs are normed before the residual adds
             opts.attn_out_norm = _weight(layer.post_attention_layernorm)
             opts.mlp_out_norm = _weight(layer.post_feedforward_layernorm)
-        step.add_layer_with(qkv.blocks, qkv.qtype, qkv_bias, o.blocks, o.qtype, gate_up.blocks, gate_up.qtype,
-                            down.blocks, down.qtype, input_norm, mlp_norm, _weight(attn.q_norm),
+        step.add_layer_with(qkv.blocks, qkv.qtype, qkv_bias, o.blocks, o.qtype, gate_up_blocks, gate_up_type,
+                            down_blocks, down_type, input_norm, mlp_norm, _weight(attn.q_norm),
                             _weight(attn.k_norm), opts)
+        if moe:
+            _set_moe(step, i, layer.mlp)
     return step

@@ -2,7 +2,8 @@
 not, sliding-window fields honoured as Qwen2 applies them), Llama 3.x (llama3 rope scaling; from
 GGUF as llama.cpp writes it, a `rope_freqs` tensor), Qwen3-MoE (a dense layer among MoE ones;
 norm_topk_prob on and off) and Mixtral (GGUF arch llama with stacked experts), from HF directories and
-GGUF files, through the Python layer path and the native step (which MoE models never take).
+GGUF files, through the Python layer path and the native step (which MoE models take only with
+int8 activations: tests/models/test_moe_decode.py).
 Checkpoints: tests/family_fixtures.py (every 1-D parameter moved off its init value; the GGUF files
 mirror convert_hf_to_gguf.py, not run)."""
 from __future__ import annotations
@@ -255,9 +256,11 @@ def test_moe_config_fields():
 
 
 def test_moe_never_runs_natively(family_dirs):
-    """The native step has no MoE: unsupported() names it, so a MoE model runs the Python path."""
+    """The native step runs MoE layers only from block experts under int8 activations
+    (tests/models/test_moe_decode.py): fp32 activations leave them fp32, so unsupported() names
+    it and a MoE model runs the Python path."""
     runner, _ = make_runner(family_dirs["mixtral_bf16"], 1)
-    assert unsupported(runner.model) == "a layer's MLP is a mixture of experts"
+    assert unsupported(runner.model) == "a MoE layer's experts are not block weights under int8 activations"
 
 
 def test_moe_stacked_experts_checkpoint(family_dirs, family_refs, tmp_path, monkeypatch):

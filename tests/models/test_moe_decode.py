@@ -1,16 +1,25 @@
 """The MoE decode path (layers/moe_decode.py, kernels/moe_experts.cpp): a Q8_0 GGUF's experts served
 under int8 activations run in one kernel call per layer at decode and small batches, and give what
 the Python expert loop (moe.py grouped_experts over the same block Linears) gives, for every MoE
-family (SwiGLU experts; GPT-OSS's clamped SwiGLU with biases; DeepSeek-V2's shared experts beside)."""
+family (SwiGLU experts; GPT-OSS's clamped SwiGLU with biases; DeepSeek-V2's shared experts beside).
+Mixtral and Qwen3-MoE run whole in the native step (kernels/native_llama.cpp: the router in C++,
+then the same kernel), equal to the Python layer path."""
 from __future__ import annotations
 
 import pytest
 import torch
 from family_fixtures import make_family_checkpoint, write_gguf
+from test_model_logits import Driver, run_schedule
+from test_native_step import Counter, logits_of
 
 from sparkserve import Engine
+from sparkserve.core.forward_batch import ForwardMode
+from sparkserve.executor.model_runner import ModelRunner
 from sparkserve.layers import moe, moe_decode
-from sparkserve.models.registry import load_model
+from sparkserve.mem.cache_manager import KVCacheManager
+from sparkserve.mem.kv_pool import KVPool
+from sparkserve.models.llama_native import unsupported
+from sparkserve.models.registry import load_config, load_model
 
 MOE_GGUF = ["qwen3_moe", "mixtral", "gpt_oss_gguf", "deepseek_v2_qlora_gguf"]
 
@@ -53,8 +62,9 @@ def test_kernel_equals_python_expert_loop(name, q8_ggufs, monkeypatch):
 
 @pytest.mark.parametrize("name", MOE_GGUF)
 def test_decode_takes_the_kernel_and_keeps_the_tokens(name, q8_ggufs, monkeypatch):
-    """Through the Engine at batch 1 and 3: every decode step's MoE layers take the kernel, and the
-    greedy tokens equal those of the Python expert loop (the path forced by MAX_TOKENS = 0)."""
+    """Through the Engine at batch 1 and 3 (the native step off: the layer path): every decode
+    step's MoE layers take the kernel, and the greedy tokens equal those of the Python expert loop
+    (forced by MAX_TOKENS = 0); with the native step on (Mixtral, Qwen3-MoE run it) the same tokens."""
     taken = []
     real = moe.decode_experts
 
@@ -65,14 +75,60 @@ def test_decode_takes_the_kernel_and_keeps_the_tokens(name, q8_ggufs, monkeypatc
     prompts = [[3, 4, 5, 6, 7], [11, 2, 9], [40, 41, 42, 43, 44, 45, 46]]
     sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
-    def tokens(batch: list[list[int]]) -> list[list[int]]:
-        with Engine(q8_ggufs[name], max_total_tokens=512, activation_quant="int8") as eng:
+    def tokens(batch: list[list[int]], native: bool = False) -> list[list[int]]:
+        with Engine(q8_ggufs[name], max_total_tokens=512, activation_quant="int8",
+                    disable_native_step=not native) as eng:
             return [r["output_ids"] for r in eng.generate(input_ids=batch, sampling_params=sp)]
     monkeypatch.setattr(moe, "decode_experts", counting)
     fast = [tokens(prompts[:1]), tokens(prompts)]
     decode_calls = [ok for rows, ok in taken if rows <= len(prompts)]
     assert decode_calls and all(decode_calls)
+    assert [tokens(prompts[:1], native=True), tokens(prompts, native=True)] == fast
     monkeypatch.setattr(moe_decode, "MAX_TOKENS", 0)
     taken.clear()
     assert [tokens(prompts[:1]), tokens(prompts)] == fast
     assert taken and not any(ok for _, ok in taken)
+
+
+def _int8_runner(path: str) -> tuple[ModelRunner, KVCacheManager]:
+    """test_model_logits.make_runner with int8 activations (the engine's default for a GGUF)."""
+    cfg = load_config(path)
+    model = load_model(path, cfg, activation_quant="int8")
+    pool = KVPool(1024, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+    cache = KVCacheManager(1024, 1, 8, cfg.context_length + 1, disable_radix_cache=True)
+    return ModelRunner(model, pool, cache.req_to_token.table), cache
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_native_step_runs_moe_layers(name, q8_ggufs, monkeypatch):
+    """Decode steps of 4 requests and a mixed extend run natively (MoE layers, and Qwen3-MoE's dense
+    one, in C++) and give the Python layer path's logits and greedy choices; the experts' routed
+    counts (/metrics) are the Python path's too. Under int8 activations a fp32 rounding difference
+    between the paths (the extend's prefill vs paged attention kernel) can flip one int8 step, which
+    moves the logits by ~1% (test_native_step.test_smollm2_native_equals_python_path); a wrong
+    expert or weight moves them by O(1)."""
+    count = Counter(monkeypatch)
+    drivers, counts = [], []
+    for native in (True, False):
+        runner, cache = _int8_runner(q8_ggufs[name])
+        assert unsupported(runner.model) is None
+        runner.model.enable_native_step(native)
+        d = Driver(runner, cache)
+        run_schedule(d, runner.model.config.vocab_size, [13, 1, 23, 6], decode_steps=6, seed=5)
+        drivers.append(d)
+        counts.append(moe.routed_token_counts(runner.model))
+    modes = [m for m, _ in count.calls]
+    assert modes.count(ForwardMode.DECODE) == 5, count.calls
+    native, python = torch.cat(logits_of(drivers[0])), torch.cat(logits_of(drivers[1]))
+    assert (native - python).abs().max() <= 3e-2 * python.abs().max()
+    assert (native.argmax(-1) == python.argmax(-1)).float().mean() >= 0.9
+    assert counts[0] == counts[1] and sum(counts[0]) > 0
+
+
+def test_native_step_refuses_moe_it_does_not_compute(q8_ggufs):
+    """GPT-OSS (attention sinks; its router), DeepSeek-V2 (MLA: not a Llama model at all) and MoE
+    experts held in fp32 (activation_quant none) stay on the Python path, which names why."""
+    gpt_oss = load_model(q8_ggufs["gpt_oss_gguf"], activation_quant="int8")
+    assert unsupported(gpt_oss) == "attention sinks is not in the native step"
+    fp32 = load_model(q8_ggufs["mixtral"], activation_quant="none")
+    assert unsupported(fp32) == "a MoE layer's experts are not block weights under int8 activations"
