@@ -26,7 +26,7 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-@dataclass
+@dataclass(kw_only=True)     # keyword-only: ServerArgs(path, ...) keeps its own fields first
 class SpeculativeArgs:
     speculative_num_draft_tokens: int | None = field(default=None, metadata={"help": (
         "NGRAM: most tokens verified per step, the request's last token included (drafts: one fewer) "
