@@ -1,5 +1,5 @@
-"""What --kv-cache-dtype float16 / bfloat16 cost and buy against a float32 pool, on SmolLM2 (the
-embedded Q4_1 model).
+"""What --kv-cache-dtype float16 / bfloat16 / int8 / fp8_e4m3 / fp8_e5m2 cost and buy against a
+float32 pool, on SmolLM2 (the embedded Q4_1 model).
 
 Accuracy: the model over held-out text (ShareGPT, HumanEval; activation_quant.py's texts and
 chunks of 8 tokens), each pool dtype against float32: max / mean |logit diff|, top-1 agreement,
@@ -7,12 +7,19 @@ perplexity. Activations stay fp32 here (exact), so the differences are the pool'
 under int8 activations a K/V value rounded differently moves some activations across an int8
 rounding step, and the comparison would measure int8's noise instead.
 
-Speed (int8 activations, as served): batch-8 decode after prompts of 64 / 256 / 512 / 1024 tokens
-(random ids, so no two share a prefix), output tokens/s of `Engine.generate` with 32 new tokens
-per request, the prompts already in the prefix cache (so the time is decoding); each engine in a
-fresh process, the pool dtypes taking turns so machine noise hits them alike; medians.
+Speed (int8 activations, as served): batch-8 decode at contexts of 512 / 2,048 / 8,192 tokens (a
+prompt of random ids, so no two share a prefix, then 32 new tokens per request), output tokens/s of
+the engine decoding them, an int8 pool against float16 (the GGUF default). The prompts' K/V are not
+computed: random rows (quantized for the int8 pool) are written into the pool as a PD decode server
+receives a prompt's (`Scheduler.add_prebuilt`), since attention costs the same whatever the values
+and 8 prefills of 8,160 tokens would take most of the run; the time is the 32 decode steps alone.
+Both engines live in one worker process and take turns within each round and context (the order
+alternating between rounds), so the two times of a pair are seconds apart: on a machine whose load
+swings by 2-3x within minutes (7 agents on 2 cores) engines in separate processes minutes apart
+measured the load, not the pool. Medians of the times and of the pairs' ratios. (llama.cpp's
+`-ctk q8_0 -ctv q8_0` beside it is not built here.)
 
-    PYTHONPATH=. python benchmarks/kv_cache_dtype.py [--tokens 2048] [--reps 3]
+    PYTHONPATH=. python benchmarks/kv_cache_dtype.py [--tokens 2048] [--reps 5] [--skip-accuracy]
 writes benchmarks/results/kv_cache_dtype.{json,md}."""
 from __future__ import annotations
 
@@ -35,12 +42,17 @@ from fresh_process import in_turns, run_json  # noqa: E402
 from results_io import machine_line, sparkserve_kernels, write_results  # noqa: E402
 
 from sparkserve import Engine  # noqa: E402
+from sparkserve.core.req import Req  # noqa: E402
+from sparkserve.core.sampling_state import RequestSamplingState  # noqa: E402
 from sparkserve.embedded import default_model_path  # noqa: E402
+from sparkserve.frontend.prepare import params_list  # noqa: E402
 from sparkserve.frontend.tokenizer import load_tokenizer  # noqa: E402
+from sparkserve.mem.kv_quant import is_quantized, kv_dtype, quantize, scale_component  # noqa: E402
 from sparkserve.models.registry import load_config, load_model  # noqa: E402
 
-DTYPES = ("float32", "float16", "bfloat16")
-CONTEXTS = (64, 256, 512, 1024)
+DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")     # accuracy, against float32
+SPEED_DTYPES = ("float16", "int8")
+CONTEXTS = (512, 2048, 8192)
 BATCH, NEW = 8, 32
 
 
@@ -49,7 +61,7 @@ def accuracy(max_tokens: int) -> dict:
     cfg = load_config(path)
     model = load_model(path, cfg, activation_quant="none")
     tok = load_tokenizer(path)
-    runs = {d: Runner(model, cfg, max_tokens + CHUNK, getattr(torch, d)) for d in DTYPES}
+    runs = {d: Runner(model, cfg, max_tokens + CHUNK, kv_dtype(d)) for d in DTYPES}
     res = {}
     for name, docs in texts(8, 8).items():
         nll = dict.fromkeys(DTYPES, 0.0)
@@ -78,62 +90,98 @@ def accuracy(max_tokens: int) -> dict:
     return res
 
 
-def speed_worker(dtype: str, rep: int) -> dict:
-    """One engine with a `dtype` pool in its own process: seconds of the timed decode per context.
-    The prompts depend on (rep, context) only, so every dtype decodes the same ones."""
-    eng = Engine(max_total_tokens=BATCH * (max(CONTEXTS) + NEW) + 64, max_running_requests=BATCH,
-                 kv_cache_dtype=dtype)
-    sp = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-    out = {}
-    for ctx in CONTEXTS:
-        gen = torch.Generator().manual_seed(1000 * rep + ctx)
-        prompts = [torch.randint(1000, 40000, (ctx,), generator=gen).tolist() for _ in range(BATCH)]
-        # the prompts' KV first: the timed call then finds them in the prefix cache and decodes
-        eng.generate(input_ids=prompts, sampling_params=dict(sp, max_new_tokens=1))
-        t = time.perf_counter()
-        eng.generate(input_ids=prompts, sampling_params=sp)
-        out[ctx] = time.perf_counter() - t
-    eng.shutdown()
+def decode_time(eng: Engine, ctx: int, seed: int) -> float:
+    """Seconds of NEW decode steps of BATCH requests whose (random) prompts fill a context of `ctx`
+    tokens; the requests are freed after (their prefixes stay cached, never hit again)."""
+    # the first new token comes with the prompt's rows (as from a prefill server): NEW decode steps
+    params = params_list({"temperature": 0, "max_new_tokens": NEW + 1, "ignore_eos": True}, 1)[0]
+    gen = torch.Generator().manual_seed(seed)
+    reqs = []
+    for b in range(BATCH):
+        ids = torch.randint(1000, 40000, (ctx - NEW,), generator=gen).tolist()
+        req = Req(f"r{seed}-{b}", ids, params, RequestSamplingState(params, ids, eng.scheduler.eos_ids),
+                  output_ids=[ids[-1]])
+        assert eng.scheduler.add_prebuilt(req, prompt_rows(eng, len(ids), gen))
+        reqs.append(req)
+    t = time.perf_counter()
+    eng._run_to_completion([reqs])
+    took = time.perf_counter() - t
+    assert all(len(r.output_ids) == NEW + 1 for r in reqs)
+    return took
+
+
+def speed_worker(reps: int) -> dict:
+    """Both pool dtypes' engines in this process, taking turns per context: {dtype: {ctx: [seconds
+    per round]}}. The prompts depend on (round, context) only, so both decode the same ones."""
+    engines = {d: Engine(max_total_tokens=BATCH * (max(CONTEXTS) + NEW) + 64, max_running_requests=BATCH,
+                         kv_cache_dtype=d) for d in SPEED_DTYPES}
+    out: dict = {d: {str(c): [] for c in CONTEXTS} for d in SPEED_DTYPES}
+    for rep in range(reps):
+        for ctx in CONTEXTS:
+            for d in in_turns(list(SPEED_DTYPES), rep):
+                out[d][str(ctx)].append(decode_time(engines[d], ctx, 1000 * rep + ctx))
+            took = ", ".join(f"{d} {out[d][str(ctx)][-1]:.2f} s" for d in SPEED_DTYPES)
+            print(f"round {rep} context {ctx}: {took}", file=sys.stderr, flush=True)
+    for eng in engines.values():
+        eng.shutdown()
     return out
 
 
+def prompt_rows(eng: Engine, n: int, gen: torch.Generator) -> dict:
+    """Random K/V rows of an n-token prompt for every layer of the engine's pool, in its format
+    (mem/transfer.py's keys: the quantized pool's elements and block scales)."""
+    pool = eng.scheduler.runner.kv_pool
+    rows = {}
+    for layer in pool.owned:
+        for name, buf in (("k", pool.k[layer]), ("v", pool.v[layer])):
+            x = torch.randn(n, *buf.shape[1:], generator=gen)
+            if is_quantized(pool.dtype):
+                elems, scales = quantize(x, pool.dtype)
+                rows[(0, name, layer)], rows[(0, scale_component(name, pool.dtype), layer)] = elems, scales
+            else:
+                rows[(0, name, layer)] = x.to(pool.dtype)
+    return rows
+
+
 def speed(reps: int) -> dict:
-    """Output tokens/s per context and dtype: medians over `reps` rounds, each engine in a fresh
-    process (fresh_process.py), the dtypes taking turns."""
-    times: dict[str, list[dict]] = {d: [] for d in DTYPES}
-    for rep in range(reps):
-        for d in in_turns(list(DTYPES), rep):
-            times[d].append(run_json(__file__, ["--worker", d, "--rep", str(rep)]))
-    out = {ctx: {d: BATCH * NEW / statistics.median(r[str(ctx)] for r in times[d]) for d in DTYPES}
-           for ctx in CONTEXTS}
-    for ctx, r in out.items():
-        print(f"context {ctx}: " + ", ".join(f"{d} {v:.0f} tok/s" for d, v in r.items()), flush=True)
+    """Output tokens/s per context and dtype (medians over `reps` rounds) and the int8 / float16
+    speed ratio (median of the pairs' ratios), both engines in one fresh process (fresh_process.py)."""
+    times = run_json(__file__, ["--worker", "--reps", str(reps)])
+    out = {}
+    for ctx in CONTEXTS:
+        c = str(ctx)
+        out[ctx] = {d: BATCH * NEW / statistics.median(times[d][c]) for d in SPEED_DTYPES}
+        out[ctx]["ratios"] = [f / i for f, i in zip(times["float16"][c], times["int8"][c])]
+        out[ctx]["ratio"] = statistics.median(out[ctx]["ratios"])
+        print(f"context {ctx}: " + ", ".join(f"{d} {out[ctx][d]:.0f} tok/s" for d in SPEED_DTYPES)
+              + f", int8 / float16 {out[ctx]['ratio']:.2f}x", flush=True)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of held-out text per corpus")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--worker", choices=DTYPES, help=argparse.SUPPRESS)
-    ap.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(speed_worker(args.worker, args.rep)))
+        print(json.dumps(speed_worker(args.reps)))
         return
-    data = {"speed": speed(args.reps), "accuracy": accuracy(args.tokens)}
+    data = {"speed": speed(args.reps), "accuracy": {} if args.skip_accuracy else accuracy(args.tokens)}
     lines = ["# KV pool dtype (SmolLM2-135M Q4_1)", "",
              f"{machine_line()}; sparkserve kernels: {sparkserve_kernels()}; "
              f"{torch.get_num_threads()} threads", "",
-             f"Batch-{BATCH} decoding (int8 activations) after prompts of each length (in the prefix "
-             f"cache), {NEW} new tokens each, output tokens/s, medians of {args.reps} rounds, each engine "
-             f"in a fresh process:", "",
-             "| prompt tokens | " + " | ".join(DTYPES) + " | float16 / float32 |",
-             "|---|" + "---|" * (len(DTYPES) + 1)]
+             f"Batch-{BATCH} decoding (int8 activations) at each context (the prompt's K/V written into the "
+             f"pool, then {NEW} new tokens each), output tokens/s, medians of {args.reps} rounds, the two "
+             f"engines in one process taking turns; the ratio: the median of the pairs' int8 / float16 "
+             f"speed ratios (each pair seconds apart):",
+             "", "| context | " + " | ".join(SPEED_DTYPES) + " | int8 / float16 | rounds |",
+             "|---|" + "---|" * (len(SPEED_DTYPES) + 2)]
     for ctx, r in data["speed"].items():
-        lines.append(f"| {ctx} | " + " | ".join(f"{r[d]:.0f}" for d in DTYPES)
-                     + f" | {r['float16'] / r['float32']:.2f}x |")
-    lines += ["", f"Accuracy: held-out text in chunks of {CHUNK} tokens, fp32 activations, each half pool "
+        lines.append(f"| {ctx} | " + " | ".join(f"{r[d]:.0f}" for d in SPEED_DTYPES)
+                     + f" | {r['ratio']:.2f}x | {', '.join(f'{x:.2f}' for x in r['ratios'])} |")
+    lines += ["", f"Accuracy: held-out text in chunks of {CHUNK} tokens, fp32 activations, each pool dtype "
               "against the float32 pool.", "",
               "| text | tokens | pool | max abs logit diff | mean abs logit diff | top-1 agree | "
               "ppl (float32 pool) |",
