@@ -71,7 +71,8 @@ def assert_fits(counts, probs, what: str) -> None:
 def test_sampling_matches_target_distribution(hf_target, name):
     target, hf = hf_target
     sp = CONFIGS[name]
-    eng = engine(target, speculative_algorithm="NGRAM", max_running_requests=256)
+    eng = engine(target, speculative_algorithm="NGRAM", speculative_dspark_verify_mode="full",
+                 max_running_requests=256)      # every draft found is verified
     outs = eng.generate(input_ids=[PROMPT] * N,
                         sampling_params=[dict(sp, max_new_tokens=MAX_NEW, seed=i) for i in range(N)])
     t = torch.tensor([o["output_ids"] for o in outs])
