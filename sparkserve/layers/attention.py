@@ -23,7 +23,7 @@ from torch import nn
 from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.kernels.build import load_extension
 from sparkserve.mem.kv_pool import KVPool
-from sparkserve.mem.kv_quant import dequantize, quantize
+from sparkserve.mem.kv_quant import dequantize, is_quantized, quantize, scale_component
 
 # Most query tokens per request for the decode kernel: it keeps every score of a request's block,
 # so longer prefill chunks go to the prefill kernel's blocked, online-softmax tiles.
@@ -57,7 +57,11 @@ class PagedAttention(nn.Module):
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H*D]; sinks: [H] (this rank's heads)."""
         pool = batch.kv_pool
         k_buf, v_buf = pool.layer(self.layer_id)
-        sc = pool.layer_scales(self.layer_id) if isinstance(pool, KVPool) else None
+        if isinstance(pool, KVPool):
+            sc = pool.layer_scales(self.layer_id)
+        else:       # a hybrid model's K/V (MiniMax's full-attention layers)
+            ks, vs = (pool_scales(pool, name, self.layer_id, k_buf) for name in ("k", "v"))
+            sc = None if ks is None else (ks, vs)
         store_rows(batch, k_buf, None if sc is None else sc[0], k, self.window)
         store_rows(batch, v_buf, None if sc is None else sc[1], v, self.window)
         if self.softcap is not None or sinks is not None:
@@ -171,6 +175,16 @@ def store_rows(batch: ForwardBatch, buf: torch.Tensor, scale: torch.Tensor | Non
     elems, scales = quantize(rows, buf.dtype)
     batch.store(buf.view(torch.uint8), elems.view(torch.uint8), window)
     batch.store(scale, scales, window)
+
+
+def pool_scales(pool, name: str, layer_id: int, buf: torch.Tensor) -> torch.Tensor | None:
+    """The block scales of a HybridPool buffer `name` of a quantized dtype (mem/kv_quant.py), else None."""
+    return pool.get(scale_component(name, buf.dtype), layer_id) if is_quantized(buf.dtype) else None
+
+
+def gather_rows(buf: torch.Tensor, scale: torch.Tensor | None, index) -> torch.Tensor:
+    """buf[index] as float32: a quantized buffer's gathered rows dequantized (only those)."""
+    return buf[index].float() if scale is None else dequantize(buf[index], scale[index])
 
 
 def _scale_args(sc: Scales) -> dict[str, torch.Tensor]:

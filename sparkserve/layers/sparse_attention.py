@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from sparkserve.core.forward_batch import ForwardBatch
+from sparkserve.layers.attention import gather_rows, pool_scales, store_rows
 from sparkserve.layers.sparse_indexer import padded_queries, unpad_queries
 
 GATHER_MAX_QUERIES = 16   # per request; past this, per-query gathered K/V outgrow one masked pass
@@ -32,8 +33,11 @@ class BlockSparseAttention(nn.Module):
                 block_ids: torch.Tensor) -> torch.Tensor:
         """q [T, H, D]; k, v [T, Hkv, D]; block_ids [B, Hi, Qmax, k] (-1 = none) -> [T, H*D]."""
         k_buf, v_buf = batch.kv_pool.layer(self.layer_id)
-        batch.store(k_buf, k)
-        batch.store(v_buf, v)
+        # a quantized pool (--kv-cache-dtype int8 / fp8): rows stored with their block scales
+        ks, vs = (pool_scales(batch.kv_pool, name, self.layer_id, k_buf) for name in ("k", "v"))
+        store_rows(batch, k_buf, ks, k)
+        store_rows(batch, v_buf, vs, v)
+        k_buf, v_buf = (k_buf, ks), (v_buf, vs)
         qp = padded_queries(batch, q)                                   # [B, Q, H, D]
         qpos = padded_queries(batch, batch.positions)                   # [B, Q]
         B, Q = qpos.shape
@@ -55,7 +59,8 @@ class BlockSparseAttention(nn.Module):
         keep = keep.repeat_interleave(self.h // self.hi, dim=1)            # [B, H, Q, L]
         keep &= (torch.arange(L)[None, :] <= qpos[:, :, None])[:, None]
         out = torch.nn.functional.scaled_dot_product_attention(
-            qp.transpose(1, 2), k_buf[kv_indices].transpose(1, 2), v_buf[kv_indices].transpose(1, 2),
+            qp.transpose(1, 2), gather_rows(*k_buf, kv_indices).transpose(1, 2),
+            gather_rows(*v_buf, kv_indices).transpose(1, 2),
             attn_mask=keep, scale=self.scale, enable_gqa=self.h != self.hkv)
         return out.transpose(1, 2)                                          # [B, Q, H, D]
 
@@ -69,7 +74,8 @@ class BlockSparseAttention(nn.Module):
         pos = pos.masked_fill(~ok, 0)
         slots = kv_indices.gather(1, pos.reshape(B, -1)).view(pos.shape)
         head = torch.arange(self.hkv)[None, :, None, None]
-        keys, vals = k_buf[slots, head], v_buf[slots, head]                 # [B, Hkv, Q, S, D]
+        keys = gather_rows(*k_buf, (slots, head))                           # [B, Hkv, Q, S, D]
+        vals = gather_rows(*v_buf, (slots, head))
         qg = qp.view(B, Q, self.hkv, g, self.d).permute(0, 2, 3, 1, 4)      # [B, Hkv, G, Q, D]
         s = torch.einsum("bkgqd,bkqsd->bkgqs", qg, keys) * self.scale
         s = s.masked_fill(~ok[:, :, None], float("-inf"))

@@ -36,6 +36,7 @@ from torch import nn
 
 from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.distributed.sharding import kv_heads_shard, leads_replica
+from sparkserve.layers.attention import gather_rows, pool_scales, store_rows
 from sparkserve.layers.linear import FusedLinear, RowParallelLinear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import apply_partial_rotary
@@ -110,8 +111,9 @@ class LightningIndexer(nn.Module):
         k = apply_partial_rotary(self.k_norm(qkv[:, h * d:(h + 1) * d].view(-1, 1, d)), *cos_sin)
         pool = batch.kv_pool
         k_buf = pool.get("index_k", self.layer_id)
-        batch.store(k_buf, k[:, 0])
-        keys = k_buf[batch.kv_indices]                                           # [B, L, D]
+        k_scale = pool_scales(pool, "index_k", self.layer_id, k_buf)      # --kv-cache-dtype int8 / fp8
+        store_rows(batch, k_buf, k_scale, k[:, 0])
+        keys = gather_rows(k_buf, k_scale, batch.kv_indices)                     # [B, L, D]
         qpos = padded_queries(batch, batch.positions)                            # [B, Q]
         visible = torch.arange(keys.shape[1])[None, None, :] <= qpos[:, :, None]  # [B, Q, L]
         scores = torch.einsum("bqhd,bld->bhql", padded_queries(batch, q).float(), keys.float())
@@ -120,9 +122,10 @@ class LightningIndexer(nn.Module):
         if self.o_proj is None:
             return block_ids, None
         v_buf = pool.get("index_v", self.layer_id)
-        batch.store(v_buf, qkv[:, (h + 1) * d:])
+        v_scale = pool_scales(pool, "index_v", self.layer_id, v_buf)
+        store_rows(batch, v_buf, v_scale, qkv[:, (h + 1) * d:])
         if not self.adds_value:
             return block_ids, None
         probs = torch.softmax(scores * d ** -0.5, dim=-1)
-        out = torch.einsum("bhql,bld->bqhd", probs, v_buf[batch.kv_indices].float()).to(x.dtype)
+        out = torch.einsum("bhql,bld->bqhd", probs, gather_rows(v_buf, v_scale, batch.kv_indices)).to(x.dtype)
         return block_ids, self.o_proj(unpad_queries(batch, out).reshape(-1, h * d))

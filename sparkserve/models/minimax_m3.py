@@ -40,6 +40,7 @@ from sparkserve.layers.sparse_indexer import LightningIndexer
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
 from sparkserve.loader.weights import WeightLoader
 from sparkserve.mem.hybrid_pool import HybridPool
+from sparkserve.mem.kv_quant import SCALE_DTYPE, block_size, is_quantized, scale_component
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
 
 
@@ -241,15 +242,28 @@ class MiniMaxM3ForCausalLM(CausalLM):
                  ("index_v", [i for i in every if s.index_value[i]], (s.index_head_dim,), None)]
         return [sp for sp in specs if sp[1]]
 
+    # K/V and index K/V may be quantized (--kv-cache-dtype int8 / fp8: mem/kv_quant.py), each with
+    # a block-scale buffer of its own (cut over the tp ranks as it is)
+    KV_CACHE_DTYPES = (torch.float32, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def _pool_buffers(self) -> list[tuple[str, list[int], tuple[int, ...], Split | None, torch.dtype]]:
+        out = []
+        for name, layers, shape, split in self._pool_specs():
+            out.append((name, layers, shape, split, self.kv_dtype))
+            if is_quantized(self.kv_dtype):
+                blocks = (*shape[:-1], shape[-1] // block_size(shape[-1]))
+                out.append((scale_component(name, self.kv_dtype), layers, blocks, split, SCALE_DTYPE))
+        return out
+
     def make_pool(self, num_slots: int, num_rows: int, swa_slots: int = 0) -> HybridPool:
         pool = HybridPool(num_slots, num_rows)
-        for name, layers, shape, split in self._pool_specs():
-            pool.add(name, "token_page", layers, shape, split=split)
+        for name, layers, shape, split, dtype in self._pool_buffers():
+            pool.add(name, "token_page", layers, shape, dtype, split=split)
         return pool
 
     def pool_bytes_per_token(self) -> int:
-        return HybridPool.token_bytes([(len(layers), shape, torch.float32)
-                                       for _, layers, shape, _ in self._pool_specs()])
+        return HybridPool.token_bytes([(len(layers), shape, dtype)
+                                       for _, layers, shape, _, dtype in self._pool_buffers()])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, self.stacked_params)
