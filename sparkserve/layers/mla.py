@@ -28,7 +28,8 @@ from torch import nn
 
 from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.distributed.sharding import heads_shard, shard_rows
-from sparkserve.layers.attention import store_rows
+from sparkserve.kernels.build import load_extension
+from sparkserve.layers.attention import KERNEL_MAX_Q, store_rows
 from sparkserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import apply_rotary
@@ -102,16 +103,39 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(H, self.nope + self.vd, r)
         q_lat = torch.einsum("thn,hnr->thr", q[..., :self.nope], w[:, :self.nope])
         q = torch.cat([q_lat, q[..., self.nope:]], -1)                      # [T, H, r + rope]
-        q_index, flat_index = batch.query_layout()
-        B = batch.batch_size
-        qp = (q.view(B, -1, H, self.latent_dim) if q_index is None else q[q_index]).transpose(1, 2)
-        idx = batch.kv_indices          # a quantized latent: only the gathered rows dequantized
-        kv = buf[idx] if scale is None else dequantize(buf[idx], scale[idx])
-        kv = kv.unsqueeze(1)                                                 # [B, 1, L, r + rope]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qp, kv, kv[..., :r], attn_mask=batch.attn_mask(None), scale=self.scale, enable_gqa=True)
-        out = out.transpose(1, 2).reshape(-1, H, r)                          # [B*Qmax, H, r]
-        if flat_index is not None:
-            out = out[flat_index]
+        out = self._latent_kernel(q, buf, scale, batch)
+        if out is None:
+            q_index, flat_index = batch.query_layout()
+            B = batch.batch_size
+            qp = (q.view(B, -1, H, self.latent_dim) if q_index is None else q[q_index]).transpose(1, 2)
+            idx = batch.kv_indices          # a quantized latent: only the gathered rows dequantized
+            kv = buf[idx] if scale is None else dequantize(buf[idx], scale[idx])
+            kv = kv.unsqueeze(1)                                                 # [B, 1, L, r + rope]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qp, kv, kv[..., :r], attn_mask=batch.attn_mask(None), scale=self.scale, enable_gqa=True)
+            out = out.transpose(1, 2).reshape(-1, H, r)                          # [B*Qmax, H, r]
+            if flat_index is not None:
+                out = out[flat_index]
         out = torch.einsum("thr,hvr->thv", out, w[:, self.nope:])
         return self.o_proj(out.reshape(T, H * self.vd))
+
+    def _latent_kernel(self, q: torch.Tensor, buf: torch.Tensor, scale: torch.Tensor | None,
+                       batch: ForwardBatch) -> torch.Tensor | None:
+        """Decode, VERIFY and small extends through the paged decode attention kernel (as
+        PagedAttention's), the latent pool read in place as one shared K = V head of width r + rope:
+        the first r channels of what it attends are what V = the latent's first r channels gives.
+        [T, H, r], or None where SDPA over the gathered rows runs instead (a quantized latent,
+        context parallel, long extends)."""
+        if (scale is not None or batch.cp is not None or not batch.extend_lens
+                or max(batch.extend_lens) > KERNEL_MAX_Q or q.shape[0] != batch.num_tokens
+                or q.dtype != torch.float32 or buf.dtype != torch.float32 or q.device.type != "cpu"
+                or self.latent_dim % 8 or torch.is_grad_enabled() or not buf.is_contiguous()):
+            return None
+        ext = load_extension()
+        if ext is None:
+            return None
+        _, kv_indices, kv_start = batch.kv_view(None)
+        kv = buf.view(buf.shape[0], 1, self.latent_dim)
+        out = ext.decode_attention(q.contiguous(), kv, kv, kv_indices, batch.seq_lens, kv_start, 0,
+                                   self.scale, batch.extend_lens)
+        return out.view(q.shape[0], self.h, self.latent_dim)[..., :self.r]

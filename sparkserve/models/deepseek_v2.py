@@ -26,7 +26,7 @@ from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
-from sparkserve.loader.weights import WeightLoader, values_of
+from sparkserve.loader.weights import WeightLoader, blocks_of, values_of, with_blocks
 from sparkserve.mem.hybrid_pool import HybridPool
 from sparkserve.mem.kv_quant import SCALE_DTYPE, block_size, is_quantized, scale_component
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
@@ -186,9 +186,9 @@ class DeepseekV2ForCausalLM(CausalLM):
                 name, t = f"{m[1]}kv_b_proj.weight", torch.cat([halves["k"].transpose(1, 2), halves["v"]], 1)
                 t = t.reshape(-1, a.kv_lora_rank)
             if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
-                t = rope_rows_to_halves(values_of(t), a.rope_dim, a.nope_dim + a.rope_dim)
+                t = _rope_halves(t, a.rope_dim, a.nope_dim + a.rope_dim)
             elif name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
-                t = rope_rows_to_halves(values_of(t), a.rope_dim, a.kv_lora_rank + a.rope_dim)
+                t = _rope_halves(t, a.rope_dim, a.kv_lora_rank + a.rope_dim)
             m = _EXPERT_TENSOR.fullmatch(name)
             if m:
                 LlamaForCausalLM._load_expert(modules[m[1]], m[1], _EXPERT_PART[m[3]], t,
@@ -198,3 +198,14 @@ class DeepseekV2ForCausalLM(CausalLM):
         if self.config.tie_word_embeddings:
             loader.mark_loaded("lm_head.weight", tied_to="model.embed_tokens.weight")
         loader.check_complete()
+
+
+def _rope_halves(t: torch.Tensor, rope_dim: int, head_width: int) -> torch.Tensor:
+    """rope_rows_to_halves of a checkpoint tensor, its GGUF blocks' rows permuted alike (so q_b and
+    kv_a keep their blocks: int8 kernels, not an fp32 GEMM); an unread one stays unread."""
+    blocks = blocks_of(t)
+    if blocks is None:
+        return rope_rows_to_halves(values_of(t), rope_dim, head_width)
+    perm = rope_rows_to_halves(torch.arange(t.shape[0]), rope_dim, head_width)
+    values = torch.empty(t.shape, device="meta") if t.is_meta else t[perm]
+    return with_blocks(values, blocks.rows(perm))
