@@ -21,7 +21,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor r, at::
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                             std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
                             std::vector<int64_t> q_lens, const std::string& variant,
-                            std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale);
+                            std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale,
+                            std::optional<at::Tensor> sinks);
 std::vector<std::string> decode_attention_variants();
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                              std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
@@ -78,7 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indices"), py::arg("seq_lens"),
         py::arg("kv_start"), py::arg("window"), py::arg("scale"),
         py::arg("q_lens") = std::vector<int64_t>(), py::arg("variant") = "", py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
+        py::arg("v_scale") = py::none(), py::arg("sinks") = py::none());
   m.def("decode_attention_variants", &decode_attention_variants,
         "the decode_attention variants this CPU runs, best first (avx512, avx2)");
   m.def("prefill_attention", &prefill_attention,

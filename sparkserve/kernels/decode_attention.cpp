@@ -176,6 +176,8 @@ void attend(const sparkserve::decode::ChunkKernels& K, const float* qp, int64_t 
           }
           const float m = K.softmax(row, n, lo, hi, row_sc, &sum[k]);
           if (!one_chunk(r, i)) o[k][D] = m, o[k][D + 1] = sum[k];
+          else if (kv.sinks != nullptr)   // the sink's exp joins the sum the output is divided by
+            sum[k] += std::exp(kv.sinks[h * G + k - (i - it.i0) * G] - m);
         }
       }
       K.pv(s.data(), R, n, ckv, rows.data(), o.data(), D);
@@ -218,6 +220,7 @@ void attend(const sparkserve::decode::ChunkKernels& K, const float* qp, int64_t 
           _mm256_storeu_ps(out + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(pc + d), acc));
         }
       }
+      if (kv.sinks != nullptr) sum += std::exp(kv.sinks[head] - m);
       const __m256 inv = _mm256_set1_ps(1.f / sum);
       for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(inv, _mm256_loadu_ps(out + d)));
     }
@@ -316,7 +319,8 @@ std::vector<int64_t> query_offsets(const std::vector<int64_t>& seq_lens, const s
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_indices,
                             std::vector<int64_t> seq_lens, int64_t kv_start, int64_t window, double scale,
                             std::vector<int64_t> q_lens, const std::string& variant,
-                            std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
+                            std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale,
+                            std::optional<at::Tensor> sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: q must be float32");
   TORCH_CHECK(v_buf.scalar_type() == k_buf.scalar_type(), "decode_attention: K and V buffers of one dtype");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "decode_attention: q must be [T, H, D], last dim contiguous");
@@ -333,9 +337,16 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at
   TORCH_CHECK(q.size(0) == q_off[B], "decode_attention: q must have sum(q_lens) rows");
   auto out = at::empty({q_off[B], H * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const auto [ks, vs] = sparkserve::kv_scales(k_buf, k_scale, v_scale, "decode_attention");
+  at::Tensor sink;
+  if (sinks.has_value()) {
+    sink = sinks->contiguous();
+    TORCH_CHECK(sink.scalar_type() == at::kFloat && sink.dim() == 1 && sink.size(0) == H,
+                "decode_attention: sinks must be float32 [H]");
+  }
   const sparkserve::PagedKV kv{k_buf.data_ptr(), v_buf.data_ptr(), k_buf.size(0), Hkv,
                                kv_indices.data_ptr<int64_t>(), kv_indices.stride(0), kv_start, window,
-                               true, sparkserve::kv_type_of(k_buf), 0.f, ks, vs};
+                               true, sparkserve::kv_type_of(k_buf), 0.f, ks, vs,
+                               sink.defined() ? sink.data_ptr<float>() : nullptr};
   attend(variant_for(D, variant).kernels, q.data_ptr<float>(), q.stride(0), q.stride(1), H, D, kv,
          kv_kind(kv.type), seq_lens.data(), q_off.data(), B, static_cast<float>(scale), out.data_ptr<float>());
   return out;

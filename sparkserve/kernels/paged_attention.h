@@ -38,6 +38,9 @@ struct PagedKV {
   float softcap = 0.f;   // > 0: scores pass through softcap * tanh(score / softcap) (Gemma 2)
   const void* k_scale = nullptr;   // a quantized type's float16 block scales [slots, Hkv, D / qb]
   const void* v_scale = nullptr;
+  // [H] per query head, or null: a logit that joins each softmax's denominator and attends to
+  // nothing (GPT-OSS's attention sinks). The decode kernel takes it; the prefill kernel does not.
+  const float* sinks = nullptr;
 };
 
 // The scale buffers of a quantized pool as the kernels read them, after checking that they fit

@@ -41,8 +41,9 @@ class PagedAttention(nn.Module):
                  window: int | None = None, scale: float | None = None, softcap: float | None = None):
         """`scale`: of q.k (default head_dim ** -0.5); `softcap`: scores pass through
         softcap * tanh(score / softcap) (Gemma 2). A soft-cap, or sinks given to forward (GPT-OSS:
-        a logit per head that joins each softmax's denominator and attends to nothing), the kernels
-        and SDPA do not take: such a layer attends in torch ops (`_eager`)."""
+        a logit per head that joins each softmax's denominator and attends to nothing), the prefill
+        kernel and SDPA do not take: such a layer attends in torch ops (`_eager`), but for what
+        the decode kernel runs (decode, VERIFY, small extends), which takes sinks."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -64,9 +65,13 @@ class PagedAttention(nn.Module):
             sc = None if ks is None else (ks, vs)
         store_rows(batch, k_buf, None if sc is None else sc[0], k, self.window)
         store_rows(batch, v_buf, None if sc is None else sc[1], v, self.window)
-        if self.softcap is not None or sinks is not None:
-            return self._eager(q, k_buf, v_buf, batch, sinks, sc)
         ext = self._kernel_extension(q, k_buf, v_buf, batch)
+        if self.softcap is not None or sinks is not None:
+            # the decode kernel takes sinks (a logit per head in each softmax's denominator)
+            if (sinks is not None and self.softcap is None and ext is not None and batch.cp is None
+                    and max(batch.extend_lens) <= KERNEL_MAX_Q):
+                return self._decode(ext, q, k_buf, v_buf, batch, sc, sinks.detach().float().contiguous())
+            return self._eager(q, k_buf, v_buf, batch, sinks, sc)
         if ext is None:
             return self._sdpa(q, k_buf, v_buf, batch, sc)
         # a context-parallel share's queries are not all at the end of their requests: only the
@@ -95,10 +100,11 @@ class PagedAttention(nn.Module):
                        **_scale_args(sc))
 
     def _decode(self, ext, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                batch: ForwardBatch, sc: Scales) -> torch.Tensor:
+                batch: ForwardBatch, sc: Scales, sinks: torch.Tensor | None = None) -> torch.Tensor:
         _, kv_indices, kv_start = batch.kv_view(self.window)
         return ext.decode_attention(q, k_buf, v_buf, kv_indices, batch.seq_lens, kv_start, self.window or 0,
-                                    self.scale, batch.extend_lens, **_scale_args(sc))
+                                    self.scale, batch.extend_lens, **_scale_args(sc),
+                                    **({} if sinks is None else {"sinks": sinks}))
 
     def _prefill_kernel(self, ext):
         """The prefill kernel where it runs here and takes this layer's heads, else None."""
