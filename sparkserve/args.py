@@ -11,10 +11,9 @@ from typing import Any
 from sparkserve.addresses import check_rendezvous_ip, is_loopback, split_host_port
 from sparkserve.dataclass_cli import add_dataclass_args, dataclass_from_args
 from sparkserve.embedded import EMBEDDED_NAME, default_model_path, is_embedded, shipped_draft_path
-from sparkserve.ngram_args import NGRAM_FLAGS, SpeculativeArgs
 from sparkserve.parallel_config import ParallelConfig
+from sparkserve.speculative_args import NGRAM_FLAGS, PLANNER_MODES, SpeculativeArgs
 
-VERIFY_MODES = ("full", "threshold", "adaptive")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "none")    # as SGLang's --grammar-backend
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
@@ -149,7 +148,7 @@ class ServerArgs(SpeculativeArgs):
         "which drafts to verify: full (all), threshold, adaptive (those that pay, by the step costs measured "
         "at start-up; never slower than plain decoding) (default: threshold if a threshold is given, else "
         "adaptive)",
-        choices=VERIFY_MODES))
+        choices=PLANNER_MODES))
     speculative_dspark_confidence_threshold: float | None = field(default=None, metadata=_opt(
         "verify the leading drafts whose confidence is >= this"))
     speculative_dspark_sps_table_path: str | None = field(default=None, metadata=_opt(
@@ -448,16 +447,8 @@ class ServerArgs(SpeculativeArgs):
     def _validate_dspark(self, need) -> None:
         """DSpark flags, and the draft checked before any model loads (a one-line error, not a
         traceback after the target's load)."""
-        need(self.speculative_algorithm.upper() == "DSPARK",
-             f"--speculative-algorithm {self.speculative_algorithm}: only DSPARK is supported")
         self.speculative_algorithm = "DSPARK"
-        mode, thr = self.speculative_dspark_verify_mode, self.speculative_dspark_confidence_threshold
-        need(mode in (None, *VERIFY_MODES),
-             f"--speculative-dspark-verify-mode {mode}: use {', '.join(VERIFY_MODES)}")
-        need(thr is None or 0.0 <= thr <= 1.0,
-             f"--speculative-dspark-confidence-threshold must be in [0, 1], got {thr}")
-        need(not (mode == "threshold" and thr is None),
-             "--speculative-dspark-verify-mode threshold needs --speculative-dspark-confidence-threshold")
+        self._validate_planner(need)
         need(self.speculative_dspark_block_size is None or self.speculative_dspark_block_size >= 1,
              "--speculative-dspark-block-size must be >= 1")
         if self.speculative_draft_model_path is None:
@@ -466,9 +457,6 @@ class ServerArgs(SpeculativeArgs):
         need(os.path.isfile(os.path.join(path, "config.json")),
              f"--speculative-draft-model-path {path}: not a draft checkpoint directory "
              "(no config.json there)")
-        table = self.speculative_dspark_sps_table_path
-        need(table is None or os.path.isfile(table),
-             f"--speculative-dspark-sps-table-path {table} does not exist")
 
     # ---- argparse --------------------------------------------------------------------------
     @classmethod

@@ -25,7 +25,8 @@ LAYERS = [
     ("mem", "kernels", "distributed", "constrained"),
     ("args", "messages"),
     ("core",),
-    ("config", "sampling_params", "embedded", "dataclass_cli", "addresses", "parallel_config", "ngram_args"),
+    ("config", "sampling_params", "embedded", "dataclass_cli", "addresses", "parallel_config",
+     "speculative_args"),
 ]
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}
 

@@ -1,7 +1,7 @@
-"""NGRAM's flags (SGLang's names) and the start-up checks of --speculative-algorithm: ServerArgs
-inherits them. sparkserve verifies one chain of drafts found in the request's own tokens, so a value
-that asks for a tree (breadth > 1) or for SGLang's n-gram cache shared by all requests is refused
-naming the flag, never ignored."""
+"""The speculative flags beside DSpark's (NGRAM's, SGLang's names) and the start-up checks of
+--speculative-algorithm: ServerArgs inherits them. sparkserve verifies one chain of drafts found in
+the request's own tokens, so a value that asks for a tree (breadth > 1) or for SGLang's n-gram cache
+shared by all requests is refused naming the flag, never ignored."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 SPECULATIVE_ALGORITHMS = ("DSPARK", "NGRAM")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
-PLANNER_MODES = ("full", "threshold", "adaptive")     # args.VERIFY_MODES (speculative/planner.py)
+PLANNER_MODES = ("full", "threshold", "adaptive")     # speculative/planner.py's MODES
 # flags of one speculative algorithm, refused with the other (or with none)
 # (the verify planner's flags, --speculative-dspark-verify-mode / -confidence-threshold /
 # -sps-table-path, serve NGRAM too: it plans with its drafts' measured acceptance)
