@@ -13,6 +13,7 @@ import torch
 from server_harness import ServerProcess, free_port
 
 from sparkserve import Engine
+from sparkserve.core.forward_batch import ForwardMode
 from sparkserve.core.req import Req
 from sparkserve.core.sampling_state import RequestSamplingState
 from sparkserve.frontend.prepare import params_list
@@ -49,6 +50,24 @@ def disaggregated(prefill: Engine, decode: Engine, ids: list[int], sp: dict) -> 
         for key in draft:
             torch.testing.assert_close(here[key], data[key], rtol=0, atol=0)
     return decode._run_to_completion([[dst]])[0]
+
+
+def assert_disaggregated_as_colocated(path: str, kw: dict, prompts: list[list[int]], sp: dict,
+                                      atol: float = 1e-5) -> tuple[Engine, Engine]:
+    """Each prompt colocated (one at a time, as a disaggregated pair runs them: a batch's other
+    roundings of quantized K/V could flip a value across a step) and disaggregated give the same
+    tokens and logprobs, the decode engine never running a prompt. Returns (prefill, decode)."""
+    colocated = Engine(path, **kw)
+    want = [colocated.generate(input_ids=ids, sampling_params=sp) for ids in prompts]
+    prefill, decode = Engine(path, **kw), Engine(path, **kw)
+    got = [disaggregated(prefill, decode, ids, sp) for ids in prompts]
+    assert decode.scheduler.forward_count[ForwardMode.EXTEND] == 0      # the prompt never ran here
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w["output_ids"]
+        torch.testing.assert_close(torch.tensor([x[0] for x in g["meta_info"]["output_token_logprobs"]]),
+                                   torch.tensor([x[0] for x in w["meta_info"]["output_token_logprobs"]]),
+                                   atol=atol, rtol=0)
+    return prefill, decode
 
 
 def _start(cmd: list[str], url: str, ready_path: str) -> subprocess.Popen:

@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from minimax_fixtures import make_minimax, with_index_value
-from pd_fixtures import disaggregated
+from pd_fixtures import assert_disaggregated_as_colocated
 
 from sparkserve import Engine
-from sparkserve.core.forward_batch import ForwardMode
 
 KW = dict(num_threads=1, chunked_prefill_size=16, max_total_tokens=1024, activation_quant="none")
 SP = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True, "return_logprob": True}
@@ -42,13 +41,4 @@ def test_quantized_pool_reads_as_the_float32_pool(name, worst, mean, minimax):
 
 
 def test_quantized_pool_moves_with_its_scales(minimax):
-    kw = dict(KW, kv_cache_dtype="int8")
-    colocated = Engine(minimax, **kw)
-    want = [colocated.generate(input_ids=p, sampling_params=SP) for p in PROMPTS]
-    prefill, decode = Engine(minimax, **kw), Engine(minimax, **kw)
-    got = [disaggregated(prefill, decode, ids, SP) for ids in PROMPTS]
-    assert decode.scheduler.forward_count[ForwardMode.EXTEND] == 0
-    for g, w in zip(got, want):
-        assert g["output_ids"] == w["output_ids"]
-        assert [x[0] for x in g["meta_info"]["output_token_logprobs"]] == pytest.approx(
-            [x[0] for x in w["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert_disaggregated_as_colocated(minimax, dict(KW, kv_cache_dtype="int8"), PROMPTS, SP)
