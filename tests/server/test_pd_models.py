@@ -83,3 +83,40 @@ def test_model_through_both_routers(name, tmp_path, tiny_dirs):
         for s in servers.values():
             s.stop()
             s.remove_log()
+
+
+@pytest.mark.parametrize("name", ["windowed", "minimax"])
+def test_quantized_kv_through_sglang_router(name, tmp_path, tiny_dirs):
+    """--kv-cache-dtype int8 on both sides of sglang-router's PD mode: the scales move with the rows
+    (Mistral's window; MiniMax-M3's K/V, index K and index V), and the decode server's greedy tokens
+    and logprobs equal one int8 process's, prompt by prompt (a batch's other roundings could flip a
+    value across a quantization step)."""
+    path = _model(name, tmp_path, tiny_dirs)
+    sp = dict(SP, return_logprob=True)
+    eng = Engine(path, num_threads=1, max_total_tokens=1024, chunked_prefill_size=16, kv_cache_dtype="int8")
+    want = [eng.generate(input_ids=ids, sampling_params=sp) for ids in PROMPTS]
+    port = free_port()
+    model = ("--model-path", path, *COMMON, "--kv-cache-dtype", "int8")
+    prefill = ServerProcess(*model, "--disaggregation-mode", "prefill",
+                            "--disaggregation-bootstrap-port", str(port))
+    decode = ServerProcess(*model, "--disaggregation-mode", "decode")
+    proc = None
+    try:
+        proc, url = start_router("sglang-router", prefill, port, decode)
+        for ids, w in zip(PROMPTS, want):
+            got = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": SP,
+                                                      "return_logprob": True}, timeout=120)
+            assert got.status_code == 200, got.text
+            got = got.json()
+            assert got["output_ids"] == w["output_ids"]
+            lp = torch.tensor([x[0] for x in got["meta_info"]["output_token_logprobs"]])
+            ref = torch.tensor([x[0] for x in w["meta_info"]["output_token_logprobs"]])
+            torch.testing.assert_close(lp, ref, atol=1e-4, rtol=0)
+        assert "Prefill batch" not in decode.log_tail(1 << 30)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+        for s in (prefill, decode):
+            s.stop()
+            s.remove_log()
