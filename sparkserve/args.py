@@ -107,7 +107,8 @@ class ServerArgs(SpeculativeArgs):
         "model's compute dtype on CPU, as vLLM and SGLang keep the model's). int8 / fp8_e4m3 / "
         "fp8_e5m2 store each K/V value in one byte with a float16 scale per block of 32 of a head's "
         "row (llama.cpp's q8_0 cache): ~3.8x float32's tokens in the same memory. Half and quantized "
-        "types: Llama-family models; quantized also DeepSeek-V2 and MiniMax-M3", choices=KV_CACHE_DTYPES))
+        "types: Llama-family models; quantized also the MLA latents (DeepSeek-V2, Kimi-Linear) and "
+        "MiniMax-M3", choices=KV_CACHE_DTYPES))
     device: str = field(default="auto", metadata=_opt(
         "where the model, its pools and the forward run: cpu (this project's own kernels) or cuda (torch's "
         "kernels, fp32 weights dequantized from GGUF); auto: cuda when torch sees a GPU, else cpu",

@@ -34,7 +34,17 @@ from sparkserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLi
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import apply_rotary
 from sparkserve.layers.sharded import Sharded
-from sparkserve.mem.kv_quant import dequantize, is_quantized, scale_component
+from sparkserve.mem.kv_quant import SCALE_DTYPE, block_size, dequantize, is_quantized, scale_component
+
+
+def latent_buffers(latent_dim: int, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The pool buffers of an MLA latent a token: the latent, and a quantized latent's block scales
+    (--kv-cache-dtype int8 / fp8), each (name, shape, dtype)."""
+    out = [("kv_latent", (latent_dim,), dtype)]
+    if is_quantized(dtype):
+        blocks = latent_dim // block_size(latent_dim)
+        out.append((scale_component("kv_latent", dtype), (blocks,), SCALE_DTYPE))
+    return out
 
 
 def rope_rows_to_halves(w: torch.Tensor, rope_dim: int, head_width: int) -> torch.Tensor:
@@ -98,7 +108,7 @@ class MLAttention(nn.Module):
             k_pe = apply_rotary(k_pe.unsqueeze(1), *rope).squeeze(1)
         buf = batch.kv_pool.get("kv_latent", self.layer_id)
         scale = (batch.kv_pool.get(scale_component("kv_latent", buf.dtype), self.layer_id)
-                 if is_quantized(buf.dtype) else None)     # --kv-cache-dtype int8 / fp8 (DeepSeek-V2)
+                 if is_quantized(buf.dtype) else None)     # --kv-cache-dtype int8 / fp8
         store_rows(batch, buf, scale, torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1))
         w = self.kv_b_proj.weight.view(H, self.nope + self.vd, r)
         q_lat = torch.einsum("thn,hnr->thr", q[..., :self.nope], w[:, :self.nope])

@@ -191,8 +191,9 @@ class CausalLM(AuxCaptureMixin, nn.Module):
         """What make_pool's K/V buffers hold (--kv-cache-dtype), set before the pool is sized."""
         if dtype not in self.KV_CACHE_DTYPES:
             name = kv_dtype_name(dtype)
-            raise ValueError(f"--kv-cache-dtype {name}: {type(self).__name__} keeps its pools in float32; "
-                             "use --kv-cache-dtype float32 or auto")
+            takes = ", ".join(kv_dtype_name(d) for d in self.KV_CACHE_DTYPES)
+            raise ValueError(f"--kv-cache-dtype {name}: {type(self).__name__} keeps its pools in {takes}; "
+                             f"use one of them, or auto")
         self.kv_dtype = dtype
 
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:

@@ -21,14 +21,13 @@ from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim
 from sparkserve.layers.dp_attention import run_mlp
-from sparkserve.layers.mla import MLAttention, rope_rows_to_halves
+from sparkserve.layers.mla import MLAttention, latent_buffers, rope_rows_to_halves
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
 from sparkserve.loader.weights import WeightLoader, blocks_of, values_of, with_blocks
 from sparkserve.mem.hybrid_pool import HybridPool
-from sparkserve.mem.kv_quant import SCALE_DTYPE, block_size, is_quantized, scale_component
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
 from sparkserve.models.llama import _EXPERT_PART, _EXPERT_TENSOR, LlamaForCausalLM
 
@@ -157,12 +156,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         return HybridPool.token_bytes([(n, shape, dtype) for _, shape, dtype in self._pool_buffers()])
 
     def _pool_buffers(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """The latent, and a quantized latent's block scales (layers/mla.py)."""
-        d, dtype = self._latent_dim(), self.kv_dtype
-        out = [("kv_latent", (d,), dtype)]
-        if is_quantized(dtype):
-            out.append((scale_component("kv_latent", dtype), (d // block_size(d),), SCALE_DTYPE))
-        return out
+        return latent_buffers(self._latent_dim(), self.kv_dtype)
 
     # ---- loading ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -23,7 +23,7 @@ from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim
 from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.kda import KimiDeltaAttention
-from sparkserve.layers.mla import MLAttention
+from sparkserve.layers.mla import MLAttention, latent_buffers
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
@@ -142,6 +142,8 @@ class KimiLinearModel(DecoderStack):
 
 
 class KimiLinearForCausalLM(CausalLM):
+    # the MLA latents may be quantized (layers/mla.py); the KDA state stays float32
+    KV_CACHE_DTYPES = (torch.float32, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
     has_request_state = True
     stacked_params = {".gate_proj.": (".gate_up_proj.", "gate"), ".up_proj.": (".gate_up_proj.", "up")}
 
@@ -190,7 +192,8 @@ class KimiLinearForCausalLM(CausalLM):
     def make_pool(self, num_slots: int, num_rows: int, swa_slots: int = 0) -> HybridPool:
         pool = HybridPool(num_slots, num_rows)
         if self._mla_ids():
-            pool.add("kv_latent", "token_page", self._mla_ids(), (self._latent_dim(),))
+            for name, shape, dtype in latent_buffers(self._latent_dim(), self.kv_dtype):
+                pool.add(name, "token_page", self._mla_ids(), shape, dtype)
         kda = self._kda_layers()
         if kda:
             splits = kda[0].state_splits()
@@ -200,7 +203,9 @@ class KimiLinearForCausalLM(CausalLM):
 
     def pool_bytes_per_token(self) -> int:
         """Token-kind bytes only (the MLA latents); KDA state is per request row."""
-        return max(4, HybridPool.token_bytes([(len(self._mla_ids()), (self._latent_dim(),), torch.float32)]))
+        n = len(self._mla_ids())
+        return max(4, HybridPool.token_bytes([(n, shape, dtype) for _, shape, dtype
+                                              in latent_buffers(self._latent_dim(), self.kv_dtype)]))
 
     def pool_bytes_per_request(self) -> int:
         """KDA recurrent + conv state of one request row, over every KDA layer (~45 MiB per

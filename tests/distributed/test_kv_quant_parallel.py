@@ -24,3 +24,19 @@ def test_int8_pool_equals_one_process(arch, layout, tiny_dirs):
         got = [eng.generate(input_ids=p, sampling_params=SP) for p in PROMPTS]
         assert_no_kv_leak(eng.scheduler.cache)
     assert_same(got, want)
+
+
+@pytest.mark.parametrize("layout", [dict(tp_size=2, ep_size=2), dict(tp_size=2, ep_size=2, attn_cp_size=2)],
+                         ids=["ep2", "cp2"])
+def test_int8_latent_equals_one_process(layout, tmp_path):
+    """Kimi-Linear's MLA latent in an int8 pool (whole on every rank, its scales too; under CP each
+    rank's rows gathered as bytes) beside its float32 KDA state equals the single-process int8 engine."""
+    from kimi_fixtures import make_kimi
+    path = make_kimi(str(tmp_path / "kimi"), "kda_mla")
+    one = Engine(path, **INT8)
+    assert "kv_latent_scale_int8" in {c.name for c in one.scheduler.runner.kv_pool.components()}
+    want = [one.generate(input_ids=p, sampling_params=SP) for p in PROMPTS]
+    with Engine(path, **layout, **INT8) as eng:
+        got = [eng.generate(input_ids=p, sampling_params=SP) for p in PROMPTS]
+        assert_no_kv_leak(eng.scheduler.cache)
+    assert_same(got, want)

@@ -64,7 +64,7 @@ def test_half_pool_holds_twice_the_tokens(llama_dir):
 def test_models_with_other_pool_state_refuse_it(tmp_path):
     path = make_kimi(str(tmp_path / "kimi"), "kda_mla")
     with pytest.raises(ValueError, match="--kv-cache-dtype float16: KimiLinearForCausalLM keeps its pools in "
-                                         "float32; use --kv-cache-dtype float32 or auto"):
+                                         "float32, int8, fp8_e4m3, fp8_e5m2; use one of them, or auto"):
         Engine(path, kv_cache_dtype="float16", max_total_tokens=256)
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8: use one of auto, float32, float16, bfloat16"):
         Engine(path, kv_cache_dtype="fp8", max_total_tokens=256)
