@@ -107,7 +107,7 @@ def test_generate_many_rejects_bad_input_without_leaking(llama_dir):
     eng = _engine(llama_dir, max_total_tokens=4096)
     with pytest.raises(ValueError, match="max_in_flight"):
         eng.generate_many([[5, 6]], GREEDY, max_in_flight=0)
-    with pytest.raises(ValueError, match="sampling_params: 1 dicts for 2 prompts"):
+    with pytest.raises(ValueError, match="sampling_params: 1 values for 2 prompts"):
         eng.generate_many([[5, 6], [7, 8]], [GREEDY])
     with pytest.raises(ValueError, match="empty"):
         list(eng.generate_many([[5, 6, 7], [8, 9], []], GREEDY, max_in_flight=2))
