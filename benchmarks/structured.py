@@ -3,20 +3,29 @@ output tokens per second of json_schema-constrained against free generation at c
 (same prompts, seeds and sampling; the goal: constrained >= 0.9x free), and the grammar compile time
 of a few real schemas (the first one also builds the llguidance tokenizer, once per server).
 
-    python benchmarks/structured.py [--rounds 5] [--max-new-tokens 96]
+    python benchmarks/structured.py [--rounds 5] [--max-new-tokens 96] [--llama-server PATH | --no-peer]
 
-Writes benchmarks/results/structured.{md,json}. llama-server's json_schema is not run beside it
-(no llama.cpp build on this machine)."""
+Beside it in the same run, llama.cpp's llama-server (built by peers/llamacpp.py unless --llama-server
+names a binary) on the same GGUF: free and `response_format` json_schema chat completions over HTTP,
+alternating, at the same concurrencies (`-np 8`); what compares across the two is each engine's
+constrained / free ratio (sparkserve here is the in-process Engine). Writes
+benchmarks/results/structured.{md,json}."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
+import subprocess
+import tempfile
 import time
 
 import sparkserve  # noqa: F401  (before torch: its OpenMP threads must wait passively)
 
 # isort: split
-from results_io import machine_line, sparkserve_kernels, write_results
+import httpx
+from results_io import machine_line, peer_env, sparkserve_kernels, write_results
+from servers import free_port, wait_ready
 
 from sparkserve import Engine
 
@@ -63,6 +72,45 @@ def throughput(eng: Engine, conc: int, rounds: int, max_new: int) -> tuple[float
     return tokens[0] / seconds[0], tokens[1] / seconds[1]
 
 
+def start_llama_server(binary: str, threads: int) -> tuple[subprocess.Popen, str]:
+    from sparkserve.embedded import default_model_path
+    port = free_port()
+    cmd = [binary, "-m", default_model_path(), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+           "-np", "8", "-c", "8192"]
+    log = open(os.path.join(tempfile.gettempdir(), f"structured-llama-server-{port}.log"), "w")
+    env = peer_env(OMP_NUM_THREADS=str(threads))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc.log_path = log.name
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base, proc)
+    return proc, base
+
+
+async def _http_round(base: str, conc: int, constrained: bool, seed: int, max_new: int) -> int:
+    body = {"messages": MSGS, "temperature": 0.8, "max_tokens": max_new}
+    if constrained:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    async with httpx.AsyncClient(timeout=600) as client:
+        rs = await asyncio.gather(*(client.post(base + "/v1/chat/completions", json=dict(body, seed=seed + i))
+                                    for i in range(conc)))
+    for r in rs:
+        r.raise_for_status()
+    return sum(r.json()["usage"]["completion_tokens"] for r in rs)
+
+
+def http_throughput(base: str, conc: int, rounds: int, max_new: int) -> tuple[float, float]:
+    """throughput()'s measure for a server: (free, json_schema) output tokens per second."""
+    tokens, seconds = [0, 0], [0.0, 0.0]
+    for r in range(rounds + 1):
+        for k in (0, 1):
+            t0 = time.perf_counter()
+            n = asyncio.run(_http_round(base, conc, bool(k), 1000 * r, max_new))
+            if r:
+                seconds[k] += time.perf_counter() - t0
+                tokens[k] += n
+    return tokens[0] / seconds[0], tokens[1] / seconds[1]
+
+
 def compile_ms(eng: Engine) -> dict[str, float]:
     backend = eng.scheduler.grammar
     out = {}
@@ -77,23 +125,42 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--llama-server", help="a llama-server binary (default: peers/llamacpp.py's build)")
+    ap.add_argument("--no-peer", action="store_true", help="sparkserve only")
+    ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    eng = Engine(max_total_tokens=8192, max_running_requests=8)
+    peer, base = None, None
+    if not a.no_peer:
+        from peers.llamacpp import build
+        peer, base = start_llama_server(a.llama_server or str(build()["llama-server"]), a.threads)
+    eng = Engine(max_total_tokens=8192, max_running_requests=8, num_threads=a.threads)
     compiles = compile_ms(eng)         # first: a fresh backend (the llguidance tokenizer is built here)
     rows = {}
-    for conc in (1, 8):
-        free, constrained = throughput(eng, conc, a.rounds, a.max_new_tokens)
-        rows[conc] = {"free_tok_s": free, "json_schema_tok_s": constrained, "ratio": constrained / free}
-    lines = ["# Structured output: json_schema vs free generation (SmolLM2-135M, int8)", "",
+    try:
+        for conc in (1, 8):
+            engines = {"sparkserve": lambda: throughput(eng, conc, a.rounds, a.max_new_tokens)}
+            if base:
+                engines["llama-server"] = lambda: http_throughput(base, conc, a.rounds, a.max_new_tokens)
+            for name, run in engines.items():       # an idle server does not compute: each measured alone
+                free, constrained = run()
+                rows[f"{name} {conc}"] = {"engine": name, "concurrency": conc, "free_tok_s": free,
+                                          "json_schema_tok_s": constrained, "ratio": constrained / free}
+    finally:
+        if peer is not None:
+            peer.terminate()
+            peer.wait(30)
+    lines = ["# Structured output: json_schema vs free generation (SmolLM2-135M)", "",
              machine_line(), "", sparkserve_kernels(), "",
-             "| concurrency | free tok/s | json_schema tok/s | ratio |", "|---|---|---|---|"]
-    lines += [f"| {c} | {r['free_tok_s']:.1f} | {r['json_schema_tok_s']:.1f} | {r['ratio']:.2f} |"
-              for c, r in rows.items()]
-    lines += ["", "| schema | compile ms |", "|---|---|"]
+             "| engine | concurrency | free tok/s | json_schema tok/s | ratio |", "|---|---|---|---|---|"]
+    lines += [f"| {r['engine']} | {r['concurrency']} | {r['free_tok_s']:.1f} | "
+              f"{r['json_schema_tok_s']:.1f} | {r['ratio']:.2f} |" for r in rows.values()]
+    lines += ["", "| schema | compile ms (sparkserve) |", "|---|---|"]
     lines += [f"| {n} | {ms:.1f} |" for n, ms in compiles.items()]
-    lines += ["", f"Sampling at temperature 0.8, max_new_tokens {a.max_new_tokens}, {a.rounds} rounds; the "
-              "first compile includes building the llguidance tokenizer (once per server). "
-              "llama-server was not run (no llama.cpp build here)."]
+    lines += ["", f"Sampling at temperature 0.8, max_new_tokens {a.max_new_tokens}, {a.rounds} rounds, "
+              f"{a.threads} threads each; the first compile includes building the llguidance tokenizer "
+              "(once per server). sparkserve: the in-process Engine (int8 activations); llama-server: the "
+              "same GGUF over HTTP (`response_format` json_schema, -np 8). Compare each engine's ratio, "
+              "not tok/s across them."]
     write_results("structured", {"throughput": rows, "compile_ms": compiles}, lines)
 
 
