@@ -9,6 +9,7 @@
 #include "moe_experts.h"
 #include "native_draft.h"
 #include "native_llama.h"
+#include "native_mla.h"
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias);
 at::Tensor quant_linear_int8(at::Tensor x, at::Tensor w, int64_t qtype, std::optional<at::Tensor> bias,
@@ -132,3 +133,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::optional<at::Tensor>, int64_t, double, double>())
       .def("forward", &sparkserve::MoEExperts::forward);
 }
+  py::class_<sparkserve::NativeExperts>(m, "NativeExperts", "gated SiLU experts (MoE kernel or fp32) for NativeMLA")
+      .def(py::init<const sparkserve::MoEExperts*, std::optional<at::Tensor>, std::optional<at::Tensor>>());
+  py::class_<sparkserve::MLALayerWeights>(m, "MLALayerWeights", "a DeepSeek-V2 layer's attention weights")
+      .def(py::init<>())
+      .def_readwrite("input_norm", &sparkserve::MLALayerWeights::input_norm)
+      .def_readwrite("mlp_norm", &sparkserve::MLALayerWeights::mlp_norm)
+      .def_readwrite("q_a", &sparkserve::MLALayerWeights::q_a)
+      .def_readwrite("q_a_bias", &sparkserve::MLALayerWeights::q_a_bias)
+      .def_readwrite("q_a_norm", &sparkserve::MLALayerWeights::q_a_norm)
+      .def_readwrite("q_a_type", &sparkserve::MLALayerWeights::q_a_type)
+      .def_readwrite("q", &sparkserve::MLALayerWeights::q)
+      .def_readwrite("q_type", &sparkserve::MLALayerWeights::q_type)
+      .def_readwrite("kv_a", &sparkserve::MLALayerWeights::kv_a)
+      .def_readwrite("kv_a_norm", &sparkserve::MLALayerWeights::kv_a_norm)
+      .def_readwrite("kv_a_bias", &sparkserve::MLALayerWeights::kv_a_bias)
+      .def_readwrite("kv_a_type", &sparkserve::MLALayerWeights::kv_a_type)
+      .def_readwrite("kv_b", &sparkserve::MLALayerWeights::kv_b)
+      .def_readwrite("o", &sparkserve::MLALayerWeights::o)
+      .def_readwrite("o_bias", &sparkserve::MLALayerWeights::o_bias)
+      .def_readwrite("o_type", &sparkserve::MLALayerWeights::o_type)
+      .def_readwrite("q_a_eps", &sparkserve::MLALayerWeights::q_a_eps)
+      .def_readwrite("kv_a_eps", &sparkserve::MLALayerWeights::kv_a_eps);
+  py::class_<sparkserve::NativeMLA>(m, "NativeMLA", "one call per forward of a DeepSeek-V2 decoder")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor,
+                    at::Tensor, at::Tensor>())
+      .def("add_layer", &sparkserve::NativeMLA::add_layer)
+      .def("set_dense_mlp", &sparkserve::NativeMLA::set_dense_mlp)
+      .def("set_moe", &sparkserve::NativeMLA::set_moe)
+      .def("set_pool", &sparkserve::NativeMLA::set_pool)
+      .def("forward", &sparkserve::NativeMLA::forward);

@@ -51,13 +51,13 @@ SOURCES = [os.path.join(_DIR, f)
                      "decode_attention.cpp", "native_llama.cpp", "native_draft.cpp", "markov_greedy.cpp",
                      "moe_experts.cpp", "argmax.cpp", "sample.cpp", "prefill_attention.cpp",
                      "prefill_attention_avx2.cpp", "decode_attention_avx2.cpp", "thread_pool.cpp",
-                     "bindings.cpp")]
+                     "native_mla.cpp", "bindings.cpp")]
 HEADERS = [os.path.join(_DIR, f)
            for f in ("simd.h", "block_linear.h", "int8_common.h", "int8_packed.h", "int8_packed_ymm.h",
                      "int8_packed_zmm.h", "int8_amx_body.h", "int8_avxvnni_body.h", "amx_tiles.h",
                      "paged_attention.h", "prefill_attention.h", "prefill_tile.h", "rms_norm.h",
                      "native_llama.h", "native_draft.h", "markov_greedy.h", "moe_experts.h", "thread_pool.h",
-                     "vec_ymm.h", "vec_zmm.h", "decode_chunk.h", "decode_tile.h")]
+                     "vec_ymm.h", "vec_zmm.h", "decode_chunk.h", "decode_tile.h", "native_mla.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 # the separately compiled units (variants, ISA_UNITS): these, then each one's own flags

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from sparkserve.config import ModelConfig
-from sparkserve.core.forward_batch import ForwardBatch
+from sparkserve.core.forward_batch import ForwardBatch, PPProxy
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim
 from sparkserve.layers.dp_attention import run_mlp
@@ -29,6 +29,7 @@ from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
 from sparkserve.loader.weights import WeightLoader, blocks_of, values_of, with_blocks
 from sparkserve.mem.hybrid_pool import HybridPool
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
+from sparkserve.models.deepseek_v2_native import NativeMLAStep
 from sparkserve.models.llama import _EXPERT_PART, _EXPERT_TENSOR, LlamaForCausalLM
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -122,6 +123,16 @@ class DeepseekV2ForCausalLM(CausalLM):
         args = DeepseekV2Args.from_raw(cfg.raw, cfg.rope_scaling)
         super().__init__(cfg, DeepseekV2Model(cfg, args))
         self.args = args
+        self.native = NativeMLAStep()
+
+    def enable_native_step(self, on: bool) -> None:
+        self.native.enabled = on
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                proxy: PPProxy | None = None) -> torch.Tensor | PPProxy:
+        if proxy is None and self.native.applies(self, batch):
+            return self.native.forward(self, input_ids, batch)
+        return super().forward(input_ids, positions, batch, proxy)
 
     @staticmethod
     def tp_dims(cfg: ModelConfig) -> list[Dim]:
@@ -165,6 +176,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         kv_lora_rank], joined back); the rope rows of q and kv_a reordered pairs -> halves
         (layers/mla.py)."""
         a = self.args
+        self.native.reset()
         loader = WeightLoader(self, self.stacked_params)
         modules, filled = dict(self.named_modules()), {}
         kv_b_halves: dict[str, dict[str, torch.Tensor]] = {}

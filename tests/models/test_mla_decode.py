@@ -31,6 +31,7 @@ def test_latent_kernel_equals_sdpa(tmp_path, monkeypatch):
         runner, cache = make_runner(path, 1)
         pool = runner.model.make_pool(cache.num_slots, 8)
         runner = type(runner)(runner.model, pool, cache.req_to_token.table)
+        runner.model.enable_native_step(False)      # the layer path (the native step: test_native_mla.py)
         d = Driver(runner, cache)
         run_schedule(d, runner.model.config.vocab_size, [13, 1, 23, 6], decode_steps=6, seed=5)
         outs.append(logits_of(d))

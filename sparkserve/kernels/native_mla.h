@@ -1,0 +1,114 @@
+// One call per forward for a DeepSeek-V2 decoder on one rank (native_mla.cpp): every layer's MLA
+// attention the absorbed way (q through q_a / q_a_layernorm / q_b or one q_proj; kv_a, its
+// layernorm and the decoupled rope of k_pe into the latent pool; q_nope folded into the latent
+// through kv_b's key half; the paged decode kernel over the latent read in place as one shared
+// K = V head; the value half back per head; o_proj), then the dense SwiGLU MLP of the first layers
+// or the MoE of the rest (softmax routing, greedy or group-limited, times routed_scaling_factor;
+// routed experts plus the shared ones). For decode, VERIFY and small extends, where the Python
+// layer path (models/deepseek_v2.py, layers/mla.py) spends its time between ~40 small torch calls
+// per layer. The Python path stays the reference (models/deepseek_v2_native.py decides when
+// this one applies).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "native_llama.h"
+
+namespace sparkserve {
+
+// A projection: GGUF / packed blocks (BlockProj), or an fp32 weight [n, k] where the layer holds
+// no blocks (a width that is not whole blocks, an fp32 checkpoint).
+struct MLAProj {
+  BlockProj blocks;
+  at::Tensor dense, bias;   // dense undefined: the blocks; bias undefined: none
+  int64_t n = 0, k = 0;
+};
+
+// A set of gated SiLU MLPs run by (row, slot) routing: the MoE kernel's block experts, or fp32
+// gate|up [E, 2I, hidden] and down [E, hidden, I] (a dense MLP or the shared experts: E = 1).
+class NativeExperts {
+ public:
+  NativeExperts(const MoEExperts* kernel, std::optional<at::Tensor> gate_up, std::optional<at::Tensor> down);
+  // out [T, hidden] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]).
+  void run(const float* x, int64_t T, const float* weights, const int64_t* ids, int64_t k, bool int8,
+           float* out) const;
+  int64_t hidden() const { return hidden_; }
+  int64_t num_experts() const { return experts_; }
+
+ private:
+  std::shared_ptr<const MoEExperts> kernel_;
+  at::Tensor gate_up_, down_;
+  int64_t hidden_ = 0, experts_ = 0;
+};
+
+// A layer's attention weights as the Python side hands them over (models/deepseek_v2_native.py):
+// each projection as (weight, type, bias) with type -1 for an fp32 weight [n, k], else blocks.
+struct MLALayerWeights {
+  at::Tensor input_norm, mlp_norm;
+  std::optional<at::Tensor> q_a, q_a_bias, q_a_norm;   // q_lora_rank > 0 only
+  int64_t q_a_type = -1;
+  at::Tensor q;                      // q_proj, or q_b_proj after q_a
+  int64_t q_type = -1;
+  at::Tensor kv_a, kv_a_norm;
+  std::optional<at::Tensor> kv_a_bias, o_bias;
+  int64_t kv_a_type = -1;
+  at::Tensor kv_b;                   // fp32 [heads * (nope + v), kv_lora_rank]
+  at::Tensor o;
+  int64_t o_type = -1;
+  double q_a_eps = 1e-6, kv_a_eps = 1e-6;
+};
+
+class NativeMLA {
+ public:
+  // rope tables: the decoupled rope's cos / sin [positions, rope] (halves layout, sin's sign
+  // folded as layers/rotary.py builds them); scale: the softmax scale (YaRN's mscale in it).
+  NativeMLA(int64_t hidden, int64_t heads, int64_t q_lora_rank, int64_t kv_lora_rank, int64_t nope,
+            int64_t rope, int64_t v_dim, double eps, double scale, at::Tensor cos, at::Tensor sin,
+            at::Tensor final_norm);
+
+  void add_layer(const MLALayerWeights& w);
+  // Layer `layer`'s MLP: a dense one (one expert), or routed experts with optional shared ones
+  // (always on, weight 1) and the router: fp32 [experts, hidden], softmax over every expert, only
+  // the `topk_groups` of `groups` groups with the best single score kept (groups > 1), the top_k
+  // best, times `scaling`; routed_counts int64 [experts] counts each (token, slot) (/metrics).
+  void set_dense_mlp(int64_t layer, const NativeExperts& mlp);
+  void set_moe(int64_t layer, const NativeExperts& routed, const NativeExperts* shared, at::Tensor router,
+               int64_t top_k, int64_t groups, int64_t topk_groups, double scaling, at::Tensor routed_counts);
+
+  // The pool's per-layer latent buffers [slots, kv_lora_rank + rope], fp32, contiguous.
+  void set_pool(std::vector<at::Tensor> latent);
+
+  // x: [T, hidden] embeddings (request after request, q_lens[b] each, at positions seq_lens[b] -
+  // q_lens[b] ..); the new latents go to out_loc, attention reads kv_indices from kv_start
+  // (ForwardBatch.kv_view). Returns [final normed hidden, then the residual stream after each of
+  // aux_layers]. int8: projections quantize their inputs (--activation-quant int8).
+  std::vector<at::Tensor> forward(at::Tensor x, at::Tensor positions, at::Tensor out_loc, at::Tensor kv_indices,
+                                  int64_t kv_start, std::vector<int64_t> seq_lens, std::vector<int64_t> q_lens,
+                                  std::vector<int64_t> aux_layers, bool int8);
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, mlp_norm, q_a_norm, kv_a_norm;
+    bool q_lora;
+    MLAProj q_a, q, kv_a, o;
+    at::Tensor w_uk, w_uv;   // kv_b's halves: [heads, nope, r] and [heads, v, r]
+    float q_a_eps, kv_a_eps;
+    std::shared_ptr<const NativeExperts> mlp, shared;   // mlp: dense, or the routed experts
+    at::Tensor router, routed_counts;
+    int64_t top_k = 0, groups = 1, topk_groups = 1;
+    float scaling = 1.0f;
+  };
+  void route(const Layer& L, const float* x, int64_t T, float* weights, int64_t* ids) const;
+
+  int64_t hidden_, heads_, q_lora_, r_, nope_, rope_, vd_;
+  float eps_, scale_;
+  at::Tensor cos_, sin_, final_norm_;
+  std::vector<Layer> layers_;
+  std::vector<at::Tensor> latent_;
+};
+
+}  // namespace sparkserve
