@@ -106,6 +106,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def_readwrite("attn_out_norm", &sparkserve::NativeLayerOptions::attn_out_norm)
       .def_readwrite("mlp_out_norm", &sparkserve::NativeLayerOptions::mlp_out_norm)
+      .def_readwrite("o_bias", &sparkserve::NativeLayerOptions::o_bias)
+      .def_readwrite("sinks", &sparkserve::NativeLayerOptions::sinks)
       .def_readwrite("qk_norm_full_width", &sparkserve::NativeLayerOptions::qk_norm_full_width)
       .def_readwrite("gelu", &sparkserve::NativeLayerOptions::gelu)
       .def_readwrite("rope", &sparkserve::NativeLayerOptions::rope)
@@ -131,6 +133,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<sparkserve::MoEExperts>(m, "MoEExperts", "a MoE layer's routed experts run for a few rows in one call")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, int64_t, double, double>())
+      .def_static("dense", &sparkserve::MoEExperts::dense)
       .def("forward", &sparkserve::MoEExperts::forward);
 }
   py::class_<sparkserve::NativeExperts>(m, "NativeExperts", "gated SiLU experts (MoE kernel or fp32) for NativeMLA")

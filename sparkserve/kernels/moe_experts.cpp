@@ -6,6 +6,8 @@
 #include "moe_experts.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 
 #include <algorithm>
 #include <cmath>
@@ -35,6 +37,16 @@ void swiglu_oai_mul(const float* g, const float* u, float* out, int64_t n, float
   }
 }
 
+// y[n, N] = x[n, K] @ w.T (+ bias) for an fp32 matrix w [N, K]: the GEMM F.linear runs.
+void dense_linear(const float* x, int64_t n, const at::Tensor& w, const float* bias, float* y) {
+  const int64_t N = w.size(0), K = w.size(1);
+  at::Tensor out = at::from_blob(y, {n, N}, at::kFloat);
+  at::mm_out(out, at::from_blob(const_cast<float*>(x), {n, K}, at::kFloat), w.t());
+  if (bias != nullptr)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < N; ++c) y[i * N + c] += bias[c];
+}
+
 }  // namespace
 
 MoEExperts::MoEExperts(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, int64_t qtype_gate_up,
@@ -52,6 +64,33 @@ MoEExperts::MoEExperts(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> 
     check_blocks(gate_up_[e], 2 * inter_, hidden_, qtype_gate_up_, "gate|up");
     check_blocks(down_[e], hidden_, inter_, qtype_down_, "down");
   }
+  set_biases(gate_up_bias, down_bias);
+}
+
+MoEExperts MoEExperts::dense(at::Tensor gate_up, at::Tensor down, std::optional<at::Tensor> gate_up_bias,
+                             std::optional<at::Tensor> down_bias, int64_t activation, double alpha, double limit) {
+  TORCH_CHECK(activation == kSiluMul || activation == kSwigluOai, "moe_experts: unknown activation ", activation);
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && down.scalar_type() == at::kFloat && gate_up.dim() == 3 &&
+                  down.dim() == 3 && gate_up.size(0) == down.size(0) && gate_up.size(0) > 0 &&
+                  gate_up.size(1) == 2 * down.size(2) && gate_up.size(2) == down.size(1),
+              "moe_experts: dense experts must be float32 gate|up [E, 2I, hidden] and down [E, hidden, I]");
+  MoEExperts m;
+  m.dense_ = true;
+  m.activation_ = activation;
+  m.alpha_ = static_cast<float>(alpha);
+  m.limit_ = static_cast<float>(limit);
+  m.hidden_ = down.size(1);
+  m.inter_ = down.size(2);
+  for (int64_t e = 0; e < gate_up.size(0); ++e) {
+    m.gate_up_.push_back(gate_up[e].contiguous());
+    m.down_.push_back(down[e].contiguous());
+  }
+  m.set_biases(gate_up_bias, down_bias);
+  return m;
+}
+
+void MoEExperts::set_biases(std::optional<at::Tensor> gate_up_bias, std::optional<at::Tensor> down_bias) {
+  const int64_t E = static_cast<int64_t>(gate_up_.size());
   if (gate_up_bias.has_value()) {
     gate_up_bias_ = gate_up_bias->contiguous();
     TORCH_CHECK(gate_up_bias_.scalar_type() == at::kFloat && gate_up_bias_.dim() == 2 &&
@@ -103,14 +142,16 @@ void MoEExperts::run(const float* xp, int64_t T, const float* wp, const int64_t*
     const float* gb = gate_up_bias_.defined() ? gate_up_bias_.data_ptr<float>() + e * 2 * I : nullptr;
     const float* db = down_bias_.defined() ? down_bias_.data_ptr<float>() + e * d : nullptr;
     const int qg = static_cast<int>(qtype_gate_up_), qd = static_cast<int>(qtype_down_);
-    if (int8) block_linear_int8(xs.data(), n, d, gate_up_[e], 2 * I, qg, gb, gu.data());
+    if (dense_) dense_linear(xs.data(), n, gate_up_[e], gb, gu.data());
+    else if (int8) block_linear_int8(xs.data(), n, d, gate_up_[e], 2 * I, qg, gb, gu.data());
     else block_linear(xs.data(), n, d, gate_up_[e].data_ptr<uint8_t>(), 2 * I, qg, gb, gu.data());
     for (int64_t i = 0; i < n; ++i) {
       const float* g = gu.data() + i * 2 * I;
       if (activation_ == kSiluMul) silu_mul(g, g + I, act.data() + i * I, I);
       else swiglu_oai_mul(g, g + I, act.data() + i * I, I, alpha_, limit_);
     }
-    if (int8) block_linear_int8(act.data(), n, I, down_[e], d, qd, db, ys.data());
+    if (dense_) dense_linear(act.data(), n, down_[e], db, ys.data());
+    else if (int8) block_linear_int8(act.data(), n, I, down_[e], d, qd, db, ys.data());
     else block_linear(act.data(), n, I, down_[e].data_ptr<uint8_t>(), d, qd, db, ys.data());
     for (int64_t i = 0; i < n; ++i) {
       const float w = wp[pairs[i]];

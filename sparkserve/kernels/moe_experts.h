@@ -1,5 +1,5 @@
-// A MoE layer's routed experts held as their block weights, run for a few rows in one call
-// (moe_experts.cpp; layers/moe_decode.py decides when).
+// A MoE layer's routed experts held as their block weights (or, on the exact path, as fp32
+// matrices), run for a few rows in one call (moe_experts.cpp; layers/moe_decode.py decides when).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -21,6 +21,12 @@ class MoEExperts {
              int64_t qtype_down, std::optional<at::Tensor> gate_up_bias, std::optional<at::Tensor> down_bias,
              int64_t activation, double alpha, double limit);
 
+  // The same experts as fp32 matrices: gate|up [experts, 2I, hidden] (gate rows first) and down
+  // [experts, hidden, I], read in place (the MoE layer's parameters), each expert one fp32 GEMM as
+  // the Python path's F.linear.
+  static MoEExperts dense(at::Tensor gate_up, at::Tensor down, std::optional<at::Tensor> gate_up_bias,
+                          std::optional<at::Tensor> down_bias, int64_t activation, double alpha, double limit);
+
   // sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x [T, hidden]; ids outside [0, experts)
   // (another rank's) contribute nothing. int8: activations quantized as block_linear_int8 does.
   at::Tensor forward(at::Tensor x, at::Tensor weights, at::Tensor ids, bool int8) const;
@@ -32,7 +38,10 @@ class MoEExperts {
   int64_t num_experts() const { return static_cast<int64_t>(gate_up_.size()); }
 
  private:
-  std::vector<at::Tensor> gate_up_, down_;
+  MoEExperts() = default;
+  void set_biases(std::optional<at::Tensor> gate_up_bias, std::optional<at::Tensor> down_bias);
+  std::vector<at::Tensor> gate_up_, down_;   // blocks per expert, or (dense_) fp32 [2I, d] / [d, I]
+  bool dense_ = false;
   int64_t qtype_gate_up_, qtype_down_, activation_;
   float alpha_, limit_;
   at::Tensor gate_up_bias_, down_bias_;

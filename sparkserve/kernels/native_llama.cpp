@@ -251,13 +251,19 @@ void NativeLlama::add_layer_with(at::Tensor qkv, int64_t qkv_type, std::optional
               "native step: attn_out_norm and mlp_out_norm come together");
   const bool wide = options.qk_norm_full_width;
   const bool dense = gate_up.numel() > 0;     // else a MoE layer (set_layer_moe)
-  NativeLayer l{block_proj(qkv, qkv_type, qkv_bias, hidden_), block_proj(o, o_type, std::nullopt, heads_ * D),
+  at::Tensor sinks;
+  if (options.sinks.has_value()) {
+    sinks = options.sinks->contiguous();
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.dim() == 1 && sinks.size(0) == heads_,
+                "native step: sinks must be float32 [heads]");
+  }
+  NativeLayer l{block_proj(qkv, qkv_type, qkv_bias, hidden_), block_proj(o, o_type, options.o_bias, heads_ * D),
                 dense ? block_proj(gate_up, gate_up_type, std::nullopt, hidden_) : BlockProj{},
                 dense ? block_proj(down, down_type, std::nullopt, I) : BlockProj{},
                 optional_norm(input_norm, hidden_), optional_norm(mlp_norm, hidden_),
                 optional_norm(options.attn_out_norm, hidden_), optional_norm(options.mlp_out_norm, hidden_),
                 optional_norm(q_norm, wide ? heads_ * D : D), optional_norm(k_norm, wide ? kv_heads_ * D : D),
-                wide, options.gelu, options.rope, options.local_rope, options.window};
+                sinks, wide, options.gelu, options.rope, options.local_rope, options.window};
   TORCH_CHECK(l.qkv.n == (heads_ + 2 * kv_heads_) * D && l.o.n == hidden_ &&
                   (!dense || (l.gate_up.n == 2 * I && l.down.n == hidden_)),
               "native step: projection shapes do not match the config");
@@ -265,8 +271,9 @@ void NativeLlama::add_layer_with(at::Tensor qkv, int64_t qkv_type, std::optional
   layers_.push_back(std::move(l));
 }
 
-void NativeLlama::set_layer_moe(int64_t layer, const MoEExperts& experts, at::Tensor router, int64_t top_k,
-                                bool renormalize, at::Tensor routed_counts) {
+void NativeLlama::set_layer_moe(int64_t layer, const MoEExperts& experts, at::Tensor router,
+                                std::optional<at::Tensor> router_bias, int64_t top_k, bool renormalize,
+                                bool softmax_of_topk, at::Tensor routed_counts) {
   TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "native step: bad MoE layer ", layer);
   const int64_t E = experts.num_experts();
   TORCH_CHECK(experts.hidden() == hidden_ && top_k > 0 && top_k <= E, "native step: MoE shapes do not match");
@@ -277,42 +284,68 @@ void NativeLlama::set_layer_moe(int64_t layer, const MoEExperts& experts, at::Te
                   routed_counts.numel() == E,
               "native step: routed_counts must be a contiguous int64 [experts]");
   NativeLayer& L = layers_[layer];
+  if (router_bias.has_value()) {
+    L.router_bias = router_bias->contiguous();
+    TORCH_CHECK(L.router_bias.scalar_type() == at::kFloat && L.router_bias.numel() == E,
+                "native step: router bias must be float32 [experts]");
+  }
   L.moe = std::make_shared<const MoEExperts>(experts);
   L.router = router.contiguous();
   L.routed_counts = routed_counts;
   L.top_k = top_k;
   L.renormalize = renormalize;
+  L.softmax_of_topk = softmax_of_topk;
 }
 
 namespace {
-// Mixtral / Qwen3-MoE routing of rows x [T, d] (moe.py softmax_topk): softmax over every expert's
-// logit, the top_k best (ties: the lower index), weights renormalized to sum 1 when asked.
-void route_softmax_topk(const NativeLayer& L, const float* x, int64_t T, int64_t d, float* weights,
-                        int64_t* ids) {
+// sum_c a[c] * b[c] in fp32, eight lanes then across them.
+float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float s = 0.0f;
+  for (float v : lanes) s += v;
+  for (; c < n; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// MoE routing of rows x [T, d] (moe.py Router): the router's logits (+ its bias); Mixtral /
+// Qwen3-MoE (softmax_topk): softmax over every expert, the top_k best, weights renormalized to sum
+// 1 when asked; GPT-OSS (topk_softmax, softmax_of_topk): the top_k logits, softmaxed among
+// themselves. Ties: the lower index.
+void route(const NativeLayer& L, const float* x, int64_t T, int64_t d, float* weights, int64_t* ids) {
   const int64_t E = L.router.size(0), k = L.top_k;
   const float* w = L.router.data_ptr<float>();
+  const float* bias = L.router_bias.defined() ? L.router_bias.data_ptr<float>() : nullptr;
   int64_t* counts = L.routed_counts.data_ptr<int64_t>();
   std::vector<float> p(E);
   std::vector<int64_t> order(E);
   for (int64_t t = 0; t < T; ++t) {
     const float* row = x + t * d;
-    float mx = -INFINITY;
-    for (int64_t e = 0; e < E; ++e) {
-      float acc = 0.0f;
-      for (int64_t c = 0; c < d; ++c) acc += row[c] * w[e * d + c];
-      p[e] = acc;
-      mx = std::max(mx, acc);
+    for (int64_t e = 0; e < E; ++e) p[e] = dot(row, w + e * d, d) + (bias ? bias[e] : 0.0f), order[e] = e;
+    if (!L.softmax_of_topk) {
+      const float mx = *std::max_element(p.begin(), p.end());
+      float sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - mx));
+      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
     }
-    float sum = 0.0f;
-    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - mx));
-    for (int64_t e = 0; e < E; ++e) p[e] /= sum, order[e] = e;
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
                       [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
-    float picked = 0.0f;
-    for (int64_t j = 0; j < k; ++j) picked += p[order[j]];
+    float* wt = weights + t * k;
+    for (int64_t j = 0; j < k; ++j) wt[j] = p[order[j]];
+    if (L.softmax_of_topk) {      // the best logit is wt[0]
+      float sum = 0.0f;
+      for (int64_t j = 0; j < k; ++j) sum += (wt[j] = std::exp(wt[j] - p[order[0]]));
+      for (int64_t j = 0; j < k; ++j) wt[j] /= sum;
+    } else if (L.renormalize) {
+      float picked = 0.0f;
+      for (int64_t j = 0; j < k; ++j) picked += wt[j];
+      for (int64_t j = 0; j < k; ++j) wt[j] /= picked;
+    }
     for (int64_t j = 0; j < k; ++j) {
       ids[t * k + j] = order[j];
-      weights[t * k + j] = L.renormalize ? p[order[j]] / picked : p[order[j]];
       ++counts[order[j]];
     }
   }
@@ -473,7 +506,8 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
       store_kv(vb, vsb, s.loc[t] * Hkv * D, row + (H + Hkv) * D, Hkv * D, kv_type_, qb);
     }
     const PagedKV kv{kb, vb, k_[l].size(0), Hkv, s.idx.data_ptr<int64_t>(), s.idx.stride(0), s.start, L.window,
-                     causal, kv_type_, attn_softcap_, ksb, vsb};
+                     causal, kv_type_, attn_softcap_, ksb, vsb,
+                     L.sinks.defined() ? L.sinks.data_ptr<float>() : nullptr};
     paged_attention(qp, W, D, H, D, kv, seq_lens.data(), s.q_off.data(), B, attn_scale_, ap);
     run_proj(L.o, ap, T, tp, int8);
     for (int64_t t = 0; t < T; ++t) {
@@ -484,7 +518,7 @@ std::vector<at::Tensor> NativeLlama::forward(at::Tensor x, at::Tensor positions,
     }
     const float* mlp_in = L.mlp_norm.defined() ? hp : rp;
     if (L.moe) {
-      route_softmax_topk(L, mlp_in, T, hidden_, route_w.data(), route_ids.data());
+      route(L, mlp_in, T, hidden_, route_w.data(), route_ids.data());
       L.moe->run(mlp_in, T, route_w.data(), route_ids.data(), L.top_k, int8, tp);
     } else {
       TORCH_CHECK(L.gate_up.blocks.defined(), "native step: layer ", l, " has neither an MLP nor experts");

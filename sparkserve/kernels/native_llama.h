@@ -2,7 +2,8 @@
 // layer's norms, q|k|v projection, optional q/k norm, rotary, K/V store, paged attention, o
 // projection, gate|up, SiLU / GeGLU, down projection and the residual adds, in C++ over the
 // block-weight kernels; a layer's departures from Llama (Gemma 3's sandwich norms and local rope,
-// SmolLM3's NoPE layers, ...) are its NativeLayerOptions. For decode,
+// SmolLM3's NoPE layers, GPT-OSS's sinks and o bias, ...) are its NativeLayerOptions; MoE layers
+// (Mixtral, Qwen3-MoE, GPT-OSS) route in C++ and run a MoEExperts. For decode,
 // VERIFY and small extends, where the Python layer path spends most of its time between ~15
 // small torch calls per layer rather than in them. The Python path stays the reference
 // (sparkserve/models/llama_native.py and dspark_native.py decide when this one applies).
@@ -39,6 +40,8 @@ struct NativeLayerOptions {
   // Norms of a branch's output before its residual add: Gemma's sandwich (post_attention_ and
   // post_feedforward_layernorm) and OLMo2's post norms. Both or neither.
   std::optional<at::Tensor> attn_out_norm, mlp_out_norm;
+  std::optional<at::Tensor> o_bias;   // the o projection's bias (GPT-OSS)
+  std::optional<at::Tensor> sinks;    // float32 [heads]: GPT-OSS's attention sinks (PagedKV.sinks)
   bool qk_norm_full_width = false;   // q/k norms over the whole q and k rows, before the heads (OLMo2)
   bool gelu = false;          // GeGLU (tanh approximation) instead of SwiGLU
   bool rope = true;           // false: a NoPE layer (SmolLM3) leaves q and k unrotated
@@ -50,16 +53,18 @@ struct NativeLayer {
   BlockProj qkv, o, gate_up, down;
   // undefined when the layer has none: the input norms of attention and of the MLP (OLMo2 has
   // neither), the branch output norms, q/k norms
-  at::Tensor input_norm, mlp_norm, attn_out_norm, mlp_out_norm, q_norm, k_norm;
+  at::Tensor input_norm, mlp_norm, attn_out_norm, mlp_out_norm, q_norm, k_norm, sinks;
   bool qk_full_width, gelu, rope, local_rope;
   int64_t window;
   // A MoE layer's MLP (set_layer_moe; null: the dense gate_up / down): its routed experts, the
-  // router's fp32 weight [experts, hidden] (softmax over every expert, the top_k best, renormalized
-  // to sum 1 when `renormalize`: Mixtral / Qwen3-MoE), and the per-expert (token, slot) counts it adds to.
+  // router's fp32 weight [experts, hidden] and optional bias [experts] (softmax over every expert,
+  // the top_k best, renormalized to sum 1 when `renormalize`: Mixtral / Qwen3-MoE; or with
+  // `softmax_of_topk` the top_k logits, then a softmax over those: GPT-OSS), and the per-expert
+  // (token, slot) counts it adds to.
   std::shared_ptr<const MoEExperts> moe = nullptr;
-  at::Tensor router = {}, routed_counts = {};
+  at::Tensor router = {}, router_bias = {}, routed_counts = {};
   int64_t top_k = 0;
-  bool renormalize = false;
+  bool renormalize = false, softmax_of_topk = false;
 };
 
 class NativeLlama {
@@ -80,11 +85,12 @@ class NativeLlama {
                       std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
                       const NativeLayerOptions& options);
 
-  // Layer `layer` (added with empty gate_up / down blocks) computes its MLP as a mixture of experts.
-  // routed_counts: int64 [experts], incremented in place per (token, slot) routed (the MoE block's
-  // routed_tokens, which /metrics reads).
-  void set_layer_moe(int64_t layer, const MoEExperts& experts, at::Tensor router, int64_t top_k,
-                     bool renormalize, at::Tensor routed_counts);
+  // Layer `layer` (added with empty gate_up / down blocks) computes its MLP as a mixture of experts,
+  // routed as NativeLayer describes. routed_counts: int64 [experts], incremented in place per
+  // (token, slot) routed (the MoE block's routed_tokens, which /metrics reads).
+  void set_layer_moe(int64_t layer, const MoEExperts& experts, at::Tensor router,
+                     std::optional<at::Tensor> router_bias, int64_t top_k, bool renormalize, bool softmax_of_topk,
+                     at::Tensor routed_counts);
 
   // Model-wide departures: the attention scale (<= 0: 1/sqrt(head_dim)), the attention scores'
   // soft-cap (<= 0: none; Gemma 2), the factor both branches' outputs take before their residual

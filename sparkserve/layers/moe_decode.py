@@ -8,8 +8,10 @@ hands the same block weights to one kernel call that groups the rows per expert 
 block kernels (block_linear_int8), so the two differ only by fp32 rounding (activation, the order
 of the weighted sum). Anything else (fp32 experts, fp32 activations, experts split by width,
 an activation the kernel does not compute, many rows) stays on the Python path. The native step
-(models/llama_native.py) runs the same kernel object for the MoE layers of Mixtral / Qwen3-MoE,
-routing in C++ (`native_moe_unsupported` says when it can)."""
+(models/llama_native.py) runs the same kernel object for the MoE layers of Mixtral / Qwen3-MoE /
+GPT-OSS, routing in C++ (`native_moe_unsupported` says when it can); experts held in fp32 (the exact
+path, --activation-quant none) it runs as fp32 GEMMs on the parameters in place (`native_experts`),
+what the Python path computes for them."""
 from __future__ import annotations
 
 import functools
@@ -93,8 +95,23 @@ def decode_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor,
     return None if kernel is None else kernel.forward(x, weights.float(), local_ids, True)
 
 
-# The routers the native step computes itself (kernels/native_llama.cpp route_softmax_topk).
-NATIVE_ROUTERS = ("softmax_topk", "softmax_topk_renorm")
+def native_experts(experts: Experts):
+    """The kernel object the native step runs `experts` with: their block weights' (experts_kernel),
+    else over their fp32 parameters in place; None when neither applies."""
+    kernel = experts_kernel(experts)
+    if kernel is not None or experts.block_experts is not None or experts.width_parts != 1:
+        return kernel
+    ext, code = load_extension(), _activation_code(experts.activation)
+    if ext is None or code is None:
+        return None
+    def bias(p: torch.nn.Parameter | None) -> torch.Tensor | None:
+        return None if p is None else p.detach().float().contiguous()
+    return ext.MoEExperts.dense(experts.gate_up_proj.detach(), experts.down_proj.detach(),
+                                bias(experts.gate_up_proj_bias), bias(experts.down_proj_bias), *code)
+
+
+# The routers the native step computes itself (kernels/native_llama.cpp route).
+NATIVE_ROUTERS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax")
 
 
 def native_moe_unsupported(block: MoEBlock) -> str | None:
@@ -105,6 +122,6 @@ def native_moe_unsupported(block: MoEBlock) -> str | None:
         return "shared experts are not in the native step"
     if block.gate.rule not in NATIVE_ROUTERS:
         return f"the {block.gate.rule!r} MoE router is not in the native step"
-    if experts_kernel(block.experts) is None:
-        return "a MoE layer's experts are not block weights under int8 activations"
+    if native_experts(block.experts) is None:
+        return "a MoE layer's experts are neither block weights under int8 activations nor fp32 on one rank"
     return None

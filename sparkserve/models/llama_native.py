@@ -21,7 +21,7 @@ from sparkserve.kernels.build import load_extension
 from sparkserve.layers.attention import KERNEL_MAX_Q
 from sparkserve.layers.linear import Linear
 from sparkserve.layers.moe import SharedExpertMoE
-from sparkserve.layers.moe_decode import experts_kernel, native_moe_unsupported
+from sparkserve.layers.moe_decode import native_experts, native_moe_unsupported
 from sparkserve.mem.kv_pool import KVPool
 
 if TYPE_CHECKING:
@@ -101,19 +101,20 @@ def unsupported(model: LlamaForCausalLM) -> str | None:
         projs = _projections(layer)
         if any(lin.inference_blocks() is None for lin in projs):
             return "a projection has no block weights"
-        if any(lin.bias is not None for lin in projs[1:]):
-            return "a projection other than q|k|v has a bias"
+        if any(lin.bias is not None for lin in projs[2:]):
+            return "an MLP projection has a bias"
     return None
 
 
 def beyond_native(cfg: ModelConfig) -> str | None:
     """The first ModelConfig feature the native step (kernels/native_llama.cpp: pre-, sandwich or
     post norms, q/k norms per head or full-width, SiLU or GeGLU, a global and a local rope table,
-    partial rotary, NoPE layers, an attention scale and soft-cap, a residual scale; the embedding
-    scale is the embedding module's, before the call) does not compute, or None."""
+    partial rotary, NoPE layers, an attention scale and soft-cap, attention sinks (the decode
+    kernel's: not with a soft-cap), q|k|v and o biases, a residual scale; the embedding scale is the
+    embedding module's, before the call) does not compute, or None."""
     features = {f"the {cfg.norm_layout!r} norm layout": cfg.norm_layout not in ("pre", "sandwich", "post"),
                 f"the {cfg.activation} activation": cfg.activation not in _ACTIVATIONS,
-                "attention sinks": cfg.attn_sinks}
+                "attention sinks with a soft-cap": cfg.attn_sinks and bool(cfg.attn_softcap)}
     return next((f"{name} is not in the native step" for name, on in features.items() if on), None)
 
 
@@ -137,13 +138,16 @@ _NO_BLOCKS = torch.empty(0, dtype=torch.uint8)     # a MoE layer's dense MLP blo
 
 
 def _set_moe(step, i: int, block: SharedExpertMoE) -> None:
-    """Layer i's MLP as its experts' kernel object and its router (as moe.py Router computes it)."""
+    """Layer i's MLP as its experts' kernel object and its router (as moe.py Router computes it:
+    softmax then top-k, or GPT-OSS's biased top-k then softmax)."""
     gate = block.gate
     if block.routed_tokens is None:     # the counts /metrics reads: the step adds to them in place
         block.routed_tokens = torch.zeros(block.experts.num_experts, dtype=torch.long)
     router = gate.weight.detach().float().contiguous()
-    renormalize = gate.rule == "softmax_topk_renorm"
-    step.set_layer_moe(i, experts_kernel(block.experts), router, gate.top_k, renormalize, block.routed_tokens)
+    topk_softmax = gate.rule == "topk_softmax"
+    bias = gate.bias.detach().float().contiguous() if topk_softmax else None
+    step.set_layer_moe(i, native_experts(block.experts), router, bias, gate.top_k,
+                       gate.rule == "softmax_topk_renorm", topk_softmax, block.routed_tokens)
 
 
 def _input_norms(layer: torch.nn.Module, layout: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -180,6 +184,8 @@ def build(model: LlamaForCausalLM):
         opts.rope = not c.rope_layers or c.rope_layers[i]
         opts.local_rope = local is not None and m.windowed[i]
         opts.qk_norm_full_width = c.qk_norm_full_width
+        opts.o_bias = None if attn.o_proj.bias is None else attn.o_proj.bias.detach().float()
+        opts.sinks = None if attn.sinks is None else attn.sinks.detach().float()
         input_norm, mlp_norm = _input_norms(layer, c.norm_layout)
         if c.norm_layout != "pre":       # the branches' outputs are normed before the residual adds
             opts.attn_out_norm = _weight(layer.post_attention_layernorm)

@@ -2,8 +2,9 @@
 under int8 activations run in one kernel call per layer at decode and small batches, and give what
 the Python expert loop (moe.py grouped_experts over the same block Linears) gives, for every MoE
 family (SwiGLU experts; GPT-OSS's clamped SwiGLU with biases; DeepSeek-V2's shared experts beside).
-Mixtral and Qwen3-MoE run whole in the native step (kernels/native_llama.cpp: the router in C++,
-then the same kernel), equal to the Python layer path."""
+Mixtral, Qwen3-MoE and GPT-OSS run whole in the native step (kernels/native_llama.cpp: the router
+in C++, then the same kernel), equal to the Python layer path (GPT-OSS on the exact path:
+tests/models/test_gpt_oss_native.py)."""
 from __future__ import annotations
 
 import pytest
@@ -64,7 +65,7 @@ def test_kernel_equals_python_expert_loop(name, q8_ggufs, monkeypatch):
 def test_decode_takes_the_kernel_and_keeps_the_tokens(name, q8_ggufs, monkeypatch):
     """Through the Engine at batch 1 and 3 (the native step off: the layer path): every decode
     step's MoE layers take the kernel, and the greedy tokens equal those of the Python expert loop
-    (forced by MAX_TOKENS = 0); with the native step on (Mixtral, Qwen3-MoE run it) the same tokens."""
+    (forced by MAX_TOKENS = 0); with the native step on (all but DeepSeek-V2 run it) the same tokens."""
     taken = []
     real = moe.decode_experts
 
@@ -99,7 +100,7 @@ def _int8_runner(path: str) -> tuple[ModelRunner, KVCacheManager]:
     return ModelRunner(model, pool, cache.req_to_token.table), cache
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss_gguf"])
 def test_native_step_runs_moe_layers(name, q8_ggufs, monkeypatch):
     """Decode steps of 4 requests and a mixed extend run natively (MoE layers, and Qwen3-MoE's dense
     one, in C++) and give the Python layer path's logits and greedy choices; the experts' routed
@@ -125,10 +126,11 @@ def test_native_step_runs_moe_layers(name, q8_ggufs, monkeypatch):
     assert counts[0] == counts[1] and sum(counts[0]) > 0
 
 
-def test_native_step_refuses_moe_it_does_not_compute(q8_ggufs):
-    """GPT-OSS (attention sinks; its router), DeepSeek-V2 (MLA: not a Llama model at all) and MoE
-    experts held in fp32 (activation_quant none) stay on the Python path, which names why."""
-    gpt_oss = load_model(q8_ggufs["gpt_oss_gguf"], activation_quant="int8")
-    assert unsupported(gpt_oss) == "attention sinks is not in the native step"
-    fp32 = load_model(q8_ggufs["mixtral"], activation_quant="none")
-    assert unsupported(fp32) == "a MoE layer's experts are not block weights under int8 activations"
+def test_native_step_takes_fp32_experts(q8_ggufs):
+    """Experts held in fp32 (activation_quant none: the Q8_0 file's values dequantized) run natively
+    from their parameters in place (tests/models/test_families.py checks the logits); GPT-OSS too,
+    sinks, o bias and its router included."""
+    for name in ("mixtral", "gpt_oss_gguf"):
+        model = load_model(q8_ggufs[name], activation_quant="none")
+        assert all(ex.block_experts is None for ex in _experts(model))
+        assert unsupported(model) is None
