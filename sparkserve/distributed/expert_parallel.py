@@ -1,5 +1,5 @@
 """The collectives of all-to-all expert parallel (layers/moe_a2a.py), over the mlp group (the ranks
-a MoE layer's experts are spread over): every rank's per-expert counts, the rows' all-to-all
+a MoE layer's experts are spread over): every rank's per-expert and per-rank counts, the rows' all-to-all
 (torch.distributed.all_to_all_single, which gloo runs, uneven and empty splits included), and the
 gather that gives the ranks holding the same rows their outputs back."""
 from __future__ import annotations
@@ -21,7 +21,8 @@ def row_holders(own_rows: bool) -> ps.Group:
 
 
 def moe_counts(per_expert: torch.Tensor) -> torch.Tensor:
-    """Every rank's per-expert row counts of one MoE layer, [ranks of the mlp group, experts]."""
+    """Every rank's counts of one MoE layer (its per-expert (token, slot) pairs and the rows it
+    sends each rank), [ranks of the mlp group, n]."""
     g = ps.group_of("mlp")
     if g.size == 1:
         return per_expert.unsqueeze(0)

@@ -318,10 +318,10 @@ class Experts(Sharded, ServesActivationQuant):
             return out if down_bias is None else out + down_bias
         return grouped_experts(x, weights, ids - self.first, self.local, expert)
 
-    def run_rows(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """Each row through its own expert (local_ids [R]: this rank's expert index of each row):
-        the all-to-all backend's received rows."""
-        return self(rows, rows.new_ones(rows.shape[0], 1), (local_ids + self.first).unsqueeze(1))
+    def run_rows(self, rows: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """The all-to-all backend's received rows, each the weighted sum of its slots' experts
+        (local_ids [R, k]: this rank's expert index per slot, -1 where the expert is elsewhere)."""
+        return self(rows, weights, local_ids + self.first)
 
 
 def shared_experts_scope():

@@ -6,7 +6,8 @@ groups x 2 CP ranks, ep 4) and pipeline stages; on the MoE families (Qwen3-MoE, 
 GPT-OSS, DeepSeek-V2) under DP attention; DSpark stays lossless under DP attention + a2a (+ CP), with
 one group idle; a router that never picks one rank's experts leaves that rank without rows while it
 still takes part; /metrics reports each expert's and each expert rank's tokens, the single-process
-engine's counts."""
+engine's counts; a token's row goes once to each rank owning one of its experts (DeepEP's
+dispatch), not once per slot."""
 from __future__ import annotations
 
 import os
@@ -178,6 +179,38 @@ def test_dspark_under_dp_attention_a2a_and_cp(moe_dirs, a2a_calls, tmp_path):
             assert [g["output_ids"] for g in got] == [o["output_ids"] for o in plain]
         assert idle_sends and not any(sum(s) for s in idle_sends)       # rank 0 sent nothing, took part
         assert sum(k * v for k, v in hist.items()) > 0 and hist.get(0, 0) > 0, hist
+
+
+def test_a2a_sends_a_token_once_per_expert_rank(moe_dirs, monkeypatch):
+    """DeepEP's dispatch (top-2 of 8 experts, 4 a rank): rank 0 sends each of its tokens once to each
+    rank owning one of its experts, counted against its own router's choices, with the two slots'
+    weights and ids in the row (64 floats + 4); a token whose two experts share a rank travels once
+    where a row per slot sent it twice, so fewer bytes go out than per slot; tokens still equal."""
+    path = moe_dirs["kimi"]
+    want = run_mixed(Engine(path, **COMMON))
+    calls: list[tuple[int, list[int], list[int]]] = []
+    real = ep.all_to_all_rows
+
+    def recording(x, send, recv):
+        calls.append((x[:1].numel() * x.element_size(), list(send), list(recv)))
+        return real(x, send, recv)
+    with Engine(path, **LAYOUTS["tp2"], **COMMON) as eng:
+        routed: list[torch.Tensor] = []
+        for block in (m for m in _driver_model(eng).modules() if isinstance(m, MoEBlock)):
+            block.gate.register_forward_hook(lambda mod, args, out: routed.append(out[1].clone()))
+        monkeypatch.setattr(ep, "all_to_all_rows", recording)
+        got = run_mixed(eng)
+    dispatches = calls[0::2]
+    assert len(dispatches) == len(routed) > 0
+    sent = per_slot = 0
+    for (row_bytes, send, _), ids in zip(dispatches, routed):
+        on = [(ids // 4 == r) for r in range(2)]          # [T, 2]: the slots each rank serves
+        assert send == [int(o.any(1).sum()) for o in on]
+        assert row_bytes == 64 * 4 + 2 * 2 * 4
+        sent += send[1] * row_bytes
+        per_slot += int(on[1].sum()) * 64 * 4
+    assert 0 < sent < per_slot, (sent, per_slot)
+    assert_same(got, want)
 
 
 def _without_upper_experts(src: str, dst: str) -> str:
