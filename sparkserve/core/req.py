@@ -51,6 +51,10 @@ class Req:
     spec_accept_token_num: int = 0
     spec_idle: int = 0               # consecutive proposals whose verify budget came out 0
     spec_resume_at: int = 0          # draft again once len(output_ids) reaches this (back-off)
+    spec_batch: int = 0              # running requests when its latest proposal verified nothing
+    # [start, end) positions of committed rows never made draft context (a dark request's:
+    # scheduler/draft_pause.py); the draft pass leaves them out of its context
+    draft_gaps: list[list[int]] = field(default_factory=list)
     # return_hidden_states: (positions, final normed hidden, concatenated aux taps) of every
     # forward that computed rows of this request; a recomputed position (retraction) comes again.
     hidden_parts: list[HiddenPart] | None = None

@@ -74,7 +74,9 @@ void NativeDraft::set_heads(at::Tensor mask_emb, at::Tensor lm_head, int64_t lm_
 
 std::tuple<at::Tensor, at::Tensor> NativeDraft::propose(at::Tensor anchors, at::Tensor anchor_emb,
                                                         at::Tensor kv_indices, std::vector<int64_t> ctx_lens,
-                                                        at::Tensor block_slots, bool int8) {
+                                                        at::Tensor block_slots, bool int8,
+                                                        std::optional<at::Tensor> mask_rows,
+                                                        std::vector<int64_t> anchor_pos) {
   TORCH_CHECK(block_ > 0, "native draft: set_heads first");
   const int64_t B = static_cast<int64_t>(ctx_lens.size()), G = block_, Gd = G - shift_, d = hidden_;
   const int64_t V = lm_.n, r = w1_.size(1);
@@ -86,6 +88,12 @@ std::tuple<at::Tensor, at::Tensor> NativeDraft::propose(at::Tensor anchors, at::
               kv_indices.stride(1) == 1, "native draft: kv_indices must be int64 [B, L], rows contiguous");
   TORCH_CHECK(block_slots.scalar_type() == at::kLong && block_slots.is_contiguous() && block_slots.numel() >= B * G,
               "native draft: block_slots must be contiguous int64, ", B * G, " of them at least");
+  const bool own_masks = mask_rows.has_value() && mask_rows->defined();
+  TORCH_CHECK(!own_masks || (mask_rows->scalar_type() == at::kFloat && mask_rows->is_contiguous() &&
+                             mask_rows->dim() == 2 && mask_rows->size(0) == B && mask_rows->size(1) == d),
+              "native draft: mask_rows must be contiguous float32 [B, hidden]");
+  TORCH_CHECK(anchor_pos.empty() || static_cast<int64_t>(anchor_pos.size()) == B,
+              "native draft: anchor_pos must hold one position per request (or none)");
   const int64_t L = kv_indices.size(1);
   const int64_t* own = block_slots.data_ptr<int64_t>();
 
@@ -102,10 +110,13 @@ std::tuple<at::Tensor, at::Tensor> NativeDraft::propose(at::Tensor anchors, at::
     const int64_t* kv = kv_indices.data_ptr<int64_t>() + b * kv_indices.stride(0);
     if (std::find(kv, kv + n, 0) != kv + n) return {};     // a gap: before any pool write
     std::copy(kv, kv + n, tp + b * (L + G));
+    const float* mask = own_masks ? mask_rows->data_ptr<float>() + b * d : mask_emb_.data_ptr<float>();
+    const int64_t at = anchor_pos.empty() ? n : anchor_pos[b];
+    TORCH_CHECK(at >= n, "native draft: anchor_pos[", b, "] = ", at, " is before its ", n, " context rows");
     for (int64_t j = 0; j < G; ++j) {
-      const float* src = j == 0 ? anchor_emb.data_ptr<float>() + b * d : mask_emb_.data_ptr<float>();
+      const float* src = j == 0 ? anchor_emb.data_ptr<float>() + b * d : mask;
       std::copy(src, src + d, xp + (b * G + j) * d);
-      pp[b * G + j] = n + j;
+      pp[b * G + j] = at + j;
       tp[b * (L + G) + n + j] = own[b * G + j];
     }
     seq_lens[b] = n + G;

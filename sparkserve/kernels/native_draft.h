@@ -35,13 +35,16 @@ class NativeDraft : public NativeLlama {
                  double conf_b, int64_t block, int64_t shift);
 
   // One greedy draft pass for B requests: anchors [B] target ids, anchor_emb [B, hidden] their
-  // embeddings, each at position ctx_lens[b] after its injected context kv_indices[b, :ctx_lens[b]];
-  // the blocks' own K/V go to block_slots[b * block ..]. Returns (tokens [B, block - shift]
-  // target ids, confidence [B, block - shift], empty without a head); both empty, having run
-  // nothing, when a context holds slot 0 (a gap a sliding-window target left, which only the
-  // Python path masks).
+  // embeddings, each at position anchor_pos[b] (empty: ctx_lens[b]) after its injected context
+  // kv_indices[b, :ctx_lens[b]] (rows left out of a context make anchor_pos[b] > ctx_lens[b]);
+  // request b's mask rows are mask_rows[b] ([B, hidden]; None: the mask token's embedding for all,
+  // a fused draft's differ per request); the blocks' own K/V go to block_slots[b * block ..].
+  // Returns (tokens [B, block - shift] target ids, confidence [B, block - shift], empty without a
+  // head); both empty, having run nothing, when a context holds slot 0 (a gap a sliding-window
+  // target left, which only the Python path masks).
   std::tuple<at::Tensor, at::Tensor> propose(at::Tensor anchors, at::Tensor anchor_emb, at::Tensor kv_indices,
-                                             std::vector<int64_t> ctx_lens, at::Tensor block_slots, bool int8);
+                                             std::vector<int64_t> ctx_lens, at::Tensor block_slots, bool int8,
+                                             std::optional<at::Tensor> mask_rows, std::vector<int64_t> anchor_pos);
 
  private:
   BlockProj fc_;

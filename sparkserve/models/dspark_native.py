@@ -12,7 +12,8 @@ fallback: a draft without half-precision / GGUF block weights, context with gaps
 sliding-window target gave up, which the Python path masks), more block rows than `block_slots`,
 or autograd. The draft's architecture options run around the native calls: per-tap norms in
 Python before the native inject, the fused rows (prev_context_fusion) added to the block's input
-rows before the native block pass (and, for one request, the one-call greedy pass)."""
+rows before the native block pass, and handed to the one-call greedy pass as each request's
+anchor and mask rows."""
 from __future__ import annotations
 
 import logging
@@ -95,32 +96,30 @@ class NativeDraftStep:
                                   [n + G for n in ctx_lens], [G] * B, [], self._int8, False)[0]
 
     def propose_greedy(self, draft: DSparkDraft, anchors: torch.Tensor, kv_indices: torch.Tensor,
-                       ctx_lens: list[int], pool: KVPool,
-                       block_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """A greedy draft pass in one call: the block at positions ctx_lens, the LM head over the
-        drafts' rows, the Markov loop, the confidence head. Returns (target ids [B, G], P(slot
-        accepted | prefix accepted) [B, G] or None without a confidence head); None where it does
-        not apply (the Python path runs the pieces then). A fused draft (prev_context_fusion) runs
-        it for one request: its fused row rides on the anchor's row and on the mask row, which the
-        call holds one of for every request (set for this call); several requests take the pieces."""
-        G = draft.block_size
-        draft.rotary.cover(max(ctx_lens) + G)
-        fused = draft.fuse_proj is not None
-        if ((fused and len(ctx_lens) > 1) or block_slots is None or block_slots.numel() < len(ctx_lens) * G
-                or not self.ready(draft)):
+                       ctx_lens: list[int], pool: KVPool, block_slots: torch.Tensor | None,
+                       anchor_pos: list[int] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A greedy draft pass in one call: the block at positions `anchor_pos` (default ctx_lens:
+        no row left out of a context), the LM head over the drafts' rows, the Markov loop, the
+        confidence head. Returns (target ids [B, G], P(slot accepted | prefix accepted) [B, G] or
+        None without a confidence head); None where it does not apply (the Python path runs the
+        pieces then). A fused draft's (prev_context_fusion) fused row of each request rides on its
+        anchor's row and on its own mask row, which the call takes one of per request."""
+        G, B = draft.block_size, len(ctx_lens)
+        anchor_pos = list(ctx_lens) if anchor_pos is None else anchor_pos
+        draft.rotary.cover(max(anchor_pos) + G)
+        if (block_slots is None or block_slots.numel() < B * G or not self.ready(draft)
+                or not self._set_heads(draft)):
             return None
-        emb, mask = draft.embed_tokens(anchors).float(), None
-        if fused:       # as DSparkDraft.block_hidden: the context row at position anchor - 1
-            n = ctx_lens[0]
-            last = kv_indices[0, max(n - 1, 0)] * (n > 0)
-            u = draft.fuse_proj(pool.context[last][None].float())
-            emb = emb + u
-            mask = self._mask_row(draft) + u[0]
-        if not self._set_heads(draft, mask):
-            return None
+        emb, masks = draft.embed_tokens(anchors).float(), None
+        if draft.fuse_proj is not None:     # as DSparkDraft.block_hidden: each context's last row
+            n = torch.tensor(ctx_lens)
+            last = kv_indices[torch.arange(B), (n - 1).clamp_min(0)] * (n > 0)
+            u = draft.fuse_proj(pool.context[last].float())
+            emb, masks = emb + u, (self._mask_row(draft)[None] + u).contiguous()
         self._use_pool(pool)
         tokens, conf = self._step.propose(anchors, emb.contiguous(), kv_indices, ctx_lens, block_slots,
-                                          self._int8)
+                                          self._int8, masks, anchor_pos)
         if tokens is None:                      # a gap in a context (the call checks it)
             return None
         return tokens, conf if draft.confidence_head is not None else None
@@ -129,17 +128,16 @@ class NativeDraftStep:
     def _mask_row(draft: DSparkDraft) -> torch.Tensor:
         return draft.embed_tokens(torch.tensor([draft.config.mask_token_id]))[0].float()
 
-    def _set_heads(self, draft: DSparkDraft, mask: torch.Tensor | None = None) -> bool:
-        """Hand the heads to the step (once per step built; with `mask`, a fused request's own
-        mask row, for this call); False where the step cannot run them: a gated Markov head (its
-        gate reads the hidden state) or an LM head without block weights (an fp32 checkpoint's, or
-        the target's whole vocab under activations in fp32)."""
+    def _set_heads(self, draft: DSparkDraft) -> bool:
+        """Hand the heads to the step (once per step built); False where the step cannot run them:
+        a gated Markov head (its gate reads the hidden state) or an LM head without block weights
+        (an fp32 checkpoint's, or the target's whole vocab under activations in fp32)."""
         head, lm = draft.markov_head, draft.lm_head.inference_blocks()
         if head.gate_proj is not None or lm is None:
             return False
-        if mask is not None or self._heads_of is not self._step:
+        if self._heads_of is not self._step:
             c, conf = draft.config, draft.confidence_head
-            mask = (self._mask_row(draft) if mask is None else mask).contiguous()
+            mask = self._mask_row(draft).contiguous()
             conf_w = conf_b = None
             if conf is not None:
                 conf_w, conf_b = conf.proj.weight.detach().reshape(-1).contiguous(), float(conf.proj.bias)
@@ -147,7 +145,7 @@ class NativeDraftStep:
             self._step.set_heads(mask, lm.blocks, lm.qtype, bias, head.markov_w1.weight.detach().contiguous(),
                                  self._packed_w2(draft), draft.d2t, conf_w, conf_b or 0.0, c.block_size,
                                  1 if c.sample_from_anchor else 0)
-            self._heads_of = self._step if draft.fuse_proj is None else None
+            self._heads_of = self._step
         return True
 
     def _packed_w2(self, draft: DSparkDraft) -> torch.Tensor:

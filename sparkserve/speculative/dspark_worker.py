@@ -113,24 +113,27 @@ class DSparkWorker(SpecWorker):
 
     @torch.inference_mode()
     def propose(self, reqs: list[Req], plain_tokens: int = 0) -> list[Proposal]:
-        ctx_lens = [r.kv_len for r in reqs]
+        positions = [r.kv_len for r in reqs]        # of the anchors
         rows = slice(reqs[0].row, reqs[0].row + 1) if len(reqs) == 1 else torch.tensor([r.row for r in reqs])
-        kv_indices = self.req_to_token[rows, :max(ctx_lens)].to(self.device)
+        kv_indices, ctx_lens = self.req_to_token[rows, :max(positions)], positions
+        if any(r.draft_gaps for r in reqs):
+            kv_indices, ctx_lens = without_gaps(kv_indices, reqs)
         with on_device(self.device):
-            return self._propose(reqs, ctx_lens, kv_indices, plain_tokens)
+            return self._propose(reqs, ctx_lens, kv_indices.to(self.device), plain_tokens, positions)
 
     def _propose(self, reqs: list[Req], ctx_lens: list[int], kv_indices: torch.Tensor,
-                 plain_tokens: int) -> list[Proposal]:
+                 plain_tokens: int, positions: list[int]) -> list[Proposal]:
         d, B = self.draft, len(reqs)
         anchors = torch.tensor([r.output_ids[-1] for r in reqs])
         fused = None
         if d.native is not None and all(r.params.is_greedy and r.grammar is None for r in reqs):
-            fused = d.native.propose_greedy(d, anchors, kv_indices, ctx_lens, self.pool, self.block_slots)
+            fused = d.native.propose_greedy(d, anchors, kv_indices, ctx_lens, self.pool, self.block_slots,
+                                            positions)
         if fused is not None:
             tokens, conf = fused
             q_probs = [None] * B
         else:
-            tokens, conf, q_probs = self._draft_pass(reqs, anchors, kv_indices, ctx_lens)
+            tokens, conf, q_probs = self._draft_pass(reqs, anchors, kv_indices, ctx_lens, positions)
         caps = self.caps(reqs)
         confs = [conf[i] if conf is not None else None for i in range(B)]
         lens = self.planner.plan(confs, caps, plain_tokens)
@@ -141,12 +144,14 @@ class DSparkWorker(SpecWorker):
         return props
 
     def _draft_pass(self, reqs: list[Req], anchors: torch.Tensor, kv_indices: torch.Tensor,
-                    ctx_lens: list[int]):
+                    ctx_lens: list[int], positions: list[int] | None = None):
         """The draft pass piece by piece (the reference of the native propose_greedy): tokens
-        [B, G], confidences [B, G] or None, per request the distributions sampled from."""
+        [B, G], confidences [B, G] or None, per request the distributions sampled from. The
+        anchors sit at `positions` (default ctx_lens: no row left out of a context)."""
         d, B, G = self.draft, len(reqs), self.num_drafts
-        hidden = d.block_hidden(anchors, torch.tensor(ctx_lens), kv_indices, ctx_lens, self.pool,
-                                self.block_slots)[:, self.shift:]
+        pos = torch.tensor(ctx_lens if positions is None else positions)
+        hidden = d.block_hidden(anchors, pos, kv_indices, ctx_lens, self.pool, self.block_slots)
+        hidden = hidden[:, self.shift:]
         base = d.lm_head(hidden.reshape(B * G, -1)).float().view(B, G, -1)
         tokens, embs, q_probs = self._markov_loop(reqs, anchors, hidden, base)
         conf = None
@@ -186,3 +191,19 @@ class DSparkWorker(SpecWorker):
             if masks is not None:
                 masks.take(prev)
         return tokens, embs, [q if q is None else d.to_target_probs(q) for q in q_probs]
+
+
+def without_gaps(kv_indices: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, list[int]]:
+    """Each request's context slots [B, L] (its first kv_len) without the rows it committed while
+    dark (Req.draft_gaps: their draft K/V were never written), and how many are left per request.
+    The draft's K/V carry their positions, so a context with rows left out is its kept rows."""
+    out = torch.zeros_like(kv_indices)
+    lens = []
+    for b, r in enumerate(reqs):
+        keep = torch.ones(r.kv_len, dtype=torch.bool)
+        for start, end in r.draft_gaps:
+            keep[start:end] = False
+        row = kv_indices[b, :r.kv_len][keep]
+        out[b, :len(row)] = row
+        lens.append(len(row))
+    return out, lens

@@ -143,14 +143,15 @@ def test_native_serving_computes_the_training_draft(target_dir, option, tmp_path
 @torch.inference_mode()
 def test_native_greedy_pass_proposes_what_the_pieces_do(target_dir, option, tmp_path):
     """The one-call greedy pass (NativeDraftStep.propose_greedy) against the piece-by-piece
-    reference (DSparkWorker._draft_pass) for one request, alternating with another context so a
-    fused draft's mask row must follow its request; a fused draft leaves two requests to the
-    pieces."""
+    reference (DSparkWorker._draft_pass): for one request, alternating with another context so a
+    fused draft's mask row must follow its request; for both requests in one call (a fused
+    draft's mask row per request); and for contexts with rows left out (a dark request's
+    draft_gaps: the anchors sit past their contexts' ends)."""
     from sparkserve.core.req import Req
     from sparkserve.core.sampling_state import RequestSamplingState
     from sparkserve.models.dspark_draft import load_dspark_draft, save_dspark_draft
     from sparkserve.sampling_params import SamplingParams
-    from sparkserve.speculative.dspark_worker import DSparkWorker
+    from sparkserve.speculative.dspark_worker import DSparkWorker, without_gaps
     from sparkserve.speculative.planner import VerifyPlanner
     save_dspark_draft(make_draft(target_dir, option), str(tmp_path), include_shared=True, dtype=torch.float16)
     draft = load_dspark_draft(str(tmp_path))
@@ -167,16 +168,28 @@ def test_native_greedy_pass_proposes_what_the_pieces_do(target_dir, option, tmp_
         req.row, req.kv_len, req.output_ids = row, n, [int(tokens[n])]
         reqs.append(req)
     worker = DSparkWorker(draft, pool, VerifyPlanner("full"), table, torch.arange(65, 65 + 2 * GAMMA))
-    for req in reqs + reqs:
-        n = req.kv_len
-        args = (torch.tensor([req.output_ids[-1]]), table[req.row:req.row + 1, :n], [n])
-        native = draft.native.propose_greedy(draft, *args, pool, worker.block_slots)
-        ref_tokens, ref_conf, _ = worker._draft_pass([req], *args)
+
+    def agree(batch, kv, ctx_lens, positions=None):
+        anchors = torch.tensor([r.output_ids[-1] for r in batch])
+        native = draft.native.propose_greedy(draft, anchors, kv, ctx_lens, pool, worker.block_slots, positions)
+        ref_tokens, ref_conf, _ = worker._draft_pass(batch, anchors, kv, ctx_lens, positions)
         assert native is not None and torch.equal(native[0], ref_tokens)
         torch.testing.assert_close(native[1], ref_conf, atol=1e-5, rtol=1e-5)
-    both = draft.native.propose_greedy(draft, torch.tensor([5, 6]), table[:, :17], [17, 17], pool,
-                                       worker.block_slots)
-    assert (both is None) == (option != "base")
+        return native
+
+    for req in reqs + reqs:
+        agree([req], table[req.row:req.row + 1, :req.kv_len], [req.kv_len])
+    both = agree(reqs, table[:, :29], [17, 29])
+    for b, n in enumerate((17, 29)):      # each request's row of the batch is its own pass
+        alone = agree(reqs[b:b + 1], table[b:b + 1, :n], [n])
+        assert torch.equal(both[0][b], alone[0][0])
+        torch.testing.assert_close(both[1][b], alone[1][0], atol=1e-5, rtol=1e-5)
+    reqs[0].draft_gaps, reqs[1].draft_gaps = [[3, 6], [10, 17]], [[20, 26]]
+    kv, lens = without_gaps(table[:, :29], reqs)
+    assert lens == [7, 23] and kv[0, :7].tolist() == [1, 2, 3, 7, 8, 9, 10]
+    gapped = agree(reqs, kv, lens, [17, 29])
+    # the rows left out are out of the pass: the confidences move
+    assert (gapped[1] - both[1]).abs().max() > 1e-3
 
 
 @torch.inference_mode()
@@ -273,9 +286,9 @@ def test_option_serves_greedy_as_plain(target_dir, plain, option, dtype, tmp_pat
     assert accepted > 0, eng.scheduler.accept_hist
     if dtype == torch.float32:
         assert calls == []
-    else:                            # a fused draft's blocks differ per request: the block pass alone
-        assert "inject" in calls and "propose" in calls        # fused: one request's cycles
-        assert ("block_hidden" in calls) == (option in ("fusion", "all"))   # fused: several requests
+    else:                            # the one-call pass, for several requests too (a fused draft's
+        assert "inject" in calls and "propose" in calls     # mask row per request)
+        assert "block_hidden" not in calls
 
 
 def install_fused_row_check(eng, hf_model) -> None:
