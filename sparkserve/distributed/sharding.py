@@ -2,7 +2,8 @@
 KDA and full attention alike) and MLP widths divide by --tp-size; KV heads and MiniMax-M3's index
 heads divide too, or are replicated when there are fewer of them than ranks (rank r keeps head
 r * heads // tp); routed experts divide by --ep-size when MoE models set it to --tp-size, or, with
---ep-size 1, every expert's intermediate channels divide by --tp-size (TP MoE); the
+--ep-size 1, every expert's intermediate channels divide by --tp-size (TP MoE); shared-expert
+channels divide too, except under the all-to-all backend, which keeps shared experts whole; the
 vocabulary (embedding and LM head rows) is padded up to a multiple of --tp-size and split, so any
 vocab size splits. Each model lists its dimensions (`tp_dims`) and `check_tp` refuses, at start-up,
 what does not split."""
@@ -23,13 +24,16 @@ class Dim:
     `serves` (the query heads they serve) marks KV-like heads, replicated when fewer than the ranks;
     `flag` is the flag that splits it; `mlp` marks the MLP / MoE's dimensions, which DP attention
     splits over the whole tp group while attention's split over one attention group; `width` (the
-    experts' dimension) their intermediate channels, which split instead under --ep-size 1."""
+    experts' dimension) their intermediate channels, which split instead under --ep-size 1;
+    `whole_under_a2a` marks shared experts, built whole on every rank under --moe-a2a-backend a2a
+    (layers/moe.py shared_experts_scope), so nothing of them splits there."""
     what: str
     size: int
     serves: int = 0
     flag: str = "--tp-size"
     mlp: bool = False
     width: int = 0
+    whole_under_a2a: bool = False
 
 
 def _divisors(n: int) -> str:
@@ -48,11 +52,13 @@ def _check_dim(d: Dim, parts: int, label: str) -> None:
                          f"replicate evenly onto them; use one of {ok}")
 
 
-def check_tp(cfg: ModelConfig, tp: int, ep: int, dims: list[Dim], attn_tp: int | None = None) -> None:
+def check_tp(cfg: ModelConfig, tp: int, ep: int, dims: list[Dim], attn_tp: int | None = None,
+             a2a: bool = False) -> None:
     """Start-up check of --tp-size / --ep-size against the model's `dims`, naming the flags and
     the sizes that work. With DP attention or context parallel, attention splits over `attn_tp`
     ranks only (--tp-size / (--dp-size x --attn-cp-size)), the MLP over all of them. Experts are
-    checked first: by count under --ep-size, by width without it."""
+    checked first: by count under --ep-size, by width without it. `a2a` (--moe-a2a-backend a2a
+    with --ep-size > 1): shared experts stay whole, their widths are not checked."""
     has_experts = any(d.flag == "--ep-size" for d in dims)
     if ep > 1 and not has_experts:
         raise ValueError(f"--ep-size {ep}: {cfg.architecture} has no experts to split; run with --ep-size 1")
@@ -60,6 +66,8 @@ def check_tp(cfg: ModelConfig, tp: int, ep: int, dims: list[Dim], attn_tp: int |
         return
     attn_tp = tp if attn_tp is None else attn_tp
     for d in sorted(dims, key=lambda d: d.flag != "--ep-size"):
+        if d.whole_under_a2a and a2a and ep > 1:
+            continue
         if d.flag == "--ep-size" and ep == 1:
             _check_dim(Dim("expert channels", d.width), tp, f"--tp-size {tp} --ep-size 1 (experts by width)")
         elif d.flag == "--ep-size":

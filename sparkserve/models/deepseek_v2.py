@@ -144,7 +144,8 @@ class DeepseekV2ForCausalLM(CausalLM):
             dims.insert(0, Dim("experts", a.num_experts, flag="--ep-size", mlp=True,
                                width=a.moe_intermediate))
             if a.num_shared:
-                dims.append(Dim("shared-expert channels", a.moe_intermediate * a.num_shared, mlp=True))
+                dims.append(Dim("shared-expert channels", a.moe_intermediate * a.num_shared, mlp=True,
+                                whole_under_a2a=True))
         if not all(moe):
             dims.append(Dim("dense MLP channels", cfg.intermediate_size, mlp=True))
         return dims

@@ -167,7 +167,8 @@ class KimiLinearForCausalLM(CausalLM):
         if "dense" in a.mlp_types:
             dims.append(Dim("dense MLP channels", cfg.intermediate_size, mlp=True))
         if "sparse" in a.mlp_types and a.num_shared:
-            dims.append(Dim("shared-expert channels", a.moe_intermediate * a.num_shared, mlp=True))
+            dims.append(Dim("shared-expert channels", a.moe_intermediate * a.num_shared, mlp=True,
+                            whole_under_a2a=True))
         return dims
 
     def commit_verify(self, batch: ForwardBatch, kept: list[int]) -> None:

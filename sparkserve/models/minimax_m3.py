@@ -227,7 +227,7 @@ class MiniMaxM3ForCausalLM(CausalLM):
             dims.append(Dim("dense MLP channels", s.dense_intermediate, mlp=True))
         if any(s.moe):
             dims += [Dim("experts", s.num_experts, flag="--ep-size", mlp=True, width=cfg.intermediate_size),
-                     Dim("shared-expert channels", s.shared_intermediate, mlp=True)]
+                     Dim("shared-expert channels", s.shared_intermediate, mlp=True, whole_under_a2a=True)]
         return dims
 
     # ---- pools (docs/design.md, contract 3): main KV on every layer, index K on sparse layers, index V

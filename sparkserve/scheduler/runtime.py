@@ -129,7 +129,8 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
             check_longer_context(args.context_length, cfg, warn=rank == 0)
         cfg = dataclasses.replace(cfg, max_position_embeddings=args.context_length)
     pc = args.parallel_config()
-    check_tp(cfg, args.tp_size, args.ep_size, model_class(cfg).tp_dims(cfg), pc.attn_tp_size)
+    check_tp(cfg, args.tp_size, args.ep_size, model_class(cfg).tp_dims(cfg), pc.attn_tp_size,
+             a2a=pc.moe_a2a_backend == "a2a")
     check_pp(cfg, args.pp_size, args.parallel_config().pp_layer_partition)
     if args.parallel_config().world_size > 1:
         ps.init_distributed(args.parallel_config(), rank, args.dist_init_addr, args.dist_timeout)

@@ -288,6 +288,27 @@ def test_tp_moe_widths_that_do_not_split(moe_dirs):
         check_tp(cfg, 3, 1, model_class(cfg).tp_dims(cfg))
 
 
+def test_a2a_serves_shared_experts_that_do_not_split(tmp_path):
+    """MiniMax-M3 with a 33-channel shared expert over 2 ranks: the all-reduce backend (shared experts
+    split by width) is refused naming those channels; the all-to-all backend keeps shared experts
+    whole on every rank, so the start-up check lets it through and it serves the model, equal to
+    one process."""
+    path = make_minimax(str(tmp_path / "odd_shared"), shared_intermediate_size=33)
+    cfg = load_config(path)
+    dims = model_class(cfg).tp_dims(cfg)
+    with pytest.raises(ValueError, match="--tp-size 2: the model's 33 shared-expert channels do not split"):
+        check_tp(cfg, 2, 2, dims)
+    with pytest.raises(ValueError, match="33 shared-expert channels"):     # a2a needs --ep-size > 1
+        check_tp(cfg, 2, 1, dims, a2a=True)
+    check_tp(cfg, 2, 2, dims, a2a=True)
+    want = run_mixed(Engine(path, **COMMON))
+    with Engine(path, **LAYOUTS["tp2"], **COMMON) as eng:
+        shared = [m.shared_experts for m in _driver_model(eng).modules() if isinstance(m, MoEBlock)]
+        assert shared and all(s.down_proj.parts == 1 for s in shared)
+        got = run_mixed(eng)
+    assert_same(got, want)
+
+
 def test_a2a_flags_are_checked(moe_dirs):
     def refused(match: str, **kw) -> None:
         with pytest.raises(ValueError, match=match):
