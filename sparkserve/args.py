@@ -17,7 +17,10 @@ from sparkserve.speculative_args import NGRAM_FLAGS, PLANNER_MODES, SpeculativeA
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "none")    # as SGLang's --grammar-backend
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
-MOE_A2A_BACKENDS = ("none", "a2a")     # SGLang's --moe-a2a-backend; a2a: torch.distributed all-to-all
+# SGLang's --moe-a2a-backend values taken; a2a: torch.distributed all-to-all (DeepEP-style dispatch /
+# combine), which SGLang's `deepep` names (an alias: DeepEP's kernels are GPU-only)
+MOE_A2A_BACKENDS = ("none", "a2a", "deepep")
+MOE_A2A_ALIASES = {"deepep": "a2a"}
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "nixl", "mooncake")
 MIN_SECRET_BYTES = 16        # a PD auth secret shorter than this is guessed too easily
@@ -172,7 +175,7 @@ class ServerArgs(SpeculativeArgs):
     moe_a2a_backend: str = field(default="none", metadata=_opt(
         "how MoE layers meet their experts under --ep-size: none (every rank routes every token, one "
         "all-reduce) or a2a (each rank routes its own tokens, dispatched to and combined back from the ranks "
-        "owning their experts with all-to-alls)", choices=MOE_A2A_BACKENDS))
+        "owning their experts with all-to-alls); deepep (SGLang's name) runs a2a", choices=MOE_A2A_BACKENDS))
     dp_size: int = field(default=1, metadata=_opt(
         "data parallel size: with --enable-dp-attention, attention groups of --tp-size / --dp-size ranks"))
     enable_dp_attention: bool = field(default=False, metadata=_opt(
@@ -387,7 +390,8 @@ class ServerArgs(SpeculativeArgs):
              f"--ep-size {self.ep_size}: experts split over a tensor-parallel group; use 1 or --tp-size "
              f"({self.tp_size})")
         need(self.moe_a2a_backend in MOE_A2A_BACKENDS,
-             f"--moe-a2a-backend {self.moe_a2a_backend}: use one of {', '.join(MOE_A2A_BACKENDS)}")
+             f"--moe-a2a-backend {self.moe_a2a_backend}: use one of {', '.join(MOE_A2A_BACKENDS)} "
+             "(deepep runs sparkserve's a2a backend)")
         need(self.moe_a2a_backend == "none" or self.ep_size > 1,
              f"--moe-a2a-backend {self.moe_a2a_backend} dispatches tokens to the ranks owning their experts; "
              f"give --ep-size {max(2, self.tp_size)} (= --tp-size) as well")
@@ -443,7 +447,12 @@ class ServerArgs(SpeculativeArgs):
         return ParallelConfig(self.tp_size, self.pp_size, self.nnodes, self.node_rank, partition,
                               self.ep_size, self.dp_size if self.enable_dp_attention else 1,
                               self.attn_cp_size, self.dist_socket_ifname, self.dist_allow_public_bind,
-                              self.moe_a2a_backend)
+                              self.moe_a2a_backend_run)
+
+    @property
+    def moe_a2a_backend_run(self) -> str:
+        """The MoE backend that runs for --moe-a2a-backend (an alias resolved: deepep -> a2a)."""
+        return MOE_A2A_ALIASES.get(self.moe_a2a_backend, self.moe_a2a_backend)
 
     def _validate_dspark(self, need) -> None:
         """DSpark flags, and the draft checked before any model loads (a one-line error, not a

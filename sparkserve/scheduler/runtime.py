@@ -129,6 +129,9 @@ def load_rank_model(args: ServerArgs, rank: int) -> tuple[CausalLM, ModelConfig]
             check_longer_context(args.context_length, cfg, warn=rank == 0)
         cfg = dataclasses.replace(cfg, max_position_embeddings=args.context_length)
     pc = args.parallel_config()
+    if rank == 0 and args.moe_a2a_backend != "none":
+        log.info("MoE backend: %s (--moe-a2a-backend %s): tokens dispatched to their experts' ranks with "
+                 "torch.distributed all-to-alls", pc.moe_a2a_backend, args.moe_a2a_backend)
     check_tp(cfg, args.tp_size, args.ep_size, model_class(cfg).tp_dims(cfg), pc.attn_tp_size,
              a2a=pc.moe_a2a_backend == "a2a")
     check_pp(cfg, args.pp_size, args.parallel_config().pp_layer_partition)

@@ -10,6 +10,8 @@ engine's counts; a token's row goes once to each rank owning one of its experts 
 dispatch), not once per slot."""
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import re
 
@@ -314,7 +316,30 @@ def test_a2a_flags_are_checked(moe_dirs):
         with pytest.raises(ValueError, match=match):
             ServerArgs(model_path=moe_dirs["kimi"], **kw).validate()
     refused("--moe-a2a-backend a2a dispatches .* give --ep-size 2", tp_size=2, moe_a2a_backend="a2a")
-    refused("--moe-a2a-backend deepep: use one of none, a2a", tp_size=2, ep_size=2, moe_a2a_backend="deepep")
+    for other in ("mooncake", "mori", "flashinfer"):        # SGLang's other backends: the values taken named
+        refused(rf"--moe-a2a-backend {other}: use one of none, a2a, deepep \(deepep runs sparkserve's a2a",
+                tp_size=2, ep_size=2, moe_a2a_backend=other)
+    refused("--moe-a2a-backend deepep dispatches .* give --ep-size 2", tp_size=2, moe_a2a_backend="deepep")
+
+
+def test_deepep_runs_the_a2a_backend(moe_dirs, a2a_calls, caplog):
+    """SGLang's `--moe-a2a-backend deepep` is taken (on the command line too) and runs the all-to-all
+    backend, saying so in the log; tokens equal one process."""
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "deepep"])
+    args = ServerArgs.from_cli_args(ns).validate()
+    assert args.parallel_config().moe_a2a_backend == "a2a"
+    path = moe_dirs["kimi"]
+    want = run_mixed(Engine(path, **COMMON))
+    with caplog.at_level(logging.INFO, logger="sparkserve.scheduler.runtime"):
+        with Engine(path, tp_size=2, ep_size=2, moe_a2a_backend="deepep", **COMMON) as eng:
+            blocks = [m for m in _driver_model(eng).modules() if isinstance(m, MoEBlock)]
+            assert blocks and all(b.a2a for b in blocks)
+            got = run_mixed(eng)
+    assert "MoE backend: a2a (--moe-a2a-backend deepep)" in caplog.text
+    assert a2a_calls and any(sum(s) for s, _ in a2a_calls)
+    assert_same(got, want)
 
 
 def test_tp_moe_keeps_quantized_experts_as_blocks(family_dirs, tmp_path):
