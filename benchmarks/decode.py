@@ -123,9 +123,9 @@ class LlamaBench:
     name = LLAMA
 
     def __init__(self, model: str, threads: int, isa: str):
-        from peers.llamacpp import build, build_info
-        self.bin = str(build(isa=isa)["llama-bench"])
-        self.info = build_info(isa)
+        from peers.llamacpp import describe, tool
+        self.bin = str(tool("llama-bench", isa))
+        self.info = {"llama-bench": describe(tool("llama-bench", isa), isa)}
         self.model = model
         self.threads = threads
 

@@ -6,9 +6,9 @@ hidden 512, 8 layers, 8 heads of 64, 4 KV heads, vocab 8192; MoE: 8 experts, top
 a tokenizer trained here, converted to Q8_0 by llama.cpp's own convert_hf_to_gguf.py (gguf_conformance.py's
 worker and environment: LLAMA_CPP_SDIST, CONVERTER_PYTHON). sparkserve: the Engine as `sparkserve serve`
 runs it (int8 activations), batch-1 greedy decode tok/s = (N - 1) / (t(N tokens) - t(1 token)).
-llama.cpp: `llama-bench -p 0 -n N -r 1` (LLAMA_BENCH, default the shared-library build beside
-LLAMA_CPP_LIB_PATH) in the peers' environment. Medians of --reps rounds (engine order flipped every
-round), the ratio per family and the median ratio.
+llama.cpp: `llama-bench -p 0 -n N -r 1` (found as every benchmark finds it: peers/llamacpp.py `tool`,
+LLAMA_BENCH / LLAMA_CPP_LIB_PATH, else a found or built copy) in the peers' environment. Medians of
+--reps rounds (engine order flipped every round), the ratio per family and the median ratio.
 
     CONVERTER_PYTHON=/work/llamacpp/venv/bin/python PYTHONPATH=. \\
     python benchmarks/families.py [--threads 1] [--reps 3] [--new-tokens 64] [--only a,b]
@@ -32,7 +32,6 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 
 import gguf_conformance as conformance  # noqa: E402
 
-LLAMA_BENCH = os.environ.get("LLAMA_BENCH", os.path.join(conformance.LIB, "llama-bench"))
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
              intermediate_size=1536, vocab_size=8192, max_position_embeddings=4096)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=512)
@@ -96,8 +95,10 @@ def sparkserve_decode(path: str, prompt: list[int], n_new: int, reps: int, threa
 
 
 def llama_bench(path: str, n_new: int, threads: int) -> float:
+    from peers.llamacpp import tool
     from results_io import peer_env
-    cmd = [LLAMA_BENCH, "-m", path, "-t", str(threads), "-p", "0", "-n", str(n_new), "-r", "1", "-o", "json"]
+    cmd = [str(tool("llama-bench")), "-m", path, "-t", str(threads), "-p", "0", "-n", str(n_new), "-r", "1",
+           "-o", "json"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=peer_env(), timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")

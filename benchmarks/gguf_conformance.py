@@ -14,9 +14,10 @@ trained here cannot match) is replaced by the name the family's real tokenizer h
 (`tokenizer.ggml.pre`); everything else is the converter's.
 
 llama.cpp: the llama-cpp-python sdist (pinned in peers/llamacpp.py) unpacked at LLAMA_CPP_SDIST (its
-vendor/llama.cpp holds the converter and gguf-py), its libllama built as shared libraries at
-LLAMA_CPP_LIB_PATH (cmake ... -DBUILD_SHARED_LIBS=ON; `cmake --build build --target llama`), and the
-sdist's own Python bindings (llama_cpp) on that library, in a process of their own. The converter runs
+vendor/llama.cpp holds the converter and gguf-py), its libllama built as shared libraries (cmake ...
+-DBUILD_SHARED_LIBS=ON; `cmake --build build --target llama`), found as every benchmark finds llama.cpp
+(peers/llamacpp.py `lib_dir`, `tool`: LLAMA_CPP_LIB_PATH, else a found copy), and the sdist's own
+Python bindings (llama_cpp) on that library, in a process of their own. The converter runs
 under CONVERTER_PYTHON (a Python with sentencepiece and protobuf: the SentencePiece families need them).
 
     CONVERTER_PYTHON=/work/llamacpp/venv/bin/python LLAMA_CPP_SDIST=/work/llamacpp/llama_cpp_python-0.3.36 \\
@@ -36,7 +37,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SDIST = os.environ.get("LLAMA_CPP_SDIST", "/work/llamacpp/llama_cpp_python-0.3.36")
-LIB = os.environ.get("LLAMA_CPP_LIB_PATH", "/work/llamacpp/build/bin")
 CONVERTER_PYTHON = os.environ.get("CONVERTER_PYTHON", "/work/llamacpp/venv/bin/python")
 CONVERTER = os.path.join(SDIST, "vendor", "llama.cpp")
 
@@ -439,16 +439,23 @@ def pre_tokenizer_sweep(base: str, work: str) -> list[dict]:
 
 
 def _peer_env() -> dict[str, str]:
+    """The bindings' process environment: llama-cpp-python loads libllama from LLAMA_CPP_LIB_PATH."""
+    from peers.llamacpp import lib_dir
     from results_io import peer_env
-    return peer_env(LLAMA_CPP_LIB_PATH=LIB)
+    lib = lib_dir()
+    if lib is None:
+        raise RuntimeError("llama.cpp's shared libraries (libllama.so) not found: set LLAMA_CPP_LIB_PATH to "
+                           "a shared-library build's bin/ directory")
+    return peer_env(LLAMA_CPP_LIB_PATH=str(lib))
 
 
 def quantize(job: dict, qtype: str) -> dict:
     """The converter's f32 file re-quantized by llama.cpp's llama-quantize (its mix for `qtype`; rows too
     narrow for a K-quant fall back to the types llama.cpp picks)."""
+    from peers.llamacpp import tool
     from results_io import peer_env
     out = job["out"].replace(".f32.gguf", f".{qtype.lower()}.gguf")
-    r = subprocess.run([os.path.join(LIB, "llama-quantize"), job["out"], out, qtype], capture_output=True,
+    r = subprocess.run([str(tool("llama-quantize")), job["out"], out, qtype], capture_output=True,
                        text=True, env=peer_env(), timeout=600)
     return dict(job, out=out, outtype=f"{qtype} (llama-quantize)",
                 error=None if r.returncode == 0 else "llama-quantize: " + " | ".join(

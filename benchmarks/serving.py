@@ -1,6 +1,6 @@
 """Online serving: TTFT, inter-token latency and output tokens/s at concurrency 1, 8 and 32,
-sparkserve next to the real llama.cpp server (`llama-server` built from source by
-peers/llamacpp.py: `-np 32 -c 16384 -kvu`, continuous batching, same GGUF, same threads), same
+sparkserve next to the real llama.cpp server (`llama-server` found or built from source by
+peers/llamacpp.py's `tool` rule: `-np 32 -c 16384 -kvu`, continuous batching, same GGUF, same threads), same
 prompts, one run, same machine: only same-run ratios mean something on the project's machines.
 
     python benchmarks/serving.py [--requests 32] [--max-tokens 64] [--reps 1]
@@ -88,8 +88,8 @@ def _start(engine: str, port: int, threads: int, isa: str) -> subprocess.Popen:
                "--max-running-requests", "32", "--num-threads", str(threads), "--log-level", "warning",
                "--activation-quant", "int8"]
     elif engine == "llamacpp":
-        from peers.llamacpp import build
-        cmd = [str(build(isa=isa)["llama-server"]), "-m", model, "--host", "127.0.0.1", "--port", str(port),
+        from peers.llamacpp import tool
+        cmd = [str(tool("llama-server", isa)), "-m", model, "--host", "127.0.0.1", "--port", str(port),
                "-t", str(threads), "-np", "32", "-c", "16384", "-kvu"]
     elif engine == "llama-cpp-python":
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1",

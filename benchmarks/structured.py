@@ -5,11 +5,11 @@ of a few real schemas (the first one also builds the llguidance tokenizer, once 
 
     python benchmarks/structured.py [--rounds 5] [--max-new-tokens 96] [--llama-server PATH | --no-peer]
 
-Beside it in the same run, llama.cpp's llama-server (built by peers/llamacpp.py unless --llama-server
-names a binary) on the same GGUF: free and `response_format` json_schema chat completions over HTTP,
-alternating, at the same concurrencies (`-np 8`); what compares across the two is each engine's
-constrained / free ratio (sparkserve here is the in-process Engine). Writes
-benchmarks/results/structured.{md,json}."""
+Beside it in the same run, llama.cpp's llama-server (--llama-server PATH, else found or built by
+peers/llamacpp.py's `tool` rule, as every benchmark finds llama.cpp) on the same GGUF: free and
+`response_format` json_schema chat completions over HTTP, alternating, at the same concurrencies
+(`-np 8`); what compares across the two is each engine's constrained / free ratio (sparkserve here is
+the in-process Engine). Writes benchmarks/results/structured.{md,json}."""
 from __future__ import annotations
 
 import argparse
@@ -125,14 +125,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--llama-server", help="a llama-server binary (default: peers/llamacpp.py's build)")
+    ap.add_argument("--llama-server", help="a llama-server binary (default: peers/llamacpp.py's `tool` rule: "
+                                           "LLAMA_SERVER / LLAMA_CPP_LIB_PATH, else a found or built copy)")
     ap.add_argument("--no-peer", action="store_true", help="sparkserve only")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     peer, base = None, None
     if not a.no_peer:
-        from peers.llamacpp import build
-        peer, base = start_llama_server(a.llama_server or str(build()["llama-server"]), a.threads)
+        from peers.llamacpp import tool
+        peer, base = start_llama_server(str(tool("llama-server", override=a.llama_server)), a.threads)
     eng = Engine(max_total_tokens=8192, max_running_requests=8, num_threads=a.threads)
     compiles = compile_ms(eng)         # first: a fresh backend (the llguidance tokenizer is built here)
     rows = {}

@@ -2,10 +2,20 @@
 machine kind, so benchmarks compare sparkserve with llama.cpp in the same run on the same CPU;
 `llama-quantize` makes the other GGUF types of a model they compare on (`quantized`).
 
-    python benchmarks/peers/llamacpp.py [--force]      # build (first time ~5 min on 2 cores), print paths
+    python benchmarks/peers/llamacpp.py [--force]   # find or build (first build ~5 min), print paths
 
-    from peers.llamacpp import build            # (with benchmarks/ on sys.path)
-    paths = build()                            # {"llama-bench": Path, "llama-server": Path, ...}
+    from peers.llamacpp import tool             # (with benchmarks/ on sys.path)
+    bench = tool("llama-bench")                # the one rule every benchmark finds llama.cpp by
+
+Which llama.cpp a benchmark runs (`tool`; every script asks it, none looks on its own):
+  1. an explicit path: the script's flag (structured.py --llama-server) or the tool's variable,
+     LLAMA_BENCH / LLAMA_SERVER / LLAMA_QUANTIZE;
+  2. LLAMA_CPP_LIB_PATH: a llama.cpp build's bin/ directory holding the tools (a shared-library
+     build, whose libllama gguf_conformance.py's Python bindings load: `lib_dir`);
+  3. a copy found: the one build() made for the ISA (cached), else, for the native ISA, a build
+     beside the checkout (LOCAL_BUILD: ../llamacpp/build/bin) or one on PATH;
+  4. else build() makes it now.
+A path given that does not exist is an error naming the variable, never a silent fallback.
 
 Why from source: llama-cpp-python's server is a Python wrapper (one request at a time); issue #20
 wants the C++ tools with continuous batching. The source is the llama-cpp-python sdist from PyPI
@@ -225,6 +235,64 @@ def build(force: bool = False, isa: str = "native") -> dict[str, Path]:
     return _binaries(d)
 
 
+TOOL_ENV = {"llama-bench": "LLAMA_BENCH", "llama-server": "LLAMA_SERVER", "llama-quantize": "LLAMA_QUANTIZE"}
+# a llama.cpp built by hand beside the checkout (shared libraries: gguf_conformance.py's bindings need them)
+LOCAL_BUILD = Path(__file__).resolve().parents[3] / "llamacpp" / "build" / "bin"
+
+
+def _given(path: str, what: str) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what}: {p} is not a file (the llama.cpp peer it names)")
+    return p
+
+
+def find(name: str, isa: str = "native", override: str | None = None) -> Path | None:
+    """The llama.cpp tool `name` by the module's rule (steps 1-3), or None when only a build would
+    give it."""
+    if name not in TOOL_ENV:
+        raise ValueError(f"unknown llama.cpp tool {name!r}: one of {', '.join(TOOL_ENV)}")
+    if override:
+        return _given(override, f"--{name}")
+    if os.environ.get(TOOL_ENV[name]):
+        return _given(os.environ[TOOL_ENV[name]], TOOL_ENV[name])
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):
+        return _given(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], name), "LLAMA_CPP_LIB_PATH")
+    if _ready(cache_dir(isa)):
+        return _binaries(cache_dir(isa))[name]
+    if isa != "native":
+        return None
+    if (LOCAL_BUILD / name).is_file():
+        return LOCAL_BUILD / name
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
+def tool(name: str, isa: str = "native", override: str | None = None) -> Path:
+    """The llama.cpp tool `name` (llama-bench, llama-server, llama-quantize) every benchmark runs:
+    found by the module's rule, else built now."""
+    return find(name, isa, override) or build(isa=isa)[name]
+
+
+def lib_dir() -> Path | None:
+    """llama.cpp's shared libraries (libllama.so) for Python bindings on them: LLAMA_CPP_LIB_PATH,
+    else the directory of the llama-bench `find` gives when libllama sits beside it; None if none."""
+    env = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if env:
+        return Path(env)
+    bench = find("llama-bench")
+    return bench.parent if bench is not None and (bench.parent / "libllama.so").exists() else None
+
+
+def describe(path: Path, isa: str = "native") -> str:
+    """Where a tool came from, for a results page: the cached build's version and commit, or the path."""
+    info = build_info(isa)
+    if info and path.parent == cache_dir(isa) / "bin":
+        return f"{path.name} built from llama.cpp {info['llama_cpp_commit']} (llama-cpp-python " \
+               f"{info['llama_cpp_python']} sdist, {info['isa']})"
+    return f"{path.name} at {path}"
+
+
 def build_info(isa: str = "native") -> dict:
     """What build() recorded (version, commit, patches, compiler, build time), or {} if not built."""
     try:
@@ -243,7 +311,7 @@ def quantized(src: str, qtype: str, isa: str = "native") -> Path:
     if not dst.exists():
         root.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_suffix(".part")
-        _run([str(build(isa=isa)["llama-quantize"]), "--allow-requantize", src, str(tmp), qtype],
+        _run([str(tool("llama-quantize", isa)), "--allow-requantize", src, str(tmp), qtype],
              root / f"{dst.name}.log")
         tmp.rename(dst)
     return dst
@@ -256,10 +324,11 @@ def main() -> int:
                     help="what the build may use of the CPU")
     a = ap.parse_args()
     t = time.time()
-    paths = build(force=a.force, isa=a.isa)
-    for name, p in paths.items():
-        print(f"{name}: {p}")
-    print(f"cache: {cache_dir(a.isa)} ({'built' if time.time() - t > 5 else 'cached'}; "
+    if a.force:
+        build(force=True, isa=a.isa)
+    for name in TARGETS:
+        print(f"{name}: {describe(tool(name, a.isa), a.isa)}")
+    print(f"cache: {cache_dir(a.isa)} ({'built' if time.time() - t > 5 else 'found or cached'}; "
           f"build took {build_info(a.isa).get('build_seconds', '?')} s)")
     return 0
 
