@@ -135,7 +135,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::optional<at::Tensor>, int64_t, double, double>())
       .def_static("dense", &sparkserve::MoEExperts::dense)
       .def("forward", &sparkserve::MoEExperts::forward);
-}
   py::class_<sparkserve::NativeExperts>(m, "NativeExperts", "gated SiLU experts (MoE kernel or fp32) for NativeMLA")
       .def(py::init<const sparkserve::MoEExperts*, std::optional<at::Tensor>, std::optional<at::Tensor>>());
   py::class_<sparkserve::MLALayerWeights>(m, "MLALayerWeights", "a DeepSeek-V2 layer's attention weights")
@@ -166,3 +165,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_moe", &sparkserve::NativeMLA::set_moe)
       .def("set_pool", &sparkserve::NativeMLA::set_pool)
       .def("forward", &sparkserve::NativeMLA::forward);
+}
