@@ -156,7 +156,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("o_bias", &sparkserve::MLALayerWeights::o_bias)
       .def_readwrite("o_type", &sparkserve::MLALayerWeights::o_type)
       .def_readwrite("q_a_eps", &sparkserve::MLALayerWeights::q_a_eps)
-      .def_readwrite("kv_a_eps", &sparkserve::MLALayerWeights::kv_a_eps);
+      .def_readwrite("kv_a_eps", &sparkserve::MLALayerWeights::kv_a_eps)
+      .def_readwrite("absorbed_q8", &sparkserve::MLALayerWeights::absorbed_q8);
   py::class_<sparkserve::NativeMLA>(m, "NativeMLA", "one call per forward of a DeepSeek-V2 decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor,
                     at::Tensor, at::Tensor>())

@@ -10,6 +10,7 @@
 #include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -74,6 +75,61 @@ float dot(const float* a, const float* b, int64_t n) {
   float s = hsum(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// Q8_0's rounding per block of qb values: scale amax / 127 rounded to float16, values rounded.
+AbsorbedRows absorbed_rows(const at::Tensor& w, bool q8) {
+  AbsorbedRows a;
+  a.f32 = w.reshape({-1, w.size(-1)}).contiguous();
+  a.rows = w.size(1), a.k = w.size(2), a.qb = a.k % 32 == 0 ? 32 : a.k;
+  if (!q8) return a;
+  const int64_t n = a.f32.size(0), k = a.k, qb = a.qb;
+  a.q8 = at::empty({n, k}, at::TensorOptions().dtype(at::kChar));
+  a.scale = at::empty({n, k / qb}, at::TensorOptions().dtype(at::kFloat));
+  const float* x = a.f32.data_ptr<float>();
+  int8_t* q = a.q8.data_ptr<int8_t>();
+  float* d = a.scale.data_ptr<float>();
+  for (int64_t b = 0; b < n * k / qb; ++b) {
+    float amax = 0.0f;
+    for (int64_t i = b * qb; i < (b + 1) * qb; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float db = static_cast<float>(c10::Half(amax / 127.0f));
+    d[b] = db;
+    for (int64_t i = b * qb; i < (b + 1) * qb; ++i)
+      q[i] = static_cast<int8_t>(db > 0.0f ? std::clamp(std::nearbyint(x[i] / db), -127.0f, 127.0f) : 0.0f);
+  }
+  a.f32 = at::Tensor();     // the fp32 copy is the Python layer's (kv_b_proj), not held twice
+  return a;
+}
+
+// int8 row q (k values, a scale per block of qb) . fp32 x
+float dot_q8(const int8_t* q, const float* d, const float* x, int64_t k, int64_t qb) {
+  float s = 0.0f;
+  for (int64_t b0 = 0; b0 < k; b0 += qb) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = b0;
+    for (; i + 8 <= b0 + qb; i += 8) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
+      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+      acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + i), acc);
+    }
+    float bs = hsum(acc);
+    for (; i < b0 + qb; ++i) bs += q[i] * x[i];
+    s += d[b0 / qb] * bs;
+  }
+  return s;
+}
+
+// y[i] = row i of head h . x, for the `rows` rows of head h
+void head_rows_dot(const AbsorbedRows& a, int64_t h, const float* x, float* y) {
+  const int64_t k = a.k;
+  if (a.q8.defined()) {
+    const int8_t* q = a.q8.data_ptr<int8_t>() + h * a.rows * k;
+    const float* d = a.scale.data_ptr<float>() + h * a.rows * (k / a.qb);
+    for (int64_t i = 0; i < a.rows; ++i) y[i] = dot_q8(q + i * k, d + i * (k / a.qb), x, k, a.qb);
+    return;
+  }
+  const float* w = a.f32.data_ptr<float>() + h * a.rows * k;
+  for (int64_t i = 0; i < a.rows; ++i) y[i] = dot(w + i * k, x, k);
 }
 
 void add_into(float* acc, const float* x, int64_t n) {
@@ -157,8 +213,8 @@ void NativeMLA::add_layer(const MLALayerWeights& w) {
                   w.kv_b.size(1) == r_,
               "native MLA step: kv_b must be float32 [heads * (nope + v), kv_lora_rank]");
   at::Tensor kv_b = w.kv_b.view({H, nope_ + vd_, r_});
-  L.w_uk = kv_b.narrow(1, 0, nope_).contiguous();
-  L.w_uv = kv_b.narrow(1, nope_, vd_).contiguous();
+  L.w_uk = absorbed_rows(kv_b.narrow(1, 0, nope_).transpose(1, 2), w.absorbed_q8);
+  L.w_uv = absorbed_rows(kv_b.narrow(1, nope_, vd_), w.absorbed_q8);
   L.o = make_proj(w.o, w.o_type, w.o_bias, d, H * vd_, "o_proj");
   L.q_a_eps = static_cast<float>(w.q_a_eps), L.kv_a_eps = static_cast<float>(w.kv_a_eps);
   layers_.push_back(std::move(L));
@@ -279,14 +335,17 @@ std::vector<at::Tensor> NativeMLA::forward(at::Tensor x, at::Tensor positions, a
   std::vector<int64_t> route_ids(T * max_k), zeros(T, 0);
   std::vector<at::Tensor> out(1);
 
+  const float *cosp = cos_.data_ptr<float>(), *sinp = sin_.data_ptr<float>();
+  const int64_t* idx = kv_indices.data_ptr<int64_t>();
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
-    for (int64_t t = 0; t < T; ++t) rms_row(rp + t * d, L.input_norm.data_ptr<float>(), hp + t * d, d, eps_);
+    const float* in_norm = L.input_norm.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) rms_row(rp + t * d, in_norm, hp + t * d, d, eps_);
     if (L.q_lora) {
       float* qap = qa.data_ptr<float>();
+      const float* q_a_norm = L.q_a_norm.data_ptr<float>();
       run(L.q_a, hp, T, qap, int8);
-      for (int64_t t = 0; t < T; ++t)
-        rms_row(qap + t * q_lora_, L.q_a_norm.data_ptr<float>(), qap + t * q_lora_, q_lora_, L.q_a_eps);
+      for (int64_t t = 0; t < T; ++t) rms_row(qap + t * q_lora_, q_a_norm, qap + t * q_lora_, q_lora_, L.q_a_eps);
       run(L.q, qap, T, qp, int8);
     } else {
       run(L.q, hp, T, qp, int8);
@@ -294,44 +353,36 @@ std::vector<at::Tensor> NativeMLA::forward(at::Tensor x, at::Tensor positions, a
     // the new tokens' latents: kv_a_layernorm(c_kv) | rotated k_pe
     run(L.kv_a, hp, T, kvp, int8);
     float* lat = latent_[l].data_ptr<float>();
+    const float* kv_a_norm = L.kv_a_norm.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       float* row = kvp + t * W;
-      rms_row(row, L.kv_a_norm.data_ptr<float>(), row, r, L.kv_a_eps);
-      rotate(row + r, cos_.data_ptr<float>() + pos[t] * R, sin_.data_ptr<float>() + pos[t] * R, R, rot.data());
+      rms_row(row, kv_a_norm, row, r, L.kv_a_eps);
+      rotate(row + r, cosp + pos[t] * R, sinp + pos[t] * R, R, rot.data());
       std::memcpy(lat + loc[t] * W, row, W * sizeof(float));
     }
-    // per (token, head): the latent query [q_nope W_uk | rotated q_pe]
-    const float *uk = L.w_uk.data_ptr<float>(), *uv = L.w_uv.data_ptr<float>();
+    // per (token, head): the latent query [W_uk^T q_nope | rotated q_pe]
     parallel_for(0, T * H, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> scratch(R);
       for (int64_t i = lo; i < hi; ++i) {
-        const int64_t t = i / H, hd = i % H;
+        const int64_t t = i / H;
         float* qrow = qp + i * qk;
         float* dst = qfp + i * W;
-        rotate(qrow + nope, cos_.data_ptr<float>() + pos[t] * R, sin_.data_ptr<float>() + pos[t] * R, R,
-               scratch.data());
-        std::fill_n(dst, r, 0.0f);
-        for (int64_t n = 0; n < nope; ++n) {
-          const float a = qrow[n];
-          const float* wrow = uk + (hd * nope + n) * r;
-          for (int64_t j = 0; j < r; ++j) dst[j] += a * wrow[j];
-        }
+        rotate(qrow + nope, cosp + pos[t] * R, sinp + pos[t] * R, R, scratch.data());
+        head_rows_dot(L.w_uk, i % H, qrow, dst);
         std::memcpy(dst + r, qrow + nope, R * sizeof(float));
       }
     });
-    const PagedKV pkv{lat, lat, latent_[l].size(0), 1, kv_indices.data_ptr<int64_t>(), kv_indices.stride(0),
-                      kv_start, 0, true, KVType::kFloat, 0.0f, nullptr, nullptr};
+    const PagedKV pkv{lat, lat, latent_[l].size(0), 1, idx, kv_indices.stride(0), kv_start, 0, true,
+                      KVType::kFloat, 0.0f, nullptr, nullptr};
     paged_attention(qfp, H * W, W, H, W, pkv, seq_lens.data(), q_off.data(), B, scale_, ap);
     // per (token, head): the attended latent's first r channels back through W_uv
     parallel_for(0, T * H, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) {
-        const int64_t hd = i % H;
-        for (int64_t v = 0; v < vd; ++v) ovp[i * vd + v] = dot(uv + (hd * vd + v) * r, ap + i * W, r);
-      }
+      for (int64_t i = lo; i < hi; ++i) head_rows_dot(L.w_uv, i % H, ap + i * W, ovp + i * vd);
     });
     run(L.o, ovp, T, tp, int8);
     add_into(rp, tp, T * d);
-    for (int64_t t = 0; t < T; ++t) rms_row(rp + t * d, L.mlp_norm.data_ptr<float>(), hp + t * d, d, eps_);
+    const float* mlp_norm = L.mlp_norm.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) rms_row(rp + t * d, mlp_norm, hp + t * d, d, eps_);
     if (L.router.defined()) {
       route(L, hp, T, route_w.data(), route_ids.data());
       L.mlp->run(hp, T, route_w.data(), route_ids.data(), L.top_k, int8, tp);

@@ -60,6 +60,19 @@ struct MLALayerWeights {
   at::Tensor o;
   int64_t o_type = -1;
   double q_a_eps = 1e-6, kv_a_eps = 1e-6;
+  // Hold kv_b's halves as int8 rows with a float16-rounded scale per block of 32 (Q8_0's rounding:
+  // as llama.cpp holds attn_k_b / attn_v_b), read with fp32 activations; else fp32. The Python side
+  // asks for it under int8 activations where it loses nothing (deepseek_v2_native.absorbed_q8: a
+  // GGUF's Q8_0 k_b / v_b); at V2-Lite's shapes fp32 halves are ~14% of a Q4_K_M token's bytes.
+  bool absorbed_q8 = false;
+};
+
+// One of kv_b's halves per head as rows to dot with a per-head vector: the key half transposed
+// ([heads, r, nope]: latent query row j = W_uk^T[j] . q_nope) or the value half ([heads, v, r]).
+struct AbsorbedRows {
+  at::Tensor f32;        // [heads * rows, k]
+  at::Tensor q8, scale;  // when held quantized: int8 [heads * rows, k], float [heads * rows, k / qb]
+  int64_t rows = 0, k = 0, qb = 0;
 };
 
 class NativeMLA {
@@ -95,7 +108,7 @@ class NativeMLA {
     at::Tensor input_norm, mlp_norm, q_a_norm, kv_a_norm;
     bool q_lora;
     MLAProj q_a, q, kv_a, o;
-    at::Tensor w_uk, w_uv;   // kv_b's halves: [heads, nope, r] and [heads, v, r]
+    AbsorbedRows w_uk, w_uv;   // kv_b's halves: W_uk^T [heads, r, nope] and W_uv [heads, v, r]
     float q_a_eps, kv_a_eps;
     std::shared_ptr<const NativeExperts> mlp, shared;   // mlp: dense, or the routed experts
     at::Tensor router, routed_counts;

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import EXACT, hf_greedy, load_hf_reference
-from family_fixtures import make_family_checkpoint, write_gguf
+from family_fixtures import FAMILIES, make_family_checkpoint, write_gguf
 from test_model_logits import Driver, check_against_hf, run_schedule
 from test_native_step import assert_close, logits_of
 
@@ -25,10 +25,12 @@ from sparkserve.executor.model_runner import ModelRunner
 from sparkserve.layers import moe
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.models import deepseek_v2_native
-from sparkserve.models.deepseek_v2_native import unsupported
+from sparkserve.models.deepseek_v2_native import absorbed_q8, unsupported
 from sparkserve.models.registry import load_config, load_model
 
 NAMES = ["deepseek_v2", "deepseek_v2_qlora"]
+WIDE = "deepseek_v2_wide_test_native_mla"
+Q8 = ["q8_0", "q8_0_wide"]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,14 @@ def dirs(tmp_path_factory) -> dict[str, str]:
     out = {name: make_family_checkpoint(name, str(root / name)) for name in NAMES}
     gguf = make_family_checkpoint("deepseek_v2_qlora_gguf", str(root / "gguf_src"))
     out["q8_0"] = write_gguf(gguf, str(root / "ds.q8_0.gguf"), "q8_0")
+    # nope, v and the latent whole blocks of 32: the file's attn_k_b / attn_v_b are Q8_0 too
+    FAMILIES[WIDE] = ("deepseek_v2", dict(FAMILIES["deepseek_v2_qlora_gguf"][1], kv_lora_rank=32,
+                                          qk_nope_head_dim=32, v_head_dim=32))
+    try:
+        wide = make_family_checkpoint(WIDE, str(root / "wide_src"))
+    finally:
+        del FAMILIES[WIDE]
+    out["q8_0_wide"] = write_gguf(wide, str(root / "wide.q8_0.gguf"), "q8_0")
     return out
 
 
@@ -81,16 +91,17 @@ def test_native_step_equals_python_path_and_transformers(name, dirs, monkeypatch
     assert native_counts == python_counts and sum(native_counts) > 0
 
 
-def test_q8_0_gguf_native_step_within_int8_of_python_path(dirs, monkeypatch):
+@pytest.mark.parametrize("q8", Q8)
+def test_q8_0_gguf_native_step_within_int8_of_python_path(q8, dirs, monkeypatch):
     """Q8_0 GGUF, int8 activations: the native step (q_a / q_b / kv_a / o / dense MLP / experts on
     int8 blocks, group-limited routing in C++) against the Python layer path. The two quantize the
     same activations but round fp32 differently in places (absorbed products, softmax, rotary), which
     can flip an int8 step and move logits by ~1% (test_moe_decode.py); a wrong expert, head or
     weight moves them by O(1)."""
     calls = NativeCalls(monkeypatch)
-    native, native_counts = _drive(dirs["q8_0"], True, "int8")
+    native, native_counts = _drive(dirs[q8], True, "int8")
     assert [m for m, _ in calls.calls].count(ForwardMode.DECODE) == 5
-    python, python_counts = _drive(dirs["q8_0"], False, "int8")
+    python, python_counts = _drive(dirs[q8], False, "int8")
     a, b = torch.cat(logits_of(native)), torch.cat(logits_of(python))
     assert (a - b).abs().max() <= 3e-2 * b.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
@@ -117,12 +128,26 @@ def test_exact_greedy_tokens_equal_transformers(name, dirs):
     assert out == [hf_greedy(ref, p, 10) for p in PROMPTS]
 
 
-def test_q8_0_greedy_tokens_native_equal_python(dirs):
+@pytest.mark.parametrize("q8", Q8)
+def test_q8_0_greedy_tokens_native_equal_python(q8, dirs):
     """The Q8_0 GGUF served as `sparkserve serve` does (int8 activations), batch 1 and 3: native
     step on and off give the same greedy tokens."""
     for batch in (PROMPTS[:1], PROMPTS):
-        assert _greedy(dirs["q8_0"], batch, True, activation_quant="int8") == \
-            _greedy(dirs["q8_0"], batch, False, activation_quant="int8")
+        assert _greedy(dirs[q8], batch, True, activation_quant="int8") == \
+            _greedy(dirs[q8], batch, False, activation_quant="int8")
+
+
+def test_kv_b_halves_held_as_int8_where_lossless(dirs):
+    """Under int8 activations the native step holds kv_b's halves as int8 rows where the file held
+    them as Q8_0 (whole blocks: the wide file), else fp32 (the fixture's 8-wide heads, F32 in the
+    file; fp32 checkpoints); a value off the Q8_0 grid is seen."""
+    for key, want in (("q8_0_wide", True), ("q8_0", False), ("deepseek_v2_qlora", False)):
+        model = load_model(dirs[key], activation_quant="int8")
+        assert [absorbed_q8(layer.self_attn) for layer in model.model.layers] == [want] * 3, key
+    attn = load_model(dirs["q8_0_wide"], activation_quant="int8").model.layers[0].self_attn
+    with torch.no_grad():
+        attn.kv_b_proj.weight[5, 7] *= 1.001
+    assert not absorbed_q8(attn)
 
 
 def test_refuses_what_it_does_not_compute(dirs):
