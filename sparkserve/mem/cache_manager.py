@@ -171,8 +171,7 @@ class KVCacheManager:
             self.window_freed_pages += (end - own) // self.allocator.page_size
         if req.last_node is not self.radix.root and req.lock_start < req.cached_len:
             keep = min(end, req.cached_len)
-            self.radix.lock(req.last_node, keep)
-            self.radix.unlock(req.last_node, req.lock_start)
+            self.radix.move_lock(req.last_node, req.lock_start, keep)
             req.lock_start = keep
             if keep == req.cached_len and not self.split:   # no cached page left in the window
                 req.last_node, req.lock_start = self.radix.root, 0

@@ -232,6 +232,26 @@ class RadixCache:
         """Undo `lock(node, start)` (splits since then are covered: halves inherit locks)."""
         self._add_locks(node, start, -1)
 
+    def move_lock(self, node: TreeNode, old: int, new: int) -> None:
+        """`lock(node, new)` then `unlock(node, old)` for old <= new (a window sliding over a cached
+        prefix, every step), touching only the nodes whose locks change: those starting in [old, new)
+        give up their windowed lock (split pool) or their lock (window mode). The walk stops below
+        `old`, so a step costs the nodes the window passed, not the whole path to the root, which
+        per-step splits make as long as the cached prefix."""
+        assert old <= new
+        if new:
+            self._split_at(node, new)
+        while node is not self.root and node.start >= old:
+            if node.start < new:
+                self._account(node, -1)
+                if self.split:
+                    node.swa_lock_ref -= 1
+                else:
+                    node.lock_ref -= 1
+                assert node.lock_ref >= 0 and node.swa_lock_ref >= 0
+                self._account(node, +1)
+            node = node.parent
+
     def _add_locks(self, node: TreeNode, start: int, sign: int) -> None:
         while node is not self.root and (self.split or node.start >= start):
             swa = self.split and node.start >= start
