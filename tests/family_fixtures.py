@@ -133,8 +133,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 MOE_FAMILIES = {"qwen3_moe", "qwen3_moe_raw", "mixtral", "gpt_oss", "gpt_oss_gguf", "deepseek_v2",
                 "deepseek_v2_qlora", "deepseek_v2_qlora_gguf"}
-# What the native step does not compute (DeepSeek-V2's MLA: not a Llama model): the Python path runs them.
-PYTHON_FAMILIES = {name for name in MOE_FAMILIES if name.startswith("deepseek_v2")}
+# Families whose native step also runs fp32 weights (DeepSeek-V2's own: models/deepseek_v2_native.py);
+# the Llama-family step needs block weights (a bf16 copy, an F16 GGUF).
+FP32_NATIVE_FAMILIES = {name for name in MOE_FAMILIES if name.startswith("deepseek_v2")}
 
 
 def make_family_checkpoint(name: str, path: str, bf16_copy: str | None = None) -> str:

@@ -135,6 +135,8 @@ void store_quantized(E* buf, c10::Half* scales, int64_t at, const float* x, int6
   }
 }
 
+}  // namespace
+
 // n fp32 values into a pool buffer of element type `type` at element offset `at`, rounded to
 // nearest even as torch's .to() rounds them (the layer path's store), so both paths hold the same
 // K/V; a quantized type's block scales (qb values each) go to `scales`.
@@ -158,8 +160,6 @@ void store_kv(void* buf, void* scales, int64_t at, const float* x, int64_t n, KV
       break;
   }
 }
-
-}  // namespace
 
 BlockProj block_proj(at::Tensor blocks, int64_t qtype, std::optional<at::Tensor> bias, int64_t k) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),

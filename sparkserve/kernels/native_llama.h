@@ -33,6 +33,9 @@ BlockProj block_proj(at::Tensor blocks, int64_t qtype, std::optional<at::Tensor>
 void run_proj(const BlockProj& p, const float* x, int64_t rows, float* y, bool int8);
 at::Tensor norm_weight(const at::Tensor& w, int64_t dim);
 const int64_t* long_ptr(const at::Tensor& t, int64_t n, const char* what);
+// n fp32 values into a pool buffer of element `type` at element offset `at`, rounded as the layer
+// path's store rounds them; a quantized type's float16 block scales (qb values each) into `scales`.
+void store_kv(void* buf, void* scales, int64_t at, const float* x, int64_t n, KVType type, int64_t qb);
 
 // What a layer computes beyond a Llama layer (the defaults are Llama's), set by the Python side
 // from ModelConfig (models/llama_native.py build).

@@ -251,11 +251,28 @@ void NativeMLA::set_moe(int64_t layer, const NativeExperts& routed, const Native
   L.scaling = static_cast<float>(scaling);
 }
 
-void NativeMLA::set_pool(std::vector<at::Tensor> latent) {
+void NativeMLA::set_pool(std::vector<at::Tensor> latent, std::optional<std::vector<at::Tensor>> scales) {
   TORCH_CHECK(latent.size() == layers_.size(), "native MLA step: one latent buffer per layer");
+  const int64_t W = r_ + rope_;
+  const KVType type = latent.empty() ? KVType::kFloat : kv_type_of(latent[0]);
   for (const at::Tensor& t : latent)
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(1) == r_ + rope_,
-                "native MLA step: latent buffers must be contiguous float32 [slots, kv_lora_rank + rope]");
+    TORCH_CHECK(kv_type_of(t) == type && t.is_contiguous() && t.dim() == 2 && t.size(1) == W,
+                "native MLA step: latent buffers must be contiguous [slots, kv_lora_rank + rope] of one dtype");
+  TORCH_CHECK(is_quantized(type) == scales.has_value(),
+              "native MLA step: a quantized latent comes with its scales, a float one without");
+  latent_scale_.clear();
+  if (scales.has_value()) {
+    TORCH_CHECK(scales->size() == latent.size(), "native MLA step: one scale buffer per layer");
+    const int64_t nb = W / quant_block(W);
+    for (size_t i = 0; i < latent.size(); ++i) {
+      const at::Tensor& s = (*scales)[i];
+      TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.dim() == 2 &&
+                      s.size(0) == latent[i].size(0) && s.size(1) == nb,
+                  "native MLA step: latent scales must be contiguous float16 [slots, ", nb, "]");
+    }
+    latent_scale_ = std::move(*scales);
+  }
+  kv_type_ = type;
   latent_ = std::move(latent);
 }
 
@@ -352,13 +369,14 @@ std::vector<at::Tensor> NativeMLA::forward(at::Tensor x, at::Tensor positions, a
     }
     // the new tokens' latents: kv_a_layernorm(c_kv) | rotated k_pe
     run(L.kv_a, hp, T, kvp, int8);
-    float* lat = latent_[l].data_ptr<float>();
+    void* lat = latent_[l].data_ptr();
+    void* lat_scale = latent_scale_.empty() ? nullptr : latent_scale_[l].data_ptr();
     const float* kv_a_norm = L.kv_a_norm.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       float* row = kvp + t * W;
       rms_row(row, kv_a_norm, row, r, L.kv_a_eps);
       rotate(row + r, cosp + pos[t] * R, sinp + pos[t] * R, R, rot.data());
-      std::memcpy(lat + loc[t] * W, row, W * sizeof(float));
+      store_kv(lat, lat_scale, loc[t] * W, row, W, kv_type_, quant_block(W));
     }
     // per (token, head): the latent query [W_uk^T q_nope | rotated q_pe]
     parallel_for(0, T * H, 1, [&](int64_t lo, int64_t hi) {
@@ -373,7 +391,7 @@ std::vector<at::Tensor> NativeMLA::forward(at::Tensor x, at::Tensor positions, a
       }
     });
     const PagedKV pkv{lat, lat, latent_[l].size(0), 1, idx, kv_indices.stride(0), kv_start, 0, true,
-                      KVType::kFloat, 0.0f, nullptr, nullptr};
+                      kv_type_, 0.0f, lat_scale, lat_scale};
     paged_attention(qfp, H * W, W, H, W, pkv, seq_lens.data(), q_off.data(), B, scale_, ap);
     // per (token, head): the attended latent's first r channels back through W_uv
     parallel_for(0, T * H, 1, [&](int64_t lo, int64_t hi) {

@@ -92,8 +92,9 @@ class NativeMLA {
   void set_moe(int64_t layer, const NativeExperts& routed, const NativeExperts* shared, at::Tensor router,
                int64_t top_k, int64_t groups, int64_t topk_groups, double scaling, at::Tensor routed_counts);
 
-  // The pool's per-layer latent buffers [slots, kv_lora_rank + rope], fp32, contiguous.
-  void set_pool(std::vector<at::Tensor> latent);
+  // The pool's per-layer latent buffers [slots, kv_lora_rank + rope], contiguous: float32, or a
+  // quantized type (--kv-cache-dtype int8 / fp8) with its float16 block scales [slots, blocks].
+  void set_pool(std::vector<at::Tensor> latent, std::optional<std::vector<at::Tensor>> scales);
 
   // x: [T, hidden] embeddings (request after request, q_lens[b] each, at positions seq_lens[b] -
   // q_lens[b] ..); the new latents go to out_loc, attention reads kv_indices from kv_start
@@ -121,7 +122,8 @@ class NativeMLA {
   float eps_, scale_;
   at::Tensor cos_, sin_, final_norm_;
   std::vector<Layer> layers_;
-  std::vector<at::Tensor> latent_;
+  std::vector<at::Tensor> latent_, latent_scale_;
+  KVType kv_type_ = KVType::kFloat;
 };
 
 }  // namespace sparkserve

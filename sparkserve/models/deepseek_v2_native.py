@@ -8,8 +8,9 @@ and shared experts — where the Python layer path spends most of a decode step 
 torch calls per layer. Projections run on their blocks (int8 activations under
 --activation-quant int8) or, where a layer holds none (a width that is not whole blocks, an fp32
 checkpoint), on their fp32 weight; routed experts on the MoE kernel's blocks
-(layers/moe_decode.py) or their fp32 stacks. Anything else — prefill chunks, several ranks (TP,
-PP, EP, DP attention, context parallel), a quantized latent pool, autograd — runs the Python
+(layers/moe_decode.py) or their fp32 stacks; a quantized latent pool (--kv-cache-dtype int8 / fp8)
+is stored and read as the layers store and read it (mem/kv_quant.py). Anything else — prefill
+chunks, several ranks (TP, PP, EP, DP attention, context parallel), autograd — runs the Python
 path, which stays the reference the tests compare against."""
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from sparkserve.layers.linear import Linear
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.moe_decode import experts_kernel
 from sparkserve.mem.hybrid_pool import HybridPool
+from sparkserve.mem.kv_quant import is_quantized, scale_component
 from sparkserve.models.llama_native import NATIVE_MAX_TOKENS
 
 if TYPE_CHECKING:
@@ -54,7 +56,7 @@ class NativeMLAStep:
             return False
         if (batch.cp is not None or batch.num_tokens > NATIVE_MAX_TOKENS or torch.is_grad_enabled()
                 or max(batch.extend_lens) > KERNEL_MAX_Q or batch.input_ids.device.type != "cpu"
-                or not isinstance(batch.kv_pool, HybridPool) or model.kv_dtype != torch.float32):
+                or not isinstance(batch.kv_pool, HybridPool)):
             return False
         int8 = _int8(model)
         if self._step is not None and int8 != self._int8:   # the blocks changed form with the mode
@@ -70,8 +72,12 @@ class NativeMLAStep:
     def forward(self, model: DeepseekV2ForCausalLM, input_ids: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
-        if pool is not self._pool:
-            self._step.set_pool([pool.get("kv_latent", i) for i in model.layer_range])
+        if pool is not self._pool:      # a quantized latent (--kv-cache-dtype int8 / fp8) with its scales
+            latents = [pool.get("kv_latent", i) for i in model.layer_range]
+            dtype = latents[0].dtype
+            scales = ([pool.get(scale_component("kv_latent", dtype), i) for i in model.layer_range]
+                      if is_quantized(dtype) else None)
+            self._step.set_pool(latents, scales)
             self._pool = pool
         x = model.model.embed_tokens(input_ids)
         aux = model.aux_layer_set

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import EXACT, assert_no_kv_leak, hf_greedy, load_hf_reference
-from family_fixtures import FAMILIES, LLAMA3_ROPE, PYTHON_FAMILIES, make_family_checkpoint, write_gguf
+from family_fixtures import FAMILIES, FP32_NATIVE_FAMILIES, LLAMA3_ROPE, make_family_checkpoint, write_gguf
 from test_model_logits import Driver, check_against_hf, make_runner, run_schedule
+from test_native_mla import NativeCalls
 from test_native_step import Counter
 
 from sparkserve import Engine
@@ -57,8 +58,8 @@ def family_ggufs(family_dirs, tmp_path_factory) -> dict[tuple[str, str], str]:
 def run_checked(path: str, ref, native: bool, monkeypatch) -> int:
     """The test_model_logits schedule (chunked prefill, batched decode, a mixed extend) on `path`;
     every logits row vs `ref`, over the pool the model makes (as the engine does: MLA's latents too).
-    Returns how many forwards ran natively."""
-    count = Counter(monkeypatch)
+    Returns how many forwards ran natively (the Llama-family step or DeepSeek-V2's)."""
+    count, mla = Counter(monkeypatch), NativeCalls(monkeypatch)
     runner, cache = make_runner(path, 1)
     runner = ModelRunner(runner.model, runner.model.make_pool(cache.num_slots, 8), cache.req_to_token.table)
     runner.model.enable_native_step(native)
@@ -67,23 +68,23 @@ def run_checked(path: str, ref, native: bool, monkeypatch) -> int:
     check_against_hf(driver, ref)
     driver.release()
     assert cache.allocator.free_slots == cache.num_slots
-    return len(count.calls)
+    return len(count.calls) + len(mla.calls)
 
 
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_logits_match_transformers(name, native, family_dirs, family_refs, monkeypatch):
-    """Python path on the fp32 directory; native step (decode and small extends) on its bf16 copy,
-    which a MoE model refuses (its bf16 copy then runs the Python path, still equal)."""
+    """Python path on the fp32 directory; native step (decode and small extends) on its bf16 copy."""
     path = family_dirs[f"{name}_bf16" if native else name]
     ran = run_checked(path, family_refs[name], native, monkeypatch)
-    assert (ran >= 6) if native and name not in PYTHON_FAMILIES else ran == 0
+    assert (ran >= 6) if native else ran == 0
 
 
 @pytest.mark.parametrize("ftype", ["f32", "f16"])
 @pytest.mark.parametrize("name", GGUF_FAMILIES)
 def test_family_gguf_equals_hf_dir(name, ftype, family_ggufs, family_dirs, family_refs, monkeypatch):
-    """The GGUF file (F32; F16 blocks, which the native step runs) gives the HF directory's logits."""
+    """The GGUF file (F32; F16 blocks, which the native step runs; DeepSeek-V2's runs both) gives the HF
+    directory's logits."""
     path = family_ggufs[name, ftype]
     cfg, hf_cfg = gguf_config(path), ModelConfig.from_hf_dir(family_dirs[name])
     fields = ("architecture", "qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings", "num_experts",
@@ -95,7 +96,7 @@ def test_family_gguf_equals_hf_dir(name, ftype, family_ggufs, family_dirs, famil
         got, want = getattr(cfg, f), getattr(hf_cfg, f)
         assert got == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), f
     ran = run_checked(path, family_refs[name], True, monkeypatch)
-    assert (ran >= 6) if ftype == "f16" and name not in PYTHON_FAMILIES else ran == 0
+    assert (ran >= 6) if ftype == "f16" or name in FP32_NATIVE_FAMILIES else ran == 0
 
 
 @pytest.mark.parametrize("ftype", ["f32", "f16"])

@@ -24,6 +24,7 @@ from sparkserve.core.forward_batch import ForwardMode
 from sparkserve.executor.model_runner import ModelRunner
 from sparkserve.layers import moe
 from sparkserve.mem.cache_manager import KVCacheManager
+from sparkserve.mem.kv_quant import scale_component
 from sparkserve.models import deepseek_v2_native
 from sparkserve.models.deepseek_v2_native import absorbed_q8, unsupported
 from sparkserve.models.registry import load_config, load_model
@@ -63,15 +64,17 @@ class NativeCalls:
         monkeypatch.setattr(deepseek_v2_native.NativeMLAStep, "forward", forward)
 
 
-def _drive(path: str, native: bool, activation_quant: str = "none") -> tuple[Driver, list[int]]:
+def _drive(path: str, native: bool, activation_quant: str = "none", kv_dtype: torch.dtype = torch.float32,
+           prompt_lens: tuple[int, ...] = (13, 1, 23, 6)) -> tuple[Driver, list[int]]:
     """The test_model_logits schedule over the latent pool the model makes; (driver, routed counts)."""
     cfg = load_config(path)
     model = load_model(path, cfg, activation_quant=activation_quant)
+    model.set_kv_cache_dtype(kv_dtype)
     cache = KVCacheManager(1024, 1, 8, cfg.context_length + 1, disable_radix_cache=True)
     runner = ModelRunner(model, model.make_pool(cache.num_slots, 8), cache.req_to_token.table)
     model.enable_native_step(native)
     d = Driver(runner, cache)
-    run_schedule(d, cfg.vocab_size, [13, 1, 23, 6], decode_steps=6, seed=5)
+    run_schedule(d, cfg.vocab_size, list(prompt_lens), decode_steps=6, seed=5)
     return d, moe.routed_token_counts(model)
 
 
@@ -89,6 +92,26 @@ def test_native_step_equals_python_path_and_transformers(name, dirs, monkeypatch
     assert not calls.calls
     assert_close(logits_of(native), logits_of(python), 1e-4)
     assert native_counts == python_counts and sum(native_counts) > 0
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_quantized_latent_pool_equals_python_path(kv_dtype, dirs, monkeypatch):
+    """--kv-cache-dtype int8 / fp8: the native step stores the latent rows quantized as the layers do
+    (mem/kv_quant.py: the same bytes and scales, so every later step reads the same pool) and attends
+    through the scales: every logits row equals the Python path's (SDPA over the dequantized rows),
+    up to an int8 value whose input sat on a rounding edge and rounded the other way (one step, 1/127
+    of its block's max: ~1e-3 of the logits here); a wrong scale or row moves them by O(1)."""
+    calls = NativeCalls(monkeypatch)
+    lens = (13, 1, 140, 6)      # the prompts' chunks are too long for the step: the layers store them
+    native, _ = _drive(dirs["deepseek_v2_qlora"], True, kv_dtype=kv_dtype, prompt_lens=lens)
+    assert sorted(m.value for m, _ in calls.calls) == ["decode"] * 5 + ["extend"], calls.calls
+    python, _ = _drive(dirs["deepseek_v2_qlora"], False, kv_dtype=kv_dtype, prompt_lens=lens)
+    assert_close(logits_of(native), logits_of(python), 1e-3)
+    used = sorted({int(native.table[s.row, i]) for s in native.seqs for i in range(len(s.tokens))})
+    for name in ("kv_latent", scale_component("kv_latent", kv_dtype)):
+        for layer in range(3):   # the same bytes but where fp32 rounding crossed a rounding edge
+            a, b = (d.runner.kv_pool.get(name, layer)[used] for d in (native, python))
+            assert (a.view(torch.uint8) == b.view(torch.uint8)).float().mean() >= 0.99, (name, layer)
 
 
 @pytest.mark.parametrize("q8", Q8)
