@@ -21,14 +21,15 @@ from sparkserve.models.dspark_draft import DSparkDraft
 @dataclass
 class BlockSeq:
     """One sequence's rows for training: tokens [S], taps [S, n*d], anchors [A] (sorted), and
-    what its losses read: final hidden rows [S, d], the teacher's lse [S] and the target's greedy
-    choices [S] (prefill-labelled answers)."""
+    what its losses read: final hidden rows [S, d] and the teacher's lse [S], or the teacher's
+    top-k (an int8 cache), and the target's greedy choices [S] (prefill-labelled answers)."""
     tokens: torch.Tensor
     taps: torch.Tensor
     anchors: torch.Tensor
     final: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     greedy: torch.Tensor | None = None
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None   # int8 cache: teacher ids, log-probs [S, k]
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -65,6 +65,12 @@ class TrainConfig:
     val_every: int = _h(250, "validate every N steps (greedy tau on the validation prompts; the best "
                              "draft is kept in OUT/draft/best)")
     val_seqs: int = _h(48, "validation sequences scored each time")
+    val_positions: int = _h(4000, "validation positions (uniform over every validation sequence) of the "
+                                  "quick metrics: slot-1 accuracy, and without next tokens outside the "
+                                  "draft vocab (0 = off)")
+
+
+CACHE_FORMATS = ("fp16", "int8")
 
 
 @dataclass
@@ -80,6 +86,11 @@ class PipelineConfig:
                                 "repeating prompts)")
     code_math_frac: float | None = _h(None, "reorder the training prompts so this share asks for code or "
                                             "maths (e.g. 0.4; default: the source's own order)")
+    cache_format: str = field(default="fp16", metadata={
+        "help": "the training feature cache: fp16 taps and final rows; int8: int8 taps with per-row "
+                "scales and the teacher's top-32 log-probs on response rows (int8_cache.py; ~40 %% of "
+                "the disk, written from the distillation log without a second copy; resumable). The "
+                "validation cache stays fp16", "choices": CACHE_FORMATS})
     extra_features: list[str] = _h([], "comma-separated feature caches (other runs' OUT/features) to "
                                        "train on as well")
     max_new_tokens: int = _h(256, "distillation answer length")

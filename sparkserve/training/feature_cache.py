@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.training.int8_cache import Int8FeatureCache, is_int8_cache
 
 
 @torch.inference_mode()
@@ -208,7 +209,10 @@ class FeatureCache:
     tap_columns: np.ndarray | None = None      # with_taps: the taps.npy columns read (None: all)
 
     @classmethod
-    def open(cls, path: str) -> "FeatureCache":
+    def open(cls, path: str) -> "FeatureCache | Int8FeatureCache":
+        """The cache in path, in whichever layout it was written (fp16, or int8_cache's)."""
+        if is_int8_cache(path):
+            return Int8FeatureCache.open(path)
         with open(os.path.join(path, "index.json")) as f:
             idx = json.load(f)
         load = lambda n: np.load(os.path.join(path, n), mmap_mode="r")
@@ -237,6 +241,14 @@ class FeatureCache:
 
     def any_prefill_labelled(self) -> bool:
         return bool(self.prefill_labels and any(self.prefill_labels))
+
+    def has_teacher(self) -> bool:
+        """Whether a reduced-vocab teacher can be read (lse.npy beside final.npy)."""
+        return self.lse is not None
+
+    def sequence_topk(self, i: int) -> None:
+        """The teacher comes from final.npy and lse.npy here (int8_cache stores top-k instead)."""
+        return None
 
     def sequence_greedy(self, i: int) -> torch.Tensor:
         o, n = self.offsets[i], self.lengths[i]
@@ -287,7 +299,7 @@ class ConcatFeatureCache:
     """Several feature caches (e.g. a later distillation run added to an earlier one) read as
     one: sequences are numbered through the caches in order. They must share their taps."""
 
-    def __init__(self, caches: list[FeatureCache]):
+    def __init__(self, caches: list):
         taps = {tuple(c.target_layer_ids) for c in caches}
         if len(taps) != 1:
             raise ValueError(f"feature caches captured different target layers: {sorted(taps)}")
@@ -315,6 +327,13 @@ class ConcatFeatureCache:
     def sequence_lse(self, i: int) -> torch.Tensor:
         c, j = self._find(i)
         return c.sequence_lse(j)
+
+    def sequence_topk(self, i: int):
+        c, j = self._find(i)
+        return c.sequence_topk(j)
+
+    def has_teacher(self) -> bool:
+        return all(c.has_teacher() for c in self.caches)
 
     def token_ids(self, i: int) -> tuple[np.ndarray, int]:
         c, j = self._find(i)

@@ -207,7 +207,12 @@ def stage_features(cfg: PipelineConfig, target: TargetSource, ranks: Ranks = Ran
                     merge_shards(part, "prefill", len(seqs), ranks, "prefill.jsonl")
         if ranks.is_main:
             labelled = [bool(r.get("prefill_labelled")) for r in rows]
-            feature_cache_from_log(log, seqs, plens, taps, out, labelled)
+            if cfg.cache_format == "int8" and part == cfg.out:     # validation stays fp16
+                from sparkserve.training.int8_cache import convert_log
+                convert_log(log, seqs, plens, taps, os.path.join(part, "features"), target.head_weight(),
+                            labelled)
+            else:
+                feature_cache_from_log(log, seqs, plens, taps, out, labelled)
         ranks.barrier()
 
 
@@ -263,7 +268,8 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
     reduced = bool(dcfg.get("draft_vocab_size"))
     for d in dirs:          # the teacher's log-normaliser and greedy labels, once per cache, by rank 0
         c = FeatureCache.open(d)
-        if ranks.is_main and ((reduced and c.lse is None) or (c.any_prefill_labelled() and c.greedy is None)):
+        if ranks.is_main and ((reduced and not c.has_teacher())
+                              or (c.any_prefill_labelled() and c.greedy is None)):
             write_lse(d, head)
     ranks.barrier()
     cache = FeatureCache.open_all(dirs)
@@ -280,7 +286,8 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
         if resuming:
             print("draft vocab: resuming, the checkpoint's vocab is kept")
         else:
-            print(f"draft vocab: {len(vocab)} ids cover {coverage:.2%} of response tokens")
+            print(f"draft vocab: {len(vocab)} ids cover {coverage:.2%} of response tokens"
+                  + _heldout_coverage(cfg, vocab, engine.model_config.vocab_size))
     # its weights (moved to the new vocab); a resume then loads the checkpoint's
     if cfg.init_draft:
         from sparkserve.loader.hf import hf_weights
@@ -302,6 +309,17 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
         val_cache = FeatureCache.open(val).with_taps(taps)
     return train(draft, cache, _path(cfg, "draft"), cfg.train, log_every=cfg.train.log_every,
                  target_head=head, val_cache=val_cache, ranks=ranks)
+
+
+def _heldout_coverage(cfg: PipelineConfig, vocab, vocab_size: int) -> str:
+    """The ceiling a draft vocab puts on acceptance: the share of held-out (validation) response
+    tokens it holds (a token outside it can never be drafted)."""
+    from sparkserve.training.feature_cache import FeatureCache
+    val = _path(cfg, "val", "features")
+    if not os.path.exists(os.path.join(val, "index.json")):
+        return ""
+    counts = FeatureCache.open(val).response_token_counts(vocab_size)
+    return f", {float(counts[vocab].sum()) / max(int(counts.sum()), 1):.2%} of held-out ones (the ceiling)"
 
 
 def stage_eval(cfg: PipelineConfig) -> dict:
@@ -332,10 +350,11 @@ def _eval_sets(cfg: PipelineConfig, eng, sets: dict, draft_dir: str) -> dict:
     val = _path(cfg, "val", "features")
     if os.path.exists(os.path.join(val, "index.json")):
         from sparkserve.training.feature_cache import FeatureCache
-        from sparkserve.training.validate import greedy_acceptance, serving_acceptance
+        from sparkserve.training.validate import greedy_acceptance, serving_acceptance, slot1_accuracy
         draft = eng.scheduler.spec.draft
         cache = FeatureCache.open(val).with_taps(draft.config.target_layer_ids)
         res["val_greedy_offline"] = greedy_acceptance(draft, cache)
+        res["val_quick"] = slot1_accuracy(draft, cache)
         res["val_greedy_serving"] = serving_acceptance(eng, cache)      # the same walk, served: parity
     for name, prompts in sets.items():
         for temp in (0.0, 1.0):
@@ -375,6 +394,9 @@ def check_flags(cfg: PipelineConfig, ranks: Ranks) -> None:
     if ranks.group and (cfg.tp_size > 1 or cfg.pp_size > 1):
         raise ValueError(f"--tp-size/--pp-size with {ranks.world} torchrun rank(s): each rank runs its own "
                          "in-process target; serve a sharded target and give --target-url instead")
+    if cfg.cache_format == "int8" and cfg.target_url and "features" in cfg.stages:
+        raise ValueError("--cache-format int8 with --target-url: the int8 cache's teacher needs the target's "
+                         "LM head in this process; run the features stage without --target-url")
     if ranks.world > 1 and "eval" in cfg.stages:
         raise ValueError("--stages eval under torchrun: run the eval stage in one process")
 

@@ -23,6 +23,9 @@ class TargetSource(Protocol):
     def run(self, seqs: list[list[int]], params: list[dict]) -> Iterator[dict]:
         """One result per sequence, in order, with its hidden states as float tensors."""
 
+    def head_weight(self) -> torch.Tensor:
+        """The target's whole LM head on CPU (the int8 cache's teacher)."""
+
 
 class EngineTarget:
     """The target in this process (any --tp-size / --pp-size the Engine runs)."""
@@ -37,6 +40,10 @@ class EngineTarget:
     def run(self, seqs: list[list[int]], params: list[dict]) -> Iterator[dict]:
         return self.engine.generate_many(seqs, params, max_in_flight=self.max_in_flight,
                                          return_hidden_states=True)
+
+    def head_weight(self) -> torch.Tensor:
+        from sparkserve.models.dspark_draft import target_vocab_weights
+        return target_vocab_weights(self.engine.scheduler.runner.model)["lm_head.weight"].cpu()
 
 
 class HttpTarget:

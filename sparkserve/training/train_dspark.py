@@ -118,8 +118,7 @@ def blocks_losses(draft: DSparkDraft, seqs: list[BlockSeq], cfg: TrainConfig,
     dev = seqs[0].tokens.device
     k = torch.arange(G, device=dev)
     h, logits, emb, valid, safe_tgt = blocks_forward(draft, seqs, cfg.dropout, not cfg.block_attention)
-    tokens, final = torch.cat([s.tokens for s in seqs]), torch.cat([s.final for s in seqs])
-    lse = torch.cat([s.lse for s in seqs]) if teacher is not None else None
+    tokens = torch.cat([s.tokens for s in seqs])
     # labels: the answer's next token, or the target's greedy one for prefill-labelled sequences
     greedy = torch.cat([s.tokens if s.greedy is None else s.greedy for s in seqs])
     from_greedy = torch.cat([torch.full_like(s.tokens, s.greedy is not None, dtype=torch.bool) for s in seqs])
@@ -133,11 +132,8 @@ def blocks_losses(draft: DSparkDraft, seqs: list[BlockSeq], cfg: TrainConfig,
     logp_d = F.log_softmax(logits.float(), -1)
     with torch.no_grad():     # target dist. of x_{a+k+1}, once per position (blocks overlap)
         rows, inv = torch.unique(safe_tgt - 1, return_inverse=True)
-        if teacher is None:
-            p_t, outside = F.softmax(draft.lm_head(final[rows]).float(), -1)[inv], 0.0
-        else:
-            p_t = torch.exp(final[rows] @ teacher.head_rows.T - lse[rows, None])[inv]
-            outside = (1 - p_t.sum(-1)).clamp_min(0)
+        p_t, outside = teacher_probs(draft, seqs, rows, teacher)
+        p_t, outside = p_t[inv], outside[inv]
     p_d = logp_d.exp()
     l1 = (p_d - p_t).abs().sum(-1) + outside       # teacher mass outside the draft vocab counts fully
     if cfg.ce_target == "soft":
@@ -162,6 +158,36 @@ def blocks_losses(draft: DSparkDraft, seqs: list[BlockSeq], cfg: TrainConfig,
     out["tau_sum"] = (1 + surv.sum(1)).sum().detach()
     out["blocks"] = torch.tensor(float(A), device=dev)
     return out
+
+
+def teacher_probs(draft: DSparkDraft, seqs: list[BlockSeq], rows: torch.Tensor,
+                  teacher: Teacher | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p_t [R, V_draft], teacher mass outside the draft vocab [R]) at `rows` of the sequences
+    laid end to end: from a sequence's final rows (the full softmax through the draft's head, or
+    the target's rows of the draft vocab with its lse) or from its top-k log-probs (int8 cache:
+    the mass beyond the top k counts as outside)."""
+    V = draft.config.out_vocab
+    p_t = torch.zeros(len(rows), V, device=rows.device)
+    outside = torch.zeros(len(rows), device=rows.device)
+    start = 0
+    for s in seqs:
+        mine = (rows >= start) & (rows < start + len(s.tokens))
+        r = rows[mine] - start
+        start += len(s.tokens)
+        if len(r) == 0:
+            continue
+        if s.topk is not None:
+            ids, logp = s.topk[0][r], s.topk[1][r]
+            d = ids if teacher is None else teacher.t2d[ids]
+            p = torch.exp(logp) * (d >= 0)
+            p_t[mine] = torch.zeros(len(r), V, device=rows.device).scatter_add_(1, d.clamp_min(0), p)
+            outside[mine] = (1 - p_t[mine].sum(-1)).clamp_min(0)
+        elif teacher is None:
+            p_t[mine] = F.softmax(draft.lm_head(s.final[r]).float(), -1)
+        else:
+            p_t[mine] = torch.exp(s.final[r] @ teacher.head_rows.T - s.lse[r, None])
+            outside[mine] = (1 - p_t[mine].sum(-1)).clamp_min(0)
+    return p_t, outside
 
 
 def soft_cross_entropy(logp_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
@@ -226,14 +252,17 @@ def _step_sums(draft: DSparkDraft, cache, order: torch.Tensor, first: int, mine:
         anchors = sample_anchors(len(tokens), plen, cfg.anchors_per_seq, gen)
         if len(anchors) == 0:
             continue
-        tokens, taps, final, anchors = (t.to(device) for t in (tokens, taps, final, anchors))
+        topk = cache.sequence_topk(i)        # an int8 cache's teacher (then no final rows)
+        tokens, taps, anchors = (t.to(device) for t in (tokens, taps, anchors))
+        final = final.to(device) if final is not None else None
+        topk = tuple(t.to(device) for t in topk) if topk is not None else None
         if cfg.walk_anchor_frac > 0:
             anchors = walk_anchors(draft, tokens, taps, anchors, cfg.walk_anchor_frac)
             if len(anchors) == 0:
                 continue
-        lse = cache.sequence_lse(i).to(device) if teacher is not None else None
+        lse = cache.sequence_lse(i).to(device) if teacher is not None and topk is None else None
         greedy = cache.sequence_greedy(i).to(device) if cache.prefill_labelled(i) else None
-        seqs.append(BlockSeq(tokens, taps, anchors, final, lse, greedy))
+        seqs.append(BlockSeq(tokens, taps, anchors, final, lse, greedy, topk))
     return blocks_losses(draft, seqs, cfg, teacher) if seqs else {}
 
 
@@ -320,9 +349,9 @@ def _check_inputs(draft: DSparkDraft, cache: FeatureCache, cfg: TrainConfig, tar
         raise ValueError(f"ce_target must be one of {', '.join(CE_TARGETS)}, got {cfg.ce_target!r}")
     if not 0 <= cfg.walk_anchor_frac <= 1:
         raise ValueError(f"walk_anchor_frac must be within [0, 1], got {cfg.walk_anchor_frac}")
-    if draft.d2t is not None and (target_head is None or cache.lse is None):
+    if draft.d2t is not None and (target_head is None or not cache.has_teacher()):
         raise ValueError("a reduced-vocab draft trains against the target's LM head and the "
-                         "cache's lse.npy (feature_cache.write_lse)")
+                         "cache's lse.npy (feature_cache.write_lse), or an int8 cache's top-k teacher")
     if cache.any_prefill_labelled() and cache.greedy is None:
         raise ValueError("prefill-labelled sequences train on the target's greedy choices: the cache "
                          "needs greedy.npy (feature_cache.write_lse)")
@@ -338,15 +367,19 @@ def validate_step(draft: DSparkDraft, val_cache: FeatureCache, cfg: TrainConfig,
                   out_dir: str, best: dict) -> dict:
     """Log the held-out greedy tau; keep the best draft in DIR/best (early stopping: on small
     data the held-out tau peaks long before the training loss stops falling)."""
-    from sparkserve.training.validate import greedy_acceptance
+    from sparkserve.training.validate import greedy_acceptance, slot1_accuracy
     res = greedy_acceptance(draft, val_cache, max_seqs=cfg.val_seqs)
+    quick = slot1_accuracy(draft, val_cache, positions=cfg.val_positions) if cfg.val_positions else {}
     best = {**best, "last": res["tau"]}
     if res["tau"] > best["tau"]:
         best.update(tau=res["tau"], step=step)
         save_dspark_draft(draft, os.path.join(out_dir, "best"), include_shared=False)
+    row = {"step": step, "val_tau": res["tau"], "val_slot_accept": res["slot_accept"], **quick,
+           "best_val_tau": best["tau"], "best_step": best["step"]}
+    print("validation: " + " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                    for k, v in row.items() if k != "val_slot_accept"), flush=True)
     with open(os.path.join(out_dir, "train_log.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step, "val_tau": res["tau"], "val_slot_accept": res["slot_accept"],
-                            "best_val_tau": best["tau"], "best_step": best["step"]}) + "\n")
+        f.write(json.dumps(row) + "\n")
     return best
 
 

@@ -69,6 +69,52 @@ def greedy_acceptance(draft: DSparkDraft, cache: FeatureCache, max_seqs: int | N
             "accept_hist": {int(c): int((n == c).sum()) for c in n.unique()}}
 
 
+@torch.no_grad()
+def slot1_accuracy(draft: DSparkDraft, cache: FeatureCache, positions: int = 4000, seed: int = 0,
+                   anchors_per_chunk: int = 256) -> dict:
+    """Quick metrics, steadier than tau on a few sequences: at `positions` response positions
+    drawn uniformly (without replacement, fixed seed) from every usable anchor of the cache,
+    whether the draft's first slot guesses the cached next token. "slot1_acc": over all of them;
+    "slot1_acc_in_vocab": over those whose next token is in the draft vocab (a miss outside it
+    no training can fix); "oov": the share outside; "positions": how many were scored."""
+    G = draft.block_size
+    dev = draft.norm.weight.device
+    spans = []
+    for i in range(len(cache)):
+        toks, plen = cache.token_ids(i)
+        lo, hi = max(plen, 1), len(toks) - 2
+        if hi >= lo:
+            spans.append((i, lo, hi - lo + 1))
+    counts = torch.tensor([n for _, _, n in spans] or [0])
+    starts = torch.cumsum(counts, 0) - counts
+    total = int(counts.sum())
+    pick = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:positions].sort().values
+    seq_of = torch.searchsorted(starts, pick, right=True) - 1
+    vocab = draft.to_target_ids(torch.arange(draft.config.out_vocab, device=dev)).cpu()
+    was_training = draft.training
+    draft.eval()
+    hit, in_vocab = [], []
+    for k in seq_of.unique().tolist():
+        i, lo, _ = spans[k]
+        anchors = (pick[seq_of == k] - starts[k] + lo)
+        tokens, taps, _, _ = cache.sequence(i)
+        tokens, taps = tokens.to(dev), taps.to(dev)
+        for c in range(0, len(anchors), anchors_per_chunk):
+            a = anchors[c:c + anchors_per_chunk].to(dev)
+            _, logits, _, _, _ = block_forward(draft, tokens, taps, a)
+            guess = draft.to_target_ids(logits.view(len(a), G, -1)[:, 0].argmax(-1))
+            nxt = tokens[a + 1]
+            hit.append((guess == nxt).cpu())
+            in_vocab.append(torch.isin(nxt.cpu(), vocab))
+    draft.train(was_training)
+    hit_t = torch.cat(hit) if hit else torch.zeros(0, dtype=torch.bool)
+    inv = torch.cat(in_vocab) if in_vocab else torch.zeros(0, dtype=torch.bool)
+    n = len(hit_t)
+    return {"slot1_acc": float(hit_t.float().mean()) if n else 0.0,
+            "slot1_acc_in_vocab": float(hit_t[inv].float().mean()) if int(inv.sum()) else 0.0,
+            "oov": float(1 - inv.float().mean()) if n else 0.0, "positions": n}
+
+
 def serving_acceptance(engine, cache: FeatureCache, max_seqs: int | None = None) -> dict:
     """The parity check of greedy_acceptance: the same cached sequences served greedily by a
     DSpark `engine` (each prompt, as many new tokens as cached, EOS ignored) give tau, slot-1

@@ -96,6 +96,10 @@ def test_train_draft_cli_end_to_end(tmp_path):
     assert ev.pop("val_greedy_offline")["tau"] == pytest.approx(best)     # all of val = val_seqs
     served = ev.pop("val_greedy_serving")             # the parity check: the val sequences served again
     assert served["same_tokens"] == 1.0 and served["blocks"] > 0 and 1.0 <= served["tau"] <= 8.0
+    quick = ev.pop("val_quick")                       # the quick metrics over every validation position
+    assert quick["positions"] == len(val_rows[0]["output_ids"]) - 1
+    assert 0 <= quick["slot1_acc"] <= quick["slot1_acc_in_vocab"] <= 1
+    assert [r for r in logged if "val_tau" in r][-1]["positions"] == quick["positions"]
     assert set(ev) == {"sharegpt_heldout_T0", "sharegpt_heldout_T1", "humaneval_T0", "humaneval_T1"}
     assert all(v["cycles"] > 0 and 1.0 <= v["tau"] <= 8.0 for v in ev.values()), ev
 
@@ -137,3 +141,26 @@ def test_distill_resumes_with_requests_in_flight(tmp_path, capsys):
         tokens, taps, _, _ = cache.sequence(i)
         want_taps, _ = capture(eng.scheduler.runner.model, [tokens.tolist()], [2, 20])[0]
         torch.testing.assert_close(taps[:-1], want_taps[:-1].half().float(), atol=2e-2, rtol=1e-2)
+    # --cache-format int8: the same log read into the int8 cache, no fp16 copy: taps within half a
+    # step of the fp16 cache's, the teacher's top-1 the argmax of the target's head on the final rows
+    import dataclasses
+    import shutil
+
+    from sparkserve.models.dspark_draft import target_vocab_weights
+    from sparkserve.training.int8_cache import Int8FeatureCache
+    q = tmp_path / "q"
+    q.mkdir()
+    for name in ("prompts.jsonl", "distill.jsonl"):
+        shutil.copy(tmp_path / name, q / name)
+    os.symlink(tmp_path / "features.log", q / "features.log")
+    stage_features(dataclasses.replace(cfg, out=str(q), cache_format="int8"), EngineTarget(eng, 2))
+    qc = FeatureCache.open(str(q / "features"))
+    assert isinstance(qc, Int8FeatureCache) and not os.path.exists(q / "features" / "taps.npy")
+    head = target_vocab_weights(eng.scheduler.runner.model)["lm_head.weight"].float()
+    for i in range(len(cache)):
+        tokens, taps, final, plen = cache.sequence(i)
+        qt, qtaps, _, qplen = qc.sequence(i)
+        assert torch.equal(qt, tokens) and qplen == plen
+        step = taps[:-1].view(len(tokens) - 1, 2, -1).abs().amax(-1, keepdim=True) / 127
+        assert ((qtaps[:-1] - taps[:-1]).view(len(tokens) - 1, 2, -1).abs() <= step / 2 + 1e-3).all()
+        assert torch.equal(qc.sequence_greedy(i)[plen:-1], (final[plen:-1] @ head.T).argmax(-1))
