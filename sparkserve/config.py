@@ -90,8 +90,12 @@ class ModelConfig:
         bias = bool(d.get("attention_bias", False))
         model_type = d.get("model_type") or _model_type_from_arch(arch)
         traits = dict(FAMILY_TRAITS.get(model_type, {}))
+        if local_rope is None and traits.pop("local_rope_unscaled", False):
+            local_rope = {"rope_type": "default", "rope_theta": rope_theta}
+        if local_rope is not None:
+            traits["local_rope_theta"] = _local_rope_theta(local_rope)
         if model_type in _GEMMA_TYPES:
-            traits.update(_gemma_fields(d, model_type, local_rope))
+            traits.update(_gemma_fields(d, model_type))
         router = _moe_router(d, traits)
         n_experts = (d.get("num_experts") or d.get("num_local_experts") or 0) if router else 0
         return cls(
@@ -159,6 +163,11 @@ FAMILY_TRAITS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"qk_norm": True, "moe_router": "softmax_topk"},
     "mixtral": {"moe_router": "softmax_topk_renorm"},
     "olmo2": {"qk_norm": True, "qk_norm_full_width": True, "norm_layout": "post"},
+    # OLMo 3: OLMo 2's block; windowed layers (`layer_types`, else all but every 4th) rotating by
+    # rope_parameters' sliding_attention, unscaled (a config without it: the global base, unscaled);
+    # the full layers' rope scaled (YaRN)
+    "olmo3": {"qk_norm": True, "qk_norm_full_width": True, "norm_layout": "post",
+              "local_rope_unscaled": True},
     "gpt_oss": {"moe_router": "topk_softmax", "moe_activation": "swiglu_oai", "moe_bias": True,
                 "attn_sinks": True},
 }
@@ -166,7 +175,7 @@ _ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                  "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                 "deepseek_v2": "DeepseekV2ForCausalLM",
+                 "olmo3": "Olmo3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 _GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
@@ -180,6 +189,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
     "gemma3_text": dict(_GEMMA_DEFAULTS, vocab_size=262208, max_position_embeddings=131072, rope_theta=1e6,
                         rope_local_base_freq=10000.0, sliding_window_pattern=6),
+    # Olmo3Config's: every layer but each 4th windowed
+    "olmo3": {"sliding_window": 4096, "rope_theta": 500000.0, "sliding_window_pattern": 4},
 }
 # transformers' names for the GLU activations the decoder runs (layers/activation.py GLUS)
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -230,12 +241,21 @@ def _rotary_dim(d: dict[str, Any], rope: dict[str, Any], head_dim: int) -> int |
     return None if factor == 1.0 else int(head_dim * factor)
 
 
-def _gemma_fields(d: dict[str, Any], model_type: str, local_rope: dict[str, Any] | None) -> dict[str, Any]:
+def _local_rope_theta(local_rope: dict[str, Any]) -> float:
+    """The rope base of sliding-window layers (Gemma 3, OLMo 3), which rotate unscaled."""
+    kind = local_rope.get("rope_type", local_rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"rope_parameters.sliding_attention: rope_type {kind!r} is not supported on "
+                         "sliding-window layers (supported: default)")
+    return float(local_rope["rope_theta"])
+
+
+def _gemma_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
     """What Gemma 2 / 3 change in the Llama block (transformers' Gemma2/Gemma3 modules): 1 + w norms,
     sandwich norms, the embedding times sqrt(hidden), GeGLU, query_pre_attn_scalar, soft-caps
-    (Gemma 2), q/k norms and a local rope base on the sliding layers (Gemma 3), a tied head; and the
-    sliding layers when a config predates `layer_types`: every other one from layer 0 (Gemma 2),
-    all but every `sliding_window_pattern`-th (Gemma 3)."""
+    (Gemma 2), q/k norms (Gemma 3), a tied head; and the sliding layers when a config predates
+    `layer_types`: every other one from layer 0 (Gemma 2), all but every `sliding_window_pattern`-th
+    (Gemma 3)."""
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in _ACTIVATIONS:
         raise ValueError(f"hidden_activation {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
@@ -246,12 +266,6 @@ def _gemma_fields(d: dict[str, Any], model_type: str, local_rope: dict[str, Any]
         "attn_softcap": d.get("attn_logit_softcapping"), "final_softcap": d.get("final_logit_softcapping"),
         "qk_norm": model_type != "gemma2",
     }
-    if local_rope is not None:
-        kind = local_rope.get("rope_type", local_rope.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"rope_parameters.sliding_attention: rope_type {kind!r} is not supported on "
-                             "sliding-window layers (supported: default)")
-        fields["local_rope_theta"] = float(local_rope["rope_theta"])
     n, window = d["num_hidden_layers"], d.get("sliding_window")
     if not d.get("layer_types") and window:
         pattern = 2 if model_type == "gemma2" else d.get("sliding_window_pattern", 6)
@@ -283,10 +297,14 @@ def _model_type_from_arch(arch: str) -> str:
 
 def _layer_windows(d: dict[str, Any], n_layers: int) -> list[int | None]:
     """Which layers use a sliding window. Mistral: every layer when `sliding_window` is set;
-    Qwen3/Gemma style: `layer_types` names each layer; Qwen2/Qwen3 without `layer_types`: only when
+    Qwen3/Gemma style: `layer_types` names each layer (OLMo 3 without it: all but every
+    `sliding_window_pattern`-th); Qwen2/Qwen3 without `layer_types`: only when
     `use_sliding_window`, and then on layers `max_window_layers` and up (as transformers does)."""
     window = d.get("sliding_window")
     layer_types = d.get("layer_types")
+    if not layer_types and window and d.get("sliding_window_pattern"):    # OLMo 3's default
+        layer_types = ["full_attention" if (i + 1) % d["sliding_window_pattern"] == 0 else "sliding_attention"
+                       for i in range(n_layers)]
     if layer_types:
         use = d.get("use_sliding_window", True)
         return [window if (t == "sliding_attention" and use and window) else None for t in layer_types]

@@ -61,6 +61,10 @@ _DEEPSEEK_V2 = dict(
     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
                      "original_max_position_embeddings": 64})
+# OLMo 3: YaRN on the full layers only; the windowed ones rotate unscaled by a base of their own
+OLMO3_ROPE = {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0,
+                                 "original_max_position_embeddings": 64},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 # name -> (HF model_type, config); Qwen2.5-0.5B and Llama 3.2 tie the LM head, 7B / 3.1 8B do not.
@@ -108,6 +112,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss_gguf": ("gpt_oss", _GPT_OSS),
     # OLMo2: norms after each branch only, q/k norms over the whole projection
     "olmo2": ("olmo2", dict(TINY_CONFIGS["llama"], num_hidden_layers=2, tie_word_embeddings=False)),
+    # OLMo 3: OLMo2's block, a window of 8 on 3 layers of 4 (OLMO3_ROPE)
+    "olmo3": ("olmo3", dict(TINY_CONFIGS["llama"], num_hidden_layers=4, sliding_window=8,
+                            rope_parameters=OLMO3_ROPE, tie_word_embeddings=False)),
     # Gemma 2: sliding, full, sliding; soft-capped attention scores and logits
     "gemma2": ("gemma2", dict(_GEMMA, attn_logit_softcapping=1.0, final_logit_softcapping=1.0)),
     # Gemma 2 27B's kind of attention scale (query_pre_attn_scalar != head_dim); HF only
@@ -304,11 +311,11 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         hp = json.load(f)
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3moe", "mixtral": "llama",
             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
-            "granite": "granite", "olmo2": "olmo2", "gpt_oss": "gpt-oss",
+            "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo2", "gpt_oss": "gpt-oss",
             "deepseek_v2": "deepseek2"}[hp["model_type"]]
     gemma = arch.startswith("gemma")
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
-    rope = rope.get("full_attention", rope)      # Gemma 3: the global layers' (llama.cpp knows the local)
+    rope = rope.get("full_attention", rope)      # Gemma 3, OLMo 3: the global layers' (+ freq_base_swa)
     n_head, n_kv = hp["num_attention_heads"], hp.get("num_key_value_heads")
     if arch == "deepseek2":     # MLA written as MQA
         n_kv = 1

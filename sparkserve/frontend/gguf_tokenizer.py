@@ -278,6 +278,17 @@ class GGUFTokenizerParts:
     chat_templates: dict[str, str]
 
 
+# Vocabularies llama.cpp's converter writes only for models that are not decoder-only language
+# models (conversion/t5.py, bert.py), so no family sparkserve serves has one: why each is refused.
+_NOT_DECODER_VOCABS = {
+    "t5": "a Unigram SentencePiece vocabulary, llama.cpp's UGM, which its converter writes for "
+          "encoder-decoder models (T5, mT5, UMT5) and encoders only; sparkserve serves decoder-only "
+          "language models",
+    "bert": "a WordPiece vocabulary, which llama.cpp's converter writes for BERT-style encoders only; "
+            "sparkserve serves decoder-only language models",
+}
+
+
 def build_gguf_tokenizer(md: dict[str, Any]) -> GGUFTokenizerParts:
     """The tokenizer a GGUF file's metadata describes (module docstring), with its stop ids and templates."""
     kind = md.get("tokenizer.ggml.model")
@@ -292,8 +303,9 @@ def build_gguf_tokenizer(md: dict[str, Any]) -> GGUFTokenizerParts:
     elif kind == "llama":
         tok, add_bos_default = _sentencepiece(md, tokens, types), True
     else:
-        raise ValueError(f"GGUF tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; supported: "
-                         "'llama' (SentencePiece), 'gpt2' (byte-level BPE)")
+        why = f" ({_NOT_DECODER_VOCABS[kind]})" if kind in _NOT_DECODER_VOCABS else ""
+        raise ValueError(f"GGUF tokenizer model {kind!r} (tokenizer.ggml.model){why} is not supported; "
+                         "supported: 'llama' (SentencePiece), 'gpt2' (byte-level BPE)")
 
     def ident(key: str) -> int | None:
         tid = md.get(f"tokenizer.ggml.{key}", _SPM_DEFAULT_IDS.get(key) if kind == "llama" else None)

@@ -34,6 +34,9 @@ _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qw
           "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
           "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gpt-oss": "GptOssForCausalLM",
           "deepseek2": "DeepseekV2ForCausalLM"}
+# Architectures llama.cpp converts that are not decoder-only language models: why each is refused.
+_NOT_DECODERS = {"t5": "an encoder-decoder model; sparkserve serves decoder-only language models",
+                 "t5encoder": "an encoder; sparkserve serves decoder-only language models"}
 # GGUF arch -> HF model_type where they differ; llama.cpp writes Mixtral as arch llama with experts.
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss",
                 "deepseek2": "deepseek_v2"}
@@ -92,7 +95,8 @@ def gguf_config(path: str) -> ModelConfig:
     meta = gguf_metadata(path)
     arch = meta["general.architecture"]
     if arch not in _ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHS)})")
+        why = f" ({_NOT_DECODERS[arch]})" if arch in _NOT_DECODERS else ""
+        raise ValueError(f"GGUF architecture {arch!r}{why} is not supported (supported: {sorted(_ARCHS)})")
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -110,12 +114,10 @@ def gguf_config(path: str) -> ModelConfig:
     if rope_dims != head_dim and arch in _PERMUTED:
         raise ValueError(f"GGUF {arch}.rope.dimension_count = {rope_dims}: partial rotary is not supported "
                          f"for {arch} (supported: the whole head, {head_dim})")
-    if arch == "olmo2" and window:
-        raise ValueError(f"GGUF olmo2.attention.sliding_window = {window} (OLMo 3: windowed layers, every "
-                         "4th full, the windowed ones with unscaled rope, as llama.cpp runs it) is not "
-                         "supported (supported: OLMo 2, no window)")
     n_layers, n_experts = get("block_count"), get("expert_count", 0)
     model_type = "mixtral" if arch == "llama" and n_experts else _MODEL_TYPES.get(arch, arch)
+    if arch == "olmo2" and window:      # the converter writes OLMo 3 as olmo2 with a window
+        model_type = "olmo3"
     hf: dict[str, Any] = {
         "architectures": [_arch_from_model_type(model_type)],
         "model_type": model_type,
@@ -138,6 +140,8 @@ def gguf_config(path: str) -> ModelConfig:
     }
     if arch in _GEMMA_27B_LAYERS:
         hf.update(_gemma_fields(arch, get, n_layers, hidden, n_heads, head_dim))
+    if model_type == "olmo3":
+        hf.update(_olmo3_fields(get, n_layers, hf["rope_theta"], hf["rope_scaling"]))
     if arch == "gpt-oss":       # llama.cpp: a window on every other layer from layer 0
         hf["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
         if hf["rope_scaling"] is not None:
@@ -185,6 +189,18 @@ def _deepseek2_fields(get, n_heads: int, rope_dim: int, q_lora: bool) -> dict[st
             "topk_method": "group_limited_greedy" if get("expert_group_count", 1) > 1 else "greedy",
             "n_group": get("expert_group_count", 1), "topk_group": get("expert_group_used_count", 1),
             "num_experts": None, "mlp_only_layers": None, "norm_topk_prob": False}
+
+
+def _olmo3_fields(get, n_layers: int, theta: float, scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """OLMo 3 as llama.cpp's olmo2 runs a file with a window: the windowed layers from
+    `sliding_window_pattern` (else all but every 4th), rotating unscaled by `rope.freq_base_swa`
+    (else the global base); the full layers' rope as the file's scaling says."""
+    pattern = get("attention.sliding_window_pattern")
+    windowed = pattern if isinstance(pattern, list) else [(i + 1) % 4 != 0 for i in range(n_layers)]
+    local = get("rope.freq_base_swa", theta)
+    return {"layer_types": ["sliding_attention" if s else "full_attention" for s in windowed],
+            "rope_parameters": {"full_attention": dict(scaling or {"rope_type": "default"}, rope_theta=theta),
+                                "sliding_attention": {"rope_type": "default", "rope_theta": local}}}
 
 
 def _gemma_fields(arch: str, get, n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict[str, Any]:

@@ -30,6 +30,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "Olmo2ForCausalLM": LlamaForCausalLM,
+    "Olmo3ForCausalLM": LlamaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,

@@ -8,12 +8,14 @@ import random
 
 import gguf
 import jinja2
+import numpy as np
 import pytest
 
 from sparkserve import embedded
 from sparkserve.embedded import default_model_path
 from sparkserve.frontend.chat_template import render_chat_template
 from sparkserve.frontend.detokenizer import IncrementalDetokenizer
+from sparkserve.frontend.gguf_tokenizer import build_gguf_tokenizer
 from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.loader.gguf_file import gguf_metadata, open_gguf
 
@@ -175,17 +177,53 @@ def test_default_model_path_missing_package(monkeypatch: pytest.MonkeyPatch) -> 
         default_model_path()
 
 
-def test_unsupported_gguf_tokenizer_model(tmp_path) -> None:
-    out = str(tmp_path / "spm.gguf")
-    w = gguf.GGUFWriter(out, "llama")
-    w.add_tokenizer_model("t5")                      # Unigram: not rebuilt (SentencePiece BPE and gpt2 are)
-    w.add_token_list(["<unk>", "<s>", "</s>", "\u2581a"])
+def _t5_gguf(path: str, arch: str = "t5") -> str:
+    """A T5 GGUF's header as llama.cpp's converter writes one (conversion/t5.py: arch t5, a Unigram
+    vocabulary as tokenizer.ggml.model "t5", scores, types) with one tensor."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(512)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_block_count(1)
+    w.add_head_count(2)
+    w.add_tokenizer_model("t5")
+    w.add_token_list(["<pad>", "</s>", "<unk>", "\u2581a", "\u2581b"])
+    w.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0])
+    w.add_token_types([3, 3, 2, 1, 1])
+    w.add_eos_token_id(1)
+    w.add_tensor("token_embd.weight", np.zeros((5, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="'t5' .* is not supported; supported: 'llama'"):
-        Tokenizer.from_gguf(out)
+    return path
+
+
+def test_unsupported_gguf_tokenizer_model(tmp_path) -> None:
+    """A Unigram ("t5") vocabulary is refused naming the tokenizer model and why (llama.cpp's converter
+    writes one for encoder-decoder models and encoders only), as is a WordPiece ("bert") one; another
+    unknown kind names what is supported."""
+    path = _t5_gguf(str(tmp_path / "t5.gguf"))
+    with pytest.raises(ValueError, match=r"'t5' \(tokenizer\.ggml\.model\) \(a Unigram SentencePiece "
+                                         r"vocabulary.*encoder-decoder.*\) is not supported; supported: "
+                                         r"'llama'"):
+        Tokenizer.from_gguf(path)
+    for kind, why in (("bert", r"\(a WordPiece vocabulary.*encoders only"), ("rwkv", r"is not supported")):
+        md = dict(gguf_metadata(path), **{"tokenizer.ggml.model": kind})
+        with pytest.raises(ValueError, match=rf"'{kind}' \(tokenizer\.ggml\.model\) {why}"):
+            build_gguf_tokenizer(md)
+
+
+def test_t5_gguf_refused_at_start_up(tmp_path) -> None:
+    """An encoder-decoder GGUF stops the engine at start-up, before any weight is read: on its tokenizer
+    (the first thing loaded), and without one on its architecture, each naming why."""
+    from sparkserve import Engine
+    path = _t5_gguf(str(tmp_path / "t5.gguf"))
+    with pytest.raises(ValueError, match=r"GGUF tokenizer model 't5'.*Unigram.*encoder-decoder"):
+        Engine(path)
+    with pytest.raises(ValueError, match=r"GGUF architecture 't5' \(an encoder-decoder model; sparkserve "
+                                         r"serves decoder-only language models\) is not supported"):
+        Engine(path, skip_tokenizer_init=True)
 
 
 # ---- tokenizer vs transformers ------------------------------------------------------------------

@@ -29,7 +29,7 @@ from sparkserve.models.llama_native import unsupported
 # llama.cpp's qwen2 applies no sliding window (its converter writes none): the windowed variant is HF only.
 GGUF_FAMILIES = ["qwen2", "qwen2_tied", "qwen2_yarn", "llama3", "llama3_tied", "llama_linear", "qwen3_moe",
                  "mixtral", "gemma2", "gemma3", "gemma3_local_base", "phi3", "phi3_longrope", "smollm3",
-                 "granite", "olmo2", "gpt_oss_gguf", "deepseek_v2", "deepseek_v2_qlora_gguf"]
+                 "granite", "olmo2", "olmo3", "gpt_oss_gguf", "deepseek_v2", "deepseek_v2_qlora_gguf"]
 
 
 @pytest.fixture(scope="module")
@@ -223,21 +223,26 @@ def test_unsupported_rope_or_architecture_fails_at_start_up(tmp_path, family_dir
             load_config(path)
 
 
-def test_olmo3_gguf_refused(family_dirs, tmp_path):
-    """An olmo2 GGUF with a sliding window is OLMo 3's (the converter writes Olmo3ForCausalLM as olmo2 with
-    a window on 3 layers of 4, which llama.cpp runs with unscaled rope there): refused at start-up, never
-    served with the window on every layer."""
-    import json
-    import shutil
-
-    from sparkserve.models.registry import load_config
-    olmo3 = tmp_path / "olmo3"
-    shutil.copytree(family_dirs["olmo2"], olmo3)
-    cfg = json.loads((olmo3 / "config.json").read_text())
-    (olmo3 / "config.json").write_text(json.dumps(dict(cfg, sliding_window=8)))
-    path = write_gguf(str(olmo3), str(tmp_path / "olmo3.gguf"))
-    with pytest.raises(ValueError, match=r"olmo2\.attention\.sliding_window = 8 \(OLMo 3.*not supported"):
-        load_config(path)
+@pytest.mark.parametrize("kw", [{}, {"rope_scaling": {"rope_type": "yarn", "factor": 8.0,
+                                                      "original_max_position_embeddings": 8192}},
+                                 {"layer_types": ["full_attention"] * 3 + ["sliding_attention"] * 5}])
+def test_olmo3_config_defaults_equal_transformers(kw):
+    """An OLMo 3 config.json that leaves the layer pattern or the per-layer rope out (older style
+    `rope_scaling`) reads as transformers' Olmo3Config does: windows on all but every 4th layer,
+    the windowed layers' rope unscaled at the global base, the full layers' scaled."""
+    from transformers import Olmo3Config
+    d = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+             vocab_size=320, **kw)
+    want = Olmo3Config(**d)
+    got = ModelConfig.from_hf_dict(dict(d, model_type="olmo3", architectures=["Olmo3ForCausalLM"]))
+    assert got.layer_windows == [want.sliding_window if t == "sliding_attention" else None
+                                 for t in want.layer_types]
+    assert got.local_rope_theta == want.rope_parameters["sliding_attention"]["rope_theta"]
+    assert got.rope_theta == want.rope_parameters["full_attention"]["rope_theta"]
+    full = want.rope_parameters["full_attention"]
+    assert (got.rope_scaling or {}).get("rope_type", "default") == full["rope_type"]
+    assert (got.rope_scaling or {}).get("factor") == full.get("factor")
+    assert got.qk_norm_full_width and got.norm_layout == "post"
 
 
 def test_moe_config_fields():
@@ -306,7 +311,7 @@ def test_moe_gguf_quantized_experts(family_dirs, tmp_path):
     assert len(out[0]["output_ids"]) == 4
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "smollm3", "granite", "olmo2",
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "smollm3", "granite", "olmo2", "olmo3",
                                   "gpt_oss", "deepseek_v2", "deepseek_v2_qlora"])
 def test_python_path_greedy_tokens_match_transformers(name, family_dirs, family_refs):
     """Through the Engine (scheduler; Gemma: a split pool for the sliding layers, prompts past the
