@@ -24,6 +24,7 @@ MOE_A2A_ALIASES = {"deepep": "a2a"}
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "nixl", "mooncake")
 MIN_SECRET_BYTES = 16        # a PD auth secret shorter than this is guessed too easily
+DEFAULT_PREEMPTION_THRESHOLD = 10   # SGLang's --priority-scheduling-preemption-threshold default
 ACTIVATION_QUANTS = ("int8", "none")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
@@ -95,6 +96,13 @@ class ServerArgs(SpeculativeArgs):
         "request with a priority other than 0 is refused (400)"))
     schedule_low_priority_values_first: bool = field(default=False, metadata=_opt(
         "with --enable-priority-scheduling: lower priority values go first"))
+    disable_priority_preemption: bool = field(default=False, metadata=_opt(
+        "with --enable-priority-scheduling: never preempt a running request for a waiting one of "
+        "higher priority (by default one that outranks it by more than the threshold does)"))
+    priority_scheduling_preemption_threshold: int | None = field(default=None, metadata=_opt(
+        "with --enable-priority-scheduling: a waiting request preempts a running one (its KV kept in "
+        "the prefix cache, it resumes later where it stopped) when its priority beats the running "
+        f"one's by more than this (default {DEFAULT_PREEMPTION_THRESHOLD}, SGLang's; >= 0)"))
     # runtime
     activation_quant: str = field(default="int8", metadata=_opt(
         "activations of layers with quantized (GGUF) weights on CPU: int8 (default, as llama.cpp and "
@@ -277,6 +285,28 @@ class ServerArgs(SpeculativeArgs):
                                  "triton); use --grammar-backend llguidance (the default), which serves "
                                  "the same json_schema / regex / ebnf / structural_tag")
 
+    @property
+    def priority_preemption_threshold(self) -> int | None:
+        """The scheduler's preemption threshold; None: running requests are never preempted."""
+        if not self.enable_priority_scheduling or self.disable_priority_preemption:
+            return None
+        threshold = self.priority_scheduling_preemption_threshold
+        return DEFAULT_PREEMPTION_THRESHOLD if threshold is None else threshold
+
+    def _validate_priority(self, need) -> None:
+        for flag, used in (("--schedule-low-priority-values-first", self.schedule_low_priority_values_first),
+                           ("--disable-priority-preemption", self.disable_priority_preemption),
+                           ("--priority-scheduling-preemption-threshold",
+                            self.priority_scheduling_preemption_threshold is not None)):
+            need(not used or self.enable_priority_scheduling, f"{flag} needs --enable-priority-scheduling")
+        threshold = self.priority_scheduling_preemption_threshold
+        need(threshold is None or not self.disable_priority_preemption,
+             "--priority-scheduling-preemption-threshold with --disable-priority-preemption: there is no "
+             "preemption to set a threshold for; drop one of the two flags")
+        need(threshold is None or threshold >= 0,
+             f"--priority-scheduling-preemption-threshold must be >= 0 (below 0 requests of equal priority "
+             f"would preempt each other back and forth), got {threshold}")
+
     def validate(self) -> "ServerArgs":
         def need(cond: bool, msg: str) -> None:
             if not cond:
@@ -294,8 +324,7 @@ class ServerArgs(SpeculativeArgs):
              "--max-queued-requests must be >= 0")
         need(self.request_timeout is None or self.request_timeout > 0,
              f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
-        need(not self.schedule_low_priority_values_first or self.enable_priority_scheduling,
-             "--schedule-low-priority-values-first needs --enable-priority-scheduling")
+        self._validate_priority(need)
         need(self.activation_quant in ACTIVATION_QUANTS,
              f"--activation-quant {self.activation_quant}: use one of {', '.join(ACTIVATION_QUANTS)}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
@@ -320,8 +349,9 @@ class ServerArgs(SpeculativeArgs):
         need(not (self.enable_mixed_chunk and self.speculative_algorithm),
              "--enable-mixed-chunk with --speculative-algorithm: a verify step does not share a forward with "
              "a prefill batch; drop one of the two flags")
-        need(self.hidden_state_layers is None or self.speculative_algorithm is None,
-             "--hidden-state-layers with --speculative-algorithm: a DSpark target taps its draft's layers")
+        need(self.hidden_state_layers is None or self.speculative_algorithm in (None, "NGRAM"),
+             "--hidden-state-layers with --speculative-algorithm DSPARK: a DSpark target taps its draft's "
+             "layers (NGRAM taps none)")
         need(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
         self._validate_parallel(need)
         self._validate_disaggregation(need)

@@ -106,6 +106,7 @@ class SchedulerLoad:
     num_cached_tokens: int = 0         # KV slots held only by the prefix cache (evictable)
     max_total_num_tokens: int = 0
     num_retractions: int = 0
+    num_preemptions: int = 0           # running requests preempted by higher-priority ones
     spec_accept_hist: dict[int, int] = field(default_factory=dict)   # accepted drafts -> verifies
     # MoE load since start: (token, slot) rows each routed expert got, and per expert-parallel rank
     moe_expert_tokens: list[int] = field(default_factory=list)

@@ -130,7 +130,7 @@ class DataParallelScheduler:
         total = self.local.load()
         for load in self.loads[1:]:
             for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "num_cached_tokens",
-                         "max_total_num_tokens", "num_retractions"):
+                         "max_total_num_tokens", "num_retractions", "num_preemptions"):
                 setattr(total, name, getattr(total, name) + getattr(load, name))
             for k, v in load.spec_accept_hist.items():
                 total.spec_accept_hist[k] = total.spec_accept_hist.get(k, 0) + v

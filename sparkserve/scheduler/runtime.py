@@ -215,7 +215,8 @@ def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None,
     decode_tail = (lambda ids: tokenizer.decode(ids)) if tokenizer else None
     sched_cfg = SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens,
                                 args.decode_log_interval, args.enable_mixed_chunk,
-                                args.enable_priority_scheduling, args.schedule_low_priority_values_first)
+                                args.enable_priority_scheduling, args.schedule_low_priority_values_first,
+                                args.priority_preemption_threshold)
     log.info("device: %s", model.device)
     log.info("KV pool: %d tokens (%.1f MiB), windowed layers %d tokens (%.1f MiB), request state %d rows "
              "(%.1f MiB), context %d", num_slots, num_slots * per_token / 2**20, swa_slots,

@@ -5,9 +5,12 @@ join between steps; long prompts go in chunks of --chunked-prefill-size), else o
 step for every running request. With --enable-mixed-chunk the running requests decode inside
 the prefill forward too (one-token extends), so their tokens keep coming while prompts prefill.
 When KV slots run out, the newest running requests are retracted (their KV kept in the prefix
-cache) and recomputed later, never failed. With every layer sliding-window, pages that leave the
-window go back after each forward (KVCacheManager.slide_window), so a request holds about a window
-of KV however long it runs; with full and windowed layers mixed, the windowed layers' pages do."""
+cache) and recomputed later, never failed. Under --enable-priority-scheduling a waiting request
+that finds the running slots or the KV full preempts lower-priority running ones the same way
+(SGLang's priority preemption; the lowest-priority ones are also the ones retracted first). With
+every layer sliding-window, pages that leave the window go back after each forward
+(KVCacheManager.slide_window), so a request holds about a window of KV however long it runs; with
+full and windowed layers mixed, the windowed layers' pages do."""
 from __future__ import annotations
 
 import sys
@@ -34,7 +37,8 @@ from sparkserve.scheduler.batch_log import BatchLog
 from sparkserve.scheduler.hidden_rows import keep_hidden
 from sparkserve.scheduler.prebuilt import PromptHandover
 from sparkserve.scheduler.prompt_logprobs import collect_prompt_logprobs
-from sparkserve.scheduler.waiting_queue import common_prefix_len, enqueue
+from sparkserve.scheduler.preemption import lowest_ranked, preemption_victim
+from sparkserve.scheduler.waiting_queue import common_prefix_len, enqueue, requeue
 from sparkserve.speculative.grammar_drafts import cut_drafts, verify_masks
 from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
 
@@ -52,6 +56,8 @@ class SchedulerConfig:
     priority_scheduling: bool = False     # the queue orders by Req.priority (--enable-priority-scheduling)
     low_priority_first: bool = False      # lower values first (--schedule-low-priority-values-first)
 
+    # a waiting request preempts running ones it outranks by more than this (None: never)
+    preemption_threshold: int | None = None   # --priority-scheduling-preemption-threshold
 
 IN_BATCH_PREFIX_MIN = 32     # shared prompt tokens worth waiting one step for
 DRAFT_BACKOFF_MAX = 32       # longest plain-decode stretch of a request whose drafts don't pay
@@ -72,6 +78,7 @@ class Scheduler(PromptHandover):
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self.num_retractions = 0
+        self.num_preemptions = 0
         self.forward_count = {m: 0 for m in ForwardMode}
         self.spec = spec
         self.grammar = grammar                    # constrained decoding (None: off)
@@ -139,6 +146,7 @@ class Scheduler(PromptHandover):
             num_running_reqs=self.num_running, num_queue_reqs=len(self.waiting),
             num_used_tokens=by_requests, num_cached_tokens=max(0, cache.used_tokens - by_requests),
             max_total_num_tokens=cache.num_slots, num_retractions=self.num_retractions,
+            num_preemptions=self.num_preemptions,
             spec_accept_hist=dict(self.accept_hist), moe_expert_tokens=experts,
             moe_rank_tokens=expert_rank_tokens(experts))
 
@@ -198,7 +206,7 @@ class Scheduler(PromptHandover):
             from_chunk = self.chunked is not None
             if from_chunk:
                 req = self.chunked
-            elif self.waiting and len(self.running) + len(batch) < self.cfg.max_running_requests:
+            elif self.waiting and self._running_slot(self.waiting[0], batch):
                 req = self.waiting[0]
                 compiling = req.grammar is not None and not req.grammar.ready
                 if compiling or self._shares_prefix_in_batch(req, batch):
@@ -207,6 +215,8 @@ class Scheduler(PromptHandover):
                         break           # bounded work per step, however long the queue
                     continue
                 if req.row is None and not self.cache.admit(req):
+                    if self._preempt_for(req):
+                        continue
                     break
             else:
                 break
@@ -223,6 +233,8 @@ class Scheduler(PromptHandover):
                                     for r in self.running + [item[0] for item in batch]])
             slots = self.cache.alloc(req, n) if fits else None
             if slots is None:
+                if self._preempt_for(req):
+                    continue              # its KV went to the prefix cache: try again
                 if batch or self.running:
                     if not from_chunk:    # un-admit: a waiting request must not pin its cached
                         self.cache.release(req)   # prefix, or running ones cannot decode
@@ -239,6 +251,32 @@ class Scheduler(PromptHandover):
                 self.chunked = req
                 break
         return batch
+
+    def _running_slot(self, req: Req, batch) -> bool:
+        """Whether waiting `req` (the head) may join the running requests: a slot is free, or it
+        preempts a running request of lower priority for one (not while its grammar compiles or
+        it would wait a step for a shared prefix anyway)."""
+        if len(self.running) + len(batch) < self.cfg.max_running_requests:
+            return True
+        if (req.grammar is not None and not req.grammar.ready) or self._shares_prefix_in_batch(req, batch):
+            return False
+        return self._preempt_for(req)
+
+    def _preempt_for(self, req: Req) -> bool:
+        """SGLang's priority preemption: the running request `req` outranks by more than the
+        threshold goes back to the waiting queue (behind `req`), its KV to the prefix cache and its
+        output kept: it resumes where it stopped, as a retracted one does. False when none."""
+        if self.cfg.preemption_threshold is None:
+            return False
+        victim = preemption_victim(self.running, req, self.cfg.preemption_threshold,
+                                   self.cfg.low_priority_first)
+        if victim is None:
+            return False
+        self.running.remove(victim)
+        self._release(victim)
+        self.num_preemptions += 1
+        requeue(self.waiting, victim, True, self.cfg.low_priority_first)
+        return True
 
     def _mixed_decodes(self) -> list[tuple[Req, torch.Tensor]]:
         """With --enable-mixed-chunk: each running request and the slot of its next token, when all
@@ -479,12 +517,14 @@ class Scheduler(PromptHandover):
             if self.chunked is not None:      # a half-prefilled request pins KV too: retract it first
                 victim, self.chunked = self.chunked, None
             elif len(self.running) > 1:
-                victim = self.running.pop()
+                victim = (lowest_ranked(self.running, self.cfg.low_priority_first)
+                          if self.cfg.priority_scheduling else self.running[-1])
+                self.running.remove(victim)
             else:
                 return speculating
             self._release(victim)
             self.num_retractions += 1
-            self.waiting.appendleft(victim)
+            requeue(self.waiting, victim, self.cfg.priority_scheduling, self.cfg.low_priority_first)
 
     def _sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> None:
         out = self.sampler.sample(logits, [r.sampling for r in reqs], batch_mask(reqs))
