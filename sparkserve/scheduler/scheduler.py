@@ -16,12 +16,12 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
+
 from sparkserve.constrained.backend import GrammarBackend, attach_grammar
 from sparkserve.constrained.bitmask import batch_mask
 from sparkserve.core.finish_reason import FINISH_ABORT, FINISH_LENGTH, BaseFinishReason
@@ -40,12 +40,7 @@ from sparkserve.scheduler.preemption import lowest_ranked, preemption_victim
 from sparkserve.scheduler.prompt_logprobs import collect_prompt_logprobs
 from sparkserve.scheduler.waiting_queue import common_prefix_len, enqueue, requeue
 from sparkserve.speculative.grammar_drafts import cut_drafts, verify_masks
-from sparkserve.speculative.verify import (
-    VerifyLogits,
-    accept_batch,
-    first_rows,
-    raw_logprobs,
-)
+from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
 
 if TYPE_CHECKING:
     from sparkserve.speculative.worker import SpecWorker
@@ -71,7 +66,7 @@ DRAFT_BACKOFF_MAX = 32       # longest plain-decode stretch of a request whose d
 class Scheduler(PromptHandover):
     def __init__(self, runner: ModelRunner, cache: KVCacheManager, cfg: SchedulerConfig,
                  eos_ids: set[int], decode_tail: Callable[[list[int]], str] | None = None,
-                 spec: SpecWorker | None = None, grammar: GrammarBackend | None = None):
+                 spec: "SpecWorker | None" = None, grammar: GrammarBackend | None = None):
         self.runner = runner
         self.device = runner.device
         self.cache = cache
