@@ -353,7 +353,7 @@ class TokenizerManager:
             if st.stream is not None:
                 text = st.stream.push(o.new_token_ids, finished is not None, stop_token(finished))
                 if st.stream.done and finished is None:  # stop string seen here first
-                    finished = FINISH_MATCHED_STR(st.stream.stops[0] if st.stream.stops else None)
+                    finished = FINISH_MATCHED_STR(st.stream.matched_stop)
                     self._send(AbortReq(o.rid, "stop string"))
             self._metrics_step(st, o.new_token_ids, o.prompt_tokens, o.cached_tokens, now, finished)
             st.queue.put_nowait(SeqOut(st.seq.index, o.rid, text, list(o.new_token_ids), list(o.new_logprobs),

@@ -29,6 +29,7 @@ class OutputStream:
         self.text = ""         # everything decoded so far (before stop trimming)
         self.emitted = 0       # chars of self.text already handed out
         self.done = False
+        self.matched_stop: str | None = None   # the stop string the text was cut at
 
     def push(self, new_ids: list[int], finished: bool, matched: int | None = None) -> str:
         """Feed new tokens; returns the text to hand out now. `matched`: the stop token id that
@@ -55,5 +56,10 @@ class OutputStream:
         return delta
 
     def _stop_at(self) -> int | None:
-        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
+        """Where the first stop string in the text starts (`matched_stop` set to it: the earliest
+        one, the first listed among those starting there), or None."""
+        hits = [(i, n, s) for n, s in enumerate(self.stops) if (i := self.text.find(s)) >= 0]
+        if not hits:
+            return None
+        cut, _, self.matched_stop = min(hits)
+        return cut
