@@ -125,13 +125,17 @@ class DSparkWorker(SpecWorker):
                  plain_tokens: int, positions: list[int]) -> list[Proposal]:
         d, B = self.draft, len(reqs)
         anchors = torch.tensor([r.output_ids[-1] for r in reqs])
+        fast = [i for i, r in enumerate(reqs) if r.params.is_greedy and r.grammar is None]
         fused = None
-        if d.native is not None and all(r.params.is_greedy and r.grammar is None for r in reqs):
-            fused = d.native.propose_greedy(d, anchors, kv_indices, ctx_lens, self.pool, self.block_slots,
-                                            positions)
-        if fused is not None:
+        if d.native is not None and fast:
+            f_anchors, f_kv, f_lens, f_pos = _rows(fast, B, anchors, kv_indices, ctx_lens, positions)
+            fused = d.native.propose_greedy(d, f_anchors, f_kv, f_lens, self.pool, self.block_slots, f_pos)
+        if fused is not None and len(fast) == B:
             tokens, conf = fused
             q_probs = [None] * B
+        elif fused is not None:
+            tokens, conf, q_probs = self._mixed_pass(reqs, fast, fused, anchors, kv_indices, ctx_lens,
+                                                     positions)
         else:
             tokens, conf, q_probs = self._draft_pass(reqs, anchors, kv_indices, ctx_lens, positions)
         caps = self.caps(reqs)
@@ -142,6 +146,26 @@ class DSparkWorker(SpecWorker):
         self._planned = [(r, r.spec_accept_token_num, p) for r, p in zip(reqs, props)
                          if p.confidence is not None]
         return props
+
+    def _mixed_pass(self, reqs: list[Req], fast: list[int], fused, anchors: torch.Tensor,
+                    kv_indices: torch.Tensor, ctx_lens: list[int], positions: list[int]):
+        """A batch whose greedy unconstrained rows (`fast`) drafted in the native pass (`fused`):
+        the other rows (sampled or constrained) draft piece by piece, and the two merge back in
+        batch order. Each row's drafts depend on its own context only, so the split changes none."""
+        rest = [i for i in range(len(reqs)) if i not in set(fast)]
+        r_anchors, r_kv, r_lens, r_pos = _rows(rest, len(reqs), anchors, kv_indices, ctx_lens, positions)
+        r_tokens, r_conf, r_q = self._draft_pass([reqs[i] for i in rest], r_anchors, r_kv, r_lens, r_pos)
+        f_tokens, f_conf = fused
+        tokens = torch.empty(len(reqs), f_tokens.shape[1], dtype=f_tokens.dtype)
+        tokens[fast], tokens[rest] = f_tokens, r_tokens
+        conf = None
+        if f_conf is not None and r_conf is not None:
+            conf = torch.empty(len(reqs), f_conf.shape[1], dtype=f_conf.dtype)
+            conf[fast], conf[rest] = f_conf, r_conf
+        q_probs = [None] * len(reqs)
+        for j, i in enumerate(rest):
+            q_probs[i] = r_q[j]
+        return tokens, conf, q_probs
 
     def _draft_pass(self, reqs: list[Req], anchors: torch.Tensor, kv_indices: torch.Tensor,
                     ctx_lens: list[int], positions: list[int] | None = None):
@@ -191,6 +215,16 @@ class DSparkWorker(SpecWorker):
             if masks is not None:
                 masks.take(prev)
         return tokens, embs, [q if q is None else d.to_target_probs(q) for q in q_probs]
+
+
+def _rows(pick: list[int], batch: int, anchors: torch.Tensor, kv_indices: torch.Tensor, ctx_lens: list[int],
+          positions: list[int]):
+    """The `pick` rows of a draft batch's inputs (all of them as they are when it is every row)."""
+    if len(pick) == batch:
+        return anchors, kv_indices, ctx_lens, positions
+    at = torch.tensor(pick)
+    return (anchors[at], kv_indices[at.to(kv_indices.device)], [ctx_lens[i] for i in pick],
+            [positions[i] for i in pick])
 
 
 def without_gaps(kv_indices: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, list[int]]:
