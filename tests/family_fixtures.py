@@ -309,6 +309,8 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
     from safetensors.torch import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
         hp = json.load(f)
+    if hp["model_type"] == "kimi_linear":
+        return _write_kimi_gguf(hf_dir, out, ftype)
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3moe", "mixtral": "llama",
             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
             "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo2", "gpt_oss": "gpt-oss",
@@ -458,6 +460,111 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
         names = (_GEMMA_LAYER if gemma or arch == "olmo2" else _PHI3_LAYER if arch == "phi3" else
                  _GPT_OSS_LAYER if arch == "gpt-oss" else _DEEPSEEK2_LAYER if arch == "deepseek2" else _LAYER)
         add(_gguf_name(name, names), t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+# KimiLinearModel's tensor names (gguf-py's kimi-linear list) beyond the DeepSeek-V2 ones
+_KIMI_LAYER = dict(_DEEPSEEK2_LAYER, **{
+    "self_attn.b_proj": "ssm_beta", "self_attn.f_a_proj": "ssm_f_a", "self_attn.f_b_proj": "ssm_f_b",
+    "self_attn.g_a_proj": "ssm_g_a", "self_attn.g_b_proj": "ssm_g_b", "self_attn.q_conv1d": "ssm_conv1d_q",
+    "self_attn.k_conv1d": "ssm_conv1d_k", "self_attn.v_conv1d": "ssm_conv1d_v",
+    "self_attn.o_norm": "ssm_norm",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp"})
+_KIMI_WHOLE = {"self_attn.A_log": "ssm_a", "self_attn.dt_bias": "ssm_dt.bias",
+               "mlp.gate.e_score_correction_bias": "exp_probs_b.bias"}
+
+
+def _write_kimi_gguf(hf_dir: str, out: str, ftype: str) -> str:
+    """A Kimi-Linear checkpoint in the original format (kimi_fixtures.as_original_checkpoint) as
+    convert_hf_to_gguf.py KimiLinearModel writes it: head_count_kv per layer (0: KDA, 1: MLA as MQA),
+    the KDA and MLA sizes, TextModel's expert keys (no group count: the converter reads `n_group`,
+    which Kimi calls num_expert_group), -exp(A_log) as `ssm_a`, dt_bias as `ssm_dt.bias`, the convs as
+    [1, d_inner, 1, d_conv], experts stacked, kv_b split as DeepSeek-V2's; F32 for 1-D tensors, norms,
+    the router, the convs and every tensor not named `.weight`."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    hp = AutoConfig.from_pretrained(hf_dir).to_dict()       # as the converter's load_hparams
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hp.update(json.load(f))
+    lin, n = hp["linear_attn_config"], hp["num_hidden_layers"]
+    w = gguf.GGUFWriter(out, "kimi-linear")
+    w.add_block_count(n)
+    w.add_context_length(hp.get("max_position_embeddings") or hp["model_max_length"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv([1 if i + 1 in lin["full_attn_layers"] else 0 for i in range(n)])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_expert_count(hp["num_experts"])
+    w.add_expert_used_count(hp["num_experts_per_token"])
+    if hp.get("topk_group") is not None:
+        w.add_expert_group_used_count(hp["topk_group"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if hp.get("head_dim") is not None:
+        w.add_value_length(hp["head_dim"])
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[ftype])
+    w.add_vocab_size(hp["vocab_size"])
+    w.add_ssm_conv_kernel(lin["short_conv_kernel_size"])
+    w.add_kda_head_dim(lin["head_dim"])
+    if hp.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(hp["q_lora_rank"])
+    w.add_kv_lora_rank(hp["kv_lora_rank"])
+    w.add_rope_dimension_count(hp["qk_rope_head_dim"])
+    w.add_key_length(hp["kv_lora_rank"] + hp["qk_rope_head_dim"])
+    w.add_key_length_mla(hp["qk_nope_head_dim"] + hp["qk_rope_head_dim"])
+    w.add_value_length_mla(hp["v_head_dim"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_shared_count(hp["num_shared_experts"])
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list([f"<t{i}>" for i in range(hp["vocab_size"])])
+    w.add_token_types([gguf.TokenType.NORMAL] * hp["vocab_size"])
+    w.add_token_merges([])
+
+    def add(gname: str, t: np.ndarray) -> None:
+        f32 = (ftype == "f32" or t.ndim <= 1 or gname.endswith(("_norm.weight", "ffn_gate_inp.weight"))
+               or ".ssm_conv1d_" in gname or not gname.endswith(".weight"))
+        if f32:
+            w.add_tensor(gname, t)
+        elif ftype == "f16" or t.shape[-1] % 32:
+            w.add_tensor(gname, t.astype(np.float16))
+        else:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(gname, gguf.quants.quantize(t, q8), raw_dtype=q8)
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        t = t.float().numpy()
+        m = re.fullmatch(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", name)
+        if m:
+            group = experts.setdefault((m[1], _EXPERTS[m[3]]), {})
+            group[int(m[2])] = t
+            if len(group) == hp["num_experts"]:
+                add(f"blk.{m[1]}.{_EXPERTS[m[3]]}.weight", np.stack([group[e] for e in sorted(group)]))
+            continue
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        if name.endswith("kv_b_proj.weight"):
+            heads = dict(hp, num_attention_heads=hp["num_key_value_heads"])
+            for gname, part in _deepseek2_kv_b(name, t, heads):
+                add(gname, part)
+            continue
+        if name.endswith("_conv1d.weight"):
+            t = t.reshape(1, t.shape[0], 1, t.shape[-1])
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.*)", name)
+        if layer and layer[2] in _KIMI_WHOLE:
+            if layer[2].endswith("A_log"):      # in torch, as the converter (numpy's exp rounds apart)
+                t = (-torch.exp(torch.from_numpy(t))).numpy()
+            add(f"blk.{layer[1]}.{_KIMI_WHOLE[layer[2]]}", t)
+            continue
+        add(_gguf_name(name, _KIMI_LAYER), t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -2,6 +2,10 @@
 model tests and the pool-sizing test."""
 from __future__ import annotations
 
+import json
+import os
+import re
+
 import torch
 
 VOCAB = 256
@@ -21,6 +25,11 @@ CONFIGS = {
                     layer_types=["full_attention", "linear_attention", "linear_attention"],
                     mlp_layer_types=["dense", "sparse", "dense"]),
 }
+# What a GGUF file can say (llama.cpp's converter writes no expert groups for Kimi-Linear): KDA first, one
+# dense layer then MoE (first_k_dense_replace), ungrouped routing, q LoRA; a vocabulary a byte-level BPE fits
+CONFIGS["gguf"] = dict(BASE, num_hidden_layers=4, q_lora_rank=24, n_shared_experts=1, n_group=1, topk_group=1,
+                       vocab_size=320, layer_types=["linear_attention", "full_attention"] * 2,
+                       mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
 
 
 def make_kimi(path: str, name: str, seed: int = 0) -> str:
@@ -32,4 +41,32 @@ def make_kimi(path: str, name: str, seed: int = 0) -> str:
             if "norm" in n or "e_score_correction_bias" in n:
                 t.add_(torch.randn(t.shape) * 0.3)
     model.save_pretrained(path)
+    return path
+
+
+def as_original_checkpoint(path: str) -> str:
+    """The checkpoint at `path` in the format moonshotai's Kimi-Linear checkpoints ship (and llama.cpp's
+    converter reads): `linear_attn_config` (1-indexed layer lists), `first_k_dense_replace`,
+    `moe_router_activation_func`, `mla_use_nope`, and the dense MLPs under `mlp.` (transformers'
+    save_pretrained names them `block_sparse_moe.`); transformers reads both the same. In place."""
+    from safetensors.torch import load_file, save_file
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    types, mlp = cfg.pop("layer_types"), cfg.pop("mlp_layer_types")
+    if "dense" in mlp[mlp.index("sparse"):]:
+        raise ValueError("the original format has dense layers first only (first_k_dense_replace)")
+    cfg["linear_attn_config"] = {
+        "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+        "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
+        "num_heads": cfg.pop("linear_num_heads"), "head_dim": cfg.pop("linear_head_dim"),
+        "short_conv_kernel_size": cfg.pop("linear_conv_kernel_dim")}
+    cfg.pop("head_dim", None)
+    cfg.update(first_k_dense_replace=mlp.index("sparse"), moe_router_activation_func="sigmoid",
+               mla_use_nope=True, use_grouped_topk=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    file = os.path.join(path, "model.safetensors")
+    weights = {re.sub(r"\.block_sparse_moe\.(gate|up|down)_proj\.", r".mlp.\1_proj.", k): v
+               for k, v in load_file(file).items()}
+    save_file(weights, file, metadata={"format": "pt"})
     return path

@@ -33,13 +33,13 @@ _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qw
           "mistral": "MistralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
           "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
           "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gpt-oss": "GptOssForCausalLM",
-          "deepseek2": "DeepseekV2ForCausalLM"}
+          "deepseek2": "DeepseekV2ForCausalLM", "kimi-linear": "KimiLinearForCausalLM"}
 # Architectures llama.cpp converts that are not decoder-only language models: why each is refused.
 _NOT_DECODERS = {"t5": "an encoder-decoder model; sparkserve serves decoder-only language models",
                  "t5encoder": "an encoder; sparkserve serves decoder-only language models"}
 # GGUF arch -> HF model_type where they differ; llama.cpp writes Mixtral as arch llama with experts.
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss",
-                "deepseek2": "deepseek_v2"}
+                "deepseek2": "deepseek_v2", "kimi-linear": "kimi_linear"}
 # Gemma 2 / 3 as llama.cpp builds them: its sliding-window layers' rope base (not in the file) and
 # the layer count of the 27B models, whose attention scale is 1/sqrt(hidden / heads), not of head_dim.
 _GEMMA_LOCAL_ROPE_BASE = 10000.0
@@ -85,7 +85,17 @@ _DEEPSEEK2_LAYER_NAMES = dict(
     attn_kv_a_norm="self_attn.kv_a_layernorm", attn_kv_b="self_attn.kv_b_proj", attn_k_b="self_attn.k_b_proj",
     attn_v_b="self_attn.v_b_proj", ffn_gate_shexp="mlp.shared_experts.gate_proj",
     ffn_up_shexp="mlp.shared_experts.up_proj", ffn_down_shexp="mlp.shared_experts.down_proj")
-_LAYER_NAMES_OF = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "olmo2": _GEMMA_LAYER_NAMES,
+# Kimi-Linear (convert_hf_to_gguf.py KimiLinearModel): KDA layers' `ssm_*` tensors (`ssm_a` holds
+# -exp(A_log), read back as A_log), MLA's as DeepSeek-V2's (kv_b split), the routing bias; a key
+# "part.kind" (or a bare part) names the whole HF name where it is not "<role>.<kind>".
+_KIMI_LAYER_NAMES = dict(
+    _DEEPSEEK2_LAYER_NAMES, ssm_beta="self_attn.b_proj", ssm_f_a="self_attn.f_a_proj",
+    ssm_f_b="self_attn.f_b_proj", ssm_g_a="self_attn.g_a_proj", ssm_g_b="self_attn.g_b_proj",
+    ssm_conv1d_q="self_attn.q_conv1d", ssm_conv1d_k="self_attn.k_conv1d", ssm_conv1d_v="self_attn.v_conv1d",
+    ssm_norm="self_attn.o_norm", **{"ssm_a": "self_attn.A_log", "ssm_dt.bias": "self_attn.dt_bias",
+                                    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"})
+_LAYER_NAMES_OF = {"kimi-linear": _KIMI_LAYER_NAMES,
+                   "gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "olmo2": _GEMMA_LAYER_NAMES,
                    "phi3": _PHI3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES,
                    "deepseek2": _DEEPSEEK2_LAYER_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -105,6 +115,8 @@ def gguf_config(path: str) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     n_heads = get("attention.head_count")
     hidden = get("embedding_length")
+    if arch == "kimi-linear":
+        return ModelConfig.from_hf_dict(_kimi_config(get, meta, names))
     vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
     window = get("attention.sliding_window")
     head_dim = get("attention.key_length", hidden // n_heads)
@@ -158,6 +170,46 @@ def gguf_config(path: str) -> ModelConfig:
     # Which projections carry a bias is what the file holds (as llama.cpp's optional tensors).
     return dataclasses.replace(ModelConfig.from_hf_dict(hf), qkv_bias="blk.0.attn_q.bias" in names,
                                o_bias="blk.0.attn_output.bias" in names)
+
+
+def _kimi_config(get, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A kimi-linear GGUF's config.json, as moonshotai's checkpoints write it (models/kimi_linear.py
+    KimiArgs reads it): KDA layers are those whose head_count_kv is 0; MLA sizes as DeepSeek-V2's
+    (`key_length_mla` / `value_length_mla`); the converter writes no expert group count (one
+    group, as llama.cpp then routes) and llama.cpp renormalises the top-k."""
+    if get("expert_gating_func", 2) != 2:
+        raise ValueError(f"GGUF kimi-linear.expert_gating_func = {get('expert_gating_func')} is not "
+                         "supported (supported: 2, sigmoid)")
+    kv, n = get("attention.head_count_kv"), get("block_count")
+    kv = kv if isinstance(kv, list) else [kv] * n
+    rope = get("rope.dimension_count")
+    return {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+        "hidden_size": get("embedding_length"), "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": n, "num_attention_heads": get("attention.head_count"),
+        "num_key_value_heads": get("attention.head_count"), "vocab_size": get("vocab_size"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": get("context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in names,
+        "linear_attn_config": {"full_attn_layers": [i + 1 for i in range(n) if kv[i]],
+                               "kda_layers": [i + 1 for i in range(n) if not kv[i]],
+                               "num_heads": get("attention.head_count"), "head_dim": get("kda.head_dim"),
+                               "short_conv_kernel_size": get("ssm.conv_kernel")},
+        "q_lora_rank": get("attention.q_lora_rank") if any(".attn_q_a." in x for x in names) else None,
+        "kv_lora_rank": get("attention.kv_lora_rank"), "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": get("attention.key_length_mla") - rope,
+        "v_head_dim": get("attention.value_length_mla"),
+        "num_experts": get("expert_count"), "num_experts_per_token": get("expert_used_count"),
+        "num_shared_experts": get("expert_shared_count", 0),
+        "moe_intermediate_size": get("expert_feed_forward_length"),
+        "first_k_dense_replace": get("leading_dense_block_count", 0),
+        "routed_scaling_factor": get("expert_weights_scale", 1.0),
+        "num_expert_group": max(1, get("expert_group_count", 1)),
+        "topk_group": max(1, get("expert_group_used_count", 1)),
+        "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "mla_use_nope": True,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
 
 
 def _deepseek2_fields(get, n_heads: int, rope_dim: int, q_lora: bool) -> dict[str, Any]:
@@ -351,6 +403,8 @@ def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permute
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if perm is not None:
             w = w[perm]
+        if t.name.endswith(".ssm_a"):      # Kimi-Linear: the converter wrote -exp(A_log)
+            w = np.log(-w)
         if cfg.norm_offset and name.endswith("norm.weight"):
             w = w - np.float32(cfg.norm_offset)   # the converter folded Gemma's 1 + w in: HF's w loads
         yield name, torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else w.copy())
@@ -372,7 +426,12 @@ def _hf_name(name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
     m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight", name)
     if m:       # older Mixtral GGUFs: one tensor per expert
         return f"model.layers.{m[1]}.mlp.experts.{m[3]}.{m[2]}_proj.weight"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?", name)
+    if m and (m[3] is None or f"{m[2]}.{m[3]}" in layer_names):     # a whole HF name (_KIMI_LAYER_NAMES)
+        key = m[2] if m[3] is None else f"{m[2]}.{m[3]}"
+        if key not in layer_names:
+            raise ValueError(f"unknown GGUF tensor {name}")
+        return f"model.layers.{m[1]}.{layer_names[key]}"
     if m:
         layer, part, kind = m.groups()
         if part not in layer_names:

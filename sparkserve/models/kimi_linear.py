@@ -27,9 +27,10 @@ from sparkserve.layers.mla import MLAttention, latent_buffers
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
-from sparkserve.loader.weights import WeightLoader
+from sparkserve.loader.weights import WeightLoader, values_of
 from sparkserve.mem.hybrid_pool import HybridPool
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
+from sparkserve.models.llama import _EXPERT_PART, _EXPERT_TENSOR, LlamaForCausalLM
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -221,18 +222,31 @@ class KimiLinearForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Original Kimi names (block_sparse_moe, per-expert w1/w2/w3, q/k/v_conv1d, what
         save_pretrained writes) or transformers' runtime names (mlp, stacked experts, conv1d,
-        forget_gate.*)."""
+        forget_gate.*); a GGUF's (loader/gguf.py): experts stacked or per expert as blocks, MLA's
+        kv_b split into `k_b_proj` [heads, kv_lora_rank, nope] and `v_b_proj` [heads, v,
+        kv_lora_rank], joined back."""
         loader = WeightLoader(self, self.stacked_params)
         modules = dict(self.named_modules())
         pieces: dict[str, set] = {}      # parameters assembled from several checkpoint tensors
+        filled: dict[str, set] = {}      # experts' parts loaded
+        kv_b_halves: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in weights:
             name = name.replace(".block_sparse_moe.", ".mlp.").replace(".self_attn.forget_gate.",
                                                                        ".self_attn.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            m = re.fullmatch(r"(.*\.self_attn\.)(k|v)_b_proj\.weight", name)
+            if m:
+                halves = kv_b_halves.setdefault(m[1], {})
+                halves[m[2]] = values_of(t)
+                if len(halves) < 2:
+                    continue
+                name = f"{m[1]}kv_b_proj.weight"
+                t = torch.cat([halves["k"].transpose(1, 2), halves["v"]], 1)
+                t = t.reshape(-1, self.args.kv_lora_rank)
             m = re.match(r"(.*\.self_attn)\.(q|k|v|f_a|g_a|b)_proj\.weight$", name)
             if m and isinstance(modules.get(m[1]), KimiDeltaAttention):
-                modules[m[1]].in_proj.load(m[2], t)
+                modules[m[1]].in_proj.load(m[2], values_of(t))     # a GGUF's blocks: their values
                 loader.mark_loaded(f"{m[1]}.in_proj.weight#{m[2]}")
                 continue
             m = re.match(r"(.*\.self_attn)\.(q_|k_|v_|)conv1d\.weight$", name)
@@ -245,16 +259,10 @@ class KimiLinearForCausalLM(CausalLM):
                 continue
             if name.endswith(".self_attn.A_log"):
                 t = t.reshape(-1)
-            m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$", name)
+            m = _EXPERT_TENSOR.fullmatch(name)
             if m:
-                ex, e = modules[m[1]], modules[m[1]].local_index(int(m[2]))
-                if e is None:
-                    continue                           # another expert-parallel rank's expert
-                ex.load_part({"w1": "gate", "w3": "up", "w2": "down"}[m[3]], t, int(m[2]))
-                piece_of = {"w2": "down_proj"}.get(m[3], "gate_up_proj")
-                parts = 1 if m[3] == "w2" else 2
-                self._mark_piece(pieces, f"{m[1]}.{piece_of}", (e, m[3]),
-                                 parts * ex.down_proj.shape[0], loader)
+                LlamaForCausalLM._load_expert(modules[m[1]], m[1], _EXPERT_PART[m[3]], t,
+                                              None if m[2] is None else int(m[2]), filled, loader)
                 continue
             loader.load(name, t)
         if self.config.tie_word_embeddings:
