@@ -4,6 +4,7 @@ Tiny random HF targets saved with save_pretrained, random DSpark drafts in DeepS
 "oracle" drafts whose Markov head predicts the target's greedy token exactly (or never)."""
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -83,7 +84,7 @@ def next_token_map(hf_model) -> list[int]:
 
 
 def make_oracle_draft(target_dir: str, draft_dir: str, f: list[int], *, block_size: int = 4,
-                      shift: int = 0, mask_token_id: int = 3) -> str:
+                      shift: int = 0, mask_token_id: int = 3, dtype: torch.dtype | None = None) -> str:
     """A draft whose slot logits are 10 * onehot((f(prev) + shift) % V): base logits are zero
     (final norm weight 0), markov_w1 = I, markov_w2[(f(x) + shift) % V, x] = 10.
     shift 0: always right; shift 1: always wrong (as long as f has no fixed point issues)."""
@@ -100,7 +101,7 @@ def make_oracle_draft(target_dir: str, draft_dir: str, f: list[int], *, block_si
         for x in range(V):
             w2[(f[x] + shift) % V, x] = 10.0
         d.markov_head.markov_w2.weight.copy_(w2)
-    save_dspark_draft(d, draft_dir, include_shared=True)
+    save_dspark_draft(d, draft_dir, include_shared=True, dtype=dtype)
     return draft_dir
 
 
@@ -208,6 +209,86 @@ def chi_square_gof(counts, probs, min_expected: float = 5.0) -> tuple[float, int
     return stat, len(big) - 1
 
 
+# ---- greedy: one mixed batch against plain decoding ---------------------------------------------
+class GreedyBatch:
+    """One tiny target (`arch`): its plain engine and one mixed batch (prompt lengths `lengths`,
+    max_new_tokens `max_new`, request `stop_req` stopping on a token well inside its output, request
+    `penalty_req` with a repetition penalty, which decodes without speculation inside the VERIFY
+    forwards), and plain decoding's outputs: `base` without the stop token, `ref` with it."""
+
+    def __init__(self, root, arch: str, lengths: tuple[int, ...], max_new: tuple[int, ...], stop_req: int,
+                 penalty_req: int):
+        self.arch = arch
+        self.target = make_target(str(root / arch), arch)
+        self.plain = engine(self.target)
+        g = torch.Generator().manual_seed(7)
+        self.prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+        params = [dict(temperature=0, max_new_tokens=m) for m in max_new]
+        params[penalty_req]["repetition_penalty"] = 1.3
+        self.base = generate_ids(self.plain, self.prompts, params)
+        # Stop on a token that first appears well inside request stop_req's output.
+        out = self.base[stop_req]
+        k = next(k for k in range(6, len(out)) if out[k] not in out[:k])
+        params[stop_req]["stop_token_ids"] = [out[k]]
+        self.params = params
+        self.ref = generate_ids(self.plain, self.prompts, params)
+        assert self.ref[stop_req] == out[:k + 1], "plain decoding must honour the stop token"
+        assert [len(r) for i, r in enumerate(self.ref) if i != stop_req] == \
+            [m for i, m in enumerate(max_new) if i != stop_req]
+
+
+# ---- sampling: seeded continuations against the target's exact distribution ---------------------
+SAMPLING_ALPHA = 1e-3        # false-alarm rate per chi-square check
+
+
+def assert_fits(counts, probs, what: str, alpha: float = SAMPLING_ALPHA) -> None:
+    """Pearson's chi-square of `counts` against `probs` (cells of expected count < 5 pooled) at
+    most the critical value at false-alarm rate `alpha`."""
+    stat, df = chi_square_gof(counts, probs)
+    crit = chi2_critical(df, alpha)
+    assert df >= 1, f"{what}: too few cells to test"
+    assert stat <= crit, (f"{what}: chi-square {stat:.1f} > critical {crit:.1f} (df {df}, "
+                          f"p = {chi2_sf(stat, df):.2e})")
+
+
+@torch.inference_mode()
+def exact_distributions(hf, prompt: list[int], params, vocab: int, depth: int) -> list[torch.Tensor]:
+    """P(t1) [V], P(t2|t1) [V, V], .. (`depth` of them) of the target's processed sampling
+    distribution (SamplingParams `params`) after `prompt`, by enumerating every continuation."""
+    from sparkserve.executor.sampler import processed_probs
+    out = []
+    for d in range(depth):
+        ids = torch.tensor([prompt + list(p) for p in itertools.product(range(vocab), repeat=d)])
+        logits = torch.cat([hf(chunk).logits[:, -1] for chunk in ids.split(4096)])
+        out.append(processed_probs(logits.float(), params).double().view(*([vocab] * d), vocab))
+    return out
+
+
+def assert_continuations_fit(tokens: torch.Tensor, dists: list[torch.Tensor], what: str) -> None:
+    """Seeded 4-token continuations `tokens` [N, 4] follow the exact distributions (p1, .., p4:
+    exact_distributions): the marginals of t1 .. t4 and the joints (t1, t2), (t2, t3) fit."""
+    (N, cols), V = tokens.shape, dists[0].shape[-1]
+    assert cols == len(dists) == 4, "four tokens per continuation"
+    p1, p2, p3, p4 = dists
+
+    def counts(cs):
+        flat = torch.zeros(V ** len(cs), dtype=torch.long)
+        idx = torch.zeros(N, dtype=torch.long)
+        for c in cs:
+            idx = idx * V + tokens[:, c]
+        return flat.index_add_(0, idx, torch.ones(N, dtype=torch.long)).tolist()
+
+    j12 = p1[:, None] * p2                                  # P(t1, t2)
+    j123 = j12[:, :, None] * p3                             # P(t1, t2, t3)
+    m4 = (j123[:, :, :, None] * p4).sum((0, 1, 2))          # P(t4)
+    assert_fits(counts([0]), p1.tolist(), f"{what}: t1")
+    assert_fits(counts([1]), j12.sum(0).tolist(), f"{what}: t2")
+    assert_fits(counts([0, 1]), j12.flatten().tolist(), f"{what}: (t1, t2)")
+    assert_fits(counts([2]), j123.sum((0, 1)).tolist(), f"{what}: t3")
+    assert_fits(counts([1, 2]), j123.sum(0).flatten().tolist(), f"{what}: (t2, t3)")
+    assert_fits(counts([3]), m4.tolist(), f"{what}: t4")
+
+
 # ---- invariant: the draft's context KV is what a fresh prefill would inject --------------------
 @torch.inference_mode()
 def check_draft_context(eng, hf_model, atol: float = 2e-4) -> int:
@@ -215,7 +296,8 @@ def check_draft_context(eng, hf_model, atol: float = 2e-4) -> int:
     that the draft computes from taps of a from-scratch transformers forward over those tokens
     (tap l = HF hidden_states[l + 1]): the draft pool rows at its slots, or, for rows the request
     keeps back while it does not draft (DSparkWorker.defer), the K/V of the kept taps at the same
-    positions and slots. Returns the number of rows checked."""
+    positions and slots. Positions a dark request left out of its draft context (Req.draft_gaps)
+    are not compared. Returns the number of rows checked."""
     sched = eng.scheduler
     draft, pool, dev = sched.spec.draft, sched.spec.pool, sched.spec.device
     table = sched.cache.req_to_token.table
@@ -243,6 +325,9 @@ def check_draft_context(eng, hf_model, atol: float = 2e-4) -> int:
                 k, v = layer.self_attn.kv(draft.context_hidden(kept_taps), kc)
                 for j, p in enumerate(positions.tolist()):
                     kept[(i, p)] = (k[j], v[j])
+        live = torch.ones(n, dtype=torch.bool, device=dev)
+        for start, end in req.draft_gaps:
+            live[start:end] = False
         for i, layer in enumerate(draft.layers):
             k, v = layer.self_attn.kv(ctx, cos_sin)
             kb, vb = pool.layer(i)
@@ -250,11 +335,11 @@ def check_draft_context(eng, hf_model, atol: float = 2e-4) -> int:
             for (li, p), (kk, vv) in kept.items():
                 if li == i:
                     got_k[p], got_v[p] = kk, vv
-            assert torch.allclose(got_k, k, atol=atol, rtol=1e-3), \
+            assert torch.allclose(got_k[live], k[live], atol=atol, rtol=1e-3), \
                 f"draft context K of {req.rid} (layer {i}) differs from a fresh prefill"
-            assert torch.allclose(got_v, v, atol=atol, rtol=1e-3), \
+            assert torch.allclose(got_v[live], v[live], atol=atol, rtol=1e-3), \
                 f"draft context V of {req.rid} (layer {i}) differs from a fresh prefill"
-        checked += n
+        checked += int(live.sum())
     return checked
 
 

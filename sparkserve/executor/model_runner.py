@@ -2,6 +2,7 @@
 runs the forward, and returns logits for the rows the scheduler asked for."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -93,6 +94,20 @@ class ModelRunner:
         if batch.logits_rows.numel() != hidden.shape[0]:
             hidden = hidden[batch.logits_rows]
         return self.compute_logits(hidden)
+
+    @contextlib.contextmanager
+    def taps(self, on: bool):
+        """Forwards inside run with the model's aux taps (`on`) or without them: a DSpark step
+        whose rows none keeps (every request's draft context paused) skips copying them out."""
+        ids = self.model.aux_layer_ids
+        if on or not ids:
+            yield
+            return
+        self.model.set_aux_layers([])
+        try:
+            yield
+        finally:
+            self.model.set_aux_layers(ids)
 
     @torch.inference_mode()
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:

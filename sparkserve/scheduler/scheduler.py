@@ -33,6 +33,7 @@ from sparkserve.layers.moe import expert_rank_tokens, routed_token_counts
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.mem.transfer import Shapes
 from sparkserve.messages import SchedulerLoad
+from sparkserve.scheduler import draft_pause
 from sparkserve.scheduler.batch_log import BatchLog
 from sparkserve.scheduler.hidden_rows import keep_hidden
 from sparkserve.scheduler.prebuilt import PromptHandover
@@ -60,7 +61,6 @@ class SchedulerConfig:
     preemption_threshold: int | None = None   # --priority-scheduling-preemption-threshold
 
 IN_BATCH_PREFIX_MIN = 32     # shared prompt tokens worth waiting one step for
-DRAFT_BACKOFF_MAX = 32       # longest plain-decode stretch of a request whose drafts don't pay
 
 
 class Scheduler(PromptHandover):
@@ -83,7 +83,7 @@ class Scheduler(PromptHandover):
         self.spec = spec
         self.grammar = grammar                    # constrained decoding (None: off)
         self.accept_hist: dict[int, int] = {}     # accepted drafts per verify -> count
-        self.spec_idle = 0                        # the latest proposal's streak of empty budgets
+        self.spec_idle = self.spec_batch = 0      # the latest proposal's streak of empty budgets, its batch
         self.batch_log = BatchLog(cfg.decode_log_interval)
         # PD prefill side: called after each forward that computed prompt rows of a request that
         # hands off (`Req.hands_off`), with the rows' first position, before any leave a window.
@@ -98,8 +98,8 @@ class Scheduler(PromptHandover):
         runs its prompt (prefill only) and ends there."""
         if self.ends_at_once(req) or (req.params.grammar and not attach_grammar(req, self.grammar)):
             return False
-        req.spec_idle = self.spec_idle
-        self._back_off(req)
+        req.spec_idle, req.spec_batch = min(self.spec_idle, draft_pause.DARK_IDLE - 1), self.spec_batch
+        draft_pause.back_off(req)
         enqueue(self.waiting, req, self.cfg.priority_scheduling, self.cfg.low_priority_first)
         return True
 
@@ -301,6 +301,7 @@ class Scheduler(PromptHandover):
         self.forward_count[ForwardMode.EXTEND] += 1
         if self.spec is not None:       # every prompt row becomes draft context
             self.spec.inject(fb.aux_hidden, fb.positions, fb.out_cache_loc)
+            draft_pause.recomputed(req for req, _, _ in batch)
         starts = list(accumulate((n for _, _, n in batch), initial=0))
         keep_hidden(fb, ((req, range(o, o + n)) for (req, _, n), o in zip(batch, starts)))
         keep_hidden(fb, ((req, [starts[-1] + j]) for j, (req, _) in enumerate(decoding)))
@@ -327,6 +328,7 @@ class Scheduler(PromptHandover):
     def _run_decode(self) -> list[Req]:
         """One DECODE step; with DSpark, one VERIFY step: speculating requests score their
         anchor + drafts, the others their next token, in the same forward."""
+        draft_pause.wake(self.spec, self.running)
         speculating = self._ensure_decode_memory({r for r in self.running if self._speculates(r)})
         spec_reqs = [r for r in self.running if r in speculating]
         props = {}
@@ -353,7 +355,8 @@ class Scheduler(PromptHandover):
             sched.append(ScheduledReq(req.row, req.kv_len, toks, slots, logit_rows=len(toks)))
         mode = ForwardMode.VERIFY if props else ForwardMode.DECODE
         fb = self.runner.build_batch(mode, sched)
-        logits = self._verify_forward(fb, sched) if props else self.runner.forward(fb)
+        with self.runner.taps(bool(props) or not draft_pause.all_dark(self.spec, self.running)):
+            logits = self._verify_forward(fb, sched) if props else self.runner.forward(fb)
         self.forward_count[mode] += 1
         reqs = list(self.running)
         if not props:
@@ -381,17 +384,13 @@ class Scheduler(PromptHandover):
 
     def _note_verify_budget(self, req: Req, verify_len: int) -> None:
         """Drafting costs a draft pass even when the planner then verifies nothing: a request
-        whose budget comes out 0 twice in a row decodes plainly for 2, 4, .. DRAFT_BACKOFF_MAX
-        tokens before it drafts again (threshold / adaptive modes; full always verifies). The
+        whose budget comes out 0 twice in a row backs off drafting, then goes dark (draft_pause.py;
+        threshold / adaptive modes; full always verifies). The
         latest proposal's streak is kept, and a new request starts from it (add_request): a draft
         that does not pay on this traffic is not tried afresh at every request's first tokens."""
         self.spec_idle = req.spec_idle = 0 if verify_len > 0 else req.spec_idle + 1
-        self._back_off(req)
-
-    @staticmethod
-    def _back_off(req: Req) -> None:
-        if req.spec_idle >= 2:
-            req.spec_resume_at = len(req.output_ids) + min(2 ** (req.spec_idle - 1), DRAFT_BACKOFF_MAX)
+        self.spec_batch = req.spec_batch = len(self.running)
+        draft_pause.back_off(req)
 
     def _inject_rows(self, fb, groups: Iterable[tuple[Req, range | list[int]]], drafted) -> None:
         """The committed rows of this forward become draft context: at once where a request drafted
@@ -402,6 +401,7 @@ class Scheduler(PromptHandover):
         if self.spec is None:
             return
         later = self.cache.window is None and not self.cache.split
+        groups = draft_pause.lit_groups(fb, list(groups)) if self.spec.backs_off else groups   # not dark ones
         rows = [i for _, r in groups for i in r]
         if rows:    # consecutive rows (one request's, or a whole batch's) as views
             i = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else torch.as_tensor(rows)
