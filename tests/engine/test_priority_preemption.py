@@ -108,7 +108,8 @@ def test_retraction_under_priority_takes_the_lowest_priority_first(llama_dir, re
 
 
 @pytest.mark.parametrize("flags,message", [
-    (dict(disable_priority_preemption=True), "--disable-priority-preemption needs --enable-priority-scheduling"),
+    (dict(disable_priority_preemption=True),
+     "--disable-priority-preemption needs --enable-priority-scheduling"),
     (dict(priority_scheduling_preemption_threshold=3),
      "--priority-scheduling-preemption-threshold needs --enable-priority-scheduling"),
     (dict(enable_priority_scheduling=True, disable_priority_preemption=True,

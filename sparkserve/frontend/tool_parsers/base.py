@@ -85,6 +85,9 @@ class ToolParser:
     # grammar of strict tools stops after the first)
     parallel_structures = True
 
+    # why `structure` is None, for the 400 that refuses strict tools under tool_choice auto
+    no_structure_reason = "it has no call form a grammar can check"
+
     def structure(self, name: str) -> tuple[str, str, str] | None:
         """(trigger, begin, end) around the arguments object of one call to `name`, as the grammar of
         strict tools under tool_choice auto writes it (SGLang's structure_info); None where this

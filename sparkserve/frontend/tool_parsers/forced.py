@@ -53,7 +53,7 @@ def strict_calls_tag(tools: list[dict], parser: ToolParser, parallel: bool = Tru
         name = t["function"]["name"]
         form = parser.structure(name)
         if form is None:
-            raise ValueError(f"--tool-call-parser {parser.name} has no call form a grammar can check")
+            raise ValueError(f"--tool-call-parser {parser.name}: {parser.no_structure_reason}")
         trigger, begin, end = form
         schema = {**(parameters_schema(t) if is_strict(t) else {"type": "object"}), **COMPACT}
         tags.append({"type": "tag", "begin": begin, "end": end,

@@ -14,6 +14,14 @@ HEAD, MESSAGE, CALL = "<|channel|>commentary to=functions.", "<|message|>", "<|c
 class GptOssParser(ToolParser):
     name = "gpt-oss"
     skip_special_tokens = False          # harmony's markers are special tokens
+    # No strict form (structure is None): a harmony call ends on <|call|>, which gpt-oss counts as
+    # an EOS token (the end of its turn), and a grammar can only end where EOS is allowed, never
+    # consume one; and the text around calls is channels opened by special tokens (<|channel|>,
+    # <|end|>, <|start|>), which a grammar's free text cannot hold. tool_choice required or a named
+    # function is enforced instead (a JSON grammar, any model).
+    no_structure_reason = ("a gpt-oss (harmony) call ends on <|call|>, an EOS token a grammar cannot "
+                           "end a call on, and the text between calls is channels of special tokens "
+                           "a grammar's free text cannot hold")
 
     def split(self, text: str, final: bool) -> Split:
         outside, objs, pos, closed = [], [], 0, True
