@@ -22,6 +22,23 @@ SHARED_CACHE_FLAGS = ("speculative_ngram_branch_length", "speculative_ngram_capa
 BREADTH_FLAGS = ("speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth")
 
 
+def server_info_fields(info: dict, algorithm: str | None, described: dict | None) -> dict:
+    """/server_info's args (`info`) with the speculative fields of the algorithm in use only: the
+    other one's flags (and, without one, both's) are left out, and the drafter's own account
+    (`described`: SpecWorker.describe) is added under the algorithm's names."""
+    algorithm = algorithm.upper() if algorithm else None
+    dspark = [k for k in info if k.startswith("speculative_dspark_")] + list(DSPARK_FLAGS)
+    drop = {"DSPARK": NGRAM_FLAGS, "NGRAM": dspark}.get(algorithm, (*dspark, *NGRAM_FLAGS))
+    out = {k: v for k, v in info.items() if k not in drop}
+    if algorithm == "DSPARK" and described:
+        out.update(speculative_draft_model_path=described["draft_model_path"],
+                   speculative_dspark_verify_mode=described["verify_mode"],
+                   speculative_dspark_block_size=described["block_size"])
+    elif algorithm == "NGRAM" and described:     # its planner reads the --speculative-dspark-* planner flags
+        out.update(speculative_ngram_verify_mode=described["verify_mode"])
+    return out
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -23,6 +23,7 @@ from sparkserve.entrypoints.openai_protocol import (
 from sparkserve.entrypoints.tokenizer_manager import Unavailable
 from sparkserve.messages import GenerateReq
 from sparkserve.sampling_params import MAX_PROMPTS, MAX_RID_CHARS, SamplingParams
+from sparkserve.speculative_args import server_info_fields
 
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -116,10 +117,7 @@ async def server_info(request: Request) -> Response:
                 max_total_num_tokens=ready.max_total_num_tokens, context_length=ready.context_length,
                 vocab_size=ready.vocab_size, scheduler_pid=ready.pid, dp_size=tm.dp_groups,
                 device=ready.device)
-    if ready.speculative:
-        info.update(speculative_draft_model_path=ready.speculative["draft_model_path"],
-                    speculative_dspark_verify_mode=ready.speculative["verify_mode"],
-                    speculative_dspark_block_size=ready.speculative["block_size"])
+    info = server_info_fields(info, ctx.args.speculative_algorithm, ready.speculative)
     state = {k: v for k, v in dataclasses.asdict(load).items() if k != "cid"}
     info["internal_states"] = [{**state, "token_usage": load.token_usage, "inflight_sequences": tm.inflight}]
     return JSON(info)

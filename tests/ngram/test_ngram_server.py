@@ -62,6 +62,10 @@ def test_greedy_answers_equal_plain_decoding(server, reference):
     assert out.choices[0].message.content == stopped and out.choices[0].finish_reason == "stop"
     info = httpx.get(server.url + "/server_info", timeout=30).json()
     assert info["speculative_algorithm"] == "NGRAM"
+    # only NGRAM's fields: none of DSpark's (its draft path, block size, verify mode names)
+    assert not [k for k in info if k.startswith("speculative_dspark") or k == "speculative_draft_model_path"]
+    assert (info["speculative_ngram_verify_mode"], info["speculative_num_draft_tokens"]) == ("adaptive", 12)
+    assert info["speculative_ngram_match_type"] == "BFS"
     hist = {int(k): v for k, v in info["internal_states"][0]["spec_accept_hist"].items()}
     verifies, committed = sum(hist.values()), sum((k + 1) * v for k, v in hist.items())
     assert verifies and committed / verifies > 1.5, hist

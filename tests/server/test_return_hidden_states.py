@@ -136,6 +136,26 @@ def test_prefill_only_hidden_states(llama_dir):
     assert_no_kv_leak(eng.scheduler.cache)
 
 
+def test_ngram_takes_hidden_state_layers(llama_dir):
+    """--hidden-state-layers with NGRAM (which taps nothing of its own): the rows of its verify
+    cycles and plain steps equal a fresh prefill's, its greedy tokens plain decoding's; with
+    DSpark (whose target taps the draft's layers) the flag is still refused."""
+    kw = dict(enable_return_hidden_states=True, disable_radix_cache=True, max_total_tokens=4096)
+    with pytest.raises(ValueError, match="--hidden-state-layers with --speculative-algorithm DSPARK"):
+        ServerArgs(llama_dir, hidden_state_layers=TAPS, speculative_algorithm="DSPARK",
+                   speculative_draft_model_path=llama_dir, **kw).validate()
+    prompts = [p * 3 for p in _prompts(4)]          # repeated text: NGRAM finds drafts to verify
+    params = {**GREEDY, "max_new_tokens": 32}
+    want = Engine(llama_dir, max_total_tokens=4096).generate(input_ids=prompts, sampling_params=params)
+    eng = Engine(llama_dir, hidden_state_layers=TAPS, speculative_algorithm="NGRAM",
+                 speculative_dspark_verify_mode="full", **kw)
+    assert eng.scheduler.runner.model.aux_layer_ids == TAPS
+    outs = eng.generate(input_ids=prompts, sampling_params=params, return_hidden_states=True)
+    assert [o["output_ids"] for o in outs] == [w["output_ids"] for w in want]
+    assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
+    _check_against_prefill(eng, prompts, outs)
+
+
 def test_http_generate_returns_hidden_states(llama_dir, tmp_path):
     """SGLang's /generate with return_hidden_states on a DSpark server (its target taps the
     draft's layers): rows [position][hidden] equal a fresh prefill capture, for a batch, a
@@ -154,6 +174,7 @@ def test_http_generate_returns_hidden_states(llama_dir, tmp_path):
         info = httpx.get(server.url + "/server_info", timeout=10).json()     # what runs, resolved
         assert info["speculative_draft_model_path"] == draft
         assert (info["speculative_dspark_verify_mode"], info["speculative_dspark_block_size"]) == ("full", 4)
+        assert not [k for k in info if k.startswith(("speculative_ngram", "speculative_num_draft"))]
         eng = Engine(llama_dir, max_total_tokens=1024)
         model = eng.scheduler.runner.model
         prompts = _prompts(3)
