@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 from dspark_fixtures import (
+    GreedyBatch,
     assert_no_kv_leak,
     dspark_single_thread,  # noqa: F401 (autouse)
     engine,
@@ -24,7 +25,6 @@ from dspark_fixtures import (
     load_hf,
     make_oracle_draft,
     make_random_draft,
-    make_target,
 )
 
 GAMMA = 4
@@ -33,32 +33,16 @@ MAX_NEW = (20, 1, 2, 25, 16, 18)
 STOP_REQ, PENALTY_REQ = 3, 4
 
 
-class Setup:
+class Setup(GreedyBatch):
     """One target: its plain engine, the mixed batch, plain outputs, drafts."""
 
     def __init__(self, root, arch: str):
-        self.arch = arch
-        self.target = make_target(str(root / arch), arch)
+        super().__init__(root, arch, LENGTHS, MAX_NEW, STOP_REQ, PENALTY_REQ)
         self.hf = load_hf(self.target)
-        self.plain = engine(self.target)
-        g = torch.Generator().manual_seed(7)
-        self.prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
-        params = [dict(temperature=0, max_new_tokens=m) for m in MAX_NEW]
-        params[PENALTY_REQ]["repetition_penalty"] = 1.3
-        base = generate_ids(self.plain, self.prompts, params)
-        # Stop on a token that first appears well inside request STOP_REQ's output.
-        out = base[STOP_REQ]
-        k = next(k for k in range(6, len(out)) if out[k] not in out[:k])
-        params[STOP_REQ]["stop_token_ids"] = [out[k]]
-        self.params = params
-        self.ref = generate_ids(self.plain, self.prompts, params)
-        assert self.ref[STOP_REQ] == out[:k + 1], "plain decoding must honour the stop token"
-        assert [len(r) for i, r in enumerate(self.ref) if i != STOP_REQ] == \
-            [m for i, m in enumerate(MAX_NEW) if i != STOP_REQ]
         self.drafts = {"random": make_random_draft(self.target, str(root / f"{arch}_random"),
                                                    block_size=GAMMA)}
         bigram = [0] * 256
-        for p, o in zip(self.prompts, base):
+        for p, o in zip(self.prompts, self.base):
             seq = p[-1:] + o
             for a, b in zip(seq, seq[1:]):
                 bigram[a] = b

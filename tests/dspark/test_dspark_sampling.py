@@ -8,37 +8,27 @@ and fails when the statistic exceeds the critical value at a false-alarm rate of
 each test is deterministic: it either always passes or always fails on a given torch build."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from dspark_fixtures import (
+    assert_continuations_fit,
+    assert_fits,
     chi2_critical,
-    chi2_sf,
     chi_square_gof,
     dspark_single_thread,  # noqa: F401 (autouse)
     engine,
+    exact_distributions,
     load_hf,
     make_target,
 )
 
-from sparkserve.executor.sampler import processed_probs
 from sparkserve.sampling_params import SamplingParams
 from sparkserve.speculative.verify import accept_greedy, accept_sampling
 
-ALPHA = 1e-3          # false-alarm rate per chi-square check
 V = 24                # target vocabulary
 N = 3000              # seeded continuations per configuration
 PROMPT = [3, 7, 1, 9]
 MAX_NEW = 4           # t1 from prefill; t2, t3 from one verify of 2 drafts (+ t4 bonus if both pass)
-
-
-def assert_fits(counts, probs, what: str) -> None:
-    stat, df = chi_square_gof(counts, probs)
-    crit = chi2_critical(df, ALPHA)
-    assert df >= 1, f"{what}: too few cells to test"
-    assert stat <= crit, (f"{what}: chi-square {stat:.1f} > critical {crit:.1f} (df {df}, "
-                          f"p = {chi2_sf(stat, df):.2e})")
 
 
 def test_chi_square_helpers():
@@ -119,19 +109,6 @@ def _load_target(path):
     return load_model(path)
 
 
-@torch.inference_mode()
-def exact_distributions(hf, params: SamplingParams):
-    """P(t1) [V], P(t2|t1) [V, V], P(t3|t1,t2) [V, V, V], P(t4|t1,t2,t3) [V, V, V, V] of the
-    target's processed sampling distribution, by enumerating every continuation."""
-    out = []
-    for depth in range(MAX_NEW):
-        prefixes = list(itertools.product(range(V), repeat=depth))
-        ids = torch.tensor([PROMPT + list(p) for p in prefixes])
-        logits = torch.cat([hf(chunk).logits[:, -1] for chunk in ids.split(4096)])
-        out.append(processed_probs(logits.float(), params).double().view(*([V] * depth), V))
-    return out
-
-
 CONFIGS = {
     "temperature1": dict(temperature=1.0),
     "top_p0.8": dict(temperature=1.0, top_p=0.8),
@@ -155,25 +132,8 @@ def test_sampling_matches_target_distribution(hf_target, draft_dir, reduced_draf
     assert hist.get(0, 0) > 0 and sum(v for k, v in hist.items() if k > 0) > 0, hist
     assert hist.get(2, 0) > 0, f"no verify accepted both drafts (no bonus path): {hist}"
 
-    p1, p2, p3, p4 = exact_distributions(hf, SamplingParams(**sp))
-    t = torch.tensor(seqs)
-
-    def counts(cols):
-        flat = torch.zeros(V ** len(cols), dtype=torch.long)
-        idx = torch.zeros(N, dtype=torch.long)
-        for c in cols:
-            idx = idx * V + t[:, c]
-        return flat.index_add_(0, idx, torch.ones(N, dtype=torch.long)).tolist()
-
-    j12 = p1[:, None] * p2                                  # P(t1, t2)
-    j123 = j12[:, :, None] * p3                             # P(t1, t2, t3)
-    m4 = (j123[:, :, :, None] * p4).sum((0, 1, 2))          # P(t4)
-    assert_fits(counts([0]), p1.tolist(), f"{name}: t1")
-    assert_fits(counts([1]), j12.sum(0).tolist(), f"{name}: t2")
-    assert_fits(counts([0, 1]), j12.flatten().tolist(), f"{name}: (t1, t2)")
-    assert_fits(counts([2]), j123.sum((0, 1)).tolist(), f"{name}: t3")
-    assert_fits(counts([1, 2]), j123.sum(0).flatten().tolist(), f"{name}: (t2, t3)")
-    assert_fits(counts([3]), m4.tolist(), f"{name}: t4")
+    dists = exact_distributions(hf, PROMPT, SamplingParams(**sp), V, MAX_NEW)
+    assert_continuations_fit(torch.tensor(seqs), dists, name)
 
 
 # ---- unit tests of verify.py ------------------------------------------------------------------

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from dspark_fixtures import (
+    GreedyBatch,
     assert_no_kv_leak,
     dspark_single_thread,  # noqa: F401 (autouse)
     engine,
@@ -48,21 +48,11 @@ def copy_prompt(f: list[int], start: int, walk: int, filler: list[int]) -> list[
     return seq + filler + [start]
 
 
-class Setup:
+class Setup(GreedyBatch):
+    """The ordinary target (its plain engine, the mixed batch, plain outputs) and the copier."""
+
     def __init__(self, root):
-        self.target = make_target(str(root / "llama"), "llama")
-        self.plain = engine(self.target)
-        g = torch.Generator().manual_seed(7)
-        self.prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
-        params = [dict(temperature=0, max_new_tokens=m) for m in MAX_NEW]
-        params[PENALTY_REQ]["repetition_penalty"] = 1.3
-        base = generate_ids(self.plain, self.prompts, params)
-        out = base[STOP_REQ]
-        k = next(k for k in range(6, len(out)) if out[k] not in out[:k])
-        params[STOP_REQ]["stop_token_ids"] = [out[k]]
-        self.params = params
-        self.ref = generate_ids(self.plain, self.prompts, params)
-        assert self.ref[STOP_REQ] == out[:k + 1]
+        super().__init__(root, "llama", LENGTHS, MAX_NEW, STOP_REQ, PENALTY_REQ)
         self.copier = make_target(str(root / "copier"), "llama", edit=zero_attn_and_mlp_out)
         self.f = next_token_map(load_hf(self.copier))
         self.copier_plain = engine(self.copier)

@@ -1,7 +1,7 @@
 """NGRAM sampling is lossless: seeded continuations drawn with NGRAM speculation follow the target's
 exact sampling distribution (by enumeration from the transformers model), for temperature 1, top_p
-and top_k, with the chi-square check of the DSpark sampling test (tests/dspark/test_dspark_sampling.py:
-alpha 1e-3 per check, cells of expected count < 5 pooled, fixed seeds). The prompt holds every token
+and top_k, with the chi-square checks the DSpark sampling test makes (dspark_fixtures.
+assert_continuations_fit: alpha 1e-3 per check, cells of expected count < 5 pooled, fixed seeds). The prompt holds every token
 the target's greedy continuation of a seed (it falls into a loop), so the likely first tokens occurred
 before and a request verifies the two tokens that followed them: point-mass drafts, accepted with
 probability p(d), rejected ones resampled from p without d.
@@ -9,26 +9,23 @@ probability p(d), rejected ones resampled from p without d.
 Also the suffix matcher against a brute-force search."""
 from __future__ import annotations
 
-import itertools
 import random
 
 import numpy as np
 import pytest
 import torch
 from dspark_fixtures import (
-    chi2_critical,
-    chi_square_gof,
+    assert_continuations_fit,
     dspark_single_thread,  # noqa: F401 (autouse)
     engine,
+    exact_distributions,
     load_hf,
     make_target,
 )
 
-from sparkserve.executor.sampler import processed_probs
 from sparkserve.sampling_params import SamplingParams
 from sparkserve.speculative.ngram import continuation, longest_suffix_match
 
-ALPHA = 1e-3
 V = 24
 N = 3000
 SEED = [3, 7, 1, 9]
@@ -48,25 +45,6 @@ def hf_target(tmp_path_factory):
     return target, hf
 
 
-@torch.inference_mode()
-def exact_distributions(hf, params: SamplingParams) -> list[torch.Tensor]:
-    """P(t1) [V], P(t2|t1) [V, V], .. of the target's processed sampling distribution, by
-    enumerating every continuation of PROMPT."""
-    out = []
-    for depth in range(MAX_NEW):
-        ids = torch.tensor([PROMPT + list(p) for p in itertools.product(range(V), repeat=depth)])
-        logits = torch.cat([hf(chunk).logits[:, -1] for chunk in ids.split(4096)])
-        out.append(processed_probs(logits.float(), params).double().view(*([V] * depth), V))
-    return out
-
-
-def assert_fits(counts, probs, what: str) -> None:
-    stat, df = chi_square_gof(counts, probs)
-    crit = chi2_critical(df, ALPHA)
-    assert df >= 1, f"{what}: too few cells to test"
-    assert stat <= crit, f"{what}: chi-square {stat:.1f} > critical {crit:.1f} (df {df})"
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_sampling_matches_target_distribution(hf_target, name):
     target, hf = hf_target
@@ -82,24 +60,7 @@ def test_sampling_matches_target_distribution(hf_target, name):
     # rejections at both slots and full accepts (the bonus path) ran
     assert hist.get(0, 0) and hist.get(1, 0) and hist.get(2, 0), hist
 
-    p1, p2, p3, p4 = exact_distributions(hf, SamplingParams(**sp))
-
-    def counts(cols):
-        flat = torch.zeros(V ** len(cols), dtype=torch.long)
-        idx = torch.zeros(N, dtype=torch.long)
-        for c in cols:
-            idx = idx * V + t[:, c]
-        return flat.index_add_(0, idx, torch.ones(N, dtype=torch.long)).tolist()
-
-    j12 = p1[:, None] * p2
-    j123 = j12[:, :, None] * p3
-    m4 = (j123[:, :, :, None] * p4).sum((0, 1, 2))
-    assert_fits(counts([0]), p1.tolist(), f"{name}: t1")
-    assert_fits(counts([1]), j12.sum(0).tolist(), f"{name}: t2")
-    assert_fits(counts([0, 1]), j12.flatten().tolist(), f"{name}: (t1, t2)")
-    assert_fits(counts([2]), j123.sum((0, 1)).tolist(), f"{name}: t3")
-    assert_fits(counts([1, 2]), j123.sum(0).flatten().tolist(), f"{name}: (t2, t3)")
-    assert_fits(counts([3]), m4.tolist(), f"{name}: t4")
+    assert_continuations_fit(t, exact_distributions(hf, PROMPT, SamplingParams(**sp), V, MAX_NEW), name)
 
 
 # ---- the matcher -------------------------------------------------------------------------------
