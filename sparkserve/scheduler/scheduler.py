@@ -56,9 +56,9 @@ class SchedulerConfig:
     mixed_chunk: bool = False             # decodes join prefill forwards (--enable-mixed-chunk)
     priority_scheduling: bool = False     # the queue orders by Req.priority (--enable-priority-scheduling)
     low_priority_first: bool = False      # lower values first (--schedule-low-priority-values-first)
-
     # a waiting request preempts running ones it outranks by more than this (None: never)
     preemption_threshold: int | None = None   # --priority-scheduling-preemption-threshold
+
 
 IN_BATCH_PREFIX_MIN = 32     # shared prompt tokens worth waiting one step for
 
