@@ -64,6 +64,10 @@ CASES: dict[str, tuple[str, str]] = {
     "deepseek2 q_lora": ("deepseek_v2_qlora_gguf", "deepseek-llm"),
     "mixtral": ("mixtral", "spm"),
     "qwen3moe": ("qwen3_moe_raw", "qwen2"),
+    # Kimi-Linear in its original checkpoint format (kimi_fixtures.as_original_checkpoint; its real
+    # pre-tokenizer kimi-k2 is llama.cpp's own code, not a regex: gpt-4o's splitting stands in)
+    "olmo3": ("olmo3", "dbrx"),
+    "kimi-linear": ("kimi:gguf", "gpt-4o"),
 }
 OUTTYPES = ("f32", "f16", "q8_0")
 QUANTIZED = "Q4_K_M"      # llama-quantize's type, from the f32 file
@@ -105,8 +109,19 @@ NOTES = [
     "Q4_K_M rows: llama-quantize's mix on rows this narrow is mostly its Q5_0 / Q8_0 fallbacks; sparkserve "
     "computes with the file's exact weights in fp32, llama.cpp with its quantized activations (MoE routing "
     "can flip where two experts' scores are close).",
-    "Architectures the converter has that sparkserve does not load from GGUF: kimi-linear "
-    "(KimiLinearForCausalLM), minimax / minimax-m2 / minimax-m3 (served from HF directories only).",
+    "olmo3 (windowed layers' rope base 1e4, full layers' 5e5 + YaRN): llama.cpp rotates the windowed layers "
+    "by the global base although the file carries rope.freq_base_swa (with the two bases equal, as the "
+    "released OLMo 3 models have them, llama.cpp equals transformers to 4e-6, YaRN and windows included); "
+    "sparkserve follows transformers.",
+    "kimi-linear: converted from the original checkpoint format (linear_attn_config, first_k_dense_replace; "
+    "kimi_fixtures.as_original_checkpoint), one expert group (the converter writes no group count for it) "
+    "and no q LoRA (llama.cpp's kimi-linear reads no q_lora_rank; the released model has none); "
+    "its real pre-tokenizer kimi-k2 (llama.cpp's own code, not a regex) is not among sparkserve's, gpt-4o's "
+    "stands in here.",
+    "Architectures the converter has that sparkserve does not load from GGUF: minimax-m2 (not served at "
+    "all), minimax-m3 (served from HF directories only; the converter reads MiniMax's own config keys, "
+    "sparse_attention_config / moe_layer_freq, not transformers' MiniMaxM3VL ones); t5 / t5encoder and "
+    "Unigram ('t5') vocabularies are refused at start-up (encoder-decoder / encoder models).",
 ]
 
 
@@ -188,6 +203,9 @@ def _hf_checkpoint(fixture: str, path: str) -> str:
     from family_fixtures import FAMILIES, make_family_checkpoint
     if fixture in FAMILIES:
         return make_family_checkpoint(fixture, path)
+    if fixture.startswith("kimi:"):
+        from kimi_fixtures import as_original_checkpoint, make_kimi
+        return as_original_checkpoint(make_kimi(path, fixture.removeprefix("kimi:")))
     assert fixture in TINY_CONFIGS, fixture
     return make_tiny_checkpoint(fixture, path)
 
@@ -350,7 +368,8 @@ def fixture_vs_converter(fixture: str, hf_dir: str, converted: str, outtype: str
     from family_fixtures import FAMILIES, write_gguf
 
     from sparkserve.loader.gguf_file import GGUFFile
-    if fixture not in FAMILIES or outtype not in OUTTYPES:     # (llama-quantize's files: no fixture)
+    if (fixture not in FAMILIES and not fixture.startswith("kimi:")) or outtype not in OUTTYPES:
+        # (llama-quantize's files: no fixture)
         return "-"
     mine = converted.replace(".gguf", ".fixture.gguf")
     write_gguf(hf_dir, mine, outtype)
@@ -466,6 +485,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", help="comma-separated families (CASES keys)")
     ap.add_argument("--keep", help="keep the checkpoints and GGUFs in this directory")
+    ap.add_argument("--merge", action="store_true", help="with --only: replace those families' rows in the "
+                    "last results, keep the rest (and its tokenizer sweeps) as they are")
     a = ap.parse_args()
     import torch
     from results_io import machine_line, write_results
@@ -522,6 +543,14 @@ def main() -> None:
                 row["tokenizer"] = {"agree": f"error: {type(e).__name__}: {e}"}
         print(json.dumps(row), file=sys.stderr)
 
+    last = None
+    if a.merge:
+        with open(os.path.join(HERE, "results", "gguf_conformance.json")) as f:
+            last = json.load(f)
+        order = {name: i for i, name in enumerate(CASES)}
+        rows = sorted([r for r in last["rows"] if r["family"] not in cases] + rows,
+                      key=lambda r: order.get(r["family"], len(order)))
+
     def cell(r: dict, key: str) -> str:
         v = r.get(key)
         return "-" if v is None else f"{v['max_abs']:.2g} ({v['rel']:.1e}) {v['top1']}"
@@ -546,6 +575,13 @@ def main() -> None:
                      f"{tok.get('hf_vs_llamacpp', '')} | {r.get('fixture', '')} |"
                      + (f" error: {err[:160]}" if err else ""))
     from sparkserve.embedded import default_model_path
+    if last is not None:        # the tokenizer sweeps as the last full run wrote them
+        with open(os.path.join(HERE, "results", "gguf_conformance.md")) as f:
+            text = f.read()
+        sweeps = text[text.index("A real converted"):text.index("Notes:")].rstrip("\n").splitlines()
+        lines += ["", *sweeps, "", "Notes:", *(f"- {n}" for n in NOTES)]
+        write_results("gguf_conformance", dict(last, machine=machine_line(), rows=rows, notes=NOTES), lines)
+        return
     real = _run_worker(sys.executable, "--llamacpp", [{"gguf": default_model_path(), "ids": []}], _peer_env(),
                        timeout=600)[0]
     real_row = (_tokenizer_report(default_model_path(), None, real) if real["error"] is None

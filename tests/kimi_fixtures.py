@@ -25,10 +25,11 @@ CONFIGS = {
                     layer_types=["full_attention", "linear_attention", "linear_attention"],
                     mlp_layer_types=["dense", "sparse", "dense"]),
 }
-# What a GGUF file can say (llama.cpp's converter writes no expert groups for Kimi-Linear): KDA first, one
-# dense layer then MoE (first_k_dense_replace), ungrouped routing, q LoRA; a vocabulary a byte-level BPE fits
-CONFIGS["gguf"] = dict(BASE, num_hidden_layers=4, q_lora_rank=24, n_shared_experts=1, n_group=1, topk_group=1,
-                       vocab_size=320, layer_types=["linear_attention", "full_attention"] * 2,
+# What a GGUF file can say (llama.cpp's converter writes no expert groups for Kimi-Linear, and llama.cpp
+# builds it without q LoRA, as the released model): KDA first, one dense layer then MoE
+# (first_k_dense_replace), ungrouped routing; a vocabulary a byte-level BPE fits
+CONFIGS["gguf"] = dict(BASE, num_hidden_layers=4, q_lora_rank=None, n_shared_experts=1, n_group=1,
+                       topk_group=1, vocab_size=320, layer_types=["linear_attention", "full_attention"] * 2,
                        mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
 
 
