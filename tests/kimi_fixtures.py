@@ -31,6 +31,8 @@ CONFIGS = {
 CONFIGS["gguf"] = dict(BASE, num_hidden_layers=4, q_lora_rank=None, n_shared_experts=1, n_group=1,
                        topk_group=1, vocab_size=320, layer_types=["linear_attention", "full_attention"] * 2,
                        mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+# with q LoRA, which a file may carry (sparkserve reads it; llama.cpp's kimi-linear does not)
+CONFIGS["gguf_qlora"] = dict(CONFIGS["gguf"], q_lora_rank=24)
 
 
 def make_kimi(path: str, name: str, seed: int = 0) -> str:

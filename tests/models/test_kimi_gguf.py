@@ -24,13 +24,13 @@ IDS = torch.randint(3, CONFIGS["gguf"]["vocab_size"], (40,),
                     generator=torch.Generator().manual_seed(5)).tolist()
 
 
-@pytest.fixture(scope="module")
-def kimi(tmp_path_factory) -> dict[str, str]:
+@pytest.fixture(scope="module", params=["gguf", "gguf_qlora"])
+def kimi(tmp_path_factory, request) -> dict[str, str]:
     """The original-format directory (every value rounded to bfloat16, which float16 holds: the F16
-    file holds the same numbers) and its f32 / f16 / q8_0 GGUF files."""
+    file holds the same numbers) and its f32 / f16 / q8_0 GGUF files; without and with q LoRA."""
     from safetensors.torch import load_file, save_file
     root = tmp_path_factory.mktemp("kimi_gguf")
-    path = as_original_checkpoint(make_kimi(str(root / "hf"), "gguf"))
+    path = as_original_checkpoint(make_kimi(str(root / "hf"), request.param))
     file = os.path.join(path, "model.safetensors")
     save_file({k: v.to(torch.bfloat16).float() for k, v in load_file(file).items()}, file,
               metadata={"format": "pt"})
