@@ -118,11 +118,11 @@ def test_hidden_states_under_pp(llama_dir, tmp_path):
             torch.testing.assert_close(g["meta_info"][key], w["meta_info"][key], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "phi3_longrope", "olmo2", "granite", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["gemma3", "phi3_longrope", "olmo2", "olmo3", "granite", "qwen3_moe"])
 def test_families_pp2(name, tmp_path):
     """The families of issue #45 over two stages (the LM head and its logits scaling on the first,
-    the final norm on the last; Gemma 3's two rope tables and split pool; a MoE layer on each) equal
-    one process."""
+    the final norm on the last; Gemma 3's and OLMo 3's two rope tables and split pool; a MoE layer
+    on each) equal one process."""
     from family_fixtures import make_family_checkpoint
     path = make_family_checkpoint(name, str(tmp_path / name))
     want = run_mixed(Engine(path, **COMMON))

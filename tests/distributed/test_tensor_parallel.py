@@ -63,12 +63,13 @@ def test_qwen2_ranks_equal_one(name, tmp_path):
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "olmo2"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "olmo2", "olmo3"])
 def test_families_ranks_equal_one(name, tmp_path):
     """Gemma (the scaled embedding summed over the vocab-split ranks, q/k norms and soft-capped
     scores per head, the final soft-cap on the gathered logits), Phi-3 (its fused q|k|v and
-    gate|up tensors cut into each rank's heads and channels) and OLMo2 (q/k norms over the whole
-    projection, their sums of squares summed over the ranks) on two ranks equal one process."""
+    gate|up tensors cut into each rank's heads and channels) and OLMo 2 / 3 (q/k norms over the whole
+    projection, their sums of squares summed over the ranks; OLMo 3's windowed layers with their
+    own rope) on two ranks equal one process."""
     from family_fixtures import make_family_checkpoint
     path = make_family_checkpoint(name, str(tmp_path / name))
     want = run_mixed(Engine(path, **COMMON))
