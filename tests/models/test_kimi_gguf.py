@@ -107,3 +107,17 @@ def test_q8_0_gguf_equals_its_values(kimi):
     torch.testing.assert_close(prefill_logits(kimi["q8_0"]), want, rtol=1e-4, atol=1e-4)
     got = prefill_logits(kimi["q8_0"], activation_quant="int8")
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.7
+
+
+def test_q8_0_gguf_tp2_ep2_equals_one_process(kimi):
+    """The Q8_0 file over two ranks (KDA and MLA heads split, experts held as blocks one half per
+    rank) serves the tokens and logprobs of one process."""
+    from parallel_fixtures import COMMON, assert_same, run_mixed
+
+    from sparkserve import Engine
+    kw = dict(COMMON, activation_quant="none", kv_cache_dtype="float32")
+    with Engine(kimi["q8_0"], **kw) as eng:
+        want = run_mixed(eng)
+    with Engine(kimi["q8_0"], tp_size=2, ep_size=2, **kw) as eng:
+        got = run_mixed(eng)
+    assert_same(got, want)
