@@ -82,7 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_lens") = std::vector<int64_t>(), py::arg("variant") = "", py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), py::arg("sinks") = py::none());
   m.def("decode_attention_variants", &decode_attention_variants,
-        "the decode_attention variants this CPU runs, best first (avx512, avx2)");
+        "the decode_attention variants this CPU runs, best first (avx512vnni, avx512, avx2)");
   m.def("prefill_attention", &prefill_attention,
         "decode_attention for prefill chunks, in tiles of query rows (GQA, fp32); variant: avx512 / avx2",
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indices"), py::arg("seq_lens"),

@@ -79,7 +79,8 @@ VARIANT_SOURCES = [os.path.join(_DIR, f"int8_{name}.cpp") for name in VARIANTS]
 # Other kernels for one ISA beyond the baseline, compiled and left out as the variants are:
 # name -> (source, flags); the extension sees SPARKSERVE_HAS_<NAME> for each one built.
 ISA_UNITS = {"prefill_avx512": ("prefill_attention_avx512.cpp", VARIANTS["avx512"]),
-             "decode_avx512": ("decode_attention_avx512.cpp", VARIANTS["avx512"])}
+             "decode_avx512": ("decode_attention_avx512.cpp", VARIANTS["avx512"]),
+             "decode_avx512vnni": ("decode_attention_avx512vnni.cpp", VARIANTS["avx512vnni"])}
 UNIT_SOURCES = [os.path.join(_DIR, src) for src, _ in ISA_UNITS.values()]
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 

@@ -13,8 +13,10 @@
 // (int8 / fp8 with float16 block scales) is dequantized as each chunk reads its rows: the chunk's
 // scales converted first, the elements scaled in registers (decode_tile.h).
 // The arithmetic of a chunk is decode_tile.h's, on zmm registers where the CPU has AVX-512 and
-// the head dim is a multiple of 16 (decode_attention_avx512.cpp), else on ymm; one variant per
-// head dim, so decode and VERIFY rows stay equal.
+// the head dim is a multiple of 16 (decode_attention_avx512.cpp), else on ymm; where it also has
+// AVX-512 VNNI an int8 pool's q . k scores are integer dot products of the keys with each query
+// quantized to int8 (decode_attention_avx512vnni.cpp). One variant per head dim, so decode and
+// VERIFY rows stay equal.
 //
 // Built with -mavx2 -mfma by sparkserve/kernels/build.py, which checks the CPU first.
 #include <ATen/Parallel.h>
@@ -236,6 +238,10 @@ struct Variant {
 const std::vector<Variant>& variants() {
   static const std::vector<Variant> v = [] {
     std::vector<Variant> out;
+#ifdef SPARKSERVE_HAS_DECODE_AVX512VNNI
+    if (sparkserve::isa_usable("avx512") && sparkserve::isa_usable("avx512vnni"))
+      out.push_back({"avx512vnni", sparkserve::decode::kernels_avx512vnni()});
+#endif
 #ifdef SPARKSERVE_HAS_DECODE_AVX512
     if (sparkserve::isa_usable("avx512")) out.push_back({"avx512", sparkserve::decode::kernels_avx512()});
 #endif

@@ -36,5 +36,7 @@ struct ChunkKernels {
 
 ChunkKernels kernels_avx2();
 ChunkKernels kernels_avx512();
+// kernels_avx512 with an int8 pool's scores as VNNI integer dot products (decode_attention_avx512vnni.cpp)
+ChunkKernels kernels_avx512vnni();
 
 }  // namespace sparkserve::decode

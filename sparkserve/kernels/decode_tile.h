@@ -207,21 +207,25 @@ void pv(const float* p, int64_t R, int64_t n, const ChunkKV& kv, const int64_t* 
   for (; r < R; ++r) pv_rows<V, KT, 1>(p + r * n, n, kv, rows, o + r, D);
 }
 
+// scores for the chunk's element kind.
+template <class V>
+void scores_of(const float* const* q, int64_t R, const int64_t* rows, int64_t n, const ChunkKV& kv, int64_t D,
+               float* s) {
+  switch (kv.type) {
+    case 0: return scores<V, 0>(q, R, rows, n, kv, D, s);
+    case 1: return scores<V, 1>(q, R, rows, n, kv, D, s);
+    case 2: return scores<V, 2>(q, R, rows, n, kv, D, s);
+    case 3: return scores<V, 3>(q, R, rows, n, kv, D, s);
+    case 4: return scores<V, 4>(q, R, rows, n, kv, D, s);
+    default: return scores<V, 5>(q, R, rows, n, kv, D, s);
+  }
+}
+
 // The unit's ChunkKernels: the element kind picked once per call.
 template <class V>
 ChunkKernels chunk_kernels() {
   ChunkKernels k{};
-  k.scores = [](const float* const* q, int64_t R, const int64_t* rows, int64_t n, const ChunkKV& kv, int64_t D,
-                float* s) {
-    switch (kv.type) {
-      case 0: return scores<V, 0>(q, R, rows, n, kv, D, s);
-      case 1: return scores<V, 1>(q, R, rows, n, kv, D, s);
-      case 2: return scores<V, 2>(q, R, rows, n, kv, D, s);
-      case 3: return scores<V, 3>(q, R, rows, n, kv, D, s);
-      case 4: return scores<V, 4>(q, R, rows, n, kv, D, s);
-      default: return scores<V, 5>(q, R, rows, n, kv, D, s);
-    }
-  };
+  k.scores = &scores_of<V>;
   k.softmax = &softmax_partial<V>;
   k.pv = [](const float* p, int64_t R, int64_t n, const ChunkKV& kv, const int64_t* rows, float* const* o,
             int64_t D) {
