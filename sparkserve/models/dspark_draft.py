@@ -25,7 +25,7 @@ from sparkserve.mem.kv_pool import KVPool
 from sparkserve.models.causal_lm import CausalLM
 from sparkserve.models.dspark_config import DSparkConfig
 from sparkserve.models.dspark_native import NativeDraftStep
-from sparkserve.models.dspark_pool import DraftKVPool
+from sparkserve.models.dspark_pool import DraftKVPool, read_rows, write_rows
 
 
 class DSparkAttention(nn.Module):
@@ -180,7 +180,9 @@ class DSparkDraft(nn.Module):
     def new_kv_pool(self, num_slots: int, dtype: torch.dtype = torch.float32, block_rows: int = 0) -> KVPool:
         """The draft's pool at the target's slots 1..num_slots, plus `block_rows` rows after them
         that no allocator hands out (where the native step keeps the blocks' own K/V); with
-        prev_context_fusion also each slot's fused context row (DraftKVPool)."""
+        prev_context_fusion also each slot's fused context row (DraftKVPool). `dtype`: the
+        target's --kv-cache-dtype where it is int8 / fp8 (K/V quantized with their block scales, as
+        the target's; the fused context rows stay float32)."""
         c = self.config
         if c.prev_context_fusion:
             return DraftKVPool(num_slots + block_rows, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
@@ -219,9 +221,7 @@ class DSparkDraft(nn.Module):
         cos_sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(ctx, cos_sin)
-            k_buf, v_buf = pool.layer(i)
-            k_buf[slots] = k
-            v_buf[slots] = v
+            write_rows(pool, i, slots, k, v)
 
     def set_activation_quant(self, mode: str) -> None:
         """"int8": the draft's own projections (backbone, fc, a reduced-vocab LM head) run as the
@@ -281,8 +281,7 @@ class DSparkDraft(nn.Module):
         if not bool(ctx_ok.all()):
             mask = torch.cat([ctx_ok, torch.ones(B, G, dtype=torch.bool)], 1)[:, None, None, :]
         for i, layer in enumerate(self.layers):
-            k_buf, v_buf = pool.layer(i)
-            x = layer(x, cos_sin, k_buf[kv_indices], v_buf[kv_indices], mask, B)
+            x = layer(x, cos_sin, *read_rows(pool, i, kv_indices), mask, B)
         return self.norm(x).view(B, G, -1)
 
     # ---- loading ----------------------------------------------------------------------------

@@ -72,6 +72,8 @@ class NativeDraftStep:
     def _use_pool(self, pool: KVPool) -> None:
         if pool is not self._pool:
             self._step.set_pool(pool.k, pool.v, [])
+            if pool.quantized:     # the step stores its K/V quantized and attends through the scales
+                self._step.set_pool_scales(pool.k_scale, pool.v_scale)
             self._pool = pool
 
     def inject(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool) -> None:

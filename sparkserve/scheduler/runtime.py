@@ -20,7 +20,7 @@ from sparkserve.executor.model_runner import ModelRunner
 from sparkserve.frontend.tokenizer import Tokenizer
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.mem.kv_pool import split_windows, uniform_window
-from sparkserve.mem.kv_quant import kv_dtype
+from sparkserve.mem.kv_quant import QUANT_KV_DTYPES, kv_dtype
 from sparkserve.models.causal_lm import CausalLM
 from sparkserve.models.registry import load_config, load_model, model_class
 from sparkserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -258,7 +258,9 @@ def build_dspark_worker(args: ServerArgs, runner: ModelRunner, num_slots: int, c
     block_rows = args.max_running_requests * draft.block_size if native else 0
     draft.enable_native_step(native)
     with on_device(runner.device):
-        return DSparkWorker(draft, draft.new_kv_pool(num_slots, block_rows=block_rows), planner,
+        # the draft's K/V in the target's format where that is int8 / fp8 (else float32)
+        dtype = kv_dtype(args.kv_cache_dtype) if args.kv_cache_dtype in QUANT_KV_DTYPES else torch.float32
+        return DSparkWorker(draft, draft.new_kv_pool(num_slots, dtype, block_rows=block_rows), planner,
                             cache.req_to_token.table, torch.arange(num_slots + 1, num_slots + 1 + block_rows),
                             runner.device)
 
