@@ -65,7 +65,7 @@ CASES: dict[str, tuple[str, str]] = {
     "mixtral": ("mixtral", "spm"),
     "qwen3moe": ("qwen3_moe_raw", "qwen2"),
     # Kimi-Linear in its original checkpoint format (kimi_fixtures.as_original_checkpoint; its real
-    # pre-tokenizer kimi-k2 is llama.cpp's own code, not a regex: gpt-4o's splitting stands in)
+    # pre-tokenizer kimi-k2 is llama.cpp's own code, not a regex: gpt-4o's splitting stands in; NOTES)
     "olmo3": ("olmo3", "dbrx"),
     "kimi-linear": ("kimi:gguf", "gpt-4o"),
 }
@@ -116,8 +116,9 @@ NOTES = [
     "kimi-linear: converted from the original checkpoint format (linear_attn_config, first_k_dense_replace; "
     "kimi_fixtures.as_original_checkpoint), one expert group (the converter writes no group count for it) "
     "and no q LoRA (llama.cpp's kimi-linear reads no q_lora_rank; the released model has none); "
-    "its real pre-tokenizer kimi-k2 (llama.cpp's own code, not a regex) is not among sparkserve's, gpt-4o's "
-    "stands in here.",
+    "its real pre-tokenizer kimi-k2 (gpt-4o's stands in here) sparkserve splits by Kimi's own pattern "
+    "(tokenization_kimi.py; tests/engine/test_kimi_k2_pre.py), llama.cpp by hand-written code that keeps "
+    "mixed-case words whole (\" FoX\" where the pattern gives \" Fo\" \"X\"): on TEXTS 16/18 equal.",
     "Architectures the converter has that sparkserve does not load from GGUF: minimax-m2 (not served at "
     "all), minimax-m3 (served from HF directories only; the converter reads MiniMax's own config keys, "
     "sparse_attention_config / moe_layer_freq, not transformers' MiniMaxM3VL ones); t5 / t5encoder and "

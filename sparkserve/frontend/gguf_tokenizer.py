@@ -70,6 +70,13 @@ _CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
 _GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
           rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Kimi K2 / Kimi-Linear (tokenization_kimi.py, llama.cpp's unicode_regex_split_custom_kimi_k2): runs of Han
+# apart, letters other than Han as gpt-4o's (class intersections: the Oniguruma syntax `tokenizers` takes)
+_K2_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_K2_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_KIMI_K2 = (rf"\p{{Han}}+|[^\r\n\p{{L}}\p{{N}}]?{_K2_UPPER}*{_K2_LOWER}+{_CONTRACTION}"
+            rf"|[^\r\n\p{{L}}\p{{N}}]?{_K2_UPPER}+{_K2_LOWER}*{_CONTRACTION}"
+            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PORO = r" ?[^(\s|.,!?…。，、।۔،)]+"
 _DEEPSEEK_LLM = (
     "[\r\n]",
@@ -128,6 +135,7 @@ _PRE: dict[str, _Pre] = {
     **_names("qwen35", _Pre((_QWEN35,), nfc=True)),
     **_names("tekken", _Pre((_TEKKEN,), ignore_merges=True, add_bos=True)),
     **_names("gpt-4o llama4 kanana2 talkie minimax-m2", _Pre((_GPT4O,))),
+    **_names("kimi-k2", _Pre((_KIMI_K2,))),
     **_names("deepseek-llm", _Pre(_DEEPSEEK_LLM)),
     **_names("deepseek-coder", _Pre(_DEEPSEEK_CODER)),
     **_names("deepseek-v3 hunyuan-dense joyai-llm hy_v4", _Pre(_DEEPSEEK_V3)),
