@@ -12,6 +12,7 @@ from sparkserve.addresses import check_rendezvous_ip, is_loopback, split_host_po
 from sparkserve.dataclass_cli import add_dataclass_args, dataclass_from_args
 from sparkserve.embedded import EMBEDDED_NAME, default_model_path, is_embedded, shipped_draft_path
 from sparkserve.parallel_config import ParallelConfig
+from sparkserve.priority_args import DEFAULT_PREEMPTION_THRESHOLD, validate_priority
 from sparkserve.speculative_args import NGRAM_FLAGS, PLANNER_MODES, SpeculativeArgs
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -24,7 +25,6 @@ MOE_A2A_ALIASES = {"deepep": "a2a"}
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "nixl", "mooncake")
 MIN_SECRET_BYTES = 16        # a PD auth secret shorter than this is guessed too easily
-DEFAULT_PREEMPTION_THRESHOLD = 10   # SGLang's --priority-scheduling-preemption-threshold default
 ACTIVATION_QUANTS = ("int8", "none")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
@@ -285,28 +285,6 @@ class ServerArgs(SpeculativeArgs):
                                  "triton); use --grammar-backend llguidance (the default), which serves "
                                  "the same json_schema / regex / ebnf / structural_tag")
 
-    @property
-    def priority_preemption_threshold(self) -> int | None:
-        """The scheduler's preemption threshold; None: running requests are never preempted."""
-        if not self.enable_priority_scheduling or self.disable_priority_preemption:
-            return None
-        threshold = self.priority_scheduling_preemption_threshold
-        return DEFAULT_PREEMPTION_THRESHOLD if threshold is None else threshold
-
-    def _validate_priority(self, need) -> None:
-        for flag, used in (("--schedule-low-priority-values-first", self.schedule_low_priority_values_first),
-                           ("--disable-priority-preemption", self.disable_priority_preemption),
-                           ("--priority-scheduling-preemption-threshold",
-                            self.priority_scheduling_preemption_threshold is not None)):
-            need(not used or self.enable_priority_scheduling, f"{flag} needs --enable-priority-scheduling")
-        threshold = self.priority_scheduling_preemption_threshold
-        need(threshold is None or not self.disable_priority_preemption,
-             "--priority-scheduling-preemption-threshold with --disable-priority-preemption: there is no "
-             "preemption to set a threshold for; drop one of the two flags")
-        need(threshold is None or threshold >= 0,
-             f"--priority-scheduling-preemption-threshold must be >= 0 (below 0 requests of equal priority "
-             f"would preempt each other back and forth), got {threshold}")
-
     def validate(self) -> "ServerArgs":
         def need(cond: bool, msg: str) -> None:
             if not cond:
@@ -324,7 +302,7 @@ class ServerArgs(SpeculativeArgs):
              "--max-queued-requests must be >= 0")
         need(self.request_timeout is None or self.request_timeout > 0,
              f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
-        self._validate_priority(need)
+        validate_priority(self, need)
         need(self.activation_quant in ACTIVATION_QUANTS,
              f"--activation-quant {self.activation_quant}: use one of {', '.join(ACTIVATION_QUANTS)}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,

@@ -23,6 +23,7 @@ from sparkserve.mem.kv_pool import split_windows, uniform_window
 from sparkserve.mem.kv_quant import QUANT_KV_DTYPES, kv_dtype
 from sparkserve.models.causal_lm import CausalLM
 from sparkserve.models.registry import load_config, load_model, model_class
+from sparkserve.priority_args import preemption_threshold
 from sparkserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ def _build_scheduler(args: ServerArgs, tokenizer: Tokenizer | None,
     sched_cfg = SchedulerConfig(args.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens,
                                 args.decode_log_interval, args.enable_mixed_chunk,
                                 args.enable_priority_scheduling, args.schedule_low_priority_values_first,
-                                args.priority_preemption_threshold)
+                                preemption_threshold(args))
     log.info("device: %s", model.device)
     log.info("KV pool: %d tokens (%.1f MiB), windowed layers %d tokens (%.1f MiB), request state %d rows "
              "(%.1f MiB), context %d", num_slots, num_slots * per_token / 2**20, swa_slots,

@@ -5,10 +5,8 @@ join between steps; long prompts go in chunks of --chunked-prefill-size), else o
 step for every running request. With --enable-mixed-chunk the running requests decode inside
 the prefill forward too (one-token extends), so their tokens keep coming while prompts prefill.
 When KV slots run out, the newest running requests are retracted (their KV kept in the prefix
-cache) and recomputed later, never failed. Under --enable-priority-scheduling a waiting request
-that finds the running slots or the KV full preempts lower-priority running ones the same way
-(SGLang's priority preemption; the lowest-priority ones are also the ones retracted first). With
-every layer sliding-window, pages that leave the window go back after each forward
+cache) and recomputed later, never failed; priority preemption does the same (preemption.py).
+With every layer sliding-window, pages that leave the window go back after each forward
 (KVCacheManager.slide_window), so a request holds about a window of KV however long it runs; with
 full and windowed layers mixed, the windowed layers' pages do."""
 from __future__ import annotations
@@ -37,9 +35,9 @@ from sparkserve.scheduler import draft_pause
 from sparkserve.scheduler.batch_log import BatchLog
 from sparkserve.scheduler.hidden_rows import keep_hidden
 from sparkserve.scheduler.prebuilt import PromptHandover
-from sparkserve.scheduler.preemption import lowest_ranked, preemption_victim
+from sparkserve.scheduler.preemption import ensure_decode_memory, preempt_for, running_slot
 from sparkserve.scheduler.prompt_logprobs import collect_prompt_logprobs
-from sparkserve.scheduler.waiting_queue import common_prefix_len, enqueue, requeue
+from sparkserve.scheduler.waiting_queue import common_prefix_len, enqueue
 from sparkserve.speculative.grammar_drafts import cut_drafts, verify_masks
 from sparkserve.speculative.verify import VerifyLogits, accept_batch, first_rows, raw_logprobs
 
@@ -206,7 +204,7 @@ class Scheduler(PromptHandover):
             from_chunk = self.chunked is not None
             if from_chunk:
                 req = self.chunked
-            elif self.waiting and self._running_slot(self.waiting[0], batch):
+            elif self.waiting and running_slot(self, self.waiting[0], batch):
                 req = self.waiting[0]
                 compiling = req.grammar is not None and not req.grammar.ready
                 if compiling or self._shares_prefix_in_batch(req, batch):
@@ -215,7 +213,7 @@ class Scheduler(PromptHandover):
                         break           # bounded work per step, however long the queue
                     continue
                 if req.row is None and not self.cache.admit(req):
-                    if self._preempt_for(req):
+                    if preempt_for(self, req):
                         continue
                     break
             else:
@@ -233,7 +231,7 @@ class Scheduler(PromptHandover):
                                     for r in self.running + [item[0] for item in batch]])
             slots = self.cache.alloc(req, n) if fits else None
             if slots is None:
-                if self._preempt_for(req):
+                if preempt_for(self, req):
                     continue              # its KV went to the prefix cache: try again
                 if batch or self.running:
                     if not from_chunk:    # un-admit: a waiting request must not pin its cached
@@ -251,32 +249,6 @@ class Scheduler(PromptHandover):
                 self.chunked = req
                 break
         return batch
-
-    def _running_slot(self, req: Req, batch) -> bool:
-        """Whether waiting `req` (the head) may join the running requests: a slot is free, or it
-        preempts a running request of lower priority for one (not while its grammar compiles or
-        it would wait a step for a shared prefix anyway)."""
-        if len(self.running) + len(batch) < self.cfg.max_running_requests:
-            return True
-        if (req.grammar is not None and not req.grammar.ready) or self._shares_prefix_in_batch(req, batch):
-            return False
-        return self._preempt_for(req)
-
-    def _preempt_for(self, req: Req) -> bool:
-        """SGLang's priority preemption: the running request `req` outranks by more than the
-        threshold goes back to the waiting queue (behind `req`), its KV to the prefix cache and its
-        output kept: it resumes where it stopped, as a retracted one does. False when none."""
-        if self.cfg.preemption_threshold is None:
-            return False
-        victim = preemption_victim(self.running, req, self.cfg.preemption_threshold,
-                                   self.cfg.low_priority_first)
-        if victim is None:
-            return False
-        self.running.remove(victim)
-        self._release(victim)
-        self.num_preemptions += 1
-        requeue(self.waiting, victim, True, self.cfg.low_priority_first)
-        return True
 
     def _mixed_decodes(self) -> list[tuple[Req, torch.Tensor]]:
         """With --enable-mixed-chunk: each running request and the slot of its next token, when all
@@ -329,7 +301,7 @@ class Scheduler(PromptHandover):
         """One DECODE step; with DSpark, one VERIFY step: speculating requests score their
         anchor + drafts, the others their next token, in the same forward."""
         draft_pause.wake(self.spec, self.running)
-        speculating = self._ensure_decode_memory({r for r in self.running if self._speculates(r)})
+        speculating = ensure_decode_memory(self, {r for r in self.running if self._speculates(r)})
         spec_reqs = [r for r in self.running if r in speculating]
         props = {}
         if spec_reqs and not self.spec.may_pay(spec_reqs, len(self.running) - len(spec_reqs)):
@@ -499,32 +471,6 @@ class Scheduler(PromptHandover):
         if self.decode_tail is None:
             return None
         return lambda k: self.decode_tail(req.output_ids[-k:])
-
-    def _ensure_decode_memory(self, speculating: set[Req]) -> set[Req]:
-        """Retract the newest requests until every running one can take its next tokens; when
-        memory is short, requests drop their drafts first. Returns who still speculates."""
-        page = self.cache.allocator.page_size
-        extra = self.spec.num_drafts if self.spec is not None else 0
-        speculating = set(speculating)
-        while True:
-            need = sum(self.cache.pages_needed(r, 1 + (extra if r in speculating else 0))
-                       for r in self.running) * page
-            if self.cache.room(need):
-                return speculating
-            if speculating:                   # plain decode needs fewer slots than a verify
-                speculating.pop()
-                continue
-            if self.chunked is not None:      # a half-prefilled request pins KV too: retract it first
-                victim, self.chunked = self.chunked, None
-            elif len(self.running) > 1:
-                victim = (lowest_ranked(self.running, self.cfg.low_priority_first)
-                          if self.cfg.priority_scheduling else self.running[-1])
-                self.running.remove(victim)
-            else:
-                return speculating
-            self._release(victim)
-            self.num_retractions += 1
-            requeue(self.waiting, victim, self.cfg.priority_scheduling, self.cfg.low_priority_first)
 
     def _sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> None:
         out = self.sampler.sample(logits, [r.sampling for r in reqs], batch_mask(reqs))

@@ -26,7 +26,7 @@ LAYERS = [
     ("args", "messages"),
     ("core",),
     ("config", "sampling_params", "embedded", "dataclass_cli", "addresses", "parallel_config",
-     "speculative_args"),
+     "speculative_args", "priority_args"),
 ]
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}
 
