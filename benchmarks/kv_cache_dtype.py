@@ -16,10 +16,18 @@ and 8 prefills of 8,160 tokens would take most of the run; the time is the 32 de
 Both engines live in one worker process and take turns within each round and context (the order
 alternating between rounds), so the two times of a pair are seconds apart: on a machine whose load
 swings by 2-3x within minutes (7 agents on 2 cores) engines in separate processes minutes apart
-measured the load, not the pool. Medians of the times and of the pairs' ratios. (llama.cpp's
-`-ctk q8_0 -ctv q8_0` beside it is not built here.)
+measured the load, not the pool. Medians of the times and of the pairs' ratios.
 
-    PYTHONPATH=. python benchmarks/kv_cache_dtype.py [--tokens 2048] [--reps 5] [--skip-accuracy]
+Beside it, in the same rounds and turns: llama.cpp's cache types on the same GGUF, `llama-bench
+-ctk q8_0 -ctv q8_0` (its q8_0 cache: blocks of 32 with a float16 scale, sparkserve's int8 layout)
+against `-ctk f16 -ctv f16`, flash attention on (a quantized V cache needs it), `-d CONTEXT -n 32`:
+32 tokens decoded after a CONTEXT-token prefill, tokens/s of those. llama-bench decodes one sequence
+(batch 1, not 8), so what compares across the engines is each one's quantized / float16 ratio. One
+thread by default (--llama-threads): on the shared 2-core machine llama.cpp's 2-thread pool
+collapses (families.py). The binary: peers/llamacpp.py `tool` (LLAMA_BENCH, LLAMA_CPP_LIB_PATH, else
+found or built); --no-peer leaves it out. --skip-accuracy keeps the last results' accuracy table.
+
+    PYTHONPATH=. python benchmarks/kv_cache_dtype.py [--tokens 2048] [--reps 5] [--skip-accuracy] [--no-peer]
 writes benchmarks/results/kv_cache_dtype.{json,md}."""
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -52,6 +61,7 @@ from sparkserve.models.registry import load_config, load_model  # noqa: E402
 
 DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")     # accuracy, against float32
 SPEED_DTYPES = ("float16", "int8")
+LLAMA_TYPES = {"llama.cpp f16": "f16", "llama.cpp q8_0": "q8_0"}       # -ctk / -ctv
 CONTEXTS = (512, 2048, 8192)
 BATCH, NEW = 8, 32
 
@@ -110,17 +120,33 @@ def decode_time(eng: Engine, ctx: int, seed: int) -> float:
     return took
 
 
-def speed_worker(reps: int) -> dict:
-    """Both pool dtypes' engines in this process, taking turns per context: {dtype: {ctx: [seconds
-    per round]}}. The prompts depend on (round, context) only, so both decode the same ones."""
+def llama_bench_time(bench: str, ctx: int, cache_type: str, threads: int) -> float:
+    """Seconds per decoded token of llama-bench's 32 tokens after a (ctx - 32)-token prefill, one
+    sequence, with its K and V cache of `cache_type`."""
+    from results_io import peer_env
+    cmd = [bench, "-m", default_model_path(), "-t", str(threads), "-p", "0", "-n", str(NEW),
+           "-d", str(ctx - NEW), "-r", "1", "--no-warmup", "-fa", "1", "-ctk", cache_type, "-ctv", cache_type,
+           "-o", "json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=peer_env(), timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    return 1.0 / float(json.loads(r.stdout)[0]["avg_ts"])
+
+
+def speed_worker(reps: int, bench: str | None, llama_threads: int) -> dict:
+    """Both pool dtypes' engines in this process and llama-bench's two cache types, taking turns
+    per context: {kind: {ctx: [seconds per round]}} (llama.cpp: seconds per token). The prompts
+    depend on (round, context) only, so both engines of sparkserve decode the same ones."""
     engines = {d: Engine(max_total_tokens=BATCH * (max(CONTEXTS) + NEW) + 64, max_running_requests=BATCH,
                          kv_cache_dtype=d) for d in SPEED_DTYPES}
-    out: dict = {d: {str(c): [] for c in CONTEXTS} for d in SPEED_DTYPES}
+    kinds = list(SPEED_DTYPES) + (list(LLAMA_TYPES) if bench else [])
+    out: dict = {d: {str(c): [] for c in CONTEXTS} for d in kinds}
     for rep in range(reps):
         for ctx in CONTEXTS:
-            for d in in_turns(list(SPEED_DTYPES), rep):
-                out[d][str(ctx)].append(decode_time(engines[d], ctx, 1000 * rep + ctx))
-            took = ", ".join(f"{d} {out[d][str(ctx)][-1]:.2f} s" for d in SPEED_DTYPES)
+            for d in in_turns(kinds, rep):
+                out[d][str(ctx)].append(decode_time(engines[d], ctx, 1000 * rep + ctx) if d in engines else
+                                        llama_bench_time(bench, ctx, LLAMA_TYPES[d], llama_threads))
+            took = ", ".join(f"{d} {out[d][str(ctx)][-1]:.2f} s" for d in kinds)
             print(f"round {rep} context {ctx}: {took}", file=sys.stderr, flush=True)
     for eng in engines.values():
         eng.shutdown()
@@ -143,32 +169,61 @@ def prompt_rows(eng: Engine, n: int, gen: torch.Generator) -> dict:
     return rows
 
 
-def speed(reps: int) -> dict:
-    """Output tokens/s per context and dtype (medians over `reps` rounds) and the int8 / float16
-    speed ratio (median of the pairs' ratios), both engines in one fresh process (fresh_process.py)."""
-    times = run_json(__file__, ["--worker", "--reps", str(reps)])
+def speed(reps: int, bench: str | None, llama_threads: int) -> dict:
+    """Output tokens/s per context and kind (medians over `reps` rounds) and the int8 / float16
+    speed ratio (median of the pairs' ratios; llama.cpp's q8_0 / f16 the same way), every engine
+    in one fresh process (fresh_process.py)."""
+    args = ["--worker", "--reps", str(reps), "--llama-threads", str(llama_threads)]
+    times = run_json(__file__, args + (["--llama-bench", bench] if bench else []))
     out = {}
     for ctx in CONTEXTS:
         c = str(ctx)
         out[ctx] = {d: BATCH * NEW / statistics.median(times[d][c]) for d in SPEED_DTYPES}
         out[ctx]["ratios"] = [f / i for f, i in zip(times["float16"][c], times["int8"][c])]
         out[ctx]["ratio"] = statistics.median(out[ctx]["ratios"])
-        print(f"context {ctx}: " + ", ".join(f"{d} {out[ctx][d]:.0f} tok/s" for d in SPEED_DTYPES)
-              + f", int8 / float16 {out[ctx]['ratio']:.2f}x", flush=True)
+        line = ", ".join(f"{d} {out[ctx][d]:.0f} tok/s" for d in SPEED_DTYPES) + \
+            f", int8 / float16 {out[ctx]['ratio']:.2f}x"
+        if bench:
+            f16, q8 = (times[k][c] for k in LLAMA_TYPES)
+            out[ctx].update({k: 1.0 / statistics.median(times[k][c]) for k in LLAMA_TYPES})
+            out[ctx]["llama_ratios"] = [f / q for f, q in zip(f16, q8)]
+            out[ctx]["llama_ratio"] = statistics.median(out[ctx]["llama_ratios"])
+            line += ", " + ", ".join(f"{k} {out[ctx][k]:.1f} tok/s" for k in LLAMA_TYPES) + \
+                f", q8_0 / f16 {out[ctx]['llama_ratio']:.2f}x"
+        print(f"context {ctx}: {line}", flush=True)
     return out
+
+
+def last_accuracy() -> dict:
+    """The accuracy table of the last results (--skip-accuracy keeps it)."""
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        with open(os.path.join(here, "results", "kv_cache_dtype.json")) as f:
+            return json.load(f).get("accuracy", {})
+    except (OSError, ValueError):
+        return {}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of held-out text per corpus")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--skip-accuracy", action="store_true", help="keep the last results' accuracy table")
+    ap.add_argument("--no-peer", action="store_true", help="leave llama.cpp out")
+    ap.add_argument("--llama-threads", type=int, default=1)
+    ap.add_argument("--llama-bench", help=argparse.SUPPRESS)       # the worker's: the binary found
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(speed_worker(args.reps)))
+        print(json.dumps(speed_worker(args.reps, args.llama_bench, args.llama_threads)))
         return
-    data = {"speed": speed(args.reps), "accuracy": {} if args.skip_accuracy else accuracy(args.tokens)}
+    bench = None
+    if not args.no_peer:
+        from peers.llamacpp import describe, tool
+        bench = tool("llama-bench")
+    data = {"speed": speed(args.reps, bench and str(bench), args.llama_threads),
+            "accuracy": last_accuracy() if args.skip_accuracy else accuracy(args.tokens),
+            "llama_bench": bench and describe(bench)}
     lines = ["# KV pool dtype (SmolLM2-135M Q4_1)", "",
              f"{machine_line()}; sparkserve kernels: {sparkserve_kernels()}; "
              f"{torch.get_num_threads()} threads", "",
@@ -181,8 +236,20 @@ def main() -> None:
     for ctx, r in data["speed"].items():
         lines.append(f"| {ctx} | " + " | ".join(f"{r[d]:.0f}" for d in SPEED_DTYPES)
                      + f" | {r['ratio']:.2f}x | {', '.join(f'{x:.2f}' for x in r['ratios'])} |")
+    if bench:
+        lines += ["", f"llama.cpp in the same rounds, taking turns with the engines: {data['llama_bench']}, "
+                  f"`-t {args.llama_threads} -fa 1 -p 0 -n {NEW} -d CONTEXT-{NEW}` with `-ctk/-ctv f16` and "
+                  f"`q8_0`: one sequence (batch 1), decode tokens/s after the prefill, medians; the ratio: "
+                  "the median of the pairs' q8_0 / f16 speed ratios:", "",
+                  "| context | f16 | q8_0 | q8_0 / f16 | rounds |", "|---|---|---|---|---|"]
+        for ctx, r in data["speed"].items():
+            lines.append(f"| {ctx} | " + " | ".join(f"{r[k]:.1f}" for k in LLAMA_TYPES)
+                         + f" | {r['llama_ratio']:.2f}x | "
+                         + f"{', '.join(f'{x:.2f}' for x in r['llama_ratios'])} |")
     lines += ["", f"Accuracy: held-out text in chunks of {CHUNK} tokens, fp32 activations, each pool dtype "
-              "against the float32 pool.", "",
+              "against the float32 pool"
+              + (" (from the last run with accuracy)." if args.skip_accuracy else "."),
+              "",
               "| text | tokens | pool | max abs logit diff | mean abs logit diff | top-1 agree | "
               "ppl (float32 pool) |",
               "|---|---|---|---|---|---|---|"]
