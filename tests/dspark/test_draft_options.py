@@ -171,7 +171,8 @@ def test_native_greedy_pass_proposes_what_the_pieces_do(target_dir, option, tmp_
 
     def agree(batch, kv, ctx_lens, positions=None):
         anchors = torch.tensor([r.output_ids[-1] for r in batch])
-        native = draft.native.propose_greedy(draft, anchors, kv, ctx_lens, pool, worker.block_slots, positions)
+        native = draft.native.propose_greedy(
+            draft, anchors, kv, ctx_lens, pool, worker.block_slots, positions)
         ref_tokens, ref_conf, _ = worker._draft_pass(batch, anchors, kv, ctx_lens, positions)
         assert native is not None and torch.equal(native[0], ref_tokens)
         torch.testing.assert_close(native[1], ref_conf, atol=1e-5, rtol=1e-5)

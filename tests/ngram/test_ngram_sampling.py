@@ -1,10 +1,10 @@
 """NGRAM sampling is lossless: seeded continuations drawn with NGRAM speculation follow the target's
 exact sampling distribution (by enumeration from the transformers model), for temperature 1, top_p
 and top_k, with the chi-square checks the DSpark sampling test makes (dspark_fixtures.
-assert_continuations_fit: alpha 1e-3 per check, cells of expected count < 5 pooled, fixed seeds). The prompt holds every token
-the target's greedy continuation of a seed (it falls into a loop), so the likely first tokens occurred
-before and a request verifies the two tokens that followed them: point-mass drafts, accepted with
-probability p(d), rejected ones resampled from p without d.
+assert_continuations_fit: alpha 1e-3 per check, cells of expected count < 5 pooled, fixed seeds).
+The prompt holds the target's greedy continuation of a seed (it falls into a loop), so the likely
+first tokens occurred before and a request verifies the two tokens that followed them: point-mass
+drafts, accepted with probability p(d), rejected ones resampled from p without d.
 
 Also the suffix matcher against a brute-force search."""
 from __future__ import annotations
