@@ -14,60 +14,39 @@ chunks, several ranks (TP, PP, EP, DP attention, context parallel), autograd —
 path, which stays the reference the tests compare against."""
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
 
-from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.kernels.build import load_extension
-from sparkserve.layers.attention import KERNEL_MAX_Q
 from sparkserve.layers.linear import Linear
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.moe_decode import experts_kernel
 from sparkserve.mem.hybrid_pool import HybridPool
 from sparkserve.mem.kv_quant import is_quantized, scale_component
-from sparkserve.models.llama_native import NATIVE_MAX_TOKENS
+from sparkserve.models.native_step import NativeStepBase
 
 if TYPE_CHECKING:
     from sparkserve.models.deepseek_v2 import DeepseekV2ForCausalLM
-
-log = logging.getLogger(__name__)
 
 _FP32 = -1      # NativeMLA's projection type for an fp32 weight [n, k]
 _SILU_MUL = 0   # MoEExperts.kSiluMul
 
 
-class NativeMLAStep:
-    def __init__(self) -> None:
-        self.enabled = True
-        self._step = None           # the C++ NativeMLA, built on first use
-        self._unsupported: str | None = None
-        self._pool = None           # the pool whose latent buffers the step holds
-        self._int8 = False          # the activation mode it was built under
+class NativeMLAStep(NativeStepBase):
+    name = "native MLA step"
+    pool_type = HybridPool
 
-    def reset(self) -> None:
-        self._step, self._unsupported, self._pool = None, None, None
+    def unsupported(self, model: DeepseekV2ForCausalLM) -> str | None:
+        return unsupported(model)
 
-    def applies(self, model: DeepseekV2ForCausalLM, batch: ForwardBatch) -> bool:
-        """Whether this batch runs natively (builds the step the first time one could)."""
-        if not self.enabled or batch.mode not in (ForwardMode.DECODE, ForwardMode.VERIFY, ForwardMode.EXTEND):
-            return False
-        if (batch.cp is not None or batch.num_tokens > NATIVE_MAX_TOKENS or torch.is_grad_enabled()
-                or max(batch.extend_lens) > KERNEL_MAX_Q or batch.input_ids.device.type != "cpu"
-                or not isinstance(batch.kv_pool, HybridPool)):
-            return False
-        int8 = _int8(model)
-        if self._step is not None and int8 != self._int8:   # the blocks changed form with the mode
-            self.reset()
-        if self._step is None and self._unsupported is None:
-            self._unsupported = unsupported(model)
-            if self._unsupported is None:
-                self._step, self._int8 = build(model), int8
-            else:
-                log.info("native MLA step off: %s (the layers run from Python)", self._unsupported)
-        return self._step is not None
+    def build(self, model: DeepseekV2ForCausalLM):
+        return build(model)
+
+    def int8_activations(self, model: DeepseekV2ForCausalLM) -> bool:
+        return _int8(model)
 
     def forward(self, model: DeepseekV2ForCausalLM, input_ids: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:

@@ -9,60 +9,36 @@ against. The step reads the block weights once, when first used: `reset()` drops
 weights change, and a switch of the activation mode (which changes the blocks' form) rebuilds it."""
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from sparkserve.config import ModelConfig
-from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
+from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.kernels.build import load_extension
-from sparkserve.layers.attention import KERNEL_MAX_Q
 from sparkserve.layers.linear import Linear
 from sparkserve.layers.moe import SharedExpertMoE
 from sparkserve.layers.moe_decode import native_experts, native_moe_unsupported
 from sparkserve.mem.kv_pool import KVPool
+from sparkserve.models.native_step import NativeStepBase
 
 if TYPE_CHECKING:
     from sparkserve.models.llama import LlamaForCausalLM
 
-log = logging.getLogger(__name__)
 
-# Most tokens per native forward: the block kernel beats oneDNN up to about this many rows on
-# SmolLM2's widest projection (layers/linear.py), and larger batches are prefill chunks.
-NATIVE_MAX_TOKENS = 64
+class NativeStep(NativeStepBase):
+    name = "native forward step"
+    pool_type = KVPool
 
+    def unsupported(self, model: LlamaForCausalLM) -> str | None:
+        return unsupported(model)
 
-class NativeStep:
-    def __init__(self) -> None:
-        self.enabled = True
-        self._step = None           # the C++ NativeLlama, built on first use
-        self._unsupported: str | None = None
-        self._pool = None           # the pool whose buffers the step holds
-        self._int8 = False          # the activation mode it was built under
+    def build(self, model: LlamaForCausalLM):
+        return build(model)
 
-    def reset(self) -> None:
-        self._step, self._unsupported, self._pool = None, None, None
-
-    def applies(self, model: LlamaForCausalLM, batch: ForwardBatch) -> bool:
-        """Whether this batch runs natively (builds the step the first time one could)."""
-        if not self.enabled or batch.mode not in (ForwardMode.DECODE, ForwardMode.VERIFY, ForwardMode.EXTEND):
-            return False
-        if (batch.cp is not None or batch.num_tokens > NATIVE_MAX_TOKENS or torch.is_grad_enabled()
-                or max(batch.extend_lens) > KERNEL_MAX_Q or batch.input_ids.device.type != "cpu"
-                or not isinstance(batch.kv_pool, KVPool)):
-            return False
-        int8 = _int8(model)
-        if self._step is not None and int8 != self._int8:   # the blocks changed form with the mode
-            self.reset()
-        if self._step is None and self._unsupported is None:
-            self._unsupported = unsupported(model)
-            if self._unsupported is None:
-                self._step, self._int8 = build(model), int8
-            else:
-                log.info("native forward step off: %s (the layers run from Python)", self._unsupported)
-        return self._step is not None
+    def int8_activations(self, model: LlamaForCausalLM) -> bool:
+        return _int8(model)
 
     def forward(self, model: LlamaForCausalLM, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool

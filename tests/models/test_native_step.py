@@ -17,7 +17,7 @@ from sparkserve import Engine
 from sparkserve.core.forward_batch import ForwardMode
 from sparkserve.layers.block_backed import set_activation_quant
 from sparkserve.models import llama_native
-from sparkserve.models.llama_native import NATIVE_MAX_TOKENS
+from sparkserve.models.native_step import NATIVE_MAX_TOKENS
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
