@@ -8,7 +8,6 @@ import json
 import re
 
 import jsonschema
-import pytest
 from dspark_fixtures import assert_no_kv_leak, dspark_single_thread  # noqa: F401 (autouse)
 
 from sparkserve.constrained.matcher import GrammarMatcher
@@ -23,17 +22,8 @@ PARAMS = [{"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens"
           {"temperature": 0, "max_new_tokens": 24}]
 
 
-@pytest.fixture(scope="module")
-def engines():
-    from sparkserve import Engine
-    plain = Engine(max_total_tokens=4096, max_running_requests=4)
-    spec = Engine(max_total_tokens=4096, max_running_requests=4, speculative_algorithm="DSPARK",
-                  speculative_dspark_verify_mode="full")
-    return plain, spec
-
-
-def test_greedy_under_grammar_equals_plain_constrained(engines, monkeypatch):
-    plain, spec = engines
+def test_greedy_under_grammar_equals_plain_constrained(embedded_engines, monkeypatch):
+    plain, spec = embedded_engines
     cuts = []
     orig = GrammarMatcher.cut_drafts
 
@@ -53,8 +43,8 @@ def test_greedy_under_grammar_equals_plain_constrained(engines, monkeypatch):
     assert_no_kv_leak(spec)
 
 
-def test_sampled_under_grammar_obeys_the_schema(engines):
-    _, spec = engines
+def test_sampled_under_grammar_obeys_the_schema(embedded_engines):
+    _, spec = embedded_engines
     outs = spec.generate(messages=MSGS[0], sampling_params={
         "json_schema": json.dumps(PERSON), "temperature": 1.0, "seed": 5, "n": 3, "max_new_tokens": 80})
     ended = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "stop"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import pytest
 from dspark_fixtures import assert_no_kv_leak, dspark_single_thread  # noqa: F401 (autouse)
 
 from sparkserve.speculative import grammar_drafts
@@ -19,15 +18,6 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 MSGS = [[{"role": "user", "content": f"Describe {who} as JSON."}]
         for who in ("Alice, 30, from Paris", "Bob, 41, from Rome", "Chen, 25, from Lima")]
 PARAMS = {"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens": 48}
-
-
-@pytest.fixture(scope="module")
-def engines():
-    from sparkserve import Engine
-    plain = Engine(max_total_tokens=4096, max_running_requests=4)
-    spec = Engine(max_total_tokens=4096, max_running_requests=4, speculative_algorithm="DSPARK",
-                  speculative_dspark_verify_mode="full")
-    return plain, spec
 
 
 def accepted_per_verify(spec, outs) -> tuple[float, dict[int, int]]:
@@ -42,8 +32,8 @@ def hist_delta(after: dict[int, int], before: dict[int, int]) -> dict[int, int]:
     return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
 
 
-def test_masked_drafts_lossless_and_accepted_more(engines, monkeypatch):
-    plain, spec = engines
+def test_masked_drafts_lossless_and_accepted_more(embedded_engines, monkeypatch):
+    plain, spec = embedded_engines
     ref = plain.generate(messages=MSGS, sampling_params=PARAMS)
     h0 = dict(spec.scheduler.load().spec_accept_hist)
     masked = spec.generate(messages=MSGS, sampling_params=PARAMS)
@@ -63,8 +53,8 @@ def test_masked_drafts_lossless_and_accepted_more(engines, monkeypatch):
     assert_no_kv_leak(spec)
 
 
-def test_sampled_masked_drafts_obey_the_schema(engines):
-    _, spec = engines
+def test_sampled_masked_drafts_obey_the_schema(embedded_engines):
+    _, spec = embedded_engines
     outs = spec.generate(messages=MSGS[0], sampling_params={**PARAMS, "temperature": 1.0, "seed": 3, "n": 3,
                                                             "max_new_tokens": 80})
     ended = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "stop"]

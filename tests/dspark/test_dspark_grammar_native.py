@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from dspark_fixtures import assert_no_kv_leak, dspark_single_thread  # noqa: F401 (autouse)
 
 from sparkserve.models.dspark_native import NativeDraftStep
@@ -23,17 +22,8 @@ PARAMS = [{"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens"
           {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}]
 
 
-@pytest.fixture(scope="module")
-def engines():
-    from sparkserve import Engine
-    plain = Engine(max_total_tokens=4096, max_running_requests=4)
-    spec = Engine(max_total_tokens=4096, max_running_requests=4, speculative_algorithm="DSPARK",
-                  speculative_dspark_verify_mode="full")
-    return plain, spec
-
-
-def test_free_rows_keep_the_native_pass_beside_a_constrained_one(engines, monkeypatch):
-    plain, spec = engines
+def test_free_rows_keep_the_native_pass_beside_a_constrained_one(embedded_engines, monkeypatch):
+    plain, spec = embedded_engines
     calls: list[tuple[int, int, bool]] = []   # (batch drafting, rows of the native call, whether it ran)
     batch = [0]
     real_native, real_propose = NativeDraftStep.propose_greedy, DSparkWorker.propose
