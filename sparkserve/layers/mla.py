@@ -23,6 +23,8 @@ kv_a_layernorm and the pool's latent are replicated), and o_proj sums the heads'
 over the ranks."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -55,6 +57,32 @@ def rope_rows_to_halves(w: torch.Tensor, rope_dim: int, head_width: int) -> torc
     rope = rope.reshape(rows.shape[0], rope_dim // 2, 2, *w.shape[1:]).transpose(1, 2)
     return torch.cat([rows[:, :head_width - rope_dim], rope.reshape(rows.shape[0], rope_dim, *w.shape[1:])],
                      1).reshape(w.shape)
+
+
+class SplitKvB:
+    """A GGUF's MLA kv_b as llama.cpp's converter writes it: split into `k_b_proj` [heads,
+    kv_lora_rank, nope] and `v_b_proj` [heads, v, kv_lora_rank]; the checkpoint's
+    `kv_b_proj.weight` [heads * (nope + v), kv_lora_rank] is their join, made once both arrive."""
+
+    _HALF = re.compile(r"(.*\.self_attn\.)(k|v)_b_proj\.weight")
+
+    def __init__(self, kv_lora_rank: int):
+        self.kv_lora_rank = kv_lora_rank
+        self._halves: dict[str, dict[str, torch.Tensor]] = {}
+
+    def is_half(self, name: str) -> bool:
+        return self._HALF.fullmatch(name) is not None
+
+    def add(self, name: str, values: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """(kv_b_proj's name, the joined weight) once a layer's two halves are in, else None."""
+        m = self._HALF.fullmatch(name)
+        halves = self._halves.setdefault(m[1], {})
+        halves[m[2]] = values
+        if len(halves) < 2:
+            return None
+        del self._halves[m[1]]
+        joined = torch.cat([halves["k"].transpose(1, 2), halves["v"]], 1)
+        return f"{m[1]}kv_b_proj.weight", joined.reshape(-1, self.kv_lora_rank)
 
 
 class _AbsorbedWeight(Sharded):

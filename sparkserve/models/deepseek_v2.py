@@ -9,7 +9,6 @@ qk_head_dim ** -0.5 times mscale(factor, mscale_all_dim) squared (`yarn_apply_ms
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -21,7 +20,7 @@ from sparkserve.core.forward_batch import ForwardBatch, PPProxy
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim
 from sparkserve.layers.dp_attention import run_mlp
-from sparkserve.layers.mla import MLAttention, latent_buffers, rope_rows_to_halves
+from sparkserve.layers.mla import MLAttention, SplitKvB, latent_buffers, rope_rows_to_halves
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding
@@ -180,18 +179,14 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.native.reset()
         loader = WeightLoader(self, self.stacked_params)
         modules, filled = dict(self.named_modules()), {}
-        kv_b_halves: dict[str, dict[str, torch.Tensor]] = {}
+        kv_b = SplitKvB(a.kv_lora_rank)
         for name, t in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            m = re.fullmatch(r"(.*\.self_attn\.)(k|v)_b_proj\.weight", name)
-            if m:
-                halves = kv_b_halves.setdefault(m[1], {})
-                halves[m[2]] = values_of(t)
-                if len(halves) < 2:
+            if kv_b.is_half(name):
+                if (joined := kv_b.add(name, values_of(t))) is None:
                     continue
-                name, t = f"{m[1]}kv_b_proj.weight", torch.cat([halves["k"].transpose(1, 2), halves["v"]], 1)
-                t = t.reshape(-1, a.kv_lora_rank)
+                name, t = joined
             if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
                 t = _rope_halves(t, a.rope_dim, a.nope_dim + a.rope_dim)
             elif name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):

@@ -23,7 +23,7 @@ from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim
 from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.kda import KimiDeltaAttention
-from sparkserve.layers.mla import MLAttention, latent_buffers
+from sparkserve.layers.mla import MLAttention, SplitKvB, latent_buffers
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
@@ -229,21 +229,16 @@ class KimiLinearForCausalLM(CausalLM):
         modules = dict(self.named_modules())
         pieces: dict[str, set] = {}      # parameters assembled from several checkpoint tensors
         filled: dict[str, set] = {}      # experts' parts loaded
-        kv_b_halves: dict[str, dict[str, torch.Tensor]] = {}
+        kv_b = SplitKvB(self.args.kv_lora_rank)
         for name, t in weights:
             name = name.replace(".block_sparse_moe.", ".mlp.").replace(".self_attn.forget_gate.",
                                                                        ".self_attn.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            m = re.fullmatch(r"(.*\.self_attn\.)(k|v)_b_proj\.weight", name)
-            if m:
-                halves = kv_b_halves.setdefault(m[1], {})
-                halves[m[2]] = values_of(t)
-                if len(halves) < 2:
+            if kv_b.is_half(name):
+                if (joined := kv_b.add(name, values_of(t))) is None:
                     continue
-                name = f"{m[1]}kv_b_proj.weight"
-                t = torch.cat([halves["k"].transpose(1, 2), halves["v"]], 1)
-                t = t.reshape(-1, self.args.kv_lora_rank)
+                name, t = joined
             m = re.match(r"(.*\.self_attn)\.(q|k|v|f_a|g_a|b)_proj\.weight$", name)
             if m and isinstance(modules.get(m[1]), KimiDeltaAttention):
                 modules[m[1]].in_proj.load(m[2], values_of(t))     # a GGUF's blocks: their values
