@@ -119,6 +119,16 @@ def engine(model_dir: str | None, draft_dir: str | None = None, mode: str = "ful
     return Engine(model_dir, **kw)
 
 
+def embedded_engine_pair():
+    """The embedded SmolLM2 served plainly and with its shipped DSpark draft (verify mode full: every
+    cycle drafts), at its default activations: the grammar tests' pair."""
+    from sparkserve import Engine
+    plain = Engine(max_total_tokens=4096, max_running_requests=4)
+    spec = Engine(max_total_tokens=4096, max_running_requests=4, speculative_algorithm="DSPARK",
+                  speculative_dspark_verify_mode="full")
+    return plain, spec
+
+
 def generate_ids(eng, prompts: list[list[int]], params: list[dict] | dict) -> list[list[int]]:
     out = eng.generate(input_ids=prompts, sampling_params=params)
     return [o["output_ids"] for o in out]

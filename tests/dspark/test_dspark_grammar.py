@@ -8,7 +8,8 @@ import json
 import re
 
 import jsonschema
-from dspark_fixtures import assert_no_kv_leak, dspark_single_thread  # noqa: F401 (autouse)
+import pytest
+from dspark_fixtures import assert_no_kv_leak, dspark_single_thread, embedded_engine_pair  # noqa: F401 (autouse)
 
 from sparkserve.constrained.matcher import GrammarMatcher
 
@@ -20,6 +21,11 @@ MSGS = [[{"role": "user", "content": "Describe Alice, 30, from Paris, as JSON."}
 PARAMS = [{"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens": 60},
           {"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}", "temperature": 0, "max_new_tokens": 20},
           {"temperature": 0, "max_new_tokens": 24}]
+
+
+@pytest.fixture(scope="module")
+def embedded_engines():
+    return embedded_engine_pair()
 
 
 def test_greedy_under_grammar_equals_plain_constrained(embedded_engines, monkeypatch):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 
 import jsonschema
-from dspark_fixtures import assert_no_kv_leak, dspark_single_thread  # noqa: F401 (autouse)
+import pytest
+from dspark_fixtures import assert_no_kv_leak, dspark_single_thread, embedded_engine_pair  # noqa: F401 (autouse)
 
 from sparkserve.speculative import grammar_drafts
 
@@ -30,6 +31,11 @@ def accepted_per_verify(spec, outs) -> tuple[float, dict[int, int]]:
 
 def hist_delta(after: dict[int, int], before: dict[int, int]) -> dict[int, int]:
     return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+
+
+@pytest.fixture(scope="module")
+def embedded_engines():
+    return embedded_engine_pair()
 
 
 def test_masked_drafts_lossless_and_accepted_more(embedded_engines, monkeypatch):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 
-from dspark_fixtures import assert_no_kv_leak, dspark_single_thread  # noqa: F401 (autouse)
+import pytest
+from dspark_fixtures import assert_no_kv_leak, dspark_single_thread, embedded_engine_pair  # noqa: F401 (autouse)
 
 from sparkserve.models.dspark_native import NativeDraftStep
 from sparkserve.speculative.dspark_worker import DSparkWorker
@@ -20,6 +21,11 @@ MSGS = [[{"role": "user", "content": "Describe Alice, 30, as JSON."}],
 PARAMS = [{"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens": 40},
           {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True},
           {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}]
+
+
+@pytest.fixture(scope="module")
+def embedded_engines():
+    return embedded_engine_pair()
 
 
 def test_free_rows_keep_the_native_pass_beside_a_constrained_one(embedded_engines, monkeypatch):
