@@ -86,6 +86,10 @@ class PipelineConfig:
                                 "repeating prompts)")
     code_math_frac: float | None = _h(None, "reorder the training prompts so this share asks for code or "
                                             "maths (e.g. 0.4; default: the source's own order)")
+    later_turn_frac: float | None = _h(None, "interleave later user turns (with the conversation before "
+                                             "them) among the first turns, this share of the training "
+                                             "prompts (e.g. 0.3; the code/maths share is then the first "
+                                             "turns'); default: ShareGPT's first turns come first")
     cache_format: str = field(default="fp16", metadata={
         "help": "the training feature cache: fp16 taps and final rows; int8: int8 taps with per-row "
                 "scales and the teacher's top-32 log-probs on response rows (int8_cache.py; ~40 %% of "

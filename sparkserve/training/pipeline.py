@@ -27,7 +27,7 @@ def _parts(cfg: PipelineConfig) -> list[str]:
 def stage_prompts(cfg: PipelineConfig) -> None:
     """Training prompts, and cfg.val_prompts validation prompts that training never sees: the
     last lines of --prompts-file, or the end of ShareGPT's held-out part (eval takes its start)."""
-    from sparkserve.training.prompts import jsonl_prompts, mix_code_math, split_sharegpt
+    from sparkserve.training.prompts import jsonl_prompts, order_training_prompts, split_sharegpt
     if os.path.exists(_path(cfg, "prompts.jsonl")) and (
             not cfg.val_prompts or os.path.exists(_path(cfg, "val", "prompts.jsonl"))):
         return
@@ -42,8 +42,7 @@ def stage_prompts(cfg: PipelineConfig) -> None:
     else:
         train, held = split_sharegpt(answers=cfg.labels != "generated")   # prefill labels read the replies
         val = held[len(held) - cfg.val_prompts:] if cfg.val_prompts else []
-    if cfg.code_math_frac is not None:
-        train = mix_code_math(train, cfg.code_math_frac)
+    train = order_training_prompts(train, cfg.code_math_frac, cfg.later_turn_frac)
     train = train[cfg.prompts_offset:cfg.prompts_offset + cfg.num_prompts]
     if val and os.path.exists(_path(cfg, "prompts.jsonl")):   # validation added to an earlier run
         seen = {json.dumps(p) for p in jsonl_prompts(_path(cfg, "prompts.jsonl"))}
@@ -384,8 +383,9 @@ def check_flags(cfg: PipelineConfig, ranks: Ranks) -> None:
         raise ValueError(f"--walk-anchor-frac follows the target's own greedy answers: not with --labels "
                          f"{cfg.labels} (prefill over answers the target did not write)")
     check_label_flags(cfg.labels, cfg.prefill_frac)
-    if cfg.code_math_frac is not None and not 0 <= cfg.code_math_frac <= 1:
-        raise ValueError(f"--code-math-frac must be within [0, 1], got {cfg.code_math_frac}")
+    for flag, frac in (("code-math-frac", cfg.code_math_frac), ("later-turn-frac", cfg.later_turn_frac)):
+        if frac is not None and not 0 <= frac <= 1:
+            raise ValueError(f"--{flag} must be within [0, 1], got {frac}")
     if cfg.distill_batch < 1:
         raise ValueError(f"--distill-batch must be >= 1, got {cfg.distill_batch}")
     if cfg.target_url and (cfg.tp_size > 1 or cfg.pp_size > 1):

@@ -10,6 +10,7 @@ import gzip
 import importlib.util
 import json
 import os
+import random
 import re
 from typing import Iterator
 
@@ -105,8 +106,8 @@ def split_sharegpt(holdout: int = 2000, max_chars: int = 2000,
     later user turns with the history before them (so an offset into the first part names the
     same prompts as before the later turns were added); with `answers`, each followed by the
     dataset's reply to it where there is one (prefill labels: --labels prefill|mix). A training
-    prompt whose last user text also occurs in the held-out set is dropped (ShareGPT repeats some
-    first turns), so the two sets share no prompt."""
+    prompt with a user text (its last or one in its history) that also occurs in the held-out set
+    is dropped (ShareGPT repeats some conversations), so no held-out prompt reaches training."""
     convs = list(sharegpt_conversations())
     train_part, held_part = convs[:-holdout], convs[-holdout:]
 
@@ -121,7 +122,7 @@ def split_sharegpt(holdout: int = 2000, max_chars: int = 2000,
     held_text = {p[0]["content"] for p in held}
     train = first_turns(train_part, answers) + [p for c in train_part
                                                 for p in later_user_turns(c, max_chars, answers)]
-    return [p for p in train if last_user_text(p) not in held_text], held
+    return [p for p in train if not any(m["role"] == "user" and m["content"] in held_text for m in p)], held
 
 
 def last_user_text(messages: list[dict]) -> str:
@@ -149,12 +150,44 @@ def mix_code_math(prompts: list[list[dict]], frac: float) -> list[list[dict]]:
     DeepSpec's and SpecForge's training mixes do), each kind kept in its own order; when one
     kind runs out the rest of the other follows. Deterministic, so an offset into the result
     names the same prompts in every run with the same frac."""
-    kinds = ([p for p in prompts if is_code_or_math(p)], [p for p in prompts if not is_code_or_math(p)])
-    out, taken = [], [0, 0]
-    for i in range(len(prompts)):
+    return spread([p for p in prompts if is_code_or_math(p)], [p for p in prompts if not is_code_or_math(p)],
+                  frac)
+
+
+def spread(a: list, b: list, frac: float) -> list:
+    """a and b merged, each in its own order, so that a share `frac` of every prefix comes from
+    a; when one runs out the rest of the other follows."""
+    kinds, out, taken = (a, b), [], [0, 0]
+    for i in range(len(a) + len(b)):
         k = 0 if int((i + 1) * frac) > int(i * frac) else 1
         if taken[k] == len(kinds[k]):
             k = 1 - k
         out.append(kinds[k][taken[k]])
         taken[k] += 1
     return out
+
+
+def is_later_turn(messages: list[dict]) -> bool:
+    """A later turn: a user turn with an earlier one (the conversation before it) in the prompt."""
+    return sum(m["role"] == "user" for m in messages) > 1
+
+
+def interleave_later_turns(prompts: list[list[dict]], frac: float, seed: int = 47) -> list[list[dict]]:
+    """The first turns in their order with the later turns (shuffled by `seed`, so that one
+    conversation's turns do not come in a row) spread among them: a share `frac` of every prefix
+    is a later turn, until one kind runs out. Deterministic, as mix_code_math."""
+    later = [p for p in prompts if is_later_turn(p)]
+    random.Random(seed).shuffle(later)
+    return spread(later, [p for p in prompts if not is_later_turn(p)], frac)
+
+
+def order_training_prompts(train: list[list[dict]], code_math_frac: float | None,
+                           later_turn_frac: float | None) -> list[list[dict]]:
+    """The training prompts in the order a run takes them (--code-math-frac, --later-turn-frac):
+    with later turns interleaved, the code/maths share is that of the first turns."""
+    if later_turn_frac is None:
+        return train if code_math_frac is None else mix_code_math(train, code_math_frac)
+    first = [p for p in train if not is_later_turn(p)]
+    if code_math_frac is not None:
+        first = mix_code_math(first, code_math_frac)
+    return interleave_later_turns(first + [p for p in train if is_later_turn(p)], later_turn_frac)
