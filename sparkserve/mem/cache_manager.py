@@ -71,14 +71,41 @@ class KVCacheManager:
     def swa_available_tokens(self) -> int:
         return self.allocator.swa_free_slots + self.radix.swa_evictable_size if self.split else 0
 
-    def room(self, need: int, running: list[tuple["Req", int]] = ()) -> bool:
+    def room(self, need: int, running: list[tuple["Req", int]] = (), freed: tuple[int, int] = (0, 0)) -> bool:
         """Whether `need` more slots can be had now (evicting cached prefixes) while every
-        (request, tokens it may still decode) in `running` keeps its decode reserve."""
+        (request, tokens it may still decode) in `running` keeps its decode reserve; `freed`:
+        (full, windowed) slots that would become available first (`freed_by` some requests)."""
         reserve = sum(self.decode_reserve(r, remaining) for r, remaining in running)
         if not self.split:
-            return need + reserve <= self.available_tokens
-        return (need + self.allocator.page_size * len(running) <= self.available_tokens
-                and need + reserve <= self.swa_available_tokens)
+            return need + reserve <= self.available_tokens + freed[0]
+        return (need + self.allocator.page_size * len(running) <= self.available_tokens + freed[0]
+                and need + reserve <= self.swa_available_tokens + freed[1])
+
+    def freed_by(self, reqs: list["Req"]) -> tuple[int, int]:
+        """(full, windowed) slots that releasing running `reqs` would make available, before
+        releasing any: the pages they own, and the cached prefixes no other request locks (their
+        KV stays cached, evictable). Priority preemption asks it, so as to preempt only a set of
+        requests that makes room."""
+        p, full, swa = self.allocator.page_size, 0, 0
+        locks: dict = {}          # node -> [their locks on it, their windowed locks on it]
+        for r in reqs:
+            if r.row is None:
+                continue
+            end = -(-r.kv_len // p) * p
+            full += end - (r.cached_len if self.split else max(r.cached_len, r.window_start))
+            swa += end - max(r.cached_len, r.window_start) if self.split else 0
+            node, root = r.last_node, self.radix.root
+            while node is not None and node is not root and (self.split or node.start >= r.lock_start):
+                held = locks.setdefault(node, [0, 0])
+                held[0] += 1
+                held[1] += int(self.split and node.start >= r.lock_start)
+                node = node.parent
+        for node, (n, n_swa) in locks.items():
+            if node.lock_ref == n and (self.split or not node.dead):
+                full += len(node.key)
+            if n_swa and node.swa_lock_ref == n_swa and not node.dead:
+                swa += len(node.key)
+        return full, swa
 
     @property
     def used_tokens(self) -> int:

@@ -20,40 +20,61 @@ def lowest_ranked(running: list[Req], low_first: bool) -> Req:
     return min(reversed(running), key=lambda r: urgency(r, low_first))
 
 
-def preemption_victim(running: list[Req], req: Req, threshold: int, low_first: bool) -> Req | None:
-    """The running request waiting `req` preempts: the lowest-ranked one, when `req` outranks it by
-    more than `threshold`; else None. A threshold >= 0 means a preempted request never preempts
-    back the one it gave way to."""
-    if not running:
-        return None
-    victim = lowest_ranked(running, low_first)
-    return victim if urgency(req, low_first) - urgency(victim, low_first) > threshold else None
+def preemption_victims(running: list[Req], req: Req, threshold: int, low_first: bool) -> list[Req]:
+    """The running requests waiting `req` may preempt, the first to go first: those it outranks by
+    more than `threshold`, lowest-ranked first (the newest among equals). A threshold >= 0 means
+    a preempted request never preempts back the one it gave way to."""
+    order = sorted(reversed(running), key=lambda r: urgency(r, low_first))    # stable: newest first
+    return [r for r in order if urgency(req, low_first) - urgency(r, low_first) > threshold]
+
+
+def slot_free(sched: Scheduler, batch) -> bool:
+    return len(sched.running) + len(batch) < sched.cfg.max_running_requests
 
 
 def running_slot(sched: Scheduler, req: Req, batch) -> bool:
-    """Whether waiting `req` (the head) may join the running requests: a slot is free, or it
-    preempts a running request for one (not while its grammar compiles or it would wait a step for
-    a shared prefix anyway)."""
-    if len(sched.running) + len(batch) < sched.cfg.max_running_requests:
+    """Whether waiting `req` (the head) may go on to admission: a running slot is free, or there is
+    a running request it could preempt for one (not while its grammar compiles or it would wait a
+    step for a shared prefix anyway). Nothing is preempted here: `preempt_for` does, once the KV
+    the request needs is known."""
+    if slot_free(sched, batch):
         return True
     if (req.grammar is not None and not req.grammar.ready) or sched._shares_prefix_in_batch(req, batch):
         return False
-    return preempt_for(sched, req)
-
-
-def preempt_for(sched: Scheduler, req: Req) -> bool:
-    """Preempt the running request `req` outranks by more than the threshold: back to the waiting
-    queue (behind `req`), its KV to the prefix cache, its output kept. False when there is none."""
     cfg = sched.cfg
+    return cfg.preemption_threshold is not None and bool(
+        preemption_victims(sched.running, req, cfg.preemption_threshold, cfg.low_priority_first))
+
+
+def preempt_for(sched: Scheduler, req: Req, batch, need: int, slot: bool = True) -> bool:
+    """Make room for waiting `req` by preempting the fewest running requests it outranks by more
+    than the threshold (lowest-ranked first): after their release it must have a running slot
+    (`slot`: it is to join the running ones), a table row, and `need` KV slots while every other
+    running request (and each of `batch`, admitted this step) keeps its decode reserve. When even
+    all of them would not do, none is preempted: False. The preempted go back to the waiting
+    queue (behind `req`), their KV to the prefix cache, their output kept."""
+    cfg, cache = sched.cfg, sched.cache
     if cfg.preemption_threshold is None:
         return False
-    victim = preemption_victim(sched.running, req, cfg.preemption_threshold, cfg.low_priority_first)
-    if victim is None:
+    candidates = preemption_victims(sched.running, req, cfg.preemption_threshold, cfg.low_priority_first)
+    others = sched.running + [item[0] for item in batch]
+    need_one = (slot and not slot_free(sched, batch)) or req.row is None
+    victims: list[Req] = []
+    while True:
+        if victims or not need_one:
+            rest = [(r, r.params.max_new_tokens - len(r.output_ids)) for r in others if r not in victims]
+            if cache.room(need, rest, cache.freed_by(victims)):
+                break
+        if len(victims) == len(candidates):
+            return False
+        victims.append(candidates[len(victims)])
+    if not victims:                   # it fits already (the caller's own allocation lacked no room)
         return False
-    sched.running.remove(victim)
-    sched._release(victim)
-    sched.num_preemptions += 1
-    requeue(sched.waiting, victim, True, cfg.low_priority_first)
+    for victim in victims:
+        sched.running.remove(victim)
+        sched._release(victim)
+        sched.num_preemptions += 1
+        requeue(sched.waiting, victim, True, cfg.low_priority_first)
     return True
 
 

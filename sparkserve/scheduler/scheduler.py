@@ -35,7 +35,7 @@ from sparkserve.scheduler import draft_pause
 from sparkserve.scheduler.batch_log import BatchLog
 from sparkserve.scheduler.hidden_rows import keep_hidden
 from sparkserve.scheduler.prebuilt import PromptHandover
-from sparkserve.scheduler.preemption import ensure_decode_memory, preempt_for, running_slot
+from sparkserve.scheduler.preemption import ensure_decode_memory, preempt_for, running_slot, slot_free
 from sparkserve.scheduler.prompt_logprobs import collect_prompt_logprobs
 from sparkserve.scheduler.waiting_queue import common_prefix_len, enqueue
 from sparkserve.speculative.grammar_drafts import cut_drafts, verify_masks
@@ -213,7 +213,7 @@ class Scheduler(PromptHandover):
                         break           # bounded work per step, however long the queue
                     continue
                 if req.row is None and not self.cache.admit(req):
-                    if preempt_for(self, req):
+                    if preempt_for(self, req, batch, 0):      # a table row (and a running slot)
                         continue
                     break
             else:
@@ -226,13 +226,14 @@ class Scheduler(PromptHandover):
             # Keep decode room for every running request so admitting this one cannot stall them
             # (one page each; a sliding-window request's room to fill its window).
             page = self.cache.allocator.page_size
-            fits = self.cache.room(self.cache.pages_needed(req, n) * page,
-                                   [(r, r.params.max_new_tokens - len(r.output_ids))
-                                    for r in self.running + [item[0] for item in batch]])
+            need = self.cache.pages_needed(req, n) * page
+            fits = (from_chunk or slot_free(self, batch)) and self.cache.room(
+                need, [(r, r.params.max_new_tokens - len(r.output_ids))
+                       for r in self.running + [item[0] for item in batch]])
             slots = self.cache.alloc(req, n) if fits else None
             if slots is None:
-                if preempt_for(self, req):
-                    continue              # its KV went to the prefix cache: try again
+                if preempt_for(self, req, batch, need, slot=not from_chunk):
+                    continue              # their KV went to the prefix cache: try again
                 if batch or self.running:
                     if not from_chunk:    # un-admit: a waiting request must not pin its cached
                         self.cache.release(req)   # prefix, or running ones cannot decode
