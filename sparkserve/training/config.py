@@ -114,6 +114,12 @@ class PipelineConfig:
     draft_vocab_size: int | None = _h(None, f"score only the most frequent response ids (default "
                                             f"{DEFAULT_DRAFT_VOCAB}; 0 = the full vocab); with --init-draft: "
                                             "re-pick that draft's vocab at this size (default: keep it)")
+    # The distilled answers are few; the training conversations' own replies stand in for more.
+    vocab_count_replies: bool = _h(False, "pick the draft vocab on the distilled answers' token counts "
+                                          "(x --vocab-distilled-weight) plus the training conversations' "
+                                          "replies (ShareGPT's training part, or the prompts file's "
+                                          "assistant turns), tokenized by the target's tokenizer")
+    vocab_distilled_weight: float = _h(20.0, "with --vocab-count-replies: the weight of a distilled token")
     mask_token_id: int | None = _h(None, "the draft's mask token (default: a spare special token)")
     target_layer_ids: list[int] | None = _h(None, "comma-separated taps (default: 1, L/2, L-2)")
     markov_init: bool = _h(True, "start the Markov head as the responses' bigram fit")

@@ -281,7 +281,13 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
     vocab = None
     if reduced and (not cfg.init_draft or cfg.draft_vocab_size is not None):
         counts = cache.response_token_counts(engine.model_config.vocab_size)
-        vocab, coverage = select_draft_vocab(counts, dcfg["draft_vocab_size"], engine.tokenizer.eos_token_ids)
+        pick = counts
+        if cfg.vocab_count_replies:
+            from sparkserve.training.reply_counts import draft_vocab_counts
+            pick = draft_vocab_counts(cfg.out, cfg.prompts_file, counts, cfg.vocab_distilled_weight,
+                                      engine.tokenizer)
+        vocab, _ = select_draft_vocab(pick, dcfg["draft_vocab_size"], engine.tokenizer.eos_token_ids)
+        coverage = float(counts[vocab].sum()) / max(int(counts.sum()), 1)
         if resuming:
             print("draft vocab: resuming, the checkpoint's vocab is kept")
         else:
@@ -386,6 +392,10 @@ def check_flags(cfg: PipelineConfig, ranks: Ranks) -> None:
     for flag, frac in (("code-math-frac", cfg.code_math_frac), ("later-turn-frac", cfg.later_turn_frac)):
         if frac is not None and not 0 <= frac <= 1:
             raise ValueError(f"--{flag} must be within [0, 1], got {frac}")
+    keeps_vocab = cfg.draft_vocab_size == 0 or (cfg.init_draft and cfg.draft_vocab_size is None)
+    if cfg.vocab_count_replies and keeps_vocab:
+        raise ValueError("--vocab-count-replies picks a reduced draft vocab: not with --draft-vocab-size 0, "
+                         "nor with --init-draft keeping its draft's vocab (give --draft-vocab-size)")
     if cfg.distill_batch < 1:
         raise ValueError(f"--distill-batch must be >= 1, got {cfg.distill_batch}")
     if cfg.target_url and (cfg.tp_size > 1 or cfg.pp_size > 1):

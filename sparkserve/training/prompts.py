@@ -110,19 +110,33 @@ def split_sharegpt(holdout: int = 2000, max_chars: int = 2000,
     is dropped (ShareGPT repeats some conversations), so no held-out prompt reaches training."""
     convs = list(sharegpt_conversations())
     train_part, held_part = convs[:-holdout], convs[-holdout:]
-
-    def first_turns(cs, answer):
-        out = []
-        for c in cs:
-            p = first_user_turn(c, answer)
-            if p and len(p[0]["content"]) <= max_chars:
-                out.append(p)
-        return out
-    held = first_turns(held_part, False)
+    held = first_turns(held_part, max_chars)
     held_text = {p[0]["content"] for p in held}
-    train = first_turns(train_part, answers) + [p for c in train_part
-                                                for p in later_user_turns(c, max_chars, answers)]
-    return [p for p in train if not any(m["role"] == "user" and m["content"] in held_text for m in p)], held
+    train = first_turns(train_part, max_chars, answers) + [p for c in train_part
+                                                           for p in later_user_turns(c, max_chars, answers)]
+    return [p for p in train if not _meets(p, held_text)], held
+
+
+def first_turns(convs: list[list[dict]], max_chars: int, answer: bool = False) -> list[list[dict]]:
+    """Each conversation's first user turn (see first_user_turn) up to max_chars long."""
+    out = []
+    for c in convs:
+        p = first_user_turn(c, answer)
+        if p and len(p[0]["content"]) <= max_chars:
+            out.append(p)
+    return out
+
+
+def _meets(messages: list[dict], texts: set[str]) -> bool:
+    return any(m["role"] == "user" and m["content"] in texts for m in messages)
+
+
+def sharegpt_training_conversations(holdout: int = 2000, max_chars: int = 2000) -> list[list[dict]]:
+    """The whole conversations split_sharegpt's training prompts come from (none meets a held-out
+    prompt): where the draft vocab's reply counts come from (--vocab-count-replies)."""
+    convs = list(sharegpt_conversations())
+    held_text = {p[0]["content"] for p in first_turns(convs[-holdout:], max_chars)}
+    return [c for c in convs[:-holdout] if not _meets(c, held_text)]
 
 
 def last_user_text(messages: list[dict]) -> str:
