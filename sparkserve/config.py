@@ -170,6 +170,9 @@ FAMILY_TRAITS: dict[str, dict[str, Any]] = {
               "local_rope_unscaled": True},
     "gpt_oss": {"moe_router": "topk_softmax", "moe_activation": "swiglu_oai", "moe_bias": True,
                 "attn_sinks": True},
+    # MiniMax-M2: q/k norms over the whole projection; every layer a MoE routed by sigmoid scores,
+    # chosen with the score-correction bias, the chosen renormalised (one group: no group limit)
+    "minimax_m2": {"qk_norm": True, "qk_norm_full_width": True, "moe_router": "sigmoid_grouped"},
 }
 _ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -177,7 +180,8 @@ _ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
                  "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+                 "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
+                 "minimax_m2": "MiniMaxM2ForCausalLM"}
 _GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 # What transformers' config classes assume where a shipped config.json leaves keys out (the Gemma 3
 # 4B+ checkpoints' `text_config` gives little more than the sizes).
@@ -236,7 +240,10 @@ def _rope_layers(d: dict[str, Any], model_type: str, n_layers: int) -> list[bool
 
 
 def _rotary_dim(d: dict[str, Any], rope: dict[str, Any], head_dim: int) -> int | None:
-    """Phi-4-mini's partial rotary (`partial_rotary_factor`, top level or among the rope's keys)."""
+    """Phi-4-mini's partial rotary (`partial_rotary_factor`, top level or among the rope's keys);
+    MiniMax-M2's released configs give the channels (`rotary_dim`)."""
+    if d.get("rotary_dim"):
+        return None if d["rotary_dim"] == head_dim else int(d["rotary_dim"])
     factor = d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     return None if factor == 1.0 else int(head_dim * factor)
 

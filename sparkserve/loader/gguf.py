@@ -33,13 +33,14 @@ _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qw
           "mistral": "MistralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
           "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
           "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gpt-oss": "GptOssForCausalLM",
-          "deepseek2": "DeepseekV2ForCausalLM", "kimi-linear": "KimiLinearForCausalLM"}
+          "deepseek2": "DeepseekV2ForCausalLM", "kimi-linear": "KimiLinearForCausalLM",
+          "minimax-m2": "MiniMaxM2ForCausalLM"}
 # Architectures llama.cpp converts that are not decoder-only language models: why each is refused.
 _NOT_DECODERS = {"t5": "an encoder-decoder model; sparkserve serves decoder-only language models",
                  "t5encoder": "an encoder; sparkserve serves decoder-only language models"}
 # GGUF arch -> HF model_type where they differ; llama.cpp writes Mixtral as arch llama with experts.
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss",
-                "deepseek2": "deepseek_v2", "kimi-linear": "kimi_linear"}
+                "deepseek2": "deepseek_v2", "kimi-linear": "kimi_linear", "minimax-m2": "minimax_m2"}
 # Gemma 2 / 3 as llama.cpp builds them: its sliding-window layers' rope base (not in the file) and
 # the layer count of the 27B models, whose attention scale is 1/sqrt(hidden / heads), not of head_dim.
 _GEMMA_LOCAL_ROPE_BASE = 10000.0
@@ -94,7 +95,9 @@ _KIMI_LAYER_NAMES = dict(
     ssm_conv1d_q="self_attn.q_conv1d", ssm_conv1d_k="self_attn.k_conv1d", ssm_conv1d_v="self_attn.v_conv1d",
     ssm_norm="self_attn.o_norm", **{"ssm_a": "self_attn.A_log", "ssm_dt.bias": "self_attn.dt_bias",
                                     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"})
-_LAYER_NAMES_OF = {"kimi-linear": _KIMI_LAYER_NAMES,
+# MiniMax-M2: the routing bias (the router's in this model; beside it in the checkpoint)
+_MINIMAX_M2_LAYER_NAMES = dict(_LAYER_NAMES, **{"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"})
+_LAYER_NAMES_OF = {"kimi-linear": _KIMI_LAYER_NAMES, "minimax-m2": _MINIMAX_M2_LAYER_NAMES,
                    "gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "olmo2": _GEMMA_LAYER_NAMES,
                    "phi3": _PHI3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES,
                    "deepseek2": _DEEPSEEK2_LAYER_NAMES}
@@ -165,6 +168,9 @@ def gguf_config(path: str) -> ModelConfig:
                   moe_intermediate_size=get("expert_feed_forward_length", get("feed_forward_length")),
                   norm_topk_prob=get("expert_weights_norm", True),
                   mlp_only_layers=[i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names])
+    if arch == "minimax-m2" and get("expert_gating_func") != 2:     # llama.cpp routes by the key
+        raise ValueError(f"GGUF minimax-m2.expert_gating_func = {get('expert_gating_func')} is not supported "
+                         "(supported: 2, sigmoid)")
     if arch == "deepseek2":     # after the generic MoE keys, which it replaces with its own
         hf.update(_deepseek2_fields(get, n_heads, rope_dims, "blk.0.attn_q.weight" not in names))
     # Which projections carry a bias is what the file holds (as llama.cpp's optional tensors).

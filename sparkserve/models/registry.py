@@ -17,6 +17,7 @@ from sparkserve.models.gemma import GemmaForCausalLM
 from sparkserve.models.gpt_oss import GptOssForCausalLM
 from sparkserve.models.kimi_linear import KimiLinearForCausalLM
 from sparkserve.models.llama import LlamaForCausalLM
+from sparkserve.models.minimax_m2 import MiniMaxM2ForCausalLM
 from sparkserve.models.minimax_m3 import MiniMaxM3ForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
@@ -37,6 +38,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "Gemma3ForConditionalGeneration": GemmaForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
 }
 
