@@ -68,6 +68,8 @@ CASES: dict[str, tuple[str, str]] = {
     # pre-tokenizer kimi-k2 is llama.cpp's own code, not a regex: gpt-4o's splitting stands in; NOTES)
     "olmo3": ("olmo3", "dbrx"),
     "kimi-linear": ("kimi:gguf", "gpt-4o"),
+    # MiniMax-M2 as transformers saves it (the released checkpoints' format: minimax_m2_fixtures)
+    "minimax-m2": ("minimax_m2:", "minimax-m2"),
 }
 OUTTYPES = ("f32", "f16", "q8_0")
 QUANTIZED = "Q4_K_M"      # llama-quantize's type, from the f32 file
@@ -119,10 +121,10 @@ NOTES = [
     "its real pre-tokenizer kimi-k2 (gpt-4o's stands in here) sparkserve splits by Kimi's own pattern "
     "(tokenization_kimi.py; tests/engine/test_kimi_k2_pre.py), llama.cpp by hand-written code that keeps "
     "mixed-case words whole (\" FoX\" where the pattern gives \" Fo\" \"X\"): on TEXTS 16/18 equal.",
-    "Architectures the converter has that sparkserve does not load from GGUF: minimax-m2 (not served at "
-    "all), minimax-m3 (served from HF directories only; the converter reads MiniMax's own config keys, "
-    "sparse_attention_config / moe_layer_freq, not transformers' MiniMaxM3VL ones); t5 / t5encoder and "
-    "Unigram ('t5') vocabularies are refused at start-up (encoder-decoder / encoder models).",
+    "Architectures the converter has that sparkserve does not load from GGUF: minimax-m3 (served from HF "
+    "directories only; the converter reads MiniMax's own config keys, sparse_attention_config / "
+    "moe_layer_freq, not transformers' MiniMaxM3VL ones); t5 / t5encoder and Unigram ('t5') vocabularies "
+    "are refused at start-up (encoder-decoder / encoder models).",
 ]
 
 
@@ -207,6 +209,9 @@ def _hf_checkpoint(fixture: str, path: str) -> str:
     if fixture.startswith("kimi:"):
         from kimi_fixtures import as_original_checkpoint, make_kimi
         return as_original_checkpoint(make_kimi(path, fixture.removeprefix("kimi:")))
+    if fixture == "minimax_m2:":
+        from minimax_m2_fixtures import make_minimax_m2
+        return make_minimax_m2(path)
     assert fixture in TINY_CONFIGS, fixture
     return make_tiny_checkpoint(fixture, path)
 
@@ -369,7 +374,8 @@ def fixture_vs_converter(fixture: str, hf_dir: str, converted: str, outtype: str
     from family_fixtures import FAMILIES, write_gguf
 
     from sparkserve.loader.gguf_file import GGUFFile
-    if (fixture not in FAMILIES and not fixture.startswith("kimi:")) or outtype not in OUTTYPES:
+    ours = fixture in FAMILIES or fixture.startswith(("kimi:", "minimax_m2:"))
+    if not ours or outtype not in OUTTYPES:
         # (llama-quantize's files: no fixture)
         return "-"
     mine = converted.replace(".gguf", ".fixture.gguf")
