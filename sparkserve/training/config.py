@@ -101,14 +101,16 @@ class PipelineConfig:
     temperature: float = _h(0.0, "distillation temperature")
     distill_batch: int = _h(32, "requests in flight while distilling")
     max_prompt_tokens: int = _h(1024, "skip longer prompts when distilling (prefill would dominate)")
-    num_layers: int = _h(1, "draft depth")
-    # Architecture options (docs/design.md, the DSpark draft): stored in the draft's config.json.
+    # Architecture options (docs/design.md, the DSpark draft): stored in the draft's config.json. With
+    # --init-draft they are added to that draft, starting as it (training/grow_draft.py).
+    num_layers: int | None = _h(None, "draft depth (default 1; with --init-draft: that draft's, or more "
+                                      "layers added as identity blocks)")
     draft_kv_heads: int | None = _h(None, "the draft's KV heads, the width of its read of the target "
                                           "context (default: the target's; its attention heads = the "
-                                          "widest)")
+                                          "widest; with --init-draft: a multiple of that draft's)")
     tap_norm: bool = _h(False, "an RMSNorm per tap before fc (the taps enter at very different scales)")
     prev_context_fusion: bool = _h(False, "EAGLE-style fusion: a projection of the context row before "
-                                          "the anchor added to every block row's input")
+                                          "the anchor added to every block row's input (starts at zero)")
     block_size: int = _h(7, "gamma")
     markov_rank: int = _h(64, "rank of the Markov head")
     draft_vocab_size: int | None = _h(None, f"score only the most frequent response ids (default "
@@ -123,9 +125,10 @@ class PipelineConfig:
     mask_token_id: int | None = _h(None, "the draft's mask token (default: a spare special token)")
     target_layer_ids: list[int] | None = _h(None, "comma-separated taps (default: 1, L/2, L-2)")
     markov_init: bool = _h(True, "start the Markov head as the responses' bigram fit")
-    # A shipped draft continued on new data: its config wins over the architecture flags.
+    # A shipped draft continued on new data, grown by the architecture flags it lacks.
     init_draft: str | None = _h(None, "start from this draft's weights and config (fresh optimizer and "
-                                      "schedule)")
+                                      "schedule); --prev-context-fusion, a larger --num-layers or a "
+                                      "wider --draft-kv-heads grow it, starting from its exact logits")
     val_prompts: int = _h(64, "held-out prompts distilled for validation: training logs their greedy tau "
                               "and keeps the best draft in OUT/draft/best (0 = no validation)")
     eval_prompts: int = _h(32, "held-out prompts per set scored by the eval stage")

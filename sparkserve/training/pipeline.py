@@ -155,22 +155,9 @@ def draft_config(cfg: PipelineConfig, target_cfg, tokenizer) -> dict:
         mask = special[-1] if special else 0
     size = DEFAULT_DRAFT_VOCAB if cfg.draft_vocab_size is None else cfg.draft_vocab_size
     reduced = size if size and size < target_cfg.vocab_size else None
-    return dspark_config_dict(target_cfg, cfg.num_layers, cfg.block_size, cfg.target_layer_ids,
+    return dspark_config_dict(target_cfg, cfg.num_layers or 1, cfg.block_size, cfg.target_layer_ids,
                               mask, cfg.markov_rank, draft_vocab_size=reduced, kv_heads=cfg.draft_kv_heads,
                               tap_norm=cfg.tap_norm, prev_context_fusion=cfg.prev_context_fusion)
-
-
-def check_init_draft_options(cfg: PipelineConfig, init_cfg: dict) -> None:
-    """--init-draft takes its draft's architecture: an option flag that draft lacks is refused
-    (its weights would have to start untrained beside trained ones), not silently dropped."""
-    for key, asked in (("tap_norm", cfg.tap_norm), ("prev_context_fusion", cfg.prev_context_fusion)):
-        if asked and not init_cfg.get(key):
-            raise ValueError(f"--{key.replace('_', '-')} with --init-draft: the draft in {cfg.init_draft} "
-                             f"has no {key} (its config sets the architecture); train a new draft to add it")
-    heads = init_cfg.get("num_key_value_heads")
-    if cfg.draft_kv_heads is not None and cfg.draft_kv_heads != heads:
-        raise ValueError(f"--draft-kv-heads {cfg.draft_kv_heads} with --init-draft: the draft in "
-                         f"{cfg.init_draft} has {heads}")
 
 
 def stage_features(cfg: PipelineConfig, target: TargetSource, ranks: Ranks = Ranks()) -> None:
@@ -252,8 +239,9 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
     if cfg.init_draft:
         with open(os.path.join(cfg.init_draft, "config.json")) as f:
             init_cfg = json.load(f)
-        check_init_draft_options(cfg, init_cfg)
-        dcfg = dict(init_cfg)
+        from sparkserve.training.grow_draft import grown_config
+        dcfg = grown_config(init_cfg, cfg.init_draft, cfg.num_layers, cfg.draft_kv_heads, cfg.tap_norm,
+                            cfg.prev_context_fusion)
         if cfg.draft_vocab_size is not None:
             if not 0 < cfg.draft_vocab_size < engine.model_config.vocab_size:
                 raise ValueError(f"--draft-vocab-size {cfg.draft_vocab_size} with --init-draft re-picks a "
@@ -299,6 +287,10 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
         from sparkserve.training.draft_vocab import move_to_vocab
         draft = init_dspark_draft(init_cfg, target)
         draft.load_weights(hf_weights(cfg.init_draft), target)
+        if {k: v for k, v in dcfg.items() if k != "draft_vocab_size"} != {
+                k: v for k, v in init_cfg.items() if k != "draft_vocab_size"}:   # options added to it
+            from sparkserve.training.grow_draft import grow_draft
+            draft = grow_draft(draft, dict(dcfg, draft_vocab_size=init_cfg.get("draft_vocab_size")), target)
         if vocab is not None:
             moved = init_dspark_draft(dcfg, target, vocab=vocab)
             move_to_vocab(draft, moved, head)

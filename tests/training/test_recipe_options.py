@@ -137,14 +137,20 @@ def test_option_flags_parse():
         _parser().parse_args(["train-draft", "--out", "OUT", "--ce-target", "medium"])
 
 
-def test_init_draft_refuses_options_its_draft_lacks(bigram_target):  # noqa: F811
-    from sparkserve.training.config import PipelineConfig
-    from sparkserve.training.pipeline import check_init_draft_options
-    tc = ModelConfig.from_hf_dir(bigram_target[0])
-    plain, fused = dspark_config_dict(tc), dspark_config_dict(tc, tap_norm=True, prev_context_fusion=True)
-    for flags in (dict(tap_norm=True), dict(prev_context_fusion=True), dict(draft_kv_heads=4)):
-        with pytest.raises(ValueError, match="--init-draft"):
-            check_init_draft_options(PipelineConfig(out="x", init_draft="D", **flags), plain)
-    check_init_draft_options(PipelineConfig(out="x", init_draft="D", tap_norm=True, prev_context_fusion=True,
-                                            draft_kv_heads=tc.num_key_value_heads), fused)
-    check_init_draft_options(PipelineConfig(out="x", init_draft="D"), fused)     # no flag: the draft's own
+def test_init_draft_refuses_options_that_cannot_start_as_its_draft(bigram_target):  # noqa: F811
+    """--init-draft grows its draft by fusion, layers and a wider read (grow_draft.py); a tap norm,
+    fewer layers or a read that is no multiple of the draft's are refused, naming the flag."""
+    from sparkserve.training.grow_draft import grown_config
+    tc = ModelConfig.from_hf_dir(bigram_target[0])          # 4 attention heads, 2 KV heads
+    plain, fused = dspark_config_dict(tc, num_layers=2), dspark_config_dict(tc, tap_norm=True,
+                                                                            prev_context_fusion=True)
+    for flags, flag in ((dict(tap_norm=True), "--tap-norm"), (dict(num_layers=1), "--num-layers 1"),
+                        (dict(kv_heads=3), "--draft-kv-heads 3")):
+        with pytest.raises(ValueError, match=f"{flag} with --init-draft"):
+            grown_config(plain, "D", **flags)
+    assert grown_config(fused, "D", tap_norm=True, prev_context_fusion=True, kv_heads=2) == fused
+    assert grown_config(fused, "D") == fused and grown_config(plain, "D", num_layers=2) == plain
+    grown = grown_config(plain, "D", num_layers=3, kv_heads=4, prev_context_fusion=True)
+    assert {k: v for k, v in grown.items() if plain.get(k) != v} == {
+        "num_hidden_layers": 3, "layer_types": ["full_attention"] * 3, "num_key_value_heads": 4,
+        "prev_context_fusion": True}
