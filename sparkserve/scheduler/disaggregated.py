@@ -38,6 +38,7 @@ from sparkserve.disaggregation.backend import (
 from sparkserve.mem.transfer import check_shapes
 from sparkserve.messages import Bootstrap, SchedulerLoad
 from sparkserve.scheduler.scheduler import Scheduler
+from sparkserve.scheduler.waiting_queue import urgency
 
 log = logging.getLogger(__name__)
 
@@ -267,12 +268,17 @@ class DecodeScheduler(_Paired):
     def add_paired(self, req: Req, boot: Bootstrap) -> bool:
         if Scheduler.ends_at_once(req):
             return False
-        self.prealloc.append((req, boot, time.monotonic() + self.timeout))
+        cfg, i = self.inner.cfg, len(self.prealloc)
+        while cfg.priority_scheduling and i and (urgency(self.prealloc[i - 1][0], cfg.low_priority_first)
+                                                 < urgency(req, cfg.low_priority_first)):
+            i -= 1                        # by priority, as the waiting queue (waiting_queue.enqueue)
+        self.prealloc.insert(i, (req, boot, time.monotonic() + self.timeout))
         self._reserve()
         return True
 
     def _reserve(self) -> None:
-        """Reserve, in arrival order, for the requests memory now allows."""
+        """Reserve, in arrival order (by priority under priority scheduling), for the requests
+        memory now allows (preempting running ones they outrank under priority preemption)."""
         while self.prealloc:
             req, boot, deadline = self.prealloc[0]
             start = self.inner.reserve_prebuilt(req)

@@ -11,6 +11,7 @@ from sparkserve.constrained.backend import attach_grammar
 from sparkserve.core.pool import Pool
 from sparkserve.core.req import Req
 from sparkserve.mem.transfer import RequestPages, RequestRows, Rows
+from sparkserve.scheduler.preemption import preempt_for
 
 if TYPE_CHECKING:
     from sparkserve.scheduler.scheduler import Scheduler
@@ -50,16 +51,21 @@ class PromptHandover:
 
     def reserve_prebuilt(self: "Scheduler", req: Req) -> int | None:
         """A row and slots for `req`'s whole prompt (a cached prefix is reused): the first
-        position the other side must send, or None when memory is short now (nothing held)."""
-        if not self.cache.admit(req):
-            return None
+        position the other side must send, or None when memory is short now (nothing held).
+        Under priority preemption a request short of memory preempts running ones it outranks,
+        as a waiting one does for admission (preemption.py)."""
+        while not self.cache.admit(req):
+            if not preempt_for(self, req, (), 0, slot=False):
+                return None
         n, start = len(req.input_ids), req.kv_len
-        page = self.cache.allocator.page_size
-        running = [(r, r.params.max_new_tokens - len(r.output_ids)) for r in self.running]
-        if n > start and (not self.cache.room(self.cache.pages_needed(req, n - start) * page, running)
-                          or self.cache.alloc(req, n - start) is None):
-            self.cache.release(req)
-            return None
+        need = self.cache.pages_needed(req, n - start) * self.cache.allocator.page_size
+        while n > start:
+            running = [(r, r.params.max_new_tokens - len(r.output_ids)) for r in self.running]
+            if self.cache.room(need, running) and self.cache.alloc(req, n - start) is not None:
+                break
+            if not preempt_for(self, req, (), need, slot=False):
+                self.cache.release(req)
+                return None
         req.kv_len = n
         return start
 

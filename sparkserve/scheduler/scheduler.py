@@ -234,7 +234,7 @@ class Scheduler(PromptHandover):
             if slots is None:
                 if preempt_for(self, req, batch, need, slot=not from_chunk):
                     continue              # their KV went to the prefix cache: try again
-                if batch or self.running:
+                if batch or self.running or self._held_by_others(req):
                     if not from_chunk:    # un-admit: a waiting request must not pin its cached
                         self.cache.release(req)   # prefix, or running ones cannot decode
                     break                 # wait for memory; the request keeps its place
@@ -250,6 +250,12 @@ class Scheduler(PromptHandover):
                 self.chunked = req
                 break
         return batch
+
+    def _held_by_others(self, req: Req) -> bool:
+        """Whether KV slots other than `req`'s are held outside the prefix cache while nothing runs:
+        a PD decode server's reservations for prompts on their way (a request it preempted or
+        retracted then waits for them to run, rather than failing for want of memory)."""
+        return self.cache.available_tokens + self.cache.freed_by([req])[0] < self.cache.num_slots
 
     def _mixed_decodes(self) -> list[tuple[Req, torch.Tensor]]:
         """With --enable-mixed-chunk: each running request and the slot of its next token, when all
