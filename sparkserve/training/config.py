@@ -99,6 +99,10 @@ class PipelineConfig:
                                        "train on as well")
     max_new_tokens: int = _h(256, "distillation answer length")
     temperature: float = _h(0.0, "distillation temperature")
+    second_answer_temperature: float | None = _h(None, "distil each training prompt twice: its answer at "
+                                                       "--temperature and one sampled at this temperature "
+                                                       "(e.g. 0.7; seeded by the prompt's line), both "
+                                                       "trained on")
     distill_batch: int = _h(32, "requests in flight while distilling")
     max_prompt_tokens: int = _h(1024, "skip longer prompts when distilling (prefill would dominate)")
     # Architecture options (docs/design.md, the DSpark draft): stored in the draft's config.json. With

@@ -41,6 +41,24 @@ def grown_config(init_cfg: dict, init_dir: str, num_layers: int | None = None, k
     return out
 
 
+def load_init_draft(path: str, init_cfg: dict, config: dict, target, vocab: torch.Tensor | None,
+                    head: torch.Tensor) -> DSparkDraft:
+    """The draft in `path` (config init_cfg), grown to `config` where the flags added options, and
+    moved to the reduced vocab `vocab` when one was re-picked (draft_vocab.move_to_vocab)."""
+    from sparkserve.loader.hf import hf_weights
+    from sparkserve.training.draft_vocab import move_to_vocab
+    draft = init_dspark_draft(init_cfg, target)
+    draft.load_weights(hf_weights(path), target)
+    own_vocab = dict(config, draft_vocab_size=init_cfg.get("draft_vocab_size"))
+    if own_vocab != {**init_cfg, "draft_vocab_size": init_cfg.get("draft_vocab_size")}:
+        draft = grow_draft(draft, own_vocab, target)
+    if vocab is not None:
+        moved = init_dspark_draft(config, target, vocab=vocab)
+        move_to_vocab(draft, moved, head)
+        draft = moved
+    return draft
+
+
 def grow_draft(init: DSparkDraft, config: dict, target=None) -> DSparkDraft:
     """A draft of `config` (init's, grown by grown_config) computing init's logits exactly."""
     c = init.config

@@ -66,10 +66,11 @@ def stage_distill(cfg: PipelineConfig, target: TargetSource, ranks: Ranks = Rank
 def distill(cfg: PipelineConfig, target: TargetSource, part: str, ranks: Ranks = Ranks()) -> None:
     """The target answers part/prompts.jsonl (resumes mid-file), and the hidden rows it computes
     on the way are logged for the feature cache (RawFeatureLog). Prefill-labelled prompts
-    (--labels) are not answered: one prefill over the answer they bring logs its rows. Over
-    several ranks each distils its share and rank 0 merges them (shards.py)."""
+    (--labels) are not answered: one prefill over the answer they bring logs its rows. With
+    --second-answer-temperature each training prompt has two lines, its answer and one sampled.
+    Over several ranks each distils its share of the lines and rank 0 merges them (shards.py)."""
     from sparkserve.training.prompts import jsonl_prompts
-    n = len(jsonl_prompts(os.path.join(part, "prompts.jsonl")))
+    n = len(jsonl_prompts(os.path.join(part, "prompts.jsonl"))) * _answers_per_prompt(cfg, part)
     out = os.path.join(part, "distill.jsonl")
     if ranks.world == 1:
         distill_share(cfg, target, part, range(n), part)
@@ -82,29 +83,36 @@ def distill(cfg: PipelineConfig, target: TargetSource, part: str, ranks: Ranks =
     ranks.barrier()
 
 
+def _answers_per_prompt(cfg: PipelineConfig, part: str) -> int:
+    """2 with a second sampled answer (training prompts only: validation follows greedy answers)."""
+    second = cfg.second_answer_temperature is not None
+    return 2 if second and os.path.abspath(part) == os.path.abspath(cfg.out) else 1
+
+
 def distill_share(cfg: PipelineConfig, target: TargetSource, part: str, share: range, out_dir: str) -> None:
-    """Prompts `share` of part/prompts.jsonl into out_dir/distill.jsonl and out_dir/features.log."""
+    """Lines `share` (prompt line // answers per prompt, answer line % it) of part/prompts.jsonl
+    into out_dir/distill.jsonl and out_dir/features.log."""
     from sparkserve.training.feature_cache import RawFeatureLog
     from sparkserve.training.prompts import jsonl_prompts
-    prompts = jsonl_prompts(os.path.join(part, "prompts.jsonl"))[share.start:share.stop]
+    prompts, per = jsonl_prompts(os.path.join(part, "prompts.jsonl")), _answers_per_prompt(cfg, part)
     os.makedirs(out_dir, exist_ok=True)
     out = os.path.join(out_dir, "distill.jsonl")
     rows = [json.loads(line) for line in open(out)] if os.path.exists(out) else []
     done = len(rows)
     taps = draft_config(cfg, target.model_config, target.tokenizer)["target_layer_ids"]
-    if done >= len(prompts) and os.path.exists(os.path.join(out_dir, "features.log", "meta.json")):
+    if done >= len(share) and os.path.exists(os.path.join(out_dir, "features.log", "meta.json")):
         return
     log = RawFeatureLog(os.path.join(out_dir, "features.log"), taps, target.model_config.hidden_size,
                         sum(r.get("feature_rows", 0) for r in rows))
     target.tap(taps)
     # validation follows the target's own greedy answers (greedy_acceptance): never prefill-labelled
     labels = cfg.labels if os.path.abspath(part) == os.path.abspath(cfg.out) else "generated"
-    items = [_distill_item(cfg, labels, target.tokenizer, share.start + k, prompts[k])
-             for k in range(done, len(prompts))]
+    items = [_distill_item(cfg, labels, target.tokenizer, k // per, prompts[k // per], k % per)
+             for k in range(share.start + done, share.stop)]
     runnable = [it for it in items if it["run"]]
     results = target.run([it["run_ids"] for it in runnable], [it["params"] for it in runnable])
     lines = []
-    with open(out, "a") as f, tqdm(total=len(prompts), initial=done, desc="distill", unit="prompt") as bar:
+    with open(out, "a") as f, tqdm(total=len(share), initial=done, desc="distill", unit="prompt") as bar:
         for n, it in enumerate(items, 1):  # one line per prompt (skipped ones empty) so a rerun resumes right
             row = {"prompt_ids": it["prompt_ids"], "output_ids": []}
             if it["run"]:
@@ -115,6 +123,7 @@ def distill_share(cfg: PipelineConfig, target: TargetSource, part: str, share: r
                                                      meta["hidden_states"][:-1])
                 else:
                     row["output_ids"] = res["output_ids"]
+                    row.update(it.get("sampled", {}))
                     row["feature_rows"] = log.append(meta["aux_hidden_states"], meta["hidden_states"])
             lines.append(json.dumps(row) + "\n")
             if len(lines) == cfg.distill_batch or n == len(items):
@@ -126,13 +135,20 @@ def distill_share(cfg: PipelineConfig, target: TargetSource, part: str, share: r
     log.close()
 
 
-def _distill_item(cfg: PipelineConfig, labels: str, tok, index: int, messages: list[dict]) -> dict:
+def _distill_item(cfg: PipelineConfig, labels: str, tok, index: int, messages: list[dict],
+                  second: int = 0) -> dict:
     """What the target runs for prompt `index`: the prompt to answer, or (prefill labels) the
-    prompt and its answer, once."""
+    prompt and its answer, once; `second`: its second answer, sampled at
+    --second-answer-temperature with seed `index` (none for a prefill-labelled prompt)."""
     from sparkserve.training.label_mix import is_prefill_labelled, split_answer
     prompt, answer = split_answer(messages)
     ids = tok.encode(tok.apply_chat_template(prompt), add_special_tokens=True)
     fits = len(ids) <= cfg.max_prompt_tokens      # longer prompts are skipped (an empty line)
+    if second:
+        sampled = {"temperature": cfg.second_answer_temperature, "seed": index}
+        return {"prefill": False, "run": fits and not is_prefill_labelled(index, labels, cfg.prefill_frac),
+                "prompt_ids": ids, "run_ids": ids, "sampled": sampled,
+                "params": {**sampled, "max_new_tokens": cfg.max_new_tokens}}
     if not is_prefill_labelled(index, labels, cfg.prefill_frac):
         return {"prefill": False, "run": fits, "prompt_ids": ids, "run_ids": ids,
                 "params": {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens}}
@@ -245,10 +261,8 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
         if cfg.draft_vocab_size is not None:
             if not 0 < cfg.draft_vocab_size < engine.model_config.vocab_size:
                 raise ValueError(f"--draft-vocab-size {cfg.draft_vocab_size} with --init-draft re-picks a "
-                                 f"reduced "
-                                 f"vocab: give 0 < N < {engine.model_config.vocab_size}, or leave it out to "
-                                 f"keep "
-                                 "the draft's vocab")
+                                 f"reduced vocab: give 0 < N < {engine.model_config.vocab_size}, or leave it "
+                                 "out to keep the draft's vocab")
             dcfg["draft_vocab_size"] = cfg.draft_vocab_size
     else:
         dcfg = draft_config(cfg, engine.model_config, engine.tokenizer)
@@ -281,20 +295,10 @@ def stage_train(cfg: PipelineConfig, engine, ranks: Ranks = Ranks()) -> dict:
         else:
             print(f"draft vocab: {len(vocab)} ids cover {coverage:.2%} of response tokens"
                   + _heldout_coverage(cfg, vocab, engine.model_config.vocab_size))
-    # its weights (moved to the new vocab); a resume then loads the checkpoint's
+    # its weights (grown, moved to the new vocab); a resume then loads the checkpoint's
     if cfg.init_draft:
-        from sparkserve.loader.hf import hf_weights
-        from sparkserve.training.draft_vocab import move_to_vocab
-        draft = init_dspark_draft(init_cfg, target)
-        draft.load_weights(hf_weights(cfg.init_draft), target)
-        if {k: v for k, v in dcfg.items() if k != "draft_vocab_size"} != {
-                k: v for k, v in init_cfg.items() if k != "draft_vocab_size"}:   # options added to it
-            from sparkserve.training.grow_draft import grow_draft
-            draft = grow_draft(draft, dict(dcfg, draft_vocab_size=init_cfg.get("draft_vocab_size")), target)
-        if vocab is not None:
-            moved = init_dspark_draft(dcfg, target, vocab=vocab)
-            move_to_vocab(draft, moved, head)
-            draft = moved
+        from sparkserve.training.grow_draft import load_init_draft
+        draft = load_init_draft(cfg.init_draft, init_cfg, dcfg, target, vocab, head)
     else:
         draft = init_dspark_draft(dcfg, target, vocab=vocab)
         if cfg.markov_init and not resuming:
@@ -377,6 +381,9 @@ def check_flags(cfg: PipelineConfig, ranks: Ranks) -> None:
     if walk and cfg.temperature > 0:
         raise ValueError("--walk-anchor-frac follows greedy verification along the cached answers: "
                          f"distill them with --temperature 0 (got {cfg.temperature})")
+    if walk and cfg.second_answer_temperature is not None:
+        raise ValueError("--walk-anchor-frac follows the target's greedy answers: not with "
+                         "--second-answer-temperature (sampled answers in the cache)")
     if walk and cfg.labels != "generated":
         raise ValueError(f"--walk-anchor-frac follows the target's own greedy answers: not with --labels "
                          f"{cfg.labels} (prefill over answers the target did not write)")
@@ -388,6 +395,8 @@ def check_flags(cfg: PipelineConfig, ranks: Ranks) -> None:
     if cfg.vocab_count_replies and keeps_vocab:
         raise ValueError("--vocab-count-replies picks a reduced draft vocab: not with --draft-vocab-size 0, "
                          "nor with --init-draft keeping its draft's vocab (give --draft-vocab-size)")
+    if cfg.second_answer_temperature is not None and cfg.second_answer_temperature <= 0:
+        raise ValueError(f"--second-answer-temperature must be > 0, got {cfg.second_answer_temperature}")
     if cfg.distill_batch < 1:
         raise ValueError(f"--distill-batch must be >= 1, got {cfg.distill_batch}")
     if cfg.target_url and (cfg.tp_size > 1 or cfg.pp_size > 1):
