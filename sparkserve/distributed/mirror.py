@@ -8,7 +8,8 @@ first stage. A batch runs as micro-batches (contiguous groups of its requests, a
 tokens): each stage runs its layers on micro-batch k and sends the residual stream and the taps so
 far on (without waiting for the send) while it starts micro-batch k + 1, so with M micro-batches
 over S stages a step takes about (M + S - 1) / M stage-times instead of S. The last stage sends
-each micro-batch's final hidden rows and every tap back to the driver.
+each micro-batch's final hidden rows and every tap back to the driver. The MoE layers' routed-token
+counts (/metrics) are each stage's own: the driver asks the others for theirs (`moe_counts`).
 
 Logits: the first stage's tp ranks each keep a vocab slice of the LM head. The driver's
 `logits` tells the others ("logits", rows), hands its stage-0 peers the hidden rows
@@ -132,6 +133,26 @@ class ForwardMirror:
         """After VERIFY: every rank commits its own recurrent state (ModelRunner.commit_verify)."""
         ps.broadcast_object(("commit", kept))
 
+    def moe_counts(self) -> list[int]:
+        """The routed-token counts of the other pipeline stages' MoE layers, summed: each stage's
+        tensor-parallel rank 0's (every rank of a stage counts its whole group's tokens)."""
+        ps.broadcast_object(("moe_counts",))
+        got = ps.control_gather_object((ps.pp_rank(), ps.tp_rank(), []))
+        return sum_counts([counts for stage, tp, counts in got if stage > 0 and tp == 0])
+
     def stop(self) -> None:
         """The other ranks leave their loop and exit."""
         ps.broadcast_object(None)
+
+
+def report_moe_counts(counts: list[int]) -> None:
+    """A mirroring rank's answer to ForwardMirror.moe_counts: its stage's routed-token counts."""
+    ps.control_gather_object((ps.pp_rank(), ps.tp_rank(), counts))
+
+
+def sum_counts(lists: list[list[int]]) -> list[int]:
+    """Per-expert count lists summed element by element ([]: a stage without MoE layers)."""
+    out: list[int] = []
+    for counts in lists:
+        out = [a + b for a, b in zip(out, counts)] if out and counts else out or list(counts)
+    return out

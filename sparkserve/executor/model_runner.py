@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -12,12 +13,17 @@ from sparkserve.core.device import on_device
 from sparkserve.core.forward_batch import ForwardBatch, ForwardMode
 from sparkserve.core.pool import Pool
 from sparkserve.distributed import parallel_state as ps
-from sparkserve.distributed.mirror import ForwardMirror, commit_parts
+from sparkserve.distributed.mirror import ForwardMirror, commit_parts, sum_counts
 from sparkserve.executor.pool_rows import RankLayout, gather_layouts, gather_rows, scatter_rows
+from sparkserve.layers.moe import routed_token_counts
 from sparkserve.mem.transfer import RequestPages, Rows, Shapes, read_request, shapes, write_request
 from sparkserve.models.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
+
+# Under pipeline parallel, how often a running scheduler asks the other stages for their MoE counts
+# (a collective; it reads its load every step).
+STAGE_COUNTS_S = 1.0
 
 
 @dataclass
@@ -41,6 +47,9 @@ class ModelRunner:
         self.req_to_token = req_to_token
         self.full_to_swa = full_to_swa      # split pool: windowed layers' slot of each full slot
         self.rank_layouts: list[RankLayout] | None = None   # PD under tp/pp: what every rank's pools hold
+        self.mirrored_forwards = 0
+        # the other pipeline stages' MoE counts as of their last report: (forwards then, time, counts)
+        self._stage_counts: tuple[int, float, list[int]] = (0, 0.0, [])
 
     def build_batch(self, mode: ForwardMode, reqs: list[ScheduledReq]) -> ForwardBatch:
         ids, pos, rows_wanted = [], [], []
@@ -118,8 +127,23 @@ class ModelRunner:
                 out = self.model(batch.input_ids, batch.positions, batch)
         else:
             out = self.mirror.run(self.model, batch, self.model.aux_layer_ids)
+            self.mirrored_forwards += 1
         batch.final_hidden = out
         return out
+
+    def moe_token_counts(self, idle: bool) -> list[int]:
+        """(token, slot) rows each expert received so far, summed over the MoE layers of every
+        pipeline stage (/metrics). The other stages report theirs when asked (ForwardMirror.moe_counts),
+        which happens when forwards ran since the last report and the scheduler is `idle`, or
+        STAGE_COUNTS_S after it while it runs."""
+        mine = routed_token_counts(self.model)
+        if self.mirror is None or ps.pp_size() == 1:
+            return mine
+        forwards, when, others = self._stage_counts
+        if forwards != self.mirrored_forwards and (idle or time.monotonic() - when >= STAGE_COUNTS_S):
+            others = self.mirror.moe_counts()
+            self._stage_counts = (self.mirrored_forwards, time.monotonic(), others)
+        return sum_counts([mine, others])
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (a GPU runs a forward after the call returns), so

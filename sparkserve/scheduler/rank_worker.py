@@ -18,9 +18,16 @@ import torch
 from sparkserve.args import ServerArgs
 from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.distributed import parallel_state as ps
-from sparkserve.distributed.mirror import commit_parts, run_worker_logits, run_worker_stage, taps_before
+from sparkserve.distributed.mirror import (
+    commit_parts,
+    report_moe_counts,
+    run_worker_logits,
+    run_worker_stage,
+    taps_before,
+)
 from sparkserve.executor.pool_rows import COMMANDS, serve_rows
 from sparkserve.frontend.tokenizer import load_tokenizer_for
+from sparkserve.layers.moe import routed_token_counts
 from sparkserve.models.causal_lm import CausalLM
 from sparkserve.scheduler.data_parallel import run_dp_driver
 from sparkserve.scheduler.runtime import build_scheduler, load_rank_model, rank_pool_sizes, request_rows
@@ -76,6 +83,9 @@ def _mirror_driver(model: CausalLM, hidden_size: int, pool) -> None:
         while (msg := ps.broadcast_object()) is not None:
             if msg[0] == "commit":
                 commit_parts(model.commit_verify, last, msg[1])
+                continue
+            if msg[0] == "moe_counts":
+                report_moe_counts(routed_token_counts(model))
                 continue
             if msg[0] in COMMANDS:
                 serve_rows(msg, pool)

@@ -27,7 +27,7 @@ from sparkserve.core.forward_batch import ForwardMode
 from sparkserve.core.req import Req
 from sparkserve.executor.model_runner import ModelRunner, ScheduledReq
 from sparkserve.executor.sampler import Sampler
-from sparkserve.layers.moe import expert_rank_tokens, routed_token_counts
+from sparkserve.layers.moe import expert_rank_tokens
 from sparkserve.mem.cache_manager import KVCacheManager
 from sparkserve.mem.transfer import Shapes
 from sparkserve.messages import SchedulerLoad
@@ -139,7 +139,7 @@ class Scheduler(PromptHandover):
     def load(self) -> SchedulerLoad:
         """The load and KV usage, for /metrics and /server_info."""
         cache, by_requests = self.cache, self.cache.num_slots - self.cache.available_tokens
-        experts = routed_token_counts(self.runner.model)
+        experts = self.runner.moe_token_counts(idle=not self.has_work())
         return SchedulerLoad(
             num_running_reqs=self.num_running, num_queue_reqs=len(self.waiting),
             num_used_tokens=by_requests, num_cached_tokens=max(0, cache.used_tokens - by_requests),

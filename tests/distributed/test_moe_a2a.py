@@ -6,8 +6,8 @@ groups x 2 CP ranks, ep 4) and pipeline stages; on the MoE families (Qwen3-MoE, 
 GPT-OSS, DeepSeek-V2) under DP attention; DSpark stays lossless under DP attention + a2a (+ CP), with
 one group idle; a router that never picks one rank's experts leaves that rank without rows while it
 still takes part; /metrics reports each expert's and each expert rank's tokens, the single-process
-engine's counts; a token's row goes once to each rank owning one of its experts (DeepEP's
-dispatch), not once per slot."""
+engine's counts (under pipeline stages too: the driver gathers the other stages'); a token's row
+goes once to each rank owning one of its experts (DeepEP's dispatch), not once per slot."""
 from __future__ import annotations
 
 import argparse
@@ -97,8 +97,7 @@ def test_a2a_equals_one_process(moe_dirs, a2a_calls, model, layout):
         counts = eng.scheduler.load().moe_expert_tokens
     assert a2a_calls and any(sum(s) for s, _ in a2a_calls)
     assert_same(got, want)
-    if layout != "tp2pp2":                 # under PP the driver counts its own stage's layers
-        assert counts == routed_token_counts(one.scheduler.runner.model)
+    assert counts == routed_token_counts(one.scheduler.runner.model)      # every stage's layers
 
 
 @pytest.fixture(scope="module")
@@ -258,10 +257,15 @@ def _samples(text: str, metric: str, label: str) -> dict[int, float]:
     return {int(m[1]): float(m[2]) for m in re.finditer(pattern, text, re.M)}
 
 
-def test_metrics_report_expert_and_rank_tokens(moe_dirs):
+@pytest.mark.parametrize("layout", [("--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "a2a"),
+                                    ("--pp-size", "2")], ids=["a2a", "pp2"])
+def test_metrics_report_expert_and_rank_tokens(moe_dirs, layout):
+    """/metrics against the single-process engine's counts for the same request: over 2 expert
+    ranks, and over 2 pipeline stages (1 of the model's 3 MoE layers on the driver's stage, 2 on
+    the other, whose counts the driver gathers)."""
     path = moe_dirs["kimi"]
-    server = ServerProcess("--model-path", path, "--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend",
-                           "a2a", "--max-total-tokens", "2048", "--chunked-prefill-size", "16")
+    server = ServerProcess("--model-path", path, *layout, "--max-total-tokens", "2048",
+                           "--chunked-prefill-size", "16")
     try:
         one = Engine(path, **COMMON)
         sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -276,7 +280,7 @@ def test_metrics_report_expert_and_rank_tokens(moe_dirs):
     experts = _samples(text, "moe_expert_tokens", "expert")
     ranks = _samples(text, "moe_rank_tokens", "ep_rank")
     assert [experts[e] for e in sorted(experts)] == want
-    assert ranks == {0: sum(want[:4]), 1: sum(want[4:])}
+    assert ranks == ({0: sum(want[:4]), 1: sum(want[4:])} if "--ep-size" in layout else {0: sum(want)})
     # 40 prompt tokens and 7 decoded ones, 2 of 8 experts each, on the model's MoE layers
     moe_layers = sum(isinstance(m, MoEBlock) for m in one.scheduler.runner.model.modules())
     assert sum(want) == (40 + 7) * 2 * moe_layers
