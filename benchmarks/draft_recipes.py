@@ -10,7 +10,11 @@ numbers equal what serving measures on those prompts (the parity check in the tr
 in seconds instead of minutes.
 
     python benchmarks/draft_recipes.py --drafts A=/tmp/rec/A,C=/tmp/rec/C \
-        --val sharegpt=/tmp/rec/vs,humaneval=/tmp/rec/vh [--cost A=30,C=30]
+        --val sharegpt=/tmp/rec/vs,humaneval=/tmp/rec/vh [--cost A=30,C=30] [--split-kinds]
+
+--split-kinds scores each validation cache also as NAME/chat and NAME/code: its sequences split by
+whether their prompt asks for code or maths (training/cache_kinds.py), so one held-out cache of
+mixed prompts gives both columns.
 """
 from __future__ import annotations
 
@@ -40,12 +44,21 @@ def main() -> None:
     ap.add_argument("--cost", default="", help="NAME=CPU_MINUTES,... to print beside each draft")
     ap.add_argument("--model-path", default=None, help="the target (default: the embedded SmolLM2)")
     ap.add_argument("--name", default="draft_recipes", help="results file name")
+    ap.add_argument("--split-kinds", action="store_true", help="also score each --val cache's chat and "
+                                                               "code/maths sequences apart")
     args = ap.parse_args()
     from sparkserve import Engine
     from sparkserve.models.dspark_draft import load_dspark_draft
     from sparkserve.training.feature_cache import FeatureCache
     from sparkserve.training.validate import greedy_acceptance
     drafts, vals, cost = _named(args.drafts), _named(args.val), _named(args.cost)
+    caches = {}
+    for vname, vrun in vals.items():
+        part = os.path.join(vrun, "val")
+        caches[vname] = FeatureCache.open(os.path.join(part, "features"))
+        if args.split_kinds:
+            from sparkserve.training.cache_kinds import kind_subsets
+            caches.update({f"{vname}/{k}": c for k, c in kind_subsets(caches[vname], part).items() if len(c)})
     rows = {}
     with Engine(args.model_path, max_total_tokens=1024, activation_quant="none") as eng, torch.no_grad():
         target = eng.scheduler.runner.model
@@ -53,17 +66,16 @@ def main() -> None:
             draft = load_dspark_draft(draft_dir(run), target)
             taps = draft.config.target_layer_ids
             rows[name] = {"draft": draft_dir(run), "taps": taps, "cost_min": cost.get(name)}
-            for vname, vrun in vals.items():
-                cache = FeatureCache.open(os.path.join(vrun, "val", "features")).with_taps(taps)
-                res = greedy_acceptance(draft, cache)
+            for vname, full in caches.items():
+                res = greedy_acceptance(draft, full.with_taps(taps))
                 rows[name][vname] = {"tau": res["tau"], "slot1": res["slot_accept"][0],
                                      "blocks": res["blocks"]}
-            print(name, {v: round(rows[name][v]["tau"], 3) for v in vals})
-    head = "| draft | taps | CPU min | " + " | ".join(f"{v} tau (slot-1)" for v in vals) + " |"
+            print(name, {v: round(rows[name][v]["tau"], 3) for v in caches})
+    head = "| draft | taps | CPU min | " + " | ".join(f"{v} tau (slot-1)" for v in caches) + " |"
     lines = ["# Draft recipes: held-out greedy tau (offline walk)", "", machine_line(), "", head,
-             "|" + "---|" * (3 + len(vals))]
+             "|" + "---|" * (3 + len(caches))]
     for name, r in rows.items():
-        cells = " | ".join(f"{r[v]['tau']:.3f} ({r[v]['slot1']:.3f})" for v in vals)
+        cells = " | ".join(f"{r[v]['tau']:.3f} ({r[v]['slot1']:.3f})" for v in caches)
         lines.append(f"| {name} | {','.join(map(str, r['taps']))} | {r['cost_min'] or '-'} | {cells} |")
     write_results(args.name, rows, lines)
 

@@ -223,6 +223,12 @@ class FeatureCache:
                    idx["lengths"], idx["prompt_lens"], idx["target_layer_ids"], lse, greedy,
                    idx.get("prefill_labelled"))
 
+    def subset(self, indices: list[int]) -> "FeatureCache":
+        """The cache read as if only sequences `indices` (in that order) had been written."""
+        pick = lambda xs: None if xs is None else [xs[i] for i in indices]
+        return replace(self, offsets=pick(self.offsets), lengths=pick(self.lengths),
+                       prompt_lens=pick(self.prompt_lens), prefill_labels=pick(self.prefill_labels))
+
     def with_taps(self, layer_ids: list[int]) -> "FeatureCache":
         """The cache read as if only `layer_ids` (a subset of its taps, in any order) had been
         captured: one capture with many taps serves drafts that tap fewer layers."""
