@@ -24,11 +24,21 @@ class PagedAllocator:
     def alloc(self, cur_len: int, n: int, last_slot: int) -> torch.Tensor | None:
         """Slots for tokens cur_len..cur_len+n-1 of a request whose token cur_len-1 sits in
         `last_slot`: first the rest of that page, then fresh pages. None if out of pages."""
-        need = self.pages_needed(cur_len, n)
-        if need > len(self.free_pages):
+        if self.pages_needed(cur_len, n) > len(self.free_pages):
             return None
-        # Python ints and one tensor at the end: a torch call per page would cost more than the
-        # page's bookkeeping at small pages
+        return torch.tensor(self.take(cur_len, n, last_slot), dtype=torch.long)
+
+    def alloc_many(self, asks: list[tuple[int, int, int]]) -> torch.Tensor | None:
+        """`alloc` for each (cur_len, n, last_slot), in order, as one flat tensor; None, taking
+        nothing, unless the pages for all of them are free."""
+        if sum(self.pages_needed(c, n) for c, n, _ in asks) > len(self.free_pages):
+            return None
+        return torch.tensor([s for c, n, last in asks for s in self.take(c, n, last)], dtype=torch.long)
+
+    def take(self, cur_len: int, n: int, last_slot: int) -> list[int]:
+        """`alloc`'s slots as Python ints (the caller checked the pages are free): a torch call
+        per page would cost more than the page's bookkeeping at small pages."""
+        need = self.pages_needed(cur_len, n)
         p = self.page_size
         slots: list[int] = []
         in_page = cur_len % p
@@ -41,13 +51,17 @@ class PagedAllocator:
             take = min(p, n)
             slots.extend(range(1 + page * p, 1 + page * p + take))
             n -= take
-        return torch.tensor(slots, dtype=torch.long)
+        return slots
 
     def free(self, slots: torch.Tensor) -> None:
         """Free the pages these slots start or cover (callers pass whole pages' slots); pad
         slot 0 (a position whose page was already given up) is skipped."""
+        self.free_pages.extend(self.pages_of(slots))
+
+    def pages_of(self, slots: torch.Tensor) -> list[int]:
+        """The pages (ascending) these slots lie in; pad slot 0 lies in none."""
         p = self.page_size
-        self.free_pages.extend(sorted({(s - 1) // p for s in slots.tolist() if s > 0}))
+        return sorted({(s - 1) // p for s in slots.tolist() if s > 0})
 
 
 class SplitAllocator:
@@ -86,23 +100,36 @@ class SplitAllocator:
     def alloc(self, cur_len: int, n: int, last_slot: int) -> torch.Tensor | None:
         """Full slots for the tokens (as PagedAllocator.alloc), each mapped to a windowed slot;
         None, taking nothing, unless both spaces have the pages."""
-        need = self.pages_needed(cur_len, n)
+        return self.alloc_many([(cur_len, n, last_slot)])
+
+    def alloc_many(self, asks: list[tuple[int, int, int]]) -> torch.Tensor | None:
+        """`alloc` for each (cur_len, n, last_slot), in order, as one flat tensor (one mapping
+        write for all); None, taking nothing, unless both spaces have the pages for all."""
+        need = sum(self.pages_needed(c, n) for c, n, _ in asks)
         if need > len(self.full.free_pages) or need > len(self.swa.free_pages):
             return None
-        last_swa = int(self.full_to_swa[last_slot])
-        assert cur_len % self.page_size == 0 or last_swa > 0, "the last token's windowed page was given up"
-        slots = self.full.alloc(cur_len, n, last_slot)
-        self.full_to_swa[slots] = self.swa.alloc(cur_len, n, last_swa)
+        full: list[int] = []
+        swa: list[int] = []
+        p = self.page_size
+        for cur_len, n, last_slot in asks:
+            # the last token's windowed slot matters only inside its page (never read at page size 1)
+            last_swa = int(self.full_to_swa[last_slot]) if cur_len % p else 0
+            assert cur_len % p == 0 or last_swa > 0, "the last token's windowed page was given up"
+            full += self.full.take(cur_len, n, last_slot)
+            swa += self.swa.take(cur_len, n, last_swa)
+        slots = torch.tensor(full, dtype=torch.long)
+        self.full_to_swa[slots] = torch.tensor(swa, dtype=torch.long)
         return slots
 
-    def _page_slots(self, slots: torch.Tensor) -> torch.Tensor:
-        p = self.page_size
-        pages = torch.unique((slots[slots > 0] - 1) // p)
-        return (1 + pages[:, None] * p + torch.arange(p)[None, :]).flatten()
-
     def free_swa(self, slots: torch.Tensor) -> None:
-        """Give up the windowed slots of these full slots' pages (the full slots stay)."""
-        every = self._page_slots(slots)
+        """Give up the windowed slots of these full slots' pages (the full slots stay). The pages
+        are found with Python ints: a window slides by a page or so per decode step, where a
+        torch op per step of the page arithmetic cost more than the freeing."""
+        p = self.page_size
+        pages = self.full.pages_of(slots)
+        if not pages:
+            return
+        every = torch.tensor([1 + page * p + i for page in pages for i in range(p)], dtype=torch.long)
         self.swa.free(self.full_to_swa[every])
         self.full_to_swa[every] = 0
 

@@ -154,7 +154,9 @@ class KVCacheManager:
 
     def alloc(self, req: "Req", n: int) -> torch.Tensor | None:
         """Slots for the request's next n tokens, evicting cached prefixes if needed."""
-        last = int(self.req_to_token.table[req.row, req.kv_len - 1]) if req.kv_len else 0
+        # the slot of the last token matters only inside its page (never read at page size 1)
+        inside = req.kv_len % self.allocator.page_size
+        last = int(self.req_to_token.table[req.row, req.kv_len - 1]) if inside else 0
         slots = self.allocator.alloc(req.kv_len, n, last)
         if slots is None:
             need = self.allocator.pages_needed(req.kv_len, n) * self.allocator.page_size
@@ -164,6 +166,26 @@ class KVCacheManager:
         if slots is not None:
             self.req_to_token.table[req.row, req.kv_len:req.kv_len + n] = slots
         return slots
+
+    def alloc_decode(self, asks: list[tuple["Req", int]]) -> list[torch.Tensor | None]:
+        """`alloc(req, n)` for each (req, n) of a decode step, with one allocator call and one
+        table write for all of them when free pages suffice (else one by one, evicting)."""
+        p = self.allocator.page_size
+        table = self.req_to_token.table
+        inside = [i for i, (r, _) in enumerate(asks) if r.kv_len % p]   # none at page size 1
+        last = [0] * len(asks)
+        if inside:
+            rows = torch.tensor([asks[i][0].row for i in inside])
+            cols = torch.tensor([asks[i][0].kv_len - 1 for i in inside])
+            for i, s in zip(inside, table[rows, cols].tolist()):
+                last[i] = s
+        flat = self.allocator.alloc_many([(r.kv_len, n, s) for (r, n), s in zip(asks, last)])
+        if flat is None:
+            return [self.alloc(r, n) for r, n in asks]
+        width = table.shape[1]
+        at = [r.row * width + r.kv_len + j for r, n in asks for j in range(n)]
+        table.view(-1)[torch.tensor(at, dtype=torch.long)] = flat
+        return list(flat.split([n for _, n in asks]))
 
     def truncate(self, req: "Req", alloc_end: int) -> None:
         """Free the slots of positions req.kv_len..alloc_end-1 (rejected drafts), page-wise: a

@@ -325,11 +325,11 @@ class Scheduler(PromptHandover):
                 if p.verify_len:            # a request verifying nothing decodes as plain ones do
                     props[r] = p
         t0 = time.perf_counter()
+        toks_of = [[req.fill_ids[-1]] + (p.tokens[:p.verify_len] if (p := props.get(req)) else [])
+                   for req in self.running]
+        slots_of = self.cache.alloc_decode([(r, len(t)) for r, t in zip(self.running, toks_of)])
         sched = []
-        for req in self.running:
-            p = props.get(req)
-            toks = [req.fill_ids[-1]] + (p.tokens[:p.verify_len] if p else [])
-            slots = self.cache.alloc(req, len(toks))
+        for req, toks, slots in zip(self.running, toks_of, slots_of):
             assert slots is not None, "decode memory was reserved"
             sched.append(ScheduledReq(req.row, req.kv_len, toks, slots, logit_rows=len(toks)))
         mode = ForwardMode.VERIFY if props else ForwardMode.DECODE
