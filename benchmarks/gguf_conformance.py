@@ -70,6 +70,10 @@ CASES: dict[str, tuple[str, str]] = {
     "kimi-linear": ("kimi:gguf", "gpt-4o"),
     # MiniMax-M2 as transformers saves it (the released checkpoints' format: minimax_m2_fixtures)
     "minimax-m2": ("minimax_m2:", "minimax-m2"),
+    # MiniMax-M3 in MiniMax's own layout (minimax_fixtures.as_original_checkpoint), which the converter
+    # reads and transformers does not: the transformers-format copy beside it is the reference
+    # (`reference_dir`); llama.cpp runs its sparse attention (MSA) only with flash attention on
+    "minimax-m3": ("minimax_m3:", "minimax-m2"),
 }
 OUTTYPES = ("f32", "f16", "q8_0")
 QUANTIZED = "Q4_K_M"      # llama-quantize's type, from the f32 file
@@ -121,10 +125,13 @@ NOTES = [
     "its real pre-tokenizer kimi-k2 (gpt-4o's stands in here) sparkserve splits by Kimi's own pattern "
     "(tokenization_kimi.py; tests/engine/test_kimi_k2_pre.py), llama.cpp by hand-written code that keeps "
     "mixed-case words whole (\" FoX\" where the pattern gives \" Fo\" \"X\"): on TEXTS 16/18 equal.",
-    "Architectures the converter has that sparkserve does not load from GGUF: minimax-m3 (served from HF "
-    "directories only; the converter reads MiniMax's own config keys, sparse_attention_config / "
-    "moe_layer_freq, not transformers' MiniMaxM3VL ones); t5 / t5encoder and Unigram ('t5') vocabularies "
-    "are refused at start-up (encoder-decoder / encoder models).",
+    "minimax-m3: converted from MiniMax's own layout (sparse_attention_config, moe_layer_freq, "
+    "block_sparse_moe; minimax_fixtures.as_original_checkpoint), compared with transformers on the same "
+    "weights in its layout; llama.cpp builds sparse attention on every layer past the leading dense ones, "
+    "one index head per KV head, K-only, no initial blocks (the fixture is such a model) and runs it only "
+    "with flash attention (on here), whose f16 rounding is the 1.6e-3 of its f32 rows.",
+    "t5 / t5encoder and Unigram ('t5') vocabularies are refused at start-up (encoder-decoder / encoder "
+    "models).",
 ]
 
 
@@ -167,7 +174,8 @@ def llamacpp_worker(jobs_path: str) -> None:
     for job in jobs:
         try:
             llm = Llama(job["gguf"], n_ctx=64, n_batch=64, n_ubatch=64, n_threads=1, logits_all=True,
-                        type_k=0, type_v=0, verbose=False, seed=0, vocab_only=not job["ids"])
+                        type_k=0, type_v=0, verbose=False, seed=0, vocab_only=not job["ids"],
+                        flash_attn=job.get("flash_attn", False))
             if job["ids"]:
                 llm.eval(job["ids"])
                 job["logits"] = np.asarray(llm.scores[:len(job["ids"])], dtype=np.float32).tolist()
@@ -212,8 +220,19 @@ def _hf_checkpoint(fixture: str, path: str) -> str:
     if fixture == "minimax_m2:":
         from minimax_m2_fixtures import make_minimax_m2
         return make_minimax_m2(path)
+    if fixture == "minimax_m3:":
+        import shutil
+
+        from minimax_fixtures import as_original_checkpoint, make_minimax_exact
+        make_minimax_exact(reference_dir(fixture, path), vocab_size=320)
+        return as_original_checkpoint(shutil.copytree(reference_dir(fixture, path), path))
     assert fixture in TINY_CONFIGS, fixture
     return make_tiny_checkpoint(fixture, path)
+
+
+def reference_dir(fixture: str, path: str) -> str:
+    """The HF directory transformers reads for the case at `path` (MiniMax-M3: a copy in its format)."""
+    return path + ".transformers" if fixture == "minimax_m3:" else path
 
 
 def _write_bpe_tokenizer(path: str, pre: str, vocab_size: int) -> None:
@@ -374,7 +393,7 @@ def fixture_vs_converter(fixture: str, hf_dir: str, converted: str, outtype: str
     from family_fixtures import FAMILIES, write_gguf
 
     from sparkserve.loader.gguf_file import GGUFFile
-    ours = fixture in FAMILIES or fixture.startswith(("kimi:", "minimax_m2:"))
+    ours = fixture in FAMILIES or fixture.startswith(("kimi:", "minimax_m2:", "minimax_m3:"))
     if not ours or outtype not in OUTTYPES:
         # (llama-quantize's files: no fixture)
         return "-"
@@ -520,7 +539,8 @@ def main() -> None:
             vocab = json.load(f)["vocab_size"]
         job["ids"] = torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist()
         if job["error"] is None:
-            cpp_jobs.append({"gguf": job["out"], "ids": job["ids"]})
+            cpp_jobs.append({"gguf": job["out"], "ids": job["ids"],
+                             "flash_attn": job["case"] == "minimax-m3"})
     cpp_out = _run_worker(sys.executable, "--llamacpp", cpp_jobs, _peer_env(), timeout=3600)
     cpp = {j["gguf"]: j for j in cpp_out}
     for job in converted:
@@ -529,7 +549,7 @@ def main() -> None:
         if job["error"] is not None:
             continue
         row["fixture"] = fixture_vs_converter(cases[job["case"]][0], job["dir"], job["out"], job["outtype"])
-        ref = hf_logits(job["dir"], job["ids"])
+        ref = hf_logits(reference_dir(cases[job["case"]][0], job["dir"]), job["ids"])
         try:
             ours = sparkserve_logits(job["out"], job["ids"])
             row["vs_hf"] = _diff(ours, ref)

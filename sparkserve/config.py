@@ -173,6 +173,8 @@ FAMILY_TRAITS: dict[str, dict[str, Any]] = {
     # MiniMax-M2: q/k norms over the whole projection; every layer a MoE routed by sigmoid scores,
     # chosen with the score-correction bias, the chosen renormalised (one group: no group limit)
     "minimax_m2": {"qk_norm": True, "qk_norm_full_width": True, "moe_router": "sigmoid_grouped"},
+    # MiniMax-M3 (models/minimax_m3.py reads its own keys): Gemma's 1 + w norms
+    "minimax_m3_vl_text": {"norm_offset": 1.0},
 }
 _ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -241,10 +243,11 @@ def _rope_layers(d: dict[str, Any], model_type: str, n_layers: int) -> list[bool
 
 def _rotary_dim(d: dict[str, Any], rope: dict[str, Any], head_dim: int) -> int | None:
     """Phi-4-mini's partial rotary (`partial_rotary_factor`, top level or among the rope's keys);
-    MiniMax-M2's released configs give the channels (`rotary_dim`)."""
-    if d.get("rotary_dim"):
+    MiniMax-M2's released configs give the channels instead (`rotary_dim`, read where no factor is)."""
+    factor = d.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+    if factor is None and d.get("rotary_dim"):
         return None if d["rotary_dim"] == head_dim else int(d["rotary_dim"])
-    factor = d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    factor = 1.0 if factor is None else factor
     return None if factor == 1.0 else int(head_dim * factor)
 
 

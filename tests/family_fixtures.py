@@ -314,6 +314,9 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
     if hp["model_type"] == "minimax_m2":
         from minimax_m2_fixtures import write_minimax_m2_gguf
         return write_minimax_m2_gguf(hf_dir, out, ftype)
+    if "sparse_attention_config" in hp:      # MiniMax-M3 in MiniMax's own layout
+        from minimax_fixtures import write_minimax_m3_gguf
+        return write_minimax_m3_gguf(hf_dir, out, ftype)
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3_moe": "qwen3moe", "mixtral": "llama",
             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
             "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo2", "gpt_oss": "gpt-oss",

@@ -44,3 +44,171 @@ def with_index_value(path: str, seed: int = 1) -> str:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path
+
+
+def as_original_checkpoint(path: str) -> str:
+    """The checkpoint at `path` (transformers' MiniMaxM3VL text names) in MiniMax's own layout, which
+    llama.cpp's converter reads (MiniMaxM3Model): `sparse_attention_config` / `moe_layer_freq` /
+    `n_shared_experts` / `scoring_func` / `rotary_dim` in config.json (transformers' flat keys kept), the
+    MoE under `block_sparse_moe.` with per-expert w1 / w3 / w2, gate and up apart in the dense MLP and the
+    shared expert, the indexer's tensors as `self_attn.index_*` (transformers' conversion mapping, reversed).
+    In place."""
+    from safetensors.torch import load_file, save_file
+    file, cfg_file = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    n, rope = cfg["num_hidden_layers"], cfg["rope_parameters"]
+    # a model_type transformers has no class for (a remote-code checkpoint's): the converter reads config.json
+    cfg.update(architectures=["MiniMaxM3SparseForCausalLM"], model_type="minimax_m3", n_shared_experts=1,
+               scoring_func="sigmoid",
+               rotary_dim=int(rope["partial_rotary_factor"] * cfg["head_dim"]),
+               moe_layer_freq=[int(t == "sparse") for t in cfg["mlp_layer_types"]],
+               sparse_attention_config={
+                   "sparse_attention_freq": [int(t == "minimax_m3_sparse") for t in cfg["layer_types"]],
+                   "sparse_num_index_heads": cfg["index_n_heads"], "sparse_index_dim": cfg["index_head_dim"],
+                   "sparse_topk_blocks": cfg["index_topk_blocks"],
+                   "sparse_block_size": cfg["index_block_size"],
+                   "sparse_local_block": cfg["index_local_blocks"], "sparse_init_block": 0})
+    with open(cfg_file, "w") as f:
+        json.dump(cfg, f, indent=1)
+    out = {}
+    for name, t in load_file(file).items():
+        name = name.replace(".self_attn.indexer.", ".self_attn.index_")
+        moe = name.replace(".mlp.", ".block_sparse_moe.")
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[moe.replace("gate_up_proj", f"{e}.w1.weight")] = t[e, :half].clone()
+                out[moe.replace("gate_up_proj", f"{e}.w3.weight")] = t[e, half:].clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[moe.replace("down_proj", f"{e}.w2.weight")] = t[e].clone()
+        elif name.endswith("gate_up_proj.weight"):
+            base = moe if ".shared_experts." in name else name
+            half = t.shape[0] // 2
+            out[base.replace("gate_up_proj", "gate_proj")] = t[:half].clone()
+            out[base.replace("gate_up_proj", "up_proj")] = t[half:].clone()
+        elif ".mlp.gate." in name or ".mlp.shared_experts." in name:
+            out[moe.replace(".gate.e_score_correction_bias", ".e_score_correction_bias")] = t
+        else:
+            out[name] = t
+    save_file(out, file, metadata={"format": "pt"})
+    assert n == len(cfg["layer_types"])
+    return path
+
+
+# MiniMax's names (after `model.layers.N.`) -> GGUF names, gguf-py's minimax-m3 tensor list
+GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    **{f"self_attn.index_{p}.weight": f"indexer.{p}.weight" for p in ("q_proj", "k_proj", "q_norm",
+                                                                      "k_norm")},
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.e_score_correction_bias": "exp_probs_b.bias",
+    "block_sparse_moe.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "block_sparse_moe.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "block_sparse_moe.shared_experts.down_proj.weight": "ffn_down_shexp.weight"}
+GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}
+GGUF_EXPERTS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def write_minimax_m3_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
+    """A checkpoint in MiniMax's layout (as_original_checkpoint) as convert_hf_to_gguf.py MiniMaxM3Model
+    writes it (--outtype f32 / f16 / q8_0): TextModel's keys (feed_forward_length the dense width,
+    the gating function from scoring_func), M2's (experts' width, rotary_dim), M3's (shared expert count,
+    weights scale, weights norm, the indexer's sizes from sparse_attention_config, leading dense blocks
+    from moe_layer_freq); every `*norm.weight` + 1 (Gemma's norm folded in); experts stacked; F32 for
+    1-D tensors, norms, the router and every indexer tensor."""
+    import re
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hp = json.load(f)
+    rope, sac, vocab = hp["rope_parameters"], hp["sparse_attention_config"], hp["vocab_size"]
+    n_experts, arch = hp["num_local_experts"], "minimax-m3"
+    w = gguf.GGUFWriter(out, arch)
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["dense_intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_expert_count(n_experts)
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_key_length(hp["head_dim"])
+    w.add_value_length(hp["head_dim"])
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[ftype])
+    w.add_expert_feed_forward_length(hp["intermediate_size"])
+    w.add_rope_dimension_count(hp["rotary_dim"])
+    w.add_expert_shared_count(hp["n_shared_experts"])
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    w.add_expert_weights_norm(True)
+    for key, value in (("head_count", sac["sparse_num_index_heads"]), ("key_length", sac["sparse_index_dim"]),
+                       ("top_k", sac["sparse_topk_blocks"]), ("block_size", sac["sparse_block_size"]),
+                       ("local_blocks", sac["sparse_local_block"])):
+        w.add_uint32(f"{arch}.attention.indexer.{key}", value)
+    freq = hp["moe_layer_freq"]
+    w.add_leading_dense_block_count(freq.index(1) if 1 in freq else len(freq))
+    # a stand-in vocabulary (_set_vocab_gpt2 writes one entry per id up to vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("minimax-m2")
+    w.add_token_list([f"<t{i}>" for i in range(vocab)])
+    w.add_token_types([gguf.TokenType.NORMAL] * vocab)
+    w.add_token_merges([])
+
+    def add(gname: str, t: np.ndarray) -> None:
+        f32 = (ftype == "f32" or t.ndim == 1 or ".indexer." in gname
+               or gname.endswith(("_norm.weight", "ffn_gate_inp.weight", ".bias")))
+        if f32:
+            w.add_tensor(gname, t)
+        elif ftype == "f16" or t.shape[-1] % 32:      # the converter's fallback where Q8_0 cannot go
+            w.add_tensor(gname, t.astype(np.float16))
+        else:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(gname, gguf.quants.quantize(t, q8), raw_dtype=q8)
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        t = t.float().numpy()
+        if name.endswith("norm.weight"):
+            t = t + np.float32(1.0)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", name)
+        if m:       # stacked once every expert is in, as the converter does
+            group = experts.setdefault((m[1], GGUF_EXPERTS[m[3]]), {})
+            group[int(m[2])] = t
+            if len(group) == n_experts:
+                add(f"blk.{m[1]}.{GGUF_EXPERTS[m[3]]}.weight", np.stack([group[e] for e in range(n_experts)]))
+            continue
+        if name in GGUF_TOP:
+            add(GGUF_TOP[name], t)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        add(f"blk.{layer}.{GGUF_LAYER[rest]}", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def make_minimax_exact(path: str, seed: int = 0, **overrides) -> str:
+    """make_minimax with every 1-D tensor (norms, the routing bias) moved off its init value, so a
+    loader that drops or mis-offsets one shows, and every value rounded to bfloat16, so F32 / F16 GGUF
+    files hold the directory's numbers."""
+    from safetensors.torch import load_file, save_file
+    make_minimax(path, seed, **overrides)
+    file = os.path.join(path, "model.safetensors")
+    g = torch.Generator().manual_seed(seed + 1)
+    w = {k: (t + 0.3 * torch.randn(t.shape, generator=g) if t.dim() == 1 else t).to(torch.bfloat16).float()
+         for k, t in load_file(file).items()}
+    save_file(w, file, metadata={"format": "pt"})
+    return path

@@ -34,7 +34,7 @@ _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qw
           "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
           "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gpt-oss": "GptOssForCausalLM",
           "deepseek2": "DeepseekV2ForCausalLM", "kimi-linear": "KimiLinearForCausalLM",
-          "minimax-m2": "MiniMaxM2ForCausalLM"}
+          "minimax-m2": "MiniMaxM2ForCausalLM", "minimax-m3": "MiniMaxM3VLForCausalLM"}
 # Architectures llama.cpp converts that are not decoder-only language models: why each is refused.
 _NOT_DECODERS = {"t5": "an encoder-decoder model; sparkserve serves decoder-only language models",
                  "t5encoder": "an encoder; sparkserve serves decoder-only language models"}
@@ -97,7 +97,13 @@ _KIMI_LAYER_NAMES = dict(
                                     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"})
 # MiniMax-M2: the routing bias (the router's in this model; beside it in the checkpoint)
 _MINIMAX_M2_LAYER_NAMES = dict(_LAYER_NAMES, **{"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"})
+# MiniMax-M3: M2's, a shared expert, the lightning indexer's projections and norms (`indexer.*`)
+_MINIMAX_M3_LAYER_NAMES = dict(
+    _MINIMAX_M2_LAYER_NAMES, ffn_gate_shexp="mlp.shared_experts.gate_proj",
+    ffn_up_shexp="mlp.shared_experts.up_proj", ffn_down_shexp="mlp.shared_experts.down_proj",
+    **{f"indexer.{p}": f"self_attn.indexer.{p}" for p in ("q_proj", "k_proj", "q_norm", "k_norm")})
 _LAYER_NAMES_OF = {"kimi-linear": _KIMI_LAYER_NAMES, "minimax-m2": _MINIMAX_M2_LAYER_NAMES,
+                   "minimax-m3": _MINIMAX_M3_LAYER_NAMES,
                    "gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "olmo2": _GEMMA_LAYER_NAMES,
                    "phi3": _PHI3_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES,
                    "deepseek2": _DEEPSEEK2_LAYER_NAMES}
@@ -120,6 +126,8 @@ def gguf_config(path: str) -> ModelConfig:
     hidden = get("embedding_length")
     if arch == "kimi-linear":
         return ModelConfig.from_hf_dict(_kimi_config(get, meta, names))
+    if arch == "minimax-m3":
+        return ModelConfig.from_hf_dict(_minimax_m3_config(get, meta, names))
     vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
     window = get("attention.sliding_window")
     head_dim = get("attention.key_length", hidden // n_heads)
@@ -213,6 +221,45 @@ def _kimi_config(get, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
         "num_expert_group": max(1, get("expert_group_count", 1)),
         "topk_group": max(1, get("expert_group_used_count", 1)),
         "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "mla_use_nope": True,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _minimax_m3_config(get, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A minimax-m3 GGUF's config.json in transformers' MiniMaxM3VLTextConfig names (models/minimax_m3.py
+    M3Spec reads them), as llama.cpp builds the model: the leading dense blocks run full attention and
+    a dense MLP, every later block sparse attention (the indexer's K only, no initial blocks) and the
+    MoE; sigmoid routing, renormalised, times expert_weights_scale; the shared expert n_ff_exp wide per
+    shared expert. Norm weights come with Gemma's 1 + w folded in (ModelConfig.norm_offset)."""
+    if get("expert_gating_func") != 2 or not get("expert_weights_norm", False):
+        raise ValueError(f"GGUF minimax-m3.expert_gating_func = {get('expert_gating_func')} / "
+                         f"expert_weights_norm = {get('expert_weights_norm')} is not supported "
+                         "(supported: 2, sigmoid; true)")
+    n, lead, head_dim = get("block_count"), get("leading_dense_block_count", 0), get("attention.key_length")
+    ff_exp = get("expert_feed_forward_length")
+    return {
+        "architectures": ["MiniMaxM3VLForCausalLM"], "model_type": "minimax_m3_vl_text",
+        "hidden_size": get("embedding_length"), "num_hidden_layers": n,
+        "num_attention_heads": get("attention.head_count"),
+        "num_key_value_heads": get("attention.head_count_kv"),
+        "head_dim": head_dim, "vocab_size": get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": get("context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in names,
+        "rope_parameters": {"rope_type": "default", "rope_theta": get("rope.freq_base", 10000.0),
+                            "partial_rotary_factor": get("rope.dimension_count", head_dim) / head_dim},
+        "intermediate_size": ff_exp, "dense_intermediate_size": get("feed_forward_length"),
+        "shared_intermediate_size": ff_exp * get("expert_shared_count", 1),
+        "num_local_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
+        "routed_scaling_factor": get("expert_weights_scale", 1.0),
+        "layer_types": ["full_attention" if i < lead else "minimax_m3_sparse" for i in range(n)],
+        "mlp_layer_types": ["dense" if i < lead else "sparse" for i in range(n)],
+        "index_n_heads": get("attention.indexer.head_count"),
+        "index_head_dim": get("attention.indexer.key_length"),
+        "index_block_size": get("attention.indexer.block_size"),
+        "index_topk_blocks": get("attention.indexer.top_k"),
+        "index_local_blocks": get("attention.indexer.local_blocks"), "index_init_blocks": 0,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
@@ -432,7 +479,7 @@ def _hf_name(name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
     m = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight", name)
     if m:       # older Mixtral GGUFs: one tensor per expert
         return f"model.layers.{m[1]}.mlp.experts.{m[3]}.{m[2]}_proj.weight"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?", name)
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+(?:\.\w+)*?)(?:\.(weight|bias))?", name)   # part: `indexer.q_proj`
     if m and (m[3] is None or f"{m[2]}.{m[3]}" in layer_names):     # a whole HF name (_KIMI_LAYER_NAMES)
         key = m[2] if m[3] is None else f"{m[2]}.{m[3]}"
         if key not in layer_names:

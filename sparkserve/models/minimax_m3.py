@@ -16,6 +16,7 @@ Each block sums its partial outputs with one all-reduce (attention + index value
 shared experts). The q/k norms are per head_dim, shared by every head: whole on every rank."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable
@@ -38,10 +39,14 @@ from sparkserve.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from sparkserve.layers.sparse_attention import BlockSparseAttention
 from sparkserve.layers.sparse_indexer import LightningIndexer
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
-from sparkserve.loader.weights import WeightLoader
+from sparkserve.loader.weights import WeightLoader, values_of
 from sparkserve.mem.hybrid_pool import HybridPool
 from sparkserve.mem.kv_quant import SCALE_DTYPE, block_size, is_quantized, scale_component
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
+from sparkserve.models.llama import _EXPERT_PART, _EXPERT_TENSOR, LlamaForCausalLM
+
+# A GGUF file's dense MLP / shared expert: gate and up apart (HF checkpoints hold them as one gate_up_proj)
+_GATE_OR_UP = re.compile(r"(.*\.mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight")
 
 
 @dataclass
@@ -266,7 +271,10 @@ class MiniMaxM3ForCausalLM(CausalLM):
                                        for _, layers, shape, _, dtype in self._pool_buffers()])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF checkpoints (gate|up fused, experts stacked) and GGUF files (loader/gguf.py: gate and up
+        apart, joined here; experts stacked in fp32 or one by one with their blocks)."""
         loader = WeightLoader(self, self.stacked_params)
+        modules, filled, halves = dict(self.named_modules()), {}, {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or name.startswith("mtp."):
                 continue
@@ -277,6 +285,17 @@ class MiniMaxM3ForCausalLM(CausalLM):
                 continue      # value weights of a layer whose flag disables the value path
             if name.endswith("norm.weight"):
                 tensor = tensor + 1.0     # Gemma RMSNorm: x_hat * (1 + w)
+            if (m := _EXPERT_TENSOR.fullmatch(name)) is not None:
+                LlamaForCausalLM._load_expert(modules[m[1]], m[1], _EXPERT_PART[m[3]], tensor,
+                                              None if m[2] is None else int(m[2]), filled, loader)
+                continue
+            if (m := _GATE_OR_UP.fullmatch(name)) is not None:
+                pair = halves.setdefault(m[1], {})
+                pair[m[2]] = values_of(tensor)
+                if len(pair) == 2:
+                    loader.load(f"{m[1]}.gate_up_proj.weight", torch.cat([pair["gate"], pair["up"]]))
+                    del halves[m[1]]
+                continue
             loader.load(name, tensor)
         if self.config.tie_word_embeddings:
             loader.mark_loaded("lm_head.weight")
