@@ -80,11 +80,24 @@ class Req:
         return self.params.logprob_start_len + len(self.input_logprobs)
 
     @property
+    def prefill_end(self) -> int:
+        """Where its prefill stops: the whole sequence for a new request (the last row's logits
+        pick the first output); before the last output token for one that resumes (retracted or
+        preempted, its output kept), which then decodes that token as a running request does, so
+        it draws its next tokens (and drafts) exactly as it would have unpreempted: a seeded
+        sampled request gives the same tokens."""
+        return len(self.input_ids) + max(0, len(self.output_ids) - 1)
+
+    @property
+    def resumes(self) -> bool:
+        return bool(self.output_ids)
+
+    @property
     def max_cached_prefix(self) -> int:
-        """The longest prefix the prefix cache may serve: one token is always computed (its logits
-        pick the first output), and no row whose logits give an owed prompt logprob is skipped
-        (SGLang's rule: positions from logprob_start_len are computed again)."""
-        return min(len(self.fill_ids) - 1, max(0, self.logprob_next - 1))
+        """The longest prefix the prefix cache may serve: one token of the prefill is always
+        computed, and no row whose logits give an owed prompt logprob is skipped (SGLang's rule:
+        positions from logprob_start_len are computed again)."""
+        return min(self.prefill_end - 1, max(0, self.logprob_next - 1))
 
     @property
     def finished(self) -> bool:

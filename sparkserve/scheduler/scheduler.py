@@ -218,7 +218,7 @@ class Scheduler(PromptHandover):
                     break
             else:
                 break
-            remaining = len(req.fill_ids) - req.kv_len
+            remaining = req.prefill_end - req.kv_len
             if chunk <= 0 and batch and remaining > budget:
                 self.cache.release(req)   # un-admit: a waiting request must not pin KV
                 break                     # chunking is off: whole prompts only
@@ -270,7 +270,8 @@ class Scheduler(PromptHandover):
     def _run_prefill(self, batch: list[tuple[Req, torch.Tensor, int]],
                      decoding: list[tuple[Req, torch.Tensor]] = ()) -> list[Req]:
         """One EXTEND forward over the prefill batch's chunks and, mixed in after them, the next
-        token of each request in `decoding`."""
+        token of each request in `decoding`. A request that resumes (Req.prefill_end) joins the
+        running ones without sampling: its next decode step reads its last output token."""
         sched = [ScheduledReq(r.row, r.kv_len, r.fill_ids[r.kv_len:r.kv_len + n], slots,
                               logit_rows=int(r.kv_len + n == len(r.fill_ids))) for r, slots, n in batch]
         sched += [ScheduledReq(r.row, r.kv_len, [r.fill_ids[-1]], slots, logit_rows=1)
@@ -286,22 +287,23 @@ class Scheduler(PromptHandover):
         keep_hidden(fb, ((req, [starts[-1] + j]) for j, (req, _) in enumerate(decoding)))
         collect_prompt_logprobs(self.runner.compute_logits, fb.final_hidden,
                                 ((req, o, n) for (req, _, n), o in zip(batch, starts)))
-        done = []
+        done, resumed = [], []
         for (req, _, n) in batch:
             req.kv_len += n
             if req.hands_off and self.on_prompt_rows is not None:
                 self.on_prompt_rows(req, req.kv_len - n)
             self.cache.cache_prefix(req)
             self.cache.slide_window(req)
-            if req.kv_len == len(req.fill_ids):
-                done.append(req)
+            if req.kv_len == req.prefill_end:
+                (resumed if req.resumes else done).append(req)
         decoded = [req for req, _ in decoding]
         for req in decoded:
             req.kv_len += 1
             self.cache.slide_window(req)
         if done or decoded:
             self._sample_and_commit(done + decoded, logits)     # the logits rows' order
-        self.running = [r for r in self.running if not r.finished] + [r for r in done if not r.finished]
+        self.running = ([r for r in self.running if not r.finished] + resumed
+                        + [r for r in done if not r.finished])
         return done + decoded
 
     def _run_decode(self) -> list[Req]:

@@ -198,3 +198,24 @@ def test_preempts_only_a_set_that_makes_room(llama_dir, hf_tiny, case, slots):
     for r in [*reqs.values(), high]:
         assert r.output_ids == hf_greedy(hf_tiny["llama"], r.input_ids, r.params.max_new_tokens), r.rid
     assert_no_kv_leak(cache)
+
+
+def test_a_preempted_seeded_request_under_dspark_keeps_its_stream(llama_dir, tmp_path):
+    """With DSpark the resumed request decodes its last token in a verify as it would have
+    unpreempted (its prefill stops before it), so its drafts and its draws come in the same order:
+    the same tokens. (Before, the resumed request drew that token in its prefill and the streams
+    parted there.)"""
+    from dspark_fixtures import make_oracle_draft
+    from parallel_fixtures import bigram_of
+    greedy = run_alone(Engine(llama_dir, max_total_tokens=1024), make_req("g", LOW_PROMPT, LOW_TOKENS, 0))
+    draft = make_oracle_draft(llama_dir, str(tmp_path / "draft"), bigram_of([LOW_PROMPT], [greedy], 320))
+    kw = dict(speculative_algorithm="DSPARK", speculative_draft_model_path=draft,
+              speculative_dspark_verify_mode="full", **FULL["slots"])
+    sp = dict(SEEDED, temperature=0.3, top_p=1.0)
+    req = make_req("low", LOW_PROMPT, LOW_TOKENS, 0, **sp)
+    alone = run_alone(Engine(llama_dir, **kw), req)
+    assert 0 < req.spec_accept_token_num < req.spec_draft_token_num      # drafts kept and refused
+    eng = Engine(llama_dir, enable_priority_scheduling=True, **kw)
+    out = run_low_then_high(eng, 20, **sp)
+    assert eng.scheduler.num_preemptions == 1 and out["first_high"] < out["low_done"]
+    assert out["low"] == alone and out["received"]["low"] == alone
