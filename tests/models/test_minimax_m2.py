@@ -6,6 +6,7 @@ file's values), engine greedy tokens, and --tp-size 2 --ep-size 2 equal to one p
 Checkpoints: tests/minimax_m2_fixtures.py."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -200,3 +201,42 @@ def test_tp2_width_split_experts_equal_one_process(m2_dir):
         got = run_mixed(eng)
     assert_same(got, want)
 
+
+
+# ---- the released checkpoints' FP8 form ------------------------------------------------------------
+
+
+def test_fp8_block_checkpoint_equals_its_values(m2_dir, tmp_path):
+    """MiniMax-M2 ships FP8 (e4m3 weights, one float32 weight_scale_inv per 128 x 128 block; router,
+    routing bias, norms and LM head unquantized): each block dequantized as it loads gives the logits
+    of transformers on a directory of those values (blocks of 32 x 16 here, cut at the edges)."""
+    from safetensors.torch import load_file, save_file
+    block = (32, 16)
+    fp8_dir, ref_dir = (shutil.copytree(m2_dir, str(tmp_path / n)) for n in ("fp8", "values"))
+    w = load_file(os.path.join(m2_dir, "model.safetensors"))
+    quant, values = {}, {}
+    g = torch.Generator().manual_seed(7)
+    for name, t in w.items():
+        if t.dim() != 2 or "embed_tokens" in name or "lm_head" in name or ".gate." in name:
+            quant[name] = values[name] = t
+            continue
+        rows, cols = t.shape
+        scale = torch.rand(-(-rows // block[0]), -(-cols // block[1]), generator=g) * 0.01 + 0.002
+        expanded = torch.kron(scale, torch.ones(block))[:rows, :cols]
+        q = (t / expanded).to(torch.float8_e4m3fn)
+        quant[name], quant[f"{name}_scale_inv"] = q, scale
+        values[name] = q.float() * expanded
+    save_file(quant, os.path.join(fp8_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(values, os.path.join(ref_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(fp8_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    with open(os.path.join(fp8_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    run_checked(fp8_dir, load_hf_reference(ref_dir))
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    with open(os.path.join(fp8_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="quant_method 'awq'"):
+        Engine(fp8_dir, **EXACT)
