@@ -25,14 +25,16 @@ def hf_config(path: str) -> ModelConfig:
 def _fp8_block(raw: dict) -> tuple[int, int] | None:
     """The (rows, cols) of a block-scaled FP8 checkpoint's scale blocks (DeepSeek-V3's and MiniMax-M2's
     released form: e4m3 weights, one float32 `weight_scale_inv` per block, dequantized as they load),
-    None for an unquantized one; another `quantization_config` is refused naming its method."""
+    None for an unquantized one or GPT-OSS's MXFP4 experts (models/gpt_oss.py reads them); another
+    `quantization_config` is refused naming its method."""
     q = raw.get("quantization_config")
-    if not q:
+    if not q or (q.get("quant_method") == "mxfp4" and raw.get("model_type") == "gpt_oss"):
         return None
     method, block = q.get("quant_method"), q.get("weight_block_size")
     if method != "fp8" or not block or len(block) != 2:
         raise ValueError(f"config.json quantization_config (quant_method {method!r}, weight_block_size "
-                         f"{block!r}) is not supported (supported: fp8 with a 2-D weight_block_size)")
+                         f"{block!r}) is not supported (supported: fp8 with a 2-D weight_block_size; "
+                         "GPT-OSS's mxfp4)")
     return int(block[0]), int(block[1])
 
 
