@@ -180,27 +180,27 @@ def test_gguf_refuses_another_gating_function(m2_dir, tmp_path):
 # ---- parallel ------------------------------------------------------------------------------------
 
 
-def test_tp2_ep2_equals_one_process(m2_dir):
-    """--tp-size 2 --ep-size 2 (gloo, one thread a rank): heads, the full-width q/k norms (their sum of
-    squares over the ranks) and the experts split; tokens and logprobs equal one process's."""
-    common = dict(COMMON, **EXACT)
-    want = run_mixed(Engine(m2_dir, **common))
-    with Engine(m2_dir, tp_size=2, ep_size=2, **common) as eng:
-        layers = eng.scheduler.runner.model.model.layers
-        held = [(l.self_attn.h, l.self_attn.hkv, l.mlp.experts.local) for l in layers]
+@pytest.fixture(scope="module")
+def one_process(m2_dir):
+    return run_mixed(Engine(m2_dir, **COMMON, **EXACT))
+
+
+@pytest.mark.parametrize("layout,held", [
+    (dict(tp_size=2, ep_size=2), [(2, 1, 2)] * 2),      # 2 of the 4 experts a rank
+    (dict(tp_size=2, ep_size=1), [(2, 1, 4)] * 2),      # every expert, half its width
+    (dict(pp_size=2), [(4, 2, 4)]),                     # the driver's stage: layer 0
+])
+def test_ranks_equal_one_process(m2_dir, one_process, layout, held):
+    """--tp-size 2 (experts whole or split by width) and --pp-size 2 (gloo, one thread a rank): heads,
+    the full-width q/k norms (their sum of squares over the ranks) and experts split; tokens and
+    logprobs equal one process's."""
+    with Engine(m2_dir, **layout, **COMMON, **EXACT) as eng:
+        model = eng.scheduler.runner.model
+        got_held = [(model.model.layers[i].self_attn.h, model.model.layers[i].self_attn.hkv,
+                     model.model.layers[i].mlp.experts.local) for i in model.layer_range]
         got = run_mixed(eng)
-    assert held == [(2, 1, 2)] * 2
-    assert_same(got, want)
-
-
-def test_tp2_width_split_experts_equal_one_process(m2_dir):
-    """--tp-size 2 --ep-size 1: every rank a half of every expert's width."""
-    common = dict(COMMON, **EXACT)
-    want = run_mixed(Engine(m2_dir, **common))
-    with Engine(m2_dir, tp_size=2, ep_size=1, **common) as eng:
-        got = run_mixed(eng)
-    assert_same(got, want)
-
+    assert got_held == held
+    assert_same(got, one_process)
 
 
 # ---- the released checkpoints' FP8 form ------------------------------------------------------------
