@@ -204,29 +204,49 @@ class KVCacheManager:
         pages no later query can see. Own pages go back to the allocator; cached ones are
         unlocked (they stay in the prefix cache, evictable). Split pool: the same for the
         windowed slots only; the table and the full-layer locks stay."""
-        if (self.window is None and not self.split) or req.row is None:
+        self.slide_windows([req])
+
+    def slide_windows(self, reqs: list["Req"]) -> None:
+        """`slide_window` for each of a step's requests, with one read of the table and one
+        allocator call for the pages all of them give up (a window passes a page or so per
+        decode step: torch ops per request cost more than the freeing)."""
+        if self.window is None and not self.split:
             return
-        end = self.radix.window_start(req.kv_len)
-        begin = req.window_start
-        if end <= begin:
+        table = self.req_to_token.table
+        width, p = table.shape[1], self.allocator.page_size
+        moved, own_at, passed_at = [], [], []     # (req, end); flat table indices freed; zeroed
+        for req in reqs:
+            if req.row is None:
+                continue
+            end = self.radix.window_start(req.kv_len)
+            begin = req.window_start
+            if end <= begin:
+                continue
+            base = req.row * width
+            own = max(begin, req.cached_len)
+            own_at.extend(range(base + own, base + end))
+            self.window_freed_pages += max(0, end - own) // p
+            if not self.split:
+                passed_at.extend(range(base + begin, base + end))
+            moved.append((req, end))
+        if not moved:
             return
-        row = self.req_to_token.table[req.row]
-        own = max(begin, req.cached_len)
-        if end > own:
+        if own_at:
+            own_slots = table.view(-1)[torch.tensor(own_at, dtype=torch.long)]
             if self.split:
-                self.allocator.free_swa(row[own:end])
+                self.allocator.free_swa(own_slots)
             else:
-                self.allocator.free(row[own:end])
-            self.window_freed_pages += (end - own) // self.allocator.page_size
-        if req.last_node is not self.radix.root and req.lock_start < req.cached_len:
-            keep = min(end, req.cached_len)
-            self.radix.move_lock(req.last_node, req.lock_start, keep)
-            req.lock_start = keep
-            if keep == req.cached_len and not self.split:   # no cached page left in the window
-                req.last_node, req.lock_start = self.radix.root, 0
-        if not self.split:
-            row[begin:end] = 0
-        req.window_start = end
+                self.allocator.free(own_slots)
+        for req, end in moved:
+            if req.last_node is not self.radix.root and req.lock_start < req.cached_len:
+                keep = min(end, req.cached_len)
+                self.radix.move_lock(req.last_node, req.lock_start, keep)
+                req.lock_start = keep
+                if keep == req.cached_len and not self.split:   # no cached page left in the window
+                    req.last_node, req.lock_start = self.radix.root, 0
+            req.window_start = end
+        if passed_at:
+            table.view(-1)[torch.tensor(passed_at, dtype=torch.long)] = 0
 
     def cache_prefix(self, req: "Req") -> None:
         """After a prefill chunk: share the computed prefix with later requests now."""

@@ -345,7 +345,7 @@ class Scheduler(PromptHandover):
             keep_hidden(fb, ((req, [i]) for i, req in enumerate(reqs)))
             for req in reqs:
                 req.kv_len += 1
-                self.cache.slide_window(req)
+            self.cache.slide_windows(reqs)
             self._sample_and_commit(reqs, logits)
             if self.spec is not None and not spec_reqs:    # (a step that drafted in vain is neither)
                 self.spec.observe_plain(time.perf_counter() - t0, len(reqs))
