@@ -7,7 +7,13 @@ import os
 
 import pytest
 from conftest import EXACT, EXACT_FLAGS
-from train_data_fixtures import data_flags, make_char_chat_checkpoint, one_thread, write_prompts  # noqa: F401
+from train_data_fixtures import (  # noqa: F401
+    data_flags,
+    make_char_chat_checkpoint,
+    one_thread,
+    torchrun,
+    write_prompts,
+)
 
 from sparkserve import Engine
 from sparkserve.cli import main
@@ -75,3 +81,17 @@ def test_second_answer_flags_are_checked(tmp_path, model):
     base = data_flags(str(tmp_path / "x"), model, pfile)
     assert main(base + ["--second-answer-temperature", "0"]) == 2
     assert main(base + ["--second-answer-temperature", "0.7", "--walk-anchor-frac", "0.5"]) == 2
+
+
+def test_two_ranks_distil_the_lines_one_process_does(tmp_path, model):
+    """7 prompts, 14 lines: the ranks' shares [0, 7) and [7, 14) split prompt 3's two answers."""
+    pfile = write_prompts(str(tmp_path / "p.jsonl"), (PROMPTS + ["Spell cat.", "Pick a number."])[:7])
+    flags = ["--second-answer-temperature", "0.7", "--val-prompts", "0", "--stages", "prompts,distill"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    assert main(data_flags(one, model, pfile) + flags) == 0
+    res = torchrun(2, data_flags(two, model, pfile) + flags)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert sorted(os.listdir(os.path.join(two, "shards"))) == ["distill-0-7", "distill-7-14"]
+    want = lines(os.path.join(one, "distill.jsonl"))
+    assert len(want) == 14 and [r.get("seed") for r in want[1::2]] == list(range(7))
+    assert lines(os.path.join(two, "distill.jsonl")) == want
