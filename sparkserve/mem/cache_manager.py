@@ -2,7 +2,8 @@
 interface, so the scheduler only asks 'slots for these tokens' and 'this request is done'.
 
 Sliding-window pools (`window=W`: every attention layer sees only keys p with q - p < W, the
-mask of ForwardBatch.attn_mask). After each forward the scheduler calls `slide_window(req)`:
+mask of ForwardBatch.attn_mask). After each forward the scheduler calls `slide_window(req)`
+(`slide_windows(reqs)` for a decode step's batch):
 every page whose positions are all p <= kv_len - W can be read by no later query of the request
 (decode, verify anchor + drafts and the next prefill chunk all query positions >= kv_len), so
 it leaves the request and its table entries point at the pad slot 0. The committed kv_len is
