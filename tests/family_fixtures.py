@@ -301,10 +301,12 @@ def _llama3_rope_freqs(hp: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
 
 
 def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = False,
-               old_mla: bool = False) -> str:
+               old_mla: bool = False, quant_types: dict[str, str] | None = None) -> str:
     """The HF checkpoint at `hf_dir` as convert_hf_to_gguf.py --outtype f32 / f16 / q8_0 writes it;
     `per_expert`: experts as older converters wrote Mixtral, one `blk.N.ffn_gate.E.weight` each;
-    `old_mla`: DeepSeek-V2 as converters before the MLA split wrote it (one `attn_kv_b`)."""
+    `old_mla`: DeepSeek-V2 as converters before the MLA split wrote it (one `attn_kv_b`); `quant_types`:
+    GGUF name suffix -> the gguf-py quant type its tensors take instead (as llama-quantize mixes them:
+    a Q4_K_M file's `attn_k_b.weight`, whose rows are not whole 256-blocks, falls back to "Q5_0")."""
     import gguf
     from safetensors.torch import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -410,7 +412,11 @@ def write_gguf(hf_dir: str, out: str, ftype: str = "f32", per_expert: bool = Fal
     def add(gname: str, t: np.ndarray) -> None:
         """F32 norms, router and biases (and 1-D tensors) whatever the outtype; the other weights
         in it ("mxfp4": GPT-OSS's experts MXFP4, the rest F32)."""
-        if ftype == "mxfp4" and gname.endswith("_exps.weight"):
+        forced = next((k for suffix, k in (quant_types or {}).items() if gname.endswith(suffix)), None)
+        if forced is not None:
+            qtype = gguf.GGMLQuantizationType[forced]
+            w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        elif ftype == "mxfp4" and gname.endswith("_exps.weight"):
             w.add_tensor(gname, gguf.quants.quantize(t, gguf.GGMLQuantizationType.MXFP4),
                          raw_dtype=gguf.GGMLQuantizationType.MXFP4)
         elif (ftype in ("f32", "mxfp4") or t.ndim == 1 or gname.endswith(".bias")

@@ -10,7 +10,6 @@
 #include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
-#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -77,59 +76,50 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// Q8_0's rounding per block of qb values: scale amax / 127 rounded to float16, values rounded.
-AbsorbedRows absorbed_rows(const at::Tensor& w, bool q8) {
+// A split kv_b half as blocks: `blocks` [heads * rows, k / 32 * block bytes] of `qtype`.
+AbsorbedRows absorbed_blocks(const at::Tensor& blocks, int64_t qtype, int64_t heads, int64_t rows, int64_t k,
+                             const char* what) {
+  TORCH_CHECK(qtype >= 0 && k % 32 == 0 && blocks.dim() == 2 && blocks.scalar_type() == at::kByte &&
+                  blocks.is_contiguous() && blocks.size(0) == heads * rows &&
+                  blocks.size(1) == k / 32 * block_bytes_of(static_cast<int>(qtype)),
+              "native MLA step: ", what, " must be contiguous uint8 blocks [", heads * rows, ", ", k,
+              " / 32 * block bytes]");
   AbsorbedRows a;
-  a.f32 = w.reshape({-1, w.size(-1)}).contiguous();
-  a.rows = w.size(1), a.k = w.size(2), a.qb = a.k % 32 == 0 ? 32 : a.k;
-  if (!q8) return a;
-  const int64_t n = a.f32.size(0), k = a.k, qb = a.qb;
-  a.q8 = at::empty({n, k}, at::TensorOptions().dtype(at::kChar));
-  a.scale = at::empty({n, k / qb}, at::TensorOptions().dtype(at::kFloat));
-  const float* x = a.f32.data_ptr<float>();
-  int8_t* q = a.q8.data_ptr<int8_t>();
-  float* d = a.scale.data_ptr<float>();
-  for (int64_t b = 0; b < n * k / qb; ++b) {
-    float amax = 0.0f;
-    for (int64_t i = b * qb; i < (b + 1) * qb; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float db = static_cast<float>(c10::Half(amax / 127.0f));
-    d[b] = db;
-    for (int64_t i = b * qb; i < (b + 1) * qb; ++i)
-      q[i] = static_cast<int8_t>(db > 0.0f ? std::clamp(std::nearbyint(x[i] / db), -127.0f, 127.0f) : 0.0f);
-  }
-  a.f32 = at::Tensor();     // the fp32 copy is the Python layer's (kv_b_proj), not held twice
+  a.blocks = blocks, a.qtype = static_cast<int>(qtype);
+  a.rows = rows, a.k = k, a.row_bytes = blocks.size(1);
   return a;
 }
 
-// int8 row q (k values, a scale per block of qb) . fp32 x
-float dot_q8(const int8_t* q, const float* d, const float* x, int64_t k, int64_t qb) {
-  float s = 0.0f;
-  for (int64_t b0 = 0; b0 < k; b0 += qb) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = b0;
-    for (; i + 8 <= b0 + qb; i += 8) {
-      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
-      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
-      acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + i), acc);
-    }
-    float bs = hsum(acc);
-    for (; i < b0 + qb; ++i) bs += q[i] * x[i];
-    s += d[b0 / qb] * bs;
-  }
-  return s;
+// A half of the fp32 kv_b [heads, nope + v, r], read in place: the key half (offset 0) as
+// W_uk^T's r rows over nope, the value half (offset nope) as its v rows over r.
+AbsorbedRows absorbed_f32(const at::Tensor& kv_b, int64_t offset, int64_t rows, int64_t k) {
+  AbsorbedRows a;
+  a.f32 = kv_b, a.offset = offset, a.rows = rows, a.k = k;
+  return a;
 }
 
 // y[i] = row i of head h . x, for the `rows` rows of head h
 void head_rows_dot(const AbsorbedRows& a, int64_t h, const float* x, float* y) {
-  const int64_t k = a.k;
-  if (a.q8.defined()) {
-    const int8_t* q = a.q8.data_ptr<int8_t>() + h * a.rows * k;
-    const float* d = a.scale.data_ptr<float>() + h * a.rows * (k / a.qb);
-    for (int64_t i = 0; i < a.rows; ++i) y[i] = dot_q8(q + i * k, d + i * (k / a.qb), x, k, a.qb);
+  if (a.blocks.defined()) {   // one x row: block_linear's single-row path, inline inside a job
+    const uint8_t* w = a.blocks.data_ptr<uint8_t>() + h * a.rows * a.row_bytes;
+    return block_linear(x, 1, a.k, w, a.rows, a.qtype, nullptr, y);
+  }
+  const int64_t width = a.f32.size(2), per_head = a.f32.size(1) * width;
+  const float* w = a.f32.data_ptr<float>() + h * per_head + a.offset * width;
+  if (a.offset > 0) {
+    for (int64_t i = 0; i < a.rows; ++i) y[i] = dot(w + i * width, x, a.k);
     return;
   }
-  const float* w = a.f32.data_ptr<float>() + h * a.rows * k;
-  for (int64_t i = 0; i < a.rows; ++i) y[i] = dot(w + i * k, x, k);
+  // W_uk^T q = sum over the nope rows n of W_uk of q[n] * row n (rows of r: contiguous)
+  std::fill_n(y, a.rows, 0.0f);
+  for (int64_t n = 0; n < a.k; ++n) {
+    const __m256 s = _mm256_set1_ps(x[n]);
+    const float* wr = w + n * width;
+    int64_t i = 0;
+    for (; i + 8 <= a.rows; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(s, _mm256_loadu_ps(wr + i), _mm256_loadu_ps(y + i)));
+    for (; i < a.rows; ++i) y[i] += x[n] * wr[i];
+  }
 }
 
 void add_into(float* acc, const float* x, int64_t n) {
@@ -209,12 +199,21 @@ void NativeMLA::add_layer(const MLALayerWeights& w) {
   L.q = make_proj(w.q, w.q_type, std::nullopt, H * qk, L.q_lora ? q_lora_ : d, "q_proj");
   L.kv_a = make_proj(w.kv_a, w.kv_a_type, w.kv_a_bias, r_ + rope_, d, "kv_a_proj_with_mqa");
   L.kv_a_norm = norm_of(w.kv_a_norm, r_);
-  TORCH_CHECK(w.kv_b.scalar_type() == at::kFloat && w.kv_b.dim() == 2 && w.kv_b.size(0) == H * (nope_ + vd_) &&
-                  w.kv_b.size(1) == r_,
-              "native MLA step: kv_b must be float32 [heads * (nope + v), kv_lora_rank]");
-  at::Tensor kv_b = w.kv_b.view({H, nope_ + vd_, r_});
-  L.w_uk = absorbed_rows(kv_b.narrow(1, 0, nope_).transpose(1, 2), w.absorbed_q8);
-  L.w_uv = absorbed_rows(kv_b.narrow(1, nope_, vd_), w.absorbed_q8);
+  TORCH_CHECK(w.kv_b.has_value() != (w.k_b.has_value() && w.v_b.has_value()) &&
+                  w.k_b.has_value() == w.v_b.has_value(),
+              "native MLA step: kv_b is either fp32 or its k_b and v_b halves' blocks");
+  if (w.kv_b.has_value()) {
+    const at::Tensor& kv_b = *w.kv_b;
+    TORCH_CHECK(kv_b.scalar_type() == at::kFloat && kv_b.is_contiguous() && kv_b.dim() == 2 &&
+                    kv_b.size(0) == H * (nope_ + vd_) && kv_b.size(1) == r_,
+                "native MLA step: kv_b must be contiguous float32 [heads * (nope + v), kv_lora_rank]");
+    const at::Tensor heads = kv_b.view({H, nope_ + vd_, r_});
+    L.w_uk = absorbed_f32(heads, 0, r_, nope_);
+    L.w_uv = absorbed_f32(heads, nope_, vd_, r_);
+  } else {
+    L.w_uk = absorbed_blocks(*w.k_b, w.k_b_type, H, r_, nope_, "k_b");
+    L.w_uv = absorbed_blocks(*w.v_b, w.v_b_type, H, vd_, r_, "v_b");
+  }
   L.o = make_proj(w.o, w.o_type, w.o_bias, d, H * vd_, "o_proj");
   L.q_a_eps = static_cast<float>(w.q_a_eps), L.kv_a_eps = static_cast<float>(w.kv_a_eps);
   layers_.push_back(std::move(L));
@@ -418,6 +417,23 @@ std::vector<at::Tensor> NativeMLA::forward(at::Tensor x, at::Tensor positions, a
   for (int64_t t = 0; t < T; ++t) rms_row(rp + t * d, final_norm_.data_ptr<float>(), hp + t * d, d, eps_);
   out[0] = h;
   return out;
+}
+
+at::Tensor absorbed_head_rows(at::Tensor x, at::Tensor blocks, int64_t qtype) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.device().is_cpu(),
+              "absorbed_head_rows: x must be float32 [T, heads, k]");
+  const int64_t T = x.size(0), H = x.size(1), k = x.size(2);
+  TORCH_CHECK(H > 0 && blocks.dim() == 2 && blocks.size(0) % H == 0, "absorbed_head_rows: blocks must hold ",
+              "the same rows for each of the ", H, " heads");
+  const AbsorbedRows a = absorbed_blocks(blocks, qtype, H, blocks.size(0) / H, k, "blocks");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({T, H, a.rows}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  parallel_for(0, T * H, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) head_rows_dot(a, i % H, xp + i * k, yp + i * a.rows);
+  });
+  return y;
 }
 
 }  // namespace sparkserve

@@ -56,24 +56,33 @@ struct MLALayerWeights {
   at::Tensor kv_a, kv_a_norm;
   std::optional<at::Tensor> kv_a_bias, o_bias;
   int64_t kv_a_type = -1;
-  at::Tensor kv_b;                   // fp32 [heads * (nope + v), kv_lora_rank]
+  // kv_b as the Python layer holds it (layers/mla.py AbsorbedKvB), read in place, never copied:
+  // fp32 [heads * (nope + v), kv_lora_rank], or (a GGUF's split attn_k_b / attn_v_b) the halves'
+  // blocks, rows per head: k_b [heads * kv_lora_rank, nope] (W_uk^T) and v_b [heads * v,
+  // kv_lora_rank] (W_uv), each read with fp32 activations.
+  std::optional<at::Tensor> kv_b, k_b, v_b;
+  int64_t k_b_type = -1, v_b_type = -1;
   at::Tensor o;
   int64_t o_type = -1;
   double q_a_eps = 1e-6, kv_a_eps = 1e-6;
-  // Hold kv_b's halves as int8 rows with a float16-rounded scale per block of 32 (Q8_0's rounding:
-  // as llama.cpp holds attn_k_b / attn_v_b), read with fp32 activations; else fp32. The Python side
-  // asks for it under int8 activations where it loses nothing (deepseek_v2_native.absorbed_q8: a
-  // GGUF's Q8_0 k_b / v_b); at V2-Lite's shapes fp32 halves are ~14% of a Q4_K_M token's bytes.
-  bool absorbed_q8 = false;
 };
 
 // One of kv_b's halves per head as rows to dot with a per-head vector: the key half transposed
-// ([heads, r, nope]: latent query row j = W_uk^T[j] . q_nope) or the value half ([heads, v, r]).
+// (W_uk^T [heads, r, nope]: latent query row j = W_uk^T[j] . q_nope) or the value half ([heads, v, r]).
+// Either the whole fp32 kv_b [heads, nope + v, r] (the key half then summed over its nope rows,
+// so no transposed copy is made) or the half's blocks [heads * rows, k / 32 * block bytes].
 struct AbsorbedRows {
-  at::Tensor f32;        // [heads * rows, k]
-  at::Tensor q8, scale;  // when held quantized: int8 [heads * rows, k], float [heads * rows, k / qb]
-  int64_t rows = 0, k = 0, qb = 0;
+  at::Tensor f32;          // fp32 kv_b, or undefined
+  int64_t offset = 0;      // the half's first row of a head in kv_b: 0 (key, transposed) or nope
+  at::Tensor blocks;       // the half's blocks, or undefined
+  int qtype = 0;
+  int64_t rows = 0, k = 0, row_bytes = 0;
 };
+
+// y [T, H, rows] = per (token, head) the rows of head h of a split kv_b half in `blocks` ([H * rows,
+// k / 32 * block bytes] of `qtype`) . x [T, H, k], fp32 activations: the Python layer path's
+// absorbed products (layers/mla.py) on the same code the native step runs.
+at::Tensor absorbed_head_rows(at::Tensor x, at::Tensor blocks, int64_t qtype);
 
 class NativeMLA {
  public:

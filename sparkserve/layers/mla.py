@@ -23,13 +23,12 @@ kv_a_layernorm and the pool's latent are replicated), and o_proj sums the heads'
 over the ranks."""
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from sparkserve.core.forward_batch import ForwardBatch
 from sparkserve.distributed.sharding import heads_shard, shard_rows
+from sparkserve.kernels.blocks import BlockWeight
 from sparkserve.kernels.build import load_extension
 from sparkserve.layers.attention import KERNEL_MAX_Q, store_rows
 from sparkserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
@@ -59,43 +58,75 @@ def rope_rows_to_halves(w: torch.Tensor, rope_dim: int, head_width: int) -> torc
                      1).reshape(w.shape)
 
 
-class SplitKvB:
-    """A GGUF's MLA kv_b as llama.cpp's converter writes it: split into `k_b_proj` [heads,
-    kv_lora_rank, nope] and `v_b_proj` [heads, v, kv_lora_rank]; the checkpoint's
-    `kv_b_proj.weight` [heads * (nope + v), kv_lora_rank] is their join, made once both arrive."""
+class AbsorbedKvB(Sharded):
+    """kv_b_proj: only used absorbed (its key half folded into the query, its value half applied
+    to the attended latent), so it is not a Linear. Held as the fp32 `weight` [heads * (nope + v),
+    r], or, from a GGUF's split halves (models/split_kv_b.py: hold_halves), as their blocks (`k_b` [heads * r,
+    nope]: W_uk^T's rows per head, `v_b` [heads * v, r]) with `weight` a meta stand-in: a Q4_K_M
+    file's halves then take their 4-8 bits a weight, not 32 (at DeepSeek-V2-Lite's shapes fp32
+    halves are ~14% of what a decoded token reads), and the native step reads the same blocks
+    (kernels/native_mla.cpp). Rows are per head: a rank keeps its heads' rows."""
 
-    _HALF = re.compile(r"(.*\.self_attn\.)(k|v)_b_proj\.weight")
-
-    def __init__(self, kv_lora_rank: int):
-        self.kv_lora_rank = kv_lora_rank
-        self._halves: dict[str, dict[str, torch.Tensor]] = {}
-
-    def is_half(self, name: str) -> bool:
-        return self._HALF.fullmatch(name) is not None
-
-    def add(self, name: str, values: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        """(kv_b_proj's name, the joined weight) once a layer's two halves are in, else None."""
-        m = self._HALF.fullmatch(name)
-        halves = self._halves.setdefault(m[1], {})
-        halves[m[2]] = values
-        if len(halves) < 2:
-            return None
-        del self._halves[m[1]]
-        joined = torch.cat([halves["k"].transpose(1, 2), halves["v"]], 1)
-        return f"{m[1]}kv_b_proj.weight", joined.reshape(-1, self.kv_lora_rank)
-
-
-class _AbsorbedWeight(Sharded):
-    """kv_b_proj: only its weight is used (split into the q-side and o-side absorptions), so it is
-    not a Linear and never gets a packed copy. Rows are per head: a rank keeps its heads' rows."""
-
-    def __init__(self, in_features: int, out_features: int, part: tuple[int, int]):
+    def __init__(self, kv_lora_rank: int, num_heads: int, nope_dim: int, v_dim: int, part: tuple[int, int]):
         super().__init__()
         self.index, self.parts = part
-        self.weight = nn.Parameter(torch.empty(out_features // self.parts, in_features), requires_grad=False)
+        self.r, self.nope, self.vd = kv_lora_rank, nope_dim, v_dim
+        self.h = num_heads // self.parts
+        self.weight = nn.Parameter(torch.empty(self.h * (nope_dim + v_dim), kv_lora_rank),
+                                   requires_grad=False)
+        self.k_b: BlockWeight | None = None
+        self.v_b: BlockWeight | None = None
 
     def local_shard(self, tensor: torch.Tensor, blocks=None) -> tuple[torch.Tensor, None]:
+        """This rank's heads' rows of an fp32 kv_b (held from then on instead of any halves)."""
+        if self.k_b is not None:
+            self.k_b = self.v_b = None
+            self.weight = nn.Parameter(torch.empty(self.weight.shape), requires_grad=False)
         return tensor[shard_rows(tensor.shape[0], self.index, self.parts)], None
+
+    def hold_halves(self, k_b: BlockWeight, v_b: BlockWeight) -> None:
+        """A GGUF's split halves as blocks, rows per head (k_b [heads * r, nope], v_b [heads * v,
+        r]): this rank's heads' rows kept, the fp32 weight dropped (a meta stand-in)."""
+        self.k_b, self.v_b = self._heads(k_b.unpacked()), self._heads(v_b.unpacked())
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
+
+    def _heads(self, b: BlockWeight) -> BlockWeight:
+        """This rank's heads' rows of a half (rows per head, head-major)."""
+        if self.parts == 1:
+            return b
+        per = b.out_features // (self.h * self.parts)
+        return b.rows(torch.arange(self.index * self.h * per, (self.index + 1) * self.h * per))
+
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """[T, H, nope] -> the latent queries W_uk^T q_nope [T, H, r]."""
+        if self.k_b is not None:
+            return _head_rows(q_nope, self.k_b)
+        w = self.weight.view(self.h, self.nope + self.vd, self.r)
+        return torch.einsum("thn,hnr->thr", q_nope, w[:, :self.nope])
+
+    def expand_values(self, latent: torch.Tensor) -> torch.Tensor:
+        """[T, H, r] attended latents -> per-head values W_uv latent [T, H, v]."""
+        if self.v_b is not None:
+            return _head_rows(latent, self.v_b)
+        w = self.weight.view(self.h, self.nope + self.vd, self.r)
+        return torch.einsum("thr,hvr->thv", latent, w[:, self.nope:])
+
+    def held_bytes(self) -> int:
+        """Bytes this layer's kv_b is held in (blocks, or the fp32 weight)."""
+        if self.k_b is not None:
+            return self.k_b.blocks.numel() + self.v_b.blocks.numel()
+        return self.weight.numel() * self.weight.element_size()
+
+
+def _head_rows(x: torch.Tensor, b: BlockWeight) -> torch.Tensor:
+    """Per (token, head) head h's rows of `b` . x[t, h] with fp32 activations, on the code the
+    native step runs (kernels/native_mla.cpp absorbed_head_rows); through the fp32 values where
+    autograd or a tensor the kernel does not take needs them."""
+    ext = load_extension()
+    if ext is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32:
+        w = b.dequantize().to(x.device, x.dtype)
+        return torch.einsum("thk,hjk->thj", x, w.view(x.shape[1], -1, x.shape[2]))
+    return ext.absorbed_head_rows(x.contiguous(), b.blocks, b.qtype)
 
 
 class MLAttention(nn.Module):
@@ -116,7 +147,7 @@ class MLAttention(nn.Module):
         self.q_lora = q_lora_rank is not None
         self.kv_a_proj_with_mqa = Linear(hidden, kv_lora_rank + rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6)
-        self.kv_b_proj = _AbsorbedWeight(kv_lora_rank, num_heads * (nope_dim + v_dim), (index, parts))
+        self.kv_b_proj = AbsorbedKvB(kv_lora_rank, num_heads, nope_dim, v_dim, (index, parts))
         self.o_proj = RowParallelLinear(num_heads * v_dim, hidden, bias=bias)
         self.scale = qk ** -0.5 if scale is None else scale
 
@@ -138,8 +169,7 @@ class MLAttention(nn.Module):
         scale = (batch.kv_pool.get(scale_component("kv_latent", buf.dtype), self.layer_id)
                  if is_quantized(buf.dtype) else None)     # --kv-cache-dtype int8 / fp8
         store_rows(batch, buf, scale, torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1))
-        w = self.kv_b_proj.weight.view(H, self.nope + self.vd, r)
-        q_lat = torch.einsum("thn,hnr->thr", q[..., :self.nope], w[:, :self.nope])
+        q_lat = self.kv_b_proj.absorb_query(q[..., :self.nope])
         q = torch.cat([q_lat, q[..., self.nope:]], -1)                      # [T, H, r + rope]
         out = self._latent_kernel(q, buf, scale, batch)
         if out is None:
@@ -154,7 +184,7 @@ class MLAttention(nn.Module):
             out = out.transpose(1, 2).reshape(-1, H, r)                          # [B*Qmax, H, r]
             if flat_index is not None:
                 out = out[flat_index]
-        out = torch.einsum("thr,hvr->thv", out, w[:, self.nope:])
+        out = self.kv_b_proj.expand_values(out)
         return self.o_proj(out.reshape(T, H * self.vd))
 
     def _latent_kernel(self, q: torch.Tensor, buf: torch.Tensor, scale: torch.Tensor | None,

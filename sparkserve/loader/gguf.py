@@ -405,15 +405,18 @@ def gguf_weights(path: str, cfg: ModelConfig, names: set[str] | None = None, for
         close_gguf(path)
 
 
-# Tensors of one layer fused into one projection (layers/linear.py FusedLinear; a MoE expert's gate|up).
-_FUSED = ({"attn_q", "attn_k", "attn_v"}, {"ffn_gate", "ffn_up"}, {"ffn_gate_exps", "ffn_up_exps"})
+# Tensors of one layer fused into one projection (layers/linear.py FusedLinear: q|k|v, with Kimi-Linear's KDA
+# f_a|g_a|beta; a MoE expert's gate|up); MLA's kv_b halves, blocks of rows per head (models/split_kv_b.py).
+_FUSED = ({"attn_q", "attn_k", "attn_v", "ssm_f_a", "ssm_g_a", "ssm_beta"}, {"ffn_gate", "ffn_up"},
+          {"ffn_gate_exps", "ffn_up_exps"})
+_SPLIT_KV_B = ("attn_k_b.weight", "attn_v_b.weight")      # [heads, rows, k], read as [heads * rows, k]
 
 
 def _int8_forms(reader: GGUFFile) -> dict[str, int]:
     """GGUF tensor name -> the block type it is converted to for the int8 kernels (those kept as
     they are are left out): each tensor's own form, one form for the tensors of a fused projection."""
     types = {t.name: int(t.tensor_type) for t in reader.tensors
-             if len(t.shape) == 2 or t.name.endswith("_exps.weight")}
+             if len(t.shape) == 2 or t.name.endswith(("_exps.weight", *_SPLIT_KV_B))}
     forms = {name: form for name, qtype in types.items() if (form := int8_form(qtype)) is not None}
     for name in types:
         m = re.fullmatch(r"(blk\.\d+\.)(\w+)\.weight", name)
@@ -437,7 +440,7 @@ def _tensors(reader: GGUFFile, cfg: ModelConfig, names: set[str] | None, permute
         name = _hf_name(t.name, layer_names)
         if names is not None and name not in names:
             continue
-        shape = t.shape
+        shape = (t.shape[0] * t.shape[1], t.shape[2]) if t.name.endswith(_SPLIT_KV_B) else t.shape
         n_head = (cfg.num_attention_heads if name.endswith(("q_proj.weight", "q_proj.bias")) else
                   cfg.num_key_value_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
         perm = _unpermute_rows(shape[0], n_head) if permuted and n_head is not None else None

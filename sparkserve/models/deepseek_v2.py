@@ -20,7 +20,7 @@ from sparkserve.core.forward_batch import ForwardBatch, PPProxy
 from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim
 from sparkserve.layers.dp_attention import run_mlp
-from sparkserve.layers.mla import MLAttention, SplitKvB, latent_buffers, rope_rows_to_halves
+from sparkserve.layers.mla import MLAttention, latent_buffers, rope_rows_to_halves
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.rotary import RotaryEmbedding
@@ -30,6 +30,7 @@ from sparkserve.mem.hybrid_pool import HybridPool
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
 from sparkserve.models.deepseek_v2_native import NativeMLAStep
 from sparkserve.models.llama import _EXPERT_PART, _EXPERT_TENSOR, LlamaForCausalLM
+from sparkserve.models.split_kv_b import SplitKvB
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -173,18 +174,18 @@ class DeepseekV2ForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names (per-expert gate/up/down_proj, or GGUF's stacked ones as `experts.gate_proj`;
         a GGUF's kv_b split into `k_b_proj` [heads, kv_lora_rank, nope] and `v_b_proj` [heads, v,
-        kv_lora_rank], joined back); the rope rows of q and kv_a reordered pairs -> halves
-        (layers/mla.py)."""
+        kv_lora_rank], held as blocks or joined: models/split_kv_b.py); the rope rows of q and kv_a
+        reordered pairs -> halves (layers/mla.py)."""
         a = self.args
         self.native.reset()
         loader = WeightLoader(self, self.stacked_params)
         modules, filled = dict(self.named_modules()), {}
-        kv_b = SplitKvB(a.kv_lora_rank)
+        kv_b = SplitKvB(a.kv_lora_rank, modules, loader)
         for name, t in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if kv_b.is_half(name):
-                if (joined := kv_b.add(name, values_of(t))) is None:
+                if (joined := kv_b.add(name, t)) is None:
                     continue
                 name, t = joined
             if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):

@@ -148,30 +148,11 @@ def _weight(module: torch.nn.Module) -> torch.Tensor:
     return module.weight.detach().float().contiguous()
 
 
-def q8_exact(rows: torch.Tensor) -> bool:
-    """Whether the rows of `rows` [..., k] hold Q8_0 values exactly (per block of 32 along k, or the
-    whole row: a float16 scale amax / 127 times integers), so int8 rows with those scales
-    (native_mla.cpp absorbed_rows) hold the same weights. A GGUF's Q8_0 `attn_k_b` / `attn_v_b`, as
-    llama.cpp's converter writes them, do."""
-    k = rows.shape[-1]
-    blocks = rows.reshape(-1, 32 if k % 32 == 0 else k)
-    scale = (blocks.abs().amax(1, keepdim=True) / 127).half().float()
-    q = torch.where(scale > 0, blocks / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    return torch.equal(q.round().clamp(-127, 127) * scale, blocks)
-
-
-def absorbed_q8(attn: torch.nn.Module) -> bool:
-    """Whether the native step holds kv_b's halves as int8 rows (MLALayerWeights.absorbed_q8): when
-    that loses nothing — the key half along nope (W_uk^T rows), the value half along the latent."""
-    w = attn.kv_b_proj.weight.detach().view(attn.h, attn.nope + attn.vd, attn.r)
-    return q8_exact(w[:, :attn.nope].transpose(1, 2)) and q8_exact(w[:, attn.nope:])
-
-
-def _layer_weights(ext, layer: torch.nn.Module, int8: bool):
-    """int8 activations: kv_b's halves held as int8 rows where they are Q8_0 values (absorbed_q8)."""
+def _layer_weights(ext, layer: torch.nn.Module):
+    """kv_b as the layer holds it (layers/mla.py AbsorbedKvB), handed over without a copy: the fp32
+    weight, or a GGUF's split halves' blocks."""
     attn = layer.self_attn
     w = ext.MLALayerWeights()
-    w.absorbed_q8 = int8 and absorbed_q8(attn)
     w.input_norm, w.mlp_norm = _weight(layer.input_layernorm), _weight(layer.post_attention_layernorm)
     if attn.q_lora:
         w.q_a, w.q_a_type, w.q_a_bias = _proj(attn.q_a_proj)
@@ -181,7 +162,12 @@ def _layer_weights(ext, layer: torch.nn.Module, int8: bool):
         w.q, w.q_type, _ = _proj(attn.q_proj)
     w.kv_a, w.kv_a_type, w.kv_a_bias = _proj(attn.kv_a_proj_with_mqa)
     w.kv_a_norm, w.kv_a_eps = _weight(attn.kv_a_layernorm), attn.kv_a_layernorm.eps
-    w.kv_b = attn.kv_b_proj.weight.detach().float().contiguous()
+    kv_b = attn.kv_b_proj
+    if kv_b.k_b is not None:
+        w.k_b, w.k_b_type = kv_b.k_b.blocks, kv_b.k_b.qtype
+        w.v_b, w.v_b_type = kv_b.v_b.blocks, kv_b.v_b.qtype
+    else:
+        w.kv_b = _weight(kv_b)
     w.o, w.o_type, w.o_bias = _proj(attn.o_proj)
     return w
 
@@ -193,7 +179,7 @@ def build(model: DeepseekV2ForCausalLM):
     step = ext.NativeMLA(c.hidden_size, attn0.h, a.q_lora_rank or 0, a.kv_lora_rank, a.nope_dim, a.rope_dim,
                          a.v_dim, c.rms_norm_eps, attn0.scale, m.rotary.cos, m.rotary.sin, _weight(m.norm))
     for i, layer in enumerate(m.layers):
-        step.add_layer(_layer_weights(ext, layer, _int8(model)))
+        step.add_layer(_layer_weights(ext, layer))
         mlp = layer.mlp
         if not isinstance(mlp, SharedExpertMoE):
             step.set_dense_mlp(i, _gated(mlp))

@@ -23,14 +23,15 @@ from sparkserve.distributed import parallel_state as ps
 from sparkserve.distributed.sharding import Dim
 from sparkserve.layers.dp_attention import run_mlp
 from sparkserve.layers.kda import KimiDeltaAttention
-from sparkserve.layers.mla import MLAttention, SplitKvB, latent_buffers
+from sparkserve.layers.mla import MLAttention, latent_buffers
 from sparkserve.layers.moe import GatedMLP, SharedExpertMoE
 from sparkserve.layers.norm import RMSNorm
 from sparkserve.layers.vocab_parallel import VocabParallelEmbedding
-from sparkserve.loader.weights import WeightLoader, values_of
+from sparkserve.loader.weights import WeightLoader, blocks_of
 from sparkserve.mem.hybrid_pool import HybridPool
 from sparkserve.models.causal_lm import CausalLM, DecoderStack, stage_layer_list
 from sparkserve.models.llama import _EXPERT_PART, _EXPERT_TENSOR, LlamaForCausalLM
+from sparkserve.models.split_kv_b import SplitKvB
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -224,24 +225,24 @@ class KimiLinearForCausalLM(CausalLM):
         save_pretrained writes) or transformers' runtime names (mlp, stacked experts, conv1d,
         forget_gate.*); a GGUF's (loader/gguf.py): experts stacked or per expert as blocks, MLA's
         kv_b split into `k_b_proj` [heads, kv_lora_rank, nope] and `v_b_proj` [heads, v,
-        kv_lora_rank], joined back."""
+        kv_lora_rank], held as blocks or joined: models/split_kv_b.py); KDA projections as blocks."""
         loader = WeightLoader(self, self.stacked_params)
         modules = dict(self.named_modules())
         pieces: dict[str, set] = {}      # parameters assembled from several checkpoint tensors
         filled: dict[str, set] = {}      # experts' parts loaded
-        kv_b = SplitKvB(self.args.kv_lora_rank)
+        kv_b = SplitKvB(self.args.kv_lora_rank, modules, loader)
         for name, t in weights:
             name = name.replace(".block_sparse_moe.", ".mlp.").replace(".self_attn.forget_gate.",
                                                                        ".self_attn.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if kv_b.is_half(name):
-                if (joined := kv_b.add(name, values_of(t))) is None:
+                if (joined := kv_b.add(name, t)) is None:
                     continue
                 name, t = joined
             m = re.match(r"(.*\.self_attn)\.(q|k|v|f_a|g_a|b)_proj\.weight$", name)
             if m and isinstance(modules.get(m[1]), KimiDeltaAttention):
-                modules[m[1]].in_proj.load(m[2], values_of(t))     # a GGUF's blocks: their values
+                modules[m[1]].in_proj.load(m[2], t, blocks=blocks_of(t))     # a GGUF's: as blocks
                 loader.mark_loaded(f"{m[1]}.in_proj.weight#{m[2]}")
                 continue
             m = re.match(r"(.*\.self_attn)\.(q_|k_|v_|)conv1d\.weight$", name)
