@@ -8,7 +8,8 @@ flags; SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches var
 The extension also has `rms_norm` and `add_rms_norm` (rms_norm.cpp; used by layers/norm.py) and
 `decode_attention` (decode_attention.cpp: paged attention without the K/V gather, in zmm or ymm;
 layers/attention.py),
-`prefill_attention` (prefill_attention.cpp: the same for prefill chunks, in zmm or ymm tiles)
+`prefill_attention` (prefill_attention.cpp: the same for prefill chunks, in zmm or ymm tiles; both
+score an int8 pool with VNNI integer dot products where the CPU has AVX-512 VNNI)
 and `argmax_rows` / `sample_rows` / `logprob_rows` (argmax.cpp, sample.cpp: the sampler's draws
 and logprobs on CPU).
 Built on first use (build.py); when that is impossible `load_extension()` is None and callers

@@ -30,6 +30,7 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, a
                              std::vector<int64_t> q_lens, const std::string& variant,
                              std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale);
 std::string prefill_attention_variant();
+std::vector<std::string> prefill_attention_variants();
 bool prefill_attention_takes(int64_t H, int64_t Hkv, int64_t D);
 at::Tensor markov_pack(at::Tensor w2);
 at::Tensor argmax_rows(at::Tensor logits);
@@ -84,12 +85,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_variants", &decode_attention_variants,
         "the decode_attention variants this CPU runs, best first (avx512vnni, avx512, avx2)");
   m.def("prefill_attention", &prefill_attention,
-        "decode_attention for prefill chunks, in tiles of query rows (GQA, fp32); variant: avx512 / avx2",
+        "decode_attention for prefill chunks, in tiles of query rows (GQA, fp32); variant: avx512vnni / avx512 /"
+        " avx2",
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("kv_indices"), py::arg("seq_lens"),
         py::arg("kv_start"), py::arg("window"), py::arg("scale"), py::arg("q_lens"), py::arg("variant") = "",
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("prefill_attention_variant", &prefill_attention_variant,
-        "the variant prefill_attention runs (avx512, avx2), or empty where none can");
+        "the variant prefill_attention runs (avx512vnni, avx512, avx2), or empty where none can");
+  m.def("prefill_attention_variants", &prefill_attention_variants,
+        "the prefill_attention variants this CPU runs, best first");
   m.def("prefill_attention_takes", &prefill_attention_takes,
         "whether prefill_attention runs here for H query heads over Hkv kv heads of head dim D",
         py::arg("H"), py::arg("Hkv"), py::arg("D"));
@@ -152,17 +156,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("kv_a_bias", &sparkserve::MLALayerWeights::kv_a_bias)
       .def_readwrite("kv_a_type", &sparkserve::MLALayerWeights::kv_a_type)
       .def_readwrite("kv_b", &sparkserve::MLALayerWeights::kv_b)
-      .def_readwrite("k_b", &sparkserve::MLALayerWeights::k_b)
-      .def_readwrite("k_b_type", &sparkserve::MLALayerWeights::k_b_type)
-      .def_readwrite("v_b", &sparkserve::MLALayerWeights::v_b)
-      .def_readwrite("v_b_type", &sparkserve::MLALayerWeights::v_b_type)
       .def_readwrite("o", &sparkserve::MLALayerWeights::o)
       .def_readwrite("o_bias", &sparkserve::MLALayerWeights::o_bias)
       .def_readwrite("o_type", &sparkserve::MLALayerWeights::o_type)
       .def_readwrite("q_a_eps", &sparkserve::MLALayerWeights::q_a_eps)
-      .def_readwrite("kv_a_eps", &sparkserve::MLALayerWeights::kv_a_eps);
-  m.def("absorbed_head_rows", &sparkserve::absorbed_head_rows,
-        "per (token, head) a split MLA kv_b half's rows of that head (blocks) . x [T, heads, k]");
+      .def_readwrite("kv_a_eps", &sparkserve::MLALayerWeights::kv_a_eps)
+      .def_readwrite("absorbed_q8", &sparkserve::MLALayerWeights::absorbed_q8);
   py::class_<sparkserve::NativeMLA>(m, "NativeMLA", "one call per forward of a DeepSeek-V2 decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor,
                     at::Tensor, at::Tensor>())

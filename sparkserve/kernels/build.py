@@ -20,9 +20,9 @@ and need it). int8_dispatch.cpp picks one at run time by the CPU's flags;
 SPARKSERVE_KERNEL_VARIANTS_OFF=amx,avx512vnni,avx512,avxvnni switches variants off (see `variant()`).
 "amx_emulated" is the AMX kernel on software tiles, which tests run on CPUs without AMX, and
 "avxvnni_evex" the AVX-VNNI kernel on AVX-512 VNNI's dpbusd, for CPUs without AVX-VNNI. Other
-kernels for one ISA beyond the baseline (ISA_UNITS: the AVX-512 prefill attention tile and decode
-attention chunk kernels) are compiled and left out the same way; their callers check the CPU at run
-time."""
+kernels for one ISA beyond the baseline (ISA_UNITS: the AVX-512 and AVX-512 VNNI prefill attention
+tiles and decode attention chunk kernels) are compiled and left out the same way; their callers check
+the CPU at run time."""
 from __future__ import annotations
 
 import contextlib
@@ -80,7 +80,8 @@ VARIANT_SOURCES = [os.path.join(_DIR, f"int8_{name}.cpp") for name in VARIANTS]
 # name -> (source, flags); the extension sees SPARKSERVE_HAS_<NAME> for each one built.
 ISA_UNITS = {"prefill_avx512": ("prefill_attention_avx512.cpp", VARIANTS["avx512"]),
              "decode_avx512": ("decode_attention_avx512.cpp", VARIANTS["avx512"]),
-             "decode_avx512vnni": ("decode_attention_avx512vnni.cpp", VARIANTS["avx512vnni"])}
+             "decode_avx512vnni": ("decode_attention_avx512vnni.cpp", VARIANTS["avx512vnni"]),
+             "prefill_avx512vnni": ("prefill_attention_avx512vnni.cpp", VARIANTS["avx512vnni"])}
 UNIT_SOURCES = [os.path.join(_DIR, src) for src, _ in ISA_UNITS.values()]
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 

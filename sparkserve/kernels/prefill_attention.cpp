@@ -4,9 +4,12 @@
 // computes the whole rectangle, masked half included, and pads short requests to the longest.
 // Here each request's queries are cut into tiles of 48 rows on AVX-512, 24 on AVX2 (queries x the
 // G heads of one kv head; prefill_tile.h), and a tile reads only the keys its rows see. Work items
-// are tiles, the costliest (last) first, over the kernels' thread pool. "avx512" in
-// SPARKSERVE_KERNEL_VARIANTS_OFF leaves the ymm tiles; "avx2" too leaves none, and the caller keeps
-// SDPA. fp32 throughout: results differ from SDPA by summation order and exp rounding.
+// are tiles, the costliest (last) first, over the kernels' thread pool. Where the CPU has AVX-512
+// VNNI an int8 pool's q . k scores are integer dot products, each query row rounded to int8 as the
+// decode kernel rounds it (prefill_attention_avx512vnni.cpp). "avx512vnni" in
+// SPARKSERVE_KERNEL_VARIANTS_OFF keeps the float scores, "avx512" leaves the ymm tiles; "avx2" too
+// leaves none, and the caller keeps SDPA. fp32 otherwise: results differ from SDPA by summation
+// order and exp rounding.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
@@ -33,6 +36,10 @@ struct Variant {
 // The variants this CPU runs, best first ("avx2" is always built).
 std::vector<Variant> runnable() {
   std::vector<Variant> v;
+#ifdef SPARKSERVE_HAS_PREFILL_AVX512VNNI
+  if (sparkserve::isa_usable("avx512") && sparkserve::isa_usable("avx512vnni"))
+    v.push_back({"avx512vnni", sparkserve::prefill::tile_avx512vnni, 48});
+#endif
 #ifdef SPARKSERVE_HAS_PREFILL_AVX512
   if (sparkserve::isa_usable("avx512")) v.push_back({"avx512", sparkserve::prefill::tile_avx512, 48});
 #endif
@@ -57,8 +64,15 @@ struct Item {
 
 }  // namespace
 
-// The variant prefill_attention runs ("avx512", "avx2"), or "" where none can.
+// The variant prefill_attention runs ("avx512vnni", "avx512", "avx2"), or "" where none can.
 std::string prefill_attention_variant() { return variants().empty() ? "" : variants()[0].name; }
+
+// The variants this CPU runs, best first.
+std::vector<std::string> prefill_attention_variants() {
+  std::vector<std::string> names;
+  for (const Variant& v : variants()) names.push_back(v.name);
+  return names;
+}
 
 // Whether prefill_attention runs here for H query heads over Hkv kv heads of head dim D.
 bool prefill_attention_takes(int64_t H, int64_t Hkv, int64_t D) {

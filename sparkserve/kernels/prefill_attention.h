@@ -39,7 +39,9 @@ static inline int64_t scratch_floats(int64_t D) {
   return 2 * D * kMaxTileRows + kBlockKeys * kMaxTileRows + 2 * kBlockKeys * D + kMaxTileRows;
 }
 
-// The tile's attention, D a multiple of 16: 48 rows in zmm registers, or 24 in ymm registers.
+// The tile's attention, D a multiple of 16: 48 rows in zmm registers (avx512vnni: an int8 pool's
+// scores as integer dot products), or 24 in ymm registers.
+void tile_avx512vnni(const Tile& t);
 void tile_avx512(const Tile& t);
 void tile_avx2(const Tile& t);
 

@@ -7,7 +7,9 @@
 // past every row's last key are never visited and only the blocks across a row's edge are masked,
 // so a causal prompt costs half of the full product. Written once over a vector type V (the zmm
 // form in prefill_attention_avx512.cpp, the ymm form in prefill_attention_avx2.cpp); plain
-// intrinsics only, since the zmm unit is compiled with its own ISA flags.
+// intrinsics only, since the zmm unit is compiled with its own ISA flags. The q . k scores are a
+// policy (FloatScores here: fp32 on dequantized keys; prefill_attention_avx512vnni.cpp's int8 one
+// for an int8 pool); the mask, the online softmax and P V are the same for both.
 #pragma once
 #include <immintrin.h>
 
@@ -106,7 +108,30 @@ void pv(const float* p, const float* vb, int64_t n, int64_t D, float* o) {
   }
 }
 
+// The tile's scores in fp32: its queries transposed and scaled ([D][R] in `qt`), each block's keys
+// dequantized to fp32 rows (`kb`, load_block) and multiplied in score tiles of kKeys keys.
 template <class V>
+struct FloatScores {
+  static constexpr int64_t R = 3 * V::W;
+  float* qt;
+  float* kb;
+
+  FloatScores(const Tile& t, float* qt_, float* kb_) : qt(qt_), kb(kb_) {
+    const int64_t D = t.D, G = t.G, rows = t.nq * t.G;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = t.q + (r / G) * t.q_query + (r % G) * t.q_head;
+      for (int64_t d = 0; d < D; ++d) qt[d * R + r] = r < rows ? qr[d] * t.scale : 0.f;
+    }
+  }
+
+  // s[x][0 .. R) = scale * q . k for the block's keys j0 .. j0 + n - 1 (zero keys up to n8).
+  void block(const Tile& t, int64_t j0, int64_t n, int64_t n8, float* s) {
+    load_block<V>(t, t.k, t.k_scale, j0, n, kb);
+    for (int64_t x = 0; x < n8; x += V::kKeys) score_tile<V>(qt, kb + x * t.D, t.D, s + x * R);
+  }
+};
+
+template <class V, class Scores = FloatScores<V>>
 void attend_tile(const Tile& t) {
   using F = typename V::F;
   constexpr int64_t R = 3 * V::W;
@@ -117,10 +142,7 @@ void attend_tile(const Tile& t) {
   float* kb = s + kBlockKeys * R;             // [kBlockKeys][D]
   float* vb = kb + kBlockKeys * D;
   float* alpha = vb + kBlockKeys * D;         // [R]
-  for (int64_t r = 0; r < R; ++r) {
-    const float* qr = t.q + (r / G) * t.q_query + (r % G) * t.q_head;
-    for (int64_t d = 0; d < D; ++d) qt[d * R + r] = r < rows ? qr[d] * t.scale : 0.f;
-  }
+  Scores scores(t, qt, kb);
   for (int64_t i = 0; i < R * D; i += V::W) V::storeu(o + i, V::zero());
   // each row's end (its keys are j < end, and j >= end - window; spare rows are never written)
   typename V::I end[3];
@@ -134,9 +156,8 @@ void attend_tile(const Tile& t) {
   const int64_t last_end = t.end0 + t.nq - 1;
   for (int64_t j0 = t.window > 0 ? hi_of(0, t.end0 - t.window) : 0; j0 < last_end; j0 += kBlockKeys) {
     const int64_t n = lo_of(kBlockKeys, last_end - j0), n8 = (n + 7) & ~int64_t{7};
-    load_block<V>(t, t.k, t.k_scale, j0, n, kb);
+    scores.block(t, j0, n, n8, s);
     load_block<V>(t, t.v, t.v_scale, j0, n, vb);
-    for (int64_t x = 0; x < n8; x += V::kKeys) score_tile<V>(qt, kb + x * D, D, s + x * R);
     // only blocks across some row's first or last key need the mask
     if (j0 + n8 > t.end0 || (t.window > 0 && j0 < last_end - t.window))
       for (int64_t x = 0; x < n8; ++x)

@@ -2,8 +2,8 @@
 scales split over 2 ranks) and context parallel (each rank's quantized rows gathered as bytes, so
 every rank stores the whole sequence): greedy tokens and logprobs equal the single-process int8
 engine's on the tiny Llama, and on Mistral's sliding window. Under CP a decode row attends through the
-prefill tile (float scores), so there the single process's decode kernel is held to its float-score
-variant (the avx512vnni one rounds each int8 pool query to int8: tests/engine/test_kv_quant_vnni.py)."""
+prefill tile, the single process's through the decode kernel: on AVX-512 VNNI both round an int8
+pool's query to int8 alike (tests/engine/test_kv_quant_vnni.py), so the rows still agree."""
 from __future__ import annotations
 
 import pytest
@@ -11,32 +11,14 @@ from conftest import assert_no_kv_leak
 from parallel_fixtures import COMMON, PROMPTS, SP, assert_same
 
 from sparkserve import Engine
-from sparkserve.kernels.build import load_extension
-from sparkserve.layers import attention as attention_mod
 
 INT8 = dict(COMMON, kv_cache_dtype="int8")
 
 
-class FloatScores:
-    """The extension with decode_attention held to its best variant without VNNI scores."""
-
-    def __init__(self, ext):
-        self._ext = ext
-        self._variant = next(v for v in ext.decode_attention_variants() if v != "avx512vnni")
-
-    def decode_attention(self, q, *args, **kw):
-        return self._ext.decode_attention(q, *args[:8], self._variant, **kw)     # k_buf .. q_lens
-
-    def __getattr__(self, name):
-        return getattr(self._ext, name)
-
-
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 @pytest.mark.parametrize("layout", [dict(tp_size=2), dict(tp_size=2, attn_cp_size=2)], ids=["tp2", "cp2"])
-def test_int8_pool_equals_one_process(arch, layout, tiny_dirs, monkeypatch):
+def test_int8_pool_equals_one_process(arch, layout, tiny_dirs):
     path = tiny_dirs[arch]
-    if "attn_cp_size" in layout:
-        monkeypatch.setattr(attention_mod, "load_extension", lambda: FloatScores(load_extension()))
     one = Engine(path, **INT8)
     assert one.scheduler.runner.kv_pool.quantized
     want = [one.generate(input_ids=p, sampling_params=SP) for p in PROMPTS]

@@ -1,6 +1,6 @@
-"""The avx512vnni decode attention (kernels/decode_attention_avx512vnni.cpp): an int8 pool's q . k
-scores as VNNI integer dot products, each query row quantized to int8 (scale amax / 127 per block
-of the keys' scales).
+"""The avx512vnni decode and prefill attention (kernels/decode_attention_avx512vnni.cpp,
+prefill_attention_avx512vnni.cpp): an int8 pool's q . k scores as VNNI integer dot products, each
+query row quantized to int8 (scale amax / 127 per block of the keys' scales).
 
 Checked against references computed here, not against the kernel itself:
 - exactly what the definition gives: attention whose scores are the int8 query times the int8
@@ -12,6 +12,10 @@ Checked against references computed here, not against the kernel itself:
   within the int8 tolerance of attention over the original float32 K/V;
 - a VERIFY row equal bit for bit to the decode step at its position (DSpark stays lossless);
 - other pool types untouched (equal to avx512 bit for bit);
+- the prefill tiles (CP decode rows, extends over 16 tokens, long VERIFY blocks) the same: the
+  definition within 1e-5 for every tile shape (1 to 16 query heads a kv head), prefixes, windows;
+  within OUTPUT_BOUND of their float path and of float32 K/V; within 1e-5 of the decode kernel's
+  rows (the same query rounding: a row scores alike through either kernel); other pools untouched;
 - greedy tokens of the embedded SmolLM2 on an int8 pool equal to the float int8 path's (avx512), but
   at near-ties of that path (gap < 0.1); a random tiny model is no check here: its logits move by
   0.1-0.4 between a float32 and an int8 pool, so any rounding reorders its greedy tokens in a few steps."""
@@ -45,6 +49,7 @@ def ext():
     e = kernels.load_extension()
     if "avx512vnni" not in e.decode_attention_variants():
         pytest.skip("this CPU does not run the avx512vnni decode attention")
+    assert "avx512vnni" in e.prefill_attention_variants()       # both kernels or neither
     return e
 
 
@@ -137,6 +142,65 @@ def test_other_pools_take_the_avx512_path(ext, name):
     args = (q, k, v, kv_indices, [L], 0, 0, D ** -0.5, [4])
     vnni = ext.decode_attention(*args, "avx512vnni", **kw)
     assert torch.equal(vnni, ext.decode_attention(*args, "avx512", **kw))
+
+
+# (seq, queries, window) of one request's prefill: fresh prompts, chunks after a prefix, windows
+# narrower and wider than a tile's keys, a tail tile of one query
+PREFILL_CASES = ((600, 100, 0), (300, 300, 0), (200, 50, 7), (600, 40, 200), (97, 97, 33), (400, 49, 0))
+
+
+@pytest.mark.parametrize("D", [64, 128, 96, 48, 80, 32])
+@pytest.mark.parametrize("H,Hkv", [(12, 3), (16, 1), (3, 3)])
+def test_prefill_scores_are_the_int8_query_dot_products(ext, D, H, Hkv):
+    g = torch.Generator().manual_seed(D + H)
+    L = 600
+    k, v, (kq, ks), (vq, vs) = int8_pool(g, L, Hkv, D)
+    kv_indices = (1 + torch.randperm(L, generator=g))[None]
+    q = torch.randn(300, H, D, generator=g) * torch.logspace(-1, 1, 300)[:, None, None]
+    q[3, 1] = 0                                  # a zero query row: scale 0, scores 0
+    for seq, n, window in PREFILL_CASES:
+        args = (kv_indices, [seq], 0, window, D ** -0.5, [n], "avx512vnni")
+        got = ext.prefill_attention(q[:n], kq, vq, *args, k_scale=ks, v_scale=vs)
+        want = vnni_reference(q[:n], kq, ks, vq, vs, kv_indices, seq, n, window, D ** -0.5)
+        assert (got - want).abs().max() <= 1e-5, (seq, n, window, (got - want).abs().max())
+
+
+@pytest.mark.parametrize("D", [64, 128, 48])
+def test_prefill_within_bound_of_the_float_path_and_the_decode_kernel(ext, D):
+    """Against the avx512 tiles (float scores on the same pool), float32 K/V, and the decode
+    kernel's VNNI rows (the same int8 queries; sums in another order)."""
+    g = torch.Generator().manual_seed(200 + D)
+    H, Hkv, L = 9, 3, 600
+    k, v, (kq, ks), (vq, vs) = int8_pool(g, L, Hkv, D)
+    kv_indices = (1 + torch.randperm(L, generator=g))[None]
+    q = torch.randn(300, H, D, generator=g)
+    for seq, n, window in PREFILL_CASES:
+        args = (kv_indices, [seq], 0, window, D ** -0.5, [n])
+        got = ext.prefill_attention(q[:n], kq, vq, *args, "avx512vnni", k_scale=ks, v_scale=vs)
+        floats = ext.prefill_attention(q[:n], kq, vq, *args, "avx512", k_scale=ks, v_scale=vs)
+        wide = ext.prefill_attention(q[:n], k, v, *args, "avx512")
+        decode = ext.decode_attention(q[:n], kq, vq, *args, "avx512vnni", k_scale=ks, v_scale=vs)
+        assert 0 < (got - floats).abs().max() <= OUTPUT_BOUND, (seq, n, window)
+        assert (got - wide).abs().max() <= FLOAT32_BOUND, (seq, n, window)
+        assert (got - decode).abs().max() <= 1e-5, (seq, n, window)
+
+
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
+def test_prefill_other_pools_take_the_avx512_path(ext, name):
+    g = torch.Generator().manual_seed(4)
+    H, Hkv, D, L = 9, 3, 64, 300
+    k, v = torch.randn(L + 1, Hkv, D, generator=g), torch.randn(L + 1, Hkv, D, generator=g)
+    kw = {}
+    if name in QUANT_KV_DTYPES:
+        dtype = QUANT_KV_DTYPES[name]
+        (k, kw["k_scale"]), (v, kw["v_scale"]) = quantize(k, dtype), quantize(v, dtype)
+    else:
+        k, v = k.to(getattr(torch, name)), v.to(getattr(torch, name))
+    kv_indices = (1 + torch.randperm(L, generator=g))[None]
+    q = torch.randn(80, H, D, generator=g)
+    args = (q, k, v, kv_indices, [L], 0, 0, D ** -0.5, [80])
+    vnni = ext.prefill_attention(*args, "avx512vnni", **kw)
+    assert torch.equal(vnni, ext.prefill_attention(*args, "avx512", **kw))
 
 
 _GREEDY = r"""
