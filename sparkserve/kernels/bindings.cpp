@@ -156,12 +156,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("kv_a_bias", &sparkserve::MLALayerWeights::kv_a_bias)
       .def_readwrite("kv_a_type", &sparkserve::MLALayerWeights::kv_a_type)
       .def_readwrite("kv_b", &sparkserve::MLALayerWeights::kv_b)
+      .def_readwrite("k_b", &sparkserve::MLALayerWeights::k_b)
+      .def_readwrite("k_b_type", &sparkserve::MLALayerWeights::k_b_type)
+      .def_readwrite("v_b", &sparkserve::MLALayerWeights::v_b)
+      .def_readwrite("v_b_type", &sparkserve::MLALayerWeights::v_b_type)
       .def_readwrite("o", &sparkserve::MLALayerWeights::o)
       .def_readwrite("o_bias", &sparkserve::MLALayerWeights::o_bias)
       .def_readwrite("o_type", &sparkserve::MLALayerWeights::o_type)
       .def_readwrite("q_a_eps", &sparkserve::MLALayerWeights::q_a_eps)
-      .def_readwrite("kv_a_eps", &sparkserve::MLALayerWeights::kv_a_eps)
-      .def_readwrite("absorbed_q8", &sparkserve::MLALayerWeights::absorbed_q8);
+      .def_readwrite("kv_a_eps", &sparkserve::MLALayerWeights::kv_a_eps);
+  m.def("absorbed_head_rows", &sparkserve::absorbed_head_rows,
+        "per (token, head) a split MLA kv_b half's rows of that head (blocks) . x [T, heads, k]");
   py::class_<sparkserve::NativeMLA>(m, "NativeMLA", "one call per forward of a DeepSeek-V2 decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor,
                     at::Tensor, at::Tensor>())
