@@ -18,16 +18,20 @@ alternating between rounds), so the two times of a pair are seconds apart: on a 
 swings by 2-3x within minutes (7 agents on 2 cores) engines in separate processes minutes apart
 measured the load, not the pool. Medians of the times and of the pairs' ratios.
 
-Beside it, in the same rounds and turns: llama.cpp's cache types on the same GGUF, `llama-bench
--ctk q8_0 -ctv q8_0` (its q8_0 cache: blocks of 32 with a float16 scale, sparkserve's int8 layout)
-against `-ctk f16 -ctv f16`, flash attention on (a quantized V cache needs it), `-d CONTEXT -n 32`:
-32 tokens decoded after a CONTEXT-token prefill, tokens/s of those. llama-bench decodes one sequence
-(batch 1, not 8), so what compares across the engines is each one's quantized / float16 ratio. One
-thread by default (--llama-threads): on the shared 2-core machine llama.cpp's 2-thread pool
-collapses (families.py). The binary: peers/llamacpp.py `tool` (LLAMA_BENCH, LLAMA_CPP_LIB_PATH, else
-found or built); --no-peer leaves it out. --skip-accuracy keeps the last results' accuracy table.
+Beside it, in the same rounds and turns, the same workload in llama.cpp on the same GGUF:
+`llama-batched-bench -npl 8 -npp CONTEXT-32 -ntg 32 -pps -no-kvu` with `-ctk/-ctv q8_0` (its q8_0
+cache: blocks of 32 with a float16 scale, sparkserve's int8 layout) against `f16`, flash attention on
+(a quantized V cache needs it): one prompt prefilled and copied into each of 8 sequences' own cache
+streams (-no-kvu: 8 copies, as 8 distinct prompts would be), then 32 decode steps of all 8 (its
+T_TG: the time compared, the prefill left out as sparkserve's is). One thread by default
+(--llama-threads): on the shared 2-core machine llama.cpp's 2-thread pool collapses (families.py).
+The binary: peers/llamacpp.py `tool` (LLAMA_BATCHED_BENCH, LLAMA_CPP_LIB_PATH, else found or
+built); --no-peer leaves it out, --peer-contexts runs it at some contexts only (its prefill of the
+prompt, untimed, costs minutes at 8,192 tokens on one loaded core). --skip-accuracy keeps the last
+results' accuracy table.
 
     PYTHONPATH=. python benchmarks/kv_cache_dtype.py [--tokens 2048] [--reps 5] [--skip-accuracy] [--no-peer]
+        [--peer-contexts 512,2048,8192]
 writes benchmarks/results/kv_cache_dtype.{json,md}."""
 from __future__ import annotations
 
@@ -120,33 +124,39 @@ def decode_time(eng: Engine, ctx: int, seed: int) -> float:
     return took
 
 
-def llama_bench_time(bench: str, ctx: int, cache_type: str, threads: int) -> float:
-    """Seconds per decoded token of llama-bench's 32 tokens after a (ctx - 32)-token prefill, one
-    sequence, with its K and V cache of `cache_type`."""
+def llama_batched_time(bench: str, ctx: int, cache_type: str, threads: int) -> float:
+    """Seconds of llama-batched-bench's NEW decode steps of BATCH sequences, each with its own copy
+    of one (ctx - NEW)-token prompt's cache, K and V of `cache_type`."""
     from results_io import peer_env
-    cmd = [bench, "-m", default_model_path(), "-t", str(threads), "-p", "0", "-n", str(NEW),
-           "-d", str(ctx - NEW), "-r", "1", "--no-warmup", "-fa", "1", "-ctk", cache_type, "-ctv", cache_type,
-           "-o", "json"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=peer_env(), timeout=1800)
+    cmd = [bench, "-m", default_model_path(), "-t", str(threads), "-c", str(BATCH * ctx), "-b", "2048",
+           "-ub", "512", "-npp", str(ctx - NEW), "-ntg", str(NEW), "-npl", str(BATCH), "-pps", "-no-kvu",
+           "-fa", "on", "-ctk", cache_type, "-ctv", cache_type, "--output-format", "jsonl"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=peer_env(), timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
-    return 1.0 / float(json.loads(r.stdout)[0]["avg_ts"])
+    rows = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    if not rows:
+        raise RuntimeError(f"{' '.join(cmd)} printed no result:\n{r.stdout[-1000:]}\n{r.stderr[-3000:]}")
+    row = json.loads(rows[-1])
+    assert (row["pl"], row["tg"], row["is_pp_shared"]) == (BATCH, NEW, 1), row
+    return float(row["t_tg"])
 
 
-def speed_worker(reps: int, bench: str | None, llama_threads: int) -> dict:
-    """Both pool dtypes' engines in this process and llama-bench's two cache types, taking turns
-    per context: {kind: {ctx: [seconds per round]}} (llama.cpp: seconds per token). The prompts
-    depend on (round, context) only, so both engines of sparkserve decode the same ones."""
+def speed_worker(reps: int, bench: str | None, llama_threads: int, peer_contexts: list[int]) -> dict:
+    """Both pool dtypes' engines in this process and llama-batched-bench's two cache types, taking
+    turns per context: {kind: {ctx: [seconds of the NEW batch-8 decode steps per round]}}. The
+    prompts depend on (round, context) only, so both engines of sparkserve decode the same ones."""
     engines = {d: Engine(max_total_tokens=BATCH * (max(CONTEXTS) + NEW) + 64, max_running_requests=BATCH,
                          kv_cache_dtype=d) for d in SPEED_DTYPES}
     kinds = list(SPEED_DTYPES) + (list(LLAMA_TYPES) if bench else [])
     out: dict = {d: {str(c): [] for c in CONTEXTS} for d in kinds}
     for rep in range(reps):
         for ctx in CONTEXTS:
-            for d in in_turns(kinds, rep):
+            here = [d for d in kinds if d in engines or ctx in peer_contexts]
+            for d in in_turns(here, rep):
                 out[d][str(ctx)].append(decode_time(engines[d], ctx, 1000 * rep + ctx) if d in engines else
-                                        llama_bench_time(bench, ctx, LLAMA_TYPES[d], llama_threads))
-            took = ", ".join(f"{d} {out[d][str(ctx)][-1]:.2f} s" for d in kinds)
+                                        llama_batched_time(bench, ctx, LLAMA_TYPES[d], llama_threads))
+            took = ", ".join(f"{d} {out[d][str(ctx)][-1]:.2f} s" for d in here)
             print(f"round {rep} context {ctx}: {took}", file=sys.stderr, flush=True)
     for eng in engines.values():
         eng.shutdown()
@@ -169,12 +179,13 @@ def prompt_rows(eng: Engine, n: int, gen: torch.Generator) -> dict:
     return rows
 
 
-def speed(reps: int, bench: str | None, llama_threads: int) -> dict:
+def speed(reps: int, bench: str | None, llama_threads: int, peer_contexts: list[int]) -> dict:
     """Output tokens/s per context and kind (medians over `reps` rounds) and the int8 / float16
     speed ratio (median of the pairs' ratios; llama.cpp's q8_0 / f16 the same way), every engine
     in one fresh process (fresh_process.py)."""
-    args = ["--worker", "--reps", str(reps), "--llama-threads", str(llama_threads)]
-    times = run_json(__file__, args + (["--llama-bench", bench] if bench else []))
+    args = ["--worker", "--reps", str(reps), "--llama-threads", str(llama_threads),
+            "--peer-contexts", ",".join(map(str, peer_contexts))]
+    times = run_json(__file__, args + (["--llama-batched-bench", bench] if bench else []))
     out = {}
     for ctx in CONTEXTS:
         c = str(ctx)
@@ -183,9 +194,9 @@ def speed(reps: int, bench: str | None, llama_threads: int) -> dict:
         out[ctx]["ratio"] = statistics.median(out[ctx]["ratios"])
         line = ", ".join(f"{d} {out[ctx][d]:.0f} tok/s" for d in SPEED_DTYPES) + \
             f", int8 / float16 {out[ctx]['ratio']:.2f}x"
-        if bench:
+        if bench and ctx in peer_contexts:
             f16, q8 = (times[k][c] for k in LLAMA_TYPES)
-            out[ctx].update({k: 1.0 / statistics.median(times[k][c]) for k in LLAMA_TYPES})
+            out[ctx].update({k: BATCH * NEW / statistics.median(times[k][c]) for k in LLAMA_TYPES})
             out[ctx]["llama_ratios"] = [f / q for f, q in zip(f16, q8)]
             out[ctx]["llama_ratio"] = statistics.median(out[ctx]["llama_ratios"])
             line += ", " + ", ".join(f"{k} {out[ctx][k]:.1f} tok/s" for k in LLAMA_TYPES) + \
@@ -211,19 +222,23 @@ def main() -> None:
     ap.add_argument("--skip-accuracy", action="store_true", help="keep the last results' accuracy table")
     ap.add_argument("--no-peer", action="store_true", help="leave llama.cpp out")
     ap.add_argument("--llama-threads", type=int, default=1)
-    ap.add_argument("--llama-bench", help=argparse.SUPPRESS)       # the worker's: the binary found
+    ap.add_argument("--peer-contexts", default=",".join(map(str, CONTEXTS)),
+                    help="contexts llama.cpp runs at (comma-separated)")
+    ap.add_argument("--llama-batched-bench", help=argparse.SUPPRESS)     # the worker's: the binary found
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    peer_contexts = [int(c) for c in args.peer_contexts.split(",") if c]
     if args.worker:
-        print(json.dumps(speed_worker(args.reps, args.llama_bench, args.llama_threads)))
+        times = speed_worker(args.reps, args.llama_batched_bench, args.llama_threads, peer_contexts)
+        print(json.dumps(times))
         return
     bench = None
     if not args.no_peer:
         from peers.llamacpp import describe, tool
-        bench = tool("llama-bench")
-    data = {"speed": speed(args.reps, bench and str(bench), args.llama_threads),
+        bench = tool("llama-batched-bench")
+    data = {"speed": speed(args.reps, bench and str(bench), args.llama_threads, peer_contexts),
             "accuracy": last_accuracy() if args.skip_accuracy else accuracy(args.tokens),
-            "llama_bench": bench and describe(bench)}
+            "llama_batched_bench": bench and describe(bench)}
     lines = ["# KV pool dtype (SmolLM2-135M Q4_1)", "",
              f"{machine_line()}; sparkserve kernels: {sparkserve_kernels()}; "
              f"{torch.get_num_threads()} threads", "",
@@ -237,12 +252,17 @@ def main() -> None:
         lines.append(f"| {ctx} | " + " | ".join(f"{r[d]:.0f}" for d in SPEED_DTYPES)
                      + f" | {r['ratio']:.2f}x | {', '.join(f'{x:.2f}' for x in r['ratios'])} |")
     if bench:
-        lines += ["", f"llama.cpp in the same rounds, taking turns with the engines: {data['llama_bench']}, "
-                  f"`-t {args.llama_threads} -fa 1 -p 0 -n {NEW} -d CONTEXT-{NEW}` with `-ctk/-ctv f16` and "
-                  f"`q8_0`: one sequence (batch 1), decode tokens/s after the prefill, medians; the ratio: "
-                  "the median of the pairs' q8_0 / f16 speed ratios:", "",
+        lines += ["", f"llama.cpp in the same rounds, taking turns with the engines: "
+                  f"{data['llama_batched_bench']}, `-t {args.llama_threads} -fa on -npl {BATCH} "
+                  f"-npp CONTEXT-{NEW} -ntg {NEW} -pps -no-kvu` with `-ctk/-ctv f16` and `q8_0`: the same "
+                  f"batch-{BATCH} decode (one prompt's cache copied into each sequence's own stream), output "
+                  "tokens/s of the decode steps, medians; the ratio: the median of the pairs' q8_0 / f16 "
+                  "speed ratios:", "",
                   "| context | f16 | q8_0 | q8_0 / f16 | rounds |", "|---|---|---|---|---|"]
         for ctx, r in data["speed"].items():
+            if ctx not in peer_contexts:
+                lines.append(f"| {ctx} | not run (--peer-contexts) | | | |")
+                continue
             lines.append(f"| {ctx} | " + " | ".join(f"{r[k]:.1f}" for k in LLAMA_TYPES)
                          + f" | {r['llama_ratio']:.2f}x | "
                          + f"{', '.join(f'{x:.2f}' for x in r['llama_ratios'])} |")

@@ -1,6 +1,7 @@
 """The real llama.cpp as a speed peer: `llama-bench` and `llama-server` built from source, once per
 machine kind, so benchmarks compare sparkserve with llama.cpp in the same run on the same CPU;
-`llama-quantize` makes the other GGUF types of a model they compare on (`quantized`).
+`llama-batched-bench` decodes a batch of sequences (kv_cache_dtype.py's batch-8 peer); `llama-quantize`
+makes the other GGUF types of a model they compare on (`quantized`).
 
     python benchmarks/peers/llamacpp.py [--force]   # find or build (first build ~5 min), print paths
 
@@ -9,7 +10,7 @@ machine kind, so benchmarks compare sparkserve with llama.cpp in the same run on
 
 Which llama.cpp a benchmark runs (`tool`; every script asks it, none looks on its own):
   1. an explicit path: the script's flag (structured.py --llama-server) or the tool's variable,
-     LLAMA_BENCH / LLAMA_SERVER / LLAMA_QUANTIZE;
+     LLAMA_BENCH / LLAMA_SERVER / LLAMA_BATCHED_BENCH / LLAMA_QUANTIZE;
   2. LLAMA_CPP_LIB_PATH: a llama.cpp build's bin/ directory holding the tools (a shared-library
      build, whose libllama gguf_conformance.py's Python bindings load: `lib_dir`);
   3. a copy found: the one build() made for the ISA (cached), else, for the native ISA, a build
@@ -47,7 +48,7 @@ from pathlib import Path
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"       # the one pin: sdist of llama-cpp-python that vendors llama.cpp
 LLAMA_CPP_COMMIT = "0c1e57098"             # what that sdist vendors (for the record only)
 PATCH_LEVEL = 1                            # bump when the patches below change: forces a rebuild
-TARGETS = ("llama-bench", "llama-server", "llama-quantize")
+TARGETS = ("llama-bench", "llama-server", "llama-batched-bench", "llama-quantize")
 CMAKE_ARGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"]
@@ -117,8 +118,11 @@ def _binaries(d: Path) -> dict[str, Path]:
     return {t: d / "bin" / t for t in TARGETS}
 
 
-def _ready(d: Path) -> bool:
-    return (d / "build.json").exists() and all(p.exists() for p in _binaries(d).values())
+def _ready(d: Path, name: str | None = None) -> bool:
+    """Whether the build at d is done, with the tool `name` (default: every one of TARGETS; a build
+    made before a tool joined TARGETS serves the others, and build() remakes it for the new one)."""
+    want = [_binaries(d)[name]] if name else _binaries(d).values()
+    return (d / "build.json").exists() and all(p.exists() for p in want)
 
 
 def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
@@ -235,7 +239,8 @@ def build(force: bool = False, isa: str = "native") -> dict[str, Path]:
     return _binaries(d)
 
 
-TOOL_ENV = {"llama-bench": "LLAMA_BENCH", "llama-server": "LLAMA_SERVER", "llama-quantize": "LLAMA_QUANTIZE"}
+TOOL_ENV = {"llama-bench": "LLAMA_BENCH", "llama-server": "LLAMA_SERVER",
+            "llama-batched-bench": "LLAMA_BATCHED_BENCH", "llama-quantize": "LLAMA_QUANTIZE"}
 # a llama.cpp built by hand beside the checkout (shared libraries: gguf_conformance.py's bindings need them)
 LOCAL_BUILD = Path(__file__).resolve().parents[3] / "llamacpp" / "build" / "bin"
 
@@ -258,7 +263,7 @@ def find(name: str, isa: str = "native", override: str | None = None) -> Path | 
         return _given(os.environ[TOOL_ENV[name]], TOOL_ENV[name])
     if os.environ.get("LLAMA_CPP_LIB_PATH"):
         return _given(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], name), "LLAMA_CPP_LIB_PATH")
-    if _ready(cache_dir(isa)):
+    if _ready(cache_dir(isa), name):
         return _binaries(cache_dir(isa))[name]
     if isa != "native":
         return None
@@ -269,8 +274,8 @@ def find(name: str, isa: str = "native", override: str | None = None) -> Path | 
 
 
 def tool(name: str, isa: str = "native", override: str | None = None) -> Path:
-    """The llama.cpp tool `name` (llama-bench, llama-server, llama-quantize) every benchmark runs:
-    found by the module's rule, else built now."""
+    """The llama.cpp tool `name` (llama-bench, llama-server, llama-batched-bench, llama-quantize) every
+    benchmark runs: found by the module's rule, else built now."""
     return find(name, isa, override) or build(isa=isa)[name]
 
 
