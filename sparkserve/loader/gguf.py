@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from sparkserve.config import ModelConfig, _arch_from_model_type
-from sparkserve.kernels.blocks import BlockWeight
+from sparkserve.kernels.blocks import Q6_S, Q8_0, BlockWeight
 from sparkserve.loader.gguf_file import GGUFFile, close_gguf, gguf_metadata, open_gguf
 from sparkserve.loader.gguf_int8 import group_form, int8_blocks, int8_form, type_name
 from sparkserve.loader.weights import with_blocks
@@ -418,6 +418,7 @@ def _int8_forms(reader: GGUFFile) -> dict[str, int]:
     types = {t.name: int(t.tensor_type) for t in reader.tensors
              if len(t.shape) == 2 or t.name.endswith(("_exps.weight", *_SPLIT_KV_B))}
     forms = {name: form for name, qtype in types.items() if (form := int8_form(qtype)) is not None}
+    forms.update({n: Q8_0 for n, f in forms.items() if f == Q6_S and n.endswith(_SPLIT_KV_B)})  # fp32 x: fast
     for name in types:
         m = re.fullmatch(r"(blk\.\d+\.)(\w+)\.weight", name)
         group = next((g for g in _FUSED if m and m.group(2) in g), None)
