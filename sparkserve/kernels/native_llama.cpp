@@ -273,7 +273,7 @@ void NativeLlama::add_layer_with(at::Tensor qkv, int64_t qkv_type, std::optional
 
 void NativeLlama::set_layer_moe(int64_t layer, const MoEExperts& experts, at::Tensor router,
                                 std::optional<at::Tensor> router_bias, int64_t top_k, bool renormalize,
-                                bool softmax_of_topk, at::Tensor routed_counts) {
+                                bool softmax_of_topk, at::Tensor routed_counts, bool sigmoid_scores) {
   TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "native step: bad MoE layer ", layer);
   const int64_t E = experts.num_experts();
   TORCH_CHECK(experts.hidden() == hidden_ && top_k > 0 && top_k <= E, "native step: MoE shapes do not match");
@@ -295,6 +295,8 @@ void NativeLlama::set_layer_moe(int64_t layer, const MoEExperts& experts, at::Te
   L.top_k = top_k;
   L.renormalize = renormalize;
   L.softmax_of_topk = softmax_of_topk;
+  L.sigmoid_scores = sigmoid_scores;
+  TORCH_CHECK(!(sigmoid_scores && softmax_of_topk), "native step: one routing rule per MoE layer");
 }
 
 namespace {
@@ -314,25 +316,33 @@ float dot(const float* a, const float* b, int64_t n) {
 // MoE routing of rows x [T, d] (moe.py Router): the router's logits (+ its bias); Mixtral /
 // Qwen3-MoE (softmax_topk): softmax over every expert, the top_k best, weights renormalized to sum
 // 1 when asked; GPT-OSS (topk_softmax, softmax_of_topk): the top_k logits, softmaxed among
-// themselves. Ties: the lower index.
+// themselves; MiniMax-M2 (sigmoid_grouped, one group; sigmoid_scores): sigmoid scores, the top_k by
+// score + the correction bias, their plain scores renormalized when asked. Ties: the lower index.
 void route(const NativeLayer& L, const float* x, int64_t T, int64_t d, float* weights, int64_t* ids) {
   const int64_t E = L.router.size(0), k = L.top_k;
   const float* w = L.router.data_ptr<float>();
   const float* bias = L.router_bias.defined() ? L.router_bias.data_ptr<float>() : nullptr;
   int64_t* counts = L.routed_counts.data_ptr<int64_t>();
-  std::vector<float> p(E);
+  std::vector<float> p(E), choice(E);
   std::vector<int64_t> order(E);
+  const float* logit_bias = L.sigmoid_scores ? nullptr : bias;     // sigmoid: the bias is the choice's
   for (int64_t t = 0; t < T; ++t) {
     const float* row = x + t * d;
-    for (int64_t e = 0; e < E; ++e) p[e] = dot(row, w + e * d, d) + (bias ? bias[e] : 0.0f), order[e] = e;
-    if (!L.softmax_of_topk) {
+    for (int64_t e = 0; e < E; ++e)
+      p[e] = dot(row, w + e * d, d) + (logit_bias ? logit_bias[e] : 0.0f), order[e] = e;
+    if (L.sigmoid_scores) {
+      for (int64_t e = 0; e < E; ++e)
+        p[e] = 1.0f / (1.0f + std::exp(-p[e])), choice[e] = p[e] + (bias ? bias[e] : 0.0f);
+    } else if (!L.softmax_of_topk) {
       const float mx = *std::max_element(p.begin(), p.end());
       float sum = 0.0f;
       for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - mx));
       for (int64_t e = 0; e < E; ++e) p[e] /= sum;
     }
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    const std::vector<float>& rank = L.sigmoid_scores ? choice : p;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+      return rank[a] > rank[b] || (rank[a] == rank[b] && a < b);
+    });
     float* wt = weights + t * k;
     for (int64_t j = 0; j < k; ++j) wt[j] = p[order[j]];
     if (L.softmax_of_topk) {      // the best logit is wt[0]

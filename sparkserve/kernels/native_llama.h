@@ -62,12 +62,13 @@ struct NativeLayer {
   // A MoE layer's MLP (set_layer_moe; null: the dense gate_up / down): its routed experts, the
   // router's fp32 weight [experts, hidden] and optional bias [experts] (softmax over every expert,
   // the top_k best, renormalized to sum 1 when `renormalize`: Mixtral / Qwen3-MoE; or with
-  // `softmax_of_topk` the top_k logits, then a softmax over those: GPT-OSS), and the per-expert
-  // (token, slot) counts it adds to.
+  // `softmax_of_topk` the top_k logits, then a softmax over those: GPT-OSS; or with `sigmoid_scores`
+  // sigmoid scores, the top_k by score + router_bias (the score-correction bias, for the choice only),
+  // weighted by their scores: MiniMax-M2), and the per-expert (token, slot) counts it adds to.
   std::shared_ptr<const MoEExperts> moe = nullptr;
   at::Tensor router = {}, router_bias = {}, routed_counts = {};
   int64_t top_k = 0;
-  bool renormalize = false, softmax_of_topk = false;
+  bool renormalize = false, softmax_of_topk = false, sigmoid_scores = false;
 };
 
 class NativeLlama {
@@ -93,7 +94,7 @@ class NativeLlama {
   // (token, slot) routed (the MoE block's routed_tokens, which /metrics reads).
   void set_layer_moe(int64_t layer, const MoEExperts& experts, at::Tensor router,
                      std::optional<at::Tensor> router_bias, int64_t top_k, bool renormalize, bool softmax_of_topk,
-                     at::Tensor routed_counts);
+                     at::Tensor routed_counts, bool sigmoid_scores);
 
   // Model-wide departures: the attention scale (<= 0: 1/sqrt(head_dim)), the attention scores'
   // soft-cap (<= 0: none; Gemma 2), the factor both branches' outputs take before their residual

@@ -110,8 +110,9 @@ def native_experts(experts: Experts):
                                 bias(experts.gate_up_proj_bias), bias(experts.down_proj_bias), *code)
 
 
-# The routers the native step computes itself (kernels/native_llama.cpp route).
-NATIVE_ROUTERS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax")
+# The routers the native step computes itself (kernels/native_llama.cpp route); sigmoid_grouped with
+# one group and no scaling (MiniMax-M2's).
+NATIVE_ROUTERS = ("softmax_topk", "softmax_topk_renorm", "topk_softmax", "sigmoid_grouped")
 
 
 def native_moe_unsupported(block: MoEBlock) -> str | None:
@@ -122,6 +123,8 @@ def native_moe_unsupported(block: MoEBlock) -> str | None:
         return "shared experts are not in the native step"
     if block.gate.rule not in NATIVE_ROUTERS:
         return f"the {block.gate.rule!r} MoE router is not in the native step"
+    if block.gate.rule == "sigmoid_grouped" and (block.gate.num_groups > 1 or block.gate.scaling != 1.0):
+        return "grouped or scaled sigmoid routing is not in the native step"
     if native_experts(block.experts) is None:
         return "a MoE layer's experts are neither block weights under int8 activations nor fp32 on one rank"
     return None

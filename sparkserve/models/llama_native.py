@@ -115,15 +115,18 @@ _NO_BLOCKS = torch.empty(0, dtype=torch.uint8)     # a MoE layer's dense MLP blo
 
 def _set_moe(step, i: int, block: SharedExpertMoE) -> None:
     """Layer i's MLP as its experts' kernel object and its router (as moe.py Router computes it:
-    softmax then top-k, or GPT-OSS's biased top-k then softmax)."""
+    softmax then top-k, GPT-OSS's biased top-k then softmax, or MiniMax-M2's sigmoid scores chosen
+    with the correction bias)."""
     gate = block.gate
     if block.routed_tokens is None:     # the counts /metrics reads: the step adds to them in place
         block.routed_tokens = torch.zeros(block.experts.num_experts, dtype=torch.long)
     router = gate.weight.detach().float().contiguous()
-    topk_softmax = gate.rule == "topk_softmax"
-    bias = gate.bias.detach().float().contiguous() if topk_softmax else None
-    step.set_layer_moe(i, native_experts(block.experts), router, bias, gate.top_k,
-                       gate.rule == "softmax_topk_renorm", topk_softmax, block.routed_tokens)
+    topk_softmax, sigmoid = gate.rule == "topk_softmax", gate.rule == "sigmoid_grouped"
+    bias = (gate.bias if topk_softmax else gate.e_score_correction_bias if sigmoid else None)
+    bias = None if bias is None else bias.detach().float().contiguous()
+    renormalize = gate.renormalize if sigmoid else gate.rule == "softmax_topk_renorm"
+    step.set_layer_moe(i, native_experts(block.experts), router, bias, gate.top_k, renormalize, topk_softmax,
+                       block.routed_tokens, sigmoid)
 
 
 def _input_norms(layer: torch.nn.Module, layout: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:

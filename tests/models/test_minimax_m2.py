@@ -27,6 +27,7 @@ from minimax_m2_fixtures import (
 )
 from parallel_fixtures import COMMON, assert_same, run_mixed
 from test_model_logits import Driver, check_against_hf, make_runner, run_schedule
+from test_native_step import Counter
 
 from sparkserve import Engine
 from sparkserve.config import ModelConfig
@@ -45,9 +46,11 @@ def m2_ref(m2_dir):
     return load_hf_reference(m2_dir)
 
 
-def run_checked(path: str, ref) -> None:
-    """Every logits row of the test_model_logits schedule vs `ref` (1e-4 of the largest logit)."""
+def run_checked(path: str, ref, native: bool = True) -> None:
+    """Every logits row of the test_model_logits schedule vs `ref` (1e-4 of the largest logit), through
+    the native decode step or the Python layer path."""
     runner, cache = make_runner(path, 1)
+    runner.model.enable_native_step(native)
     driver = Driver(runner, cache)
     run_schedule(driver, VOCAB, [13, 1, 23, 6], decode_steps=6, seed=2)
     check_against_hf(driver, ref)
@@ -100,7 +103,25 @@ def test_model_shape(m2_dir):
     gate = model.model.layers[1].mlp.gate
     assert (gate.rule, gate.num_groups, gate.renormalize, gate.scaling) == ("sigmoid_grouped", 1, True, 1.0)
     assert not torch.all(gate.e_score_correction_bias == 0)
-    assert model.native.unsupported(model) is not None      # the sigmoid router: the Python layer path
+
+
+@pytest.fixture(scope="module")
+def m2_bf16(m2_dir, tmp_path_factory) -> str:
+    """The checkpoint in bf16 (its values already are): block weights, which the native step runs."""
+    from safetensors.torch import load_file, save_file
+    path = shutil.copytree(m2_dir, str(tmp_path_factory.mktemp("minimax_m2_bf16") / "m2"))
+    file = os.path.join(path, "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(file).items()}, file, metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_native_step_matches_transformers(m2_bf16, m2_ref, native, monkeypatch):
+    """The native decode step (sigmoid routing with the correction bias in C++, full-width q/k norms,
+    partial rotary) and the Python layer path on the bf16 copy: logits equal transformers'."""
+    calls = Counter(monkeypatch)
+    run_checked(m2_bf16, m2_ref, native)
+    assert (len(calls.calls) >= 6) if native else not calls.calls
 
 
 def test_greedy_tokens_match_transformers(m2_dir, m2_ref):
