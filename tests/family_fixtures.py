@@ -499,7 +499,7 @@ def _write_kimi_gguf(hf_dir: str, out: str, ftype: str) -> str:
     [1, d_inner, 1, d_conv], experts stacked, kv_b split as DeepSeek-V2's; F32 for 1-D tensors, norms,
     the router, the convs and every tensor not named `.weight`."""
     import gguf
-    from safetensors.torch import load_file
+    from gguf_fixture_tensors import checkpoint_arrays, stacked_experts, tensor_adder
     from transformers import AutoConfig
     hp = AutoConfig.from_pretrained(hf_dir).to_dict()       # as the converter's load_hparams
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -542,25 +542,12 @@ def _write_kimi_gguf(hf_dir: str, out: str, ftype: str) -> str:
     w.add_token_types([gguf.TokenType.NORMAL] * hp["vocab_size"])
     w.add_token_merges([])
 
-    def add(gname: str, t: np.ndarray) -> None:
-        f32 = (ftype == "f32" or t.ndim <= 1 or gname.endswith(("_norm.weight", "ffn_gate_inp.weight"))
-               or ".ssm_conv1d_" in gname or not gname.endswith(".weight"))
-        if f32:
-            w.add_tensor(gname, t)
-        elif ftype == "f16" or t.shape[-1] % 32:
-            w.add_tensor(gname, t.astype(np.float16))
-        else:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            w.add_tensor(gname, gguf.quants.quantize(t, q8), raw_dtype=q8)
-    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        t = t.float().numpy()
-        m = re.fullmatch(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", name)
-        if m:
-            group = experts.setdefault((m[1], _EXPERTS[m[3]]), {})
-            group[int(m[2])] = t
-            if len(group) == hp["num_experts"]:
-                add(f"blk.{m[1]}.{_EXPERTS[m[3]]}.weight", np.stack([group[e] for e in sorted(group)]))
+    add = tensor_adder(w, ftype, lambda gname, t: t.ndim <= 1 or ".ssm_conv1d_" in gname
+                       or gname.endswith(("_norm.weight", "ffn_gate_inp.weight"))
+                       or not gname.endswith(".weight"))
+    for name, t in stacked_experts(checkpoint_arrays(hf_dir), hp["num_experts"], _EXPERTS):
+        if name.startswith("blk."):
+            add(name, t)
             continue
         name = name.replace(".block_sparse_moe.", ".mlp.")
         if name.endswith("kv_b_proj.weight"):

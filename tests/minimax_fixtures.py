@@ -123,11 +123,10 @@ def write_minimax_m3_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
     weights scale, weights norm, the indexer's sizes from sparse_attention_config, leading dense blocks
     from moe_layer_freq); every `*norm.weight` + 1 (Gemma's norm folded in); experts stacked; F32 for
     1-D tensors, norms, the router and every indexer tensor."""
-    import re
 
     import gguf
     import numpy as np
-    from safetensors.torch import load_file
+    from gguf_fixture_tensors import checkpoint_arrays, stacked_experts, tensor_adder
     with open(os.path.join(hf_dir, "config.json")) as f:
         hp = json.load(f)
     rope, sac, vocab = hp["rope_parameters"], hp["sparse_attention_config"], hp["vocab_size"]
@@ -166,28 +165,14 @@ def write_minimax_m3_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
     w.add_token_types([gguf.TokenType.NORMAL] * vocab)
     w.add_token_merges([])
 
-    def add(gname: str, t: np.ndarray) -> None:
-        f32 = (ftype == "f32" or t.ndim == 1 or ".indexer." in gname
-               or gname.endswith(("_norm.weight", "ffn_gate_inp.weight", ".bias")))
-        if f32:
-            w.add_tensor(gname, t)
-        elif ftype == "f16" or t.shape[-1] % 32:      # the converter's fallback where Q8_0 cannot go
-            w.add_tensor(gname, t.astype(np.float16))
-        else:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            w.add_tensor(gname, gguf.quants.quantize(t, q8), raw_dtype=q8)
-    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        t = t.float().numpy()
+    add = tensor_adder(w, ftype, lambda gname, t: t.ndim == 1 or ".indexer." in gname
+                       or gname.endswith(("_norm.weight", "ffn_gate_inp.weight", ".bias")))
+    for name, t in stacked_experts(checkpoint_arrays(hf_dir), n_experts, GGUF_EXPERTS):
+        if name.startswith("blk."):
+            add(name, t)
+            continue
         if name.endswith("norm.weight"):
             t = t + np.float32(1.0)
-        m = re.fullmatch(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", name)
-        if m:       # stacked once every expert is in, as the converter does
-            group = experts.setdefault((m[1], GGUF_EXPERTS[m[3]]), {})
-            group[int(m[2])] = t
-            if len(group) == n_experts:
-                add(f"blk.{m[1]}.{GGUF_EXPERTS[m[3]]}.weight", np.stack([group[e] for e in range(n_experts)]))
-            continue
         if name in GGUF_TOP:
             add(GGUF_TOP[name], t)
             continue

@@ -71,11 +71,9 @@ def write_minimax_m2_gguf(hf_dir: str, out: str, ftype: str = "f32", gating_func
     head_dim), the experts' width and `rotary_dim`; per-expert w1/w3/w2 stacked into ffn_*_exps, the
     routing bias as `exp_probs_b.bias`; F32 for 1-D tensors, norms and the router. `gating_func`:
     another expert_gating_func in its place (a file the loader must refuse)."""
-    import re
 
     import gguf
-    import numpy as np
-    from safetensors.torch import load_file
+    from gguf_fixture_tensors import checkpoint_arrays, stacked_experts, tensor_adder
     with open(os.path.join(hf_dir, "config.json")) as f:
         hp = json.load(f)
     rope = hp.get("rope_parameters") or {}
@@ -108,29 +106,16 @@ def write_minimax_m2_gguf(hf_dir: str, out: str, ftype: str = "f32", gating_func
     w.add_token_types([gguf.TokenType.NORMAL] * vocab)
     w.add_token_merges([])
 
-    def add(gname: str, t: np.ndarray) -> None:
-        if ftype == "f32" or t.ndim == 1 or gname.endswith(("_norm.weight", "ffn_gate_inp.weight", ".bias")):
-            w.add_tensor(gname, t)
-        elif ftype == "f16" or t.shape[-1] % 32:      # the converter's fallback where Q8_0 cannot go
-            w.add_tensor(gname, t.astype(np.float16))
-        else:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            w.add_tensor(gname, gguf.quants.quantize(t, q8), raw_dtype=q8)
-    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        t = t.float().numpy()
-        m = re.fullmatch(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", name)
-        if m:       # stacked once every expert is in, as the converter does
-            group = experts.setdefault((m[1], GGUF_EXPERTS[m[3]]), {})
-            group[int(m[2])] = t
-            if len(group) == n_experts:
-                add(f"blk.{m[1]}.{GGUF_EXPERTS[m[3]]}.weight", np.stack([group[e] for e in range(n_experts)]))
-            continue
-        if name in GGUF_TOP:
+    add = tensor_adder(w, ftype, lambda gname, t: t.ndim == 1
+                       or gname.endswith(("_norm.weight", "ffn_gate_inp.weight", ".bias")))
+    for name, t in stacked_experts(checkpoint_arrays(hf_dir), n_experts, GGUF_EXPERTS):
+        if name.startswith("blk."):
+            add(name, t)
+        elif name in GGUF_TOP:
             add(GGUF_TOP[name], t)
-            continue
-        _, _, layer, rest = name.split(".", 3)
-        add(f"blk.{layer}.{GGUF_LAYER[rest]}", t)
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            add(f"blk.{layer}.{GGUF_LAYER[rest]}", t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

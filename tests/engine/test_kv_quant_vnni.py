@@ -126,10 +126,8 @@ def test_verify_rows_equal_decode_steps(ext):
             assert torch.equal(block[i:i + 1], one), (window, i)
 
 
-@pytest.mark.parametrize("name", ["float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
-def test_other_pools_take_the_avx512_path(ext, name):
-    g = torch.Generator().manual_seed(3)
-    H, Hkv, D, L = 9, 3, 64, 300
+def other_pool(name: str, g: torch.Generator, L: int, Hkv: int, D: int):
+    """K and V of a pool kind other than int8 (with the scales a quantized one carries)."""
     k, v = torch.randn(L + 1, Hkv, D, generator=g), torch.randn(L + 1, Hkv, D, generator=g)
     kw = {}
     if name in QUANT_KV_DTYPES:
@@ -137,6 +135,14 @@ def test_other_pools_take_the_avx512_path(ext, name):
         (k, kw["k_scale"]), (v, kw["v_scale"]) = quantize(k, dtype), quantize(v, dtype)
     else:
         k, v = k.to(getattr(torch, name)), v.to(getattr(torch, name))
+    return k, v, kw
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
+def test_other_pools_take_the_avx512_path(ext, name):
+    g = torch.Generator().manual_seed(3)
+    H, Hkv, D, L = 9, 3, 64, 300
+    k, v, kw = other_pool(name, g, L, Hkv, D)
     kv_indices = (1 + torch.randperm(L, generator=g))[None]
     q = torch.randn(4, H, D, generator=g)
     args = (q, k, v, kv_indices, [L], 0, 0, D ** -0.5, [4])
@@ -189,13 +195,7 @@ def test_prefill_within_bound_of_the_float_path_and_the_decode_kernel(ext, D):
 def test_prefill_other_pools_take_the_avx512_path(ext, name):
     g = torch.Generator().manual_seed(4)
     H, Hkv, D, L = 9, 3, 64, 300
-    k, v = torch.randn(L + 1, Hkv, D, generator=g), torch.randn(L + 1, Hkv, D, generator=g)
-    kw = {}
-    if name in QUANT_KV_DTYPES:
-        dtype = QUANT_KV_DTYPES[name]
-        (k, kw["k_scale"]), (v, kw["v_scale"]) = quantize(k, dtype), quantize(v, dtype)
-    else:
-        k, v = k.to(getattr(torch, name)), v.to(getattr(torch, name))
+    k, v, kw = other_pool(name, g, L, Hkv, D)
     kv_indices = (1 + torch.randperm(L, generator=g))[None]
     q = torch.randn(80, H, D, generator=g)
     args = (q, k, v, kv_indices, [L], 0, 0, D ** -0.5, [80])
