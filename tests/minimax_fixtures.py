@@ -8,6 +8,8 @@ import json
 import os
 
 import torch
+from minimax_m2_fixtures import GGUF_EXPERTS, GGUF_TOP
+from minimax_m2_fixtures import GGUF_LAYER as M2_LAYER
 
 VOCAB, BLOCK, TOPK = 256, 4, 3
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
@@ -97,23 +99,17 @@ def as_original_checkpoint(path: str) -> str:
     return path
 
 
-# MiniMax's names (after `model.layers.N.`) -> GGUF names, gguf-py's minimax-m3 tensor list
+# MiniMax's names (after `model.layers.N.`) -> GGUF names, gguf-py's minimax-m3 tensor list: M2's,
+# the indexer's, the leading dense MLP's and the shared expert's
 GGUF_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    **M2_LAYER,
     **{f"self_attn.index_{p}.weight": f"indexer.{p}.weight" for p in ("q_proj", "k_proj", "q_norm",
                                                                       "k_norm")},
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
-    "block_sparse_moe.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.down_proj.weight": "ffn_down.weight",
     "block_sparse_moe.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
     "block_sparse_moe.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "block_sparse_moe.shared_experts.down_proj.weight": "ffn_down_shexp.weight"}
-GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}
-GGUF_EXPERTS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
 def write_minimax_m3_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
