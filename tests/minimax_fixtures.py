@@ -8,7 +8,7 @@ import json
 import os
 
 import torch
-from minimax_m2_fixtures import GGUF_EXPERTS, GGUF_TOP
+from minimax_m2_fixtures import GGUF_EXPERTS, GGUF_TOP, add_stand_in_vocab, minimax_gguf_writer
 from minimax_m2_fixtures import GGUF_LAYER as M2_LAYER
 
 VOCAB, BLOCK, TOPK = 256, 4, 3
@@ -127,24 +127,8 @@ def write_minimax_m3_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
         hp = json.load(f)
     rope, sac, vocab = hp["rope_parameters"], hp["sparse_attention_config"], hp["vocab_size"]
     n_experts, arch = hp["num_local_experts"], "minimax-m3"
-    w = gguf.GGUFWriter(out, arch)
-    w.add_block_count(hp["num_hidden_layers"])
-    w.add_context_length(hp["max_position_embeddings"])
-    w.add_embedding_length(hp["hidden_size"])
-    w.add_feed_forward_length(hp["dense_intermediate_size"])
-    w.add_head_count(hp["num_attention_heads"])
-    w.add_head_count_kv(hp["num_key_value_heads"])
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    w.add_expert_count(n_experts)
-    w.add_expert_used_count(hp["num_experts_per_tok"])
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    w.add_key_length(hp["head_dim"])
-    w.add_value_length(hp["head_dim"])
-    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[ftype])
-    w.add_expert_feed_forward_length(hp["intermediate_size"])
-    w.add_rope_dimension_count(hp["rotary_dim"])
+    w = minimax_gguf_writer(out, arch, hp, ftype, hp["dense_intermediate_size"], rope["rope_theta"],
+                            gguf.ExpertGatingFuncType.SIGMOID)
     w.add_expert_shared_count(hp["n_shared_experts"])
     w.add_expert_weights_scale(hp["routed_scaling_factor"])
     w.add_expert_weights_norm(True)
@@ -154,12 +138,7 @@ def write_minimax_m3_gguf(hf_dir: str, out: str, ftype: str = "f32") -> str:
         w.add_uint32(f"{arch}.attention.indexer.{key}", value)
     freq = hp["moe_layer_freq"]
     w.add_leading_dense_block_count(freq.index(1) if 1 in freq else len(freq))
-    # a stand-in vocabulary (_set_vocab_gpt2 writes one entry per id up to vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("minimax-m2")
-    w.add_token_list([f"<t{i}>" for i in range(vocab)])
-    w.add_token_types([gguf.TokenType.NORMAL] * vocab)
-    w.add_token_merges([])
+    add_stand_in_vocab(w, vocab)
 
     add = tensor_adder(w, ftype, lambda gname, t: t.ndim == 1 or ".indexer." in gname
                        or gname.endswith(("_norm.weight", "ffn_gate_inp.weight", ".bias")))

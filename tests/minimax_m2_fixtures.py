@@ -65,6 +65,43 @@ GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight
 GGUF_EXPERTS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
+def minimax_gguf_writer(out: str, arch: str, hp: dict, ftype: str, ffn_width: int, rope_theta: float,
+                        gating):
+    """A GGUFWriter holding the keys convert_hf_to_gguf.py's MiniMaxM2Model writes (its MiniMaxM3Model
+    adds its own after them): TextModel's, the gating function, the experts' width and rotary_dim."""
+    import gguf
+    w = gguf.GGUFWriter(out, arch)
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(ffn_width)
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_expert_count(hp["num_local_experts"])
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+    if gating is not None:
+        w.add_expert_gating_func(gating)
+    w.add_key_length(hp["head_dim"])
+    w.add_value_length(hp["head_dim"])
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[ftype])
+    w.add_expert_feed_forward_length(hp["intermediate_size"])
+    w.add_rope_dimension_count(hp["rotary_dim"])
+    return w
+
+
+def add_stand_in_vocab(w, vocab: int) -> None:
+    """A stand-in vocabulary (_set_vocab_gpt2 writes one entry per id up to vocab_size)."""
+    import gguf
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("minimax-m2")
+    w.add_token_list([f"<t{i}>" for i in range(vocab)])
+    w.add_token_types([gguf.TokenType.NORMAL] * vocab)
+    w.add_token_merges([])
+
+
 def write_minimax_m2_gguf(hf_dir: str, out: str, ftype: str = "f32", gating_func: int | None = None) -> str:
     """The checkpoint at `hf_dir` as convert_hf_to_gguf.py MiniMaxM2Model writes it (--outtype f32 /
     f16 / q8_0): TextModel's keys (the gating function from `scoring_func`, key/value length from
@@ -78,33 +115,13 @@ def write_minimax_m2_gguf(hf_dir: str, out: str, ftype: str = "f32", gating_func
         hp = json.load(f)
     rope = hp.get("rope_parameters") or {}
     n_experts, vocab = hp["num_local_experts"], hp["vocab_size"]
-    w = gguf.GGUFWriter(out, "minimax-m2")
-    w.add_block_count(hp["num_hidden_layers"])
-    w.add_context_length(hp["max_position_embeddings"])
-    w.add_embedding_length(hp["hidden_size"])
-    w.add_feed_forward_length(hp["intermediate_size"])
-    w.add_head_count(hp["num_attention_heads"])
-    w.add_head_count_kv(hp["num_key_value_heads"])
-    w.add_rope_freq_base(rope.get("rope_theta", hp.get("rope_theta")))
-    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    w.add_expert_count(n_experts)
-    w.add_expert_used_count(hp["num_experts_per_tok"])
     if gating_func is not None:
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType(gating_func))
-    elif hp.get("scoring_func") == "sigmoid":
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    w.add_key_length(hp["head_dim"])
-    w.add_value_length(hp["head_dim"])
-    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[ftype])
-    w.add_expert_feed_forward_length(hp["intermediate_size"])
-    w.add_rope_dimension_count(hp["rotary_dim"])
-    # a stand-in vocabulary (_set_vocab_gpt2 writes one entry per id up to vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("minimax-m2")
-    w.add_token_list([f"<t{i}>" for i in range(vocab)])
-    w.add_token_types([gguf.TokenType.NORMAL] * vocab)
-    w.add_token_merges([])
+        gating = gguf.ExpertGatingFuncType(gating_func)
+    else:
+        gating = gguf.ExpertGatingFuncType.SIGMOID if hp.get("scoring_func") == "sigmoid" else None
+    w = minimax_gguf_writer(out, "minimax-m2", hp, ftype, hp["intermediate_size"],
+                            rope.get("rope_theta", hp.get("rope_theta")), gating)
+    add_stand_in_vocab(w, vocab)
 
     add = tensor_adder(w, ftype, lambda gname, t: t.ndim == 1
                        or gname.endswith(("_norm.weight", "ffn_gate_inp.weight", ".bias")))
